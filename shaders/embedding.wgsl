@@ -1,0 +1,38 @@
+// Embedding gather: y[t, :] = table[ids[t], :] for the ids that fall in this chunk of rows.
+#include "common/step.wgsl"
+
+struct Params {
+    // Row width (hidden size).
+    k: u32,
+    // First vocabulary row held by this chunk of the table.
+    row_offset: u32,
+    // Rows in this chunk.
+    n_rows: u32,
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> step: Step;
+@group(0) @binding(1) var<uniform> p: Params;
+@group(0) @binding(2) var<storage, read> ids: array<u32>;          // (n_tokens)
+#if W_F32
+@group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
+#else
+@group(0) @binding(3) var<storage, read> w: array<u32>;            // (n_rows, k) as f16 pairs
+#endif
+@group(0) @binding(4) var<storage, read_write> y: array<f32>;      // (n_tokens, k)
+
+#include "common/weights.wgsl"
+
+@compute @workgroup_size(WG)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let t = gid.y;
+    let c = gid.x;
+    if (t >= step.n_tokens || c >= p.k) {
+        return;
+    }
+    let id = ids[t];
+    if (id < p.row_offset || id >= p.row_offset + p.n_rows) {
+        return;
+    }
+    y[t * p.k + c] = w_load((id - p.row_offset) * p.k + c);
+}

@@ -1,0 +1,185 @@
+// Prefill tiled matmul: Y[m, row_offset + n] = epilogue(sum_k X'[m, k] * W[n, k]) for a
+// BM x BN output tile per workgroup, staging BK-wide slices of X and W in workgroup memory.
+// Same fused prologue/epilogues as matvec.wgsl: NORM (RMSNorm folded: X' = X * g, result
+// scaled by each row's 1/rms), GATED (silu(W x') * (U x')), BIAS, RESIDUAL.
+#include "common/step.wgsl"
+
+struct Params {
+    n_rows: u32,
+    k: u32,
+    row_offset: u32,
+    out_stride: u32,
+    x_stride: u32,
+    grid_x: u32,
+    eps: f32,
+    _pad: u32,
+}
+
+const BM: u32 = 32u;   // tokens per tile
+const BN: u32 = 32u;   // output rows per tile
+const BK: u32 = 16u;   // K slice staged per step
+const TILE: u32 = 512u; // BM * BK == BN * BK
+
+@group(0) @binding(0) var<uniform> step: Step;
+@group(0) @binding(1) var<uniform> p: Params;
+@group(0) @binding(2) var<storage, read> x: array<f32>;            // (n_tokens, x_stride)
+#if W_F32
+@group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
+#else
+@group(0) @binding(3) var<storage, read> w: array<u32>;
+#endif
+#if GATED
+#if W_F32
+@group(0) @binding(4) var<storage, read> u: array<f32>;            // (n_rows, k)
+#else
+@group(0) @binding(4) var<storage, read> u: array<u32>;
+#endif
+#endif
+#if NORM
+@group(0) @binding(5) var<storage, read> g: array<f32>;            // (k)
+#endif
+#if BIAS
+@group(0) @binding(6) var<storage, read> bias: array<f32>;         // (n_rows)
+#endif
+@group(0) @binding(7) var<storage, read_write> y: array<f32>;      // (n_tokens, out_stride)
+
+#include "common/weights.wgsl"
+
+var<workgroup> xs: array<f32, TILE>;   // [m][k]
+var<workgroup> ws: array<f32, TILE>;   // [n][k]
+#if GATED
+var<workgroup> us: array<f32, TILE>;
+#endif
+#if NORM
+var<workgroup> part: array<f32, 64>;
+var<workgroup> rs: array<f32, BM>;
+#endif
+
+fn silu(v: f32) -> f32 {
+    return v / (1.0 + exp(-v));
+}
+
+// 64 invocations as 8 x 8; each computes 4 x 4 outputs at stride 8.
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let n_tok = step.n_tokens;
+    let m0 = wid.y * BM;
+    let n0 = wid.x * BN;
+    if (m0 >= n_tok) {
+        return;
+    }
+    let tx = lid % 8u;
+    let ty = lid / 8u;
+#if NORM
+    {
+        // Two invocations per token row sum squares over halves of K.
+        let r = lid / 2u;
+        let m = m0 + r;
+        var s = 0.0;
+        if (m < n_tok) {
+            for (var k = lid % 2u; k < p.k; k += 2u) {
+                let v = x[m * p.x_stride + k];
+                s += v * v;
+            }
+        }
+        part[lid] = s;
+    }
+    workgroupBarrier();
+    if (lid < BM) {
+        rs[lid] = inverseSqrt((part[2u * lid] + part[2u * lid + 1u]) / f32(p.k) + p.eps);
+    }
+#endif
+    var acc: array<f32, 16>;
+#if GATED
+    var acc_u: array<f32, 16>;
+#endif
+    for (var k0 = 0u; k0 < p.k; k0 += BK) {
+        for (var j = 0u; j < 8u; j++) {
+            let idx = lid + j * 64u;
+            let r = idx / BK;
+            let kk = idx % BK;
+            let k = k0 + kk;
+            let m = m0 + r;
+            var xv = 0.0;
+            if (m < n_tok && k < p.k) {
+                xv = x[m * p.x_stride + k];
+#if NORM
+                xv = xv * g[k];
+#endif
+            }
+            xs[idx] = xv;
+            let n = n0 + r;
+            var wv = 0.0;
+#if GATED
+            var uv = 0.0;
+#endif
+            if (n < p.n_rows && k < p.k) {
+                wv = w_load(n * p.k + k);
+#if GATED
+                uv = u_load(n * p.k + k);
+#endif
+            }
+            ws[idx] = wv;
+#if GATED
+            us[idx] = uv;
+#endif
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < BK; kk++) {
+            var a: array<f32, 4>;
+            var b: array<f32, 4>;
+#if GATED
+            var c: array<f32, 4>;
+#endif
+            for (var i = 0u; i < 4u; i++) {
+                a[i] = xs[(ty + 8u * i) * BK + kk];
+                b[i] = ws[(tx + 8u * i) * BK + kk];
+#if GATED
+                c[i] = us[(tx + 8u * i) * BK + kk];
+#endif
+            }
+            for (var i = 0u; i < 4u; i++) {
+                for (var j = 0u; j < 4u; j++) {
+                    acc[i * 4u + j] += a[i] * b[j];
+#if GATED
+                    acc_u[i * 4u + j] += a[i] * c[j];
+#endif
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < 4u; i++) {
+        let ml = ty + 8u * i;
+        let m = m0 + ml;
+        if (m >= n_tok) {
+            continue;
+        }
+        for (var j = 0u; j < 4u; j++) {
+            let n = n0 + tx + 8u * j;
+            if (n >= p.n_rows) {
+                continue;
+            }
+            var v = acc[i * 4u + j];
+#if NORM
+            v = v * rs[ml];
+#endif
+#if GATED
+            var b = acc_u[i * 4u + j];
+#if NORM
+            b = b * rs[ml];
+#endif
+            v = silu(v) * b;
+#endif
+#if BIAS
+            v += bias[n];
+#endif
+            let oi = m * p.out_stride + p.row_offset + n;
+#if RESIDUAL
+            y[oi] = y[oi] + v;
+#else
+            y[oi] = v;
+#endif
+        }
+    }
+}

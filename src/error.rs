@@ -1,0 +1,46 @@
+//! The crate's typed errors. Every error names the file, tensor, field or limit involved.
+
+use std::path::PathBuf;
+
+/// Result alias used across the library.
+pub type Result<T, E = LanternError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in Lantern. Variants carry the names and numbers a user
+/// needs to fix the input; no variant is produced by a panic.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LanternError {
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Gguf(#[from] crate::model::gguf::GgufError),
+    #[error(transparent)]
+    Load(#[from] crate::model::LoadError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::model::tokenizer::TokenizerError),
+    #[error("unsupported architecture {arch:?} (supported: llama, mistral, qwen2)")]
+    UnsupportedArchitecture { arch: String },
+    #[error("invalid model config field `{field}`: {reason}")]
+    Config { field: String, reason: String },
+    #[error("prompt has {prompt_tokens} tokens but the context holds {context} (with {max_new} new tokens requested)")]
+    PromptTooLong {
+        prompt_tokens: usize,
+        max_new: usize,
+        context: usize,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+impl LanternError {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        LanternError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! GPU buffers: uploads, tensors split by rows across bindings when they exceed
+//! `max_storage_buffer_binding_size`, and asynchronous readback.
+
+use std::sync::Arc;
+
+use wgpu::util::DeviceExt;
+
+use super::{GpuContext, GpuError};
+
+/// One binding-sized piece of a row-split tensor.
+#[derive(Debug)]
+pub struct Chunk {
+    pub buffer: wgpu::Buffer,
+    /// First row of the tensor held here.
+    pub row_offset: usize,
+    /// Rows held here.
+    pub rows: usize,
+}
+
+/// A 2-D tensor (rows x row_bytes) on the GPU, split by whole rows into chunks that each fit
+/// one storage binding.
+#[derive(Debug)]
+pub struct GpuTensor {
+    pub name: String,
+    pub rows: usize,
+    pub row_bytes: usize,
+    pub chunks: Vec<Chunk>,
+}
+
+impl GpuTensor {
+    /// Upload `data` (rows x row_bytes) split into chunks of at most the binding limit.
+    pub fn upload_rows(
+        ctx: &GpuContext,
+        name: &str,
+        data: &[u8],
+        rows: usize,
+        row_bytes: usize,
+    ) -> Result<GpuTensor, GpuError> {
+        let limit = ctx.max_binding() as usize;
+        if row_bytes > limit || row_bytes == 0 && rows > 0 {
+            return Err(GpuError::BindingTooLarge {
+                tensor: name.into(),
+                bytes: row_bytes as u64,
+                limit: limit as u64,
+            });
+        }
+        debug_assert_eq!(data.len(), rows * row_bytes);
+        let rows_per_chunk = (limit / row_bytes.max(1)).max(1);
+        let mut chunks = Vec::new();
+        let mut r = 0;
+        while r < rows || (rows == 0 && chunks.is_empty()) {
+            let n = rows_per_chunk.min(rows - r);
+            let bytes = &data[r * row_bytes..(r + n) * row_bytes];
+            chunks.push(Chunk {
+                buffer: create_storage(ctx, &format!("{name}[{r}..{}]", r + n), bytes)?,
+                row_offset: r,
+                rows: n,
+            });
+            r += n;
+            if rows == 0 {
+                break;
+            }
+        }
+        Ok(GpuTensor {
+            name: name.into(),
+            rows,
+            row_bytes,
+            chunks,
+        })
+    }
+
+    /// Bytes held on the GPU.
+    pub fn bytes(&self) -> u64 {
+        (self.rows * self.row_bytes) as u64
+    }
+
+    /// The single buffer of an unsplit tensor.
+    pub fn single(&self) -> Result<&wgpu::Buffer, GpuError> {
+        if self.chunks.len() == 1 {
+            Ok(&self.chunks[0].buffer)
+        } else {
+            Err(GpuError::BindingTooLarge {
+                tensor: self.name.clone(),
+                bytes: self.bytes(),
+                limit: 0,
+            })
+        }
+    }
+}
+
+/// Create a storage buffer holding `bytes` (padded to 4 bytes, at least 4), checking the
+/// binding limit and capturing allocation failure.
+pub fn create_storage(ctx: &GpuContext, label: &str, bytes: &[u8]) -> Result<wgpu::Buffer, GpuError> {
+    let limit = ctx.max_binding();
+    if bytes.len() as u64 > limit {
+        return Err(GpuError::BindingTooLarge {
+            tensor: label.into(),
+            bytes: bytes.len() as u64,
+            limit,
+        });
+    }
+    let padded;
+    let contents = if bytes.len() % 4 != 0 || bytes.is_empty() {
+        let mut v = bytes.to_vec();
+        v.resize((bytes.len() + 3) / 4 * 4 + if bytes.is_empty() { 4 } else { 0 }, 0);
+        padded = v;
+        &padded[..]
+    } else {
+        bytes
+    };
+    Ok(ctx.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some(label),
+        contents,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+    }))
+}
+
+/// A zeroed storage buffer of `size` bytes (rounded up to 4, at least 4).
+pub fn create_zeroed(ctx: &GpuContext, label: &str, size: u64) -> Result<wgpu::Buffer, GpuError> {
+    let limit = ctx.max_binding();
+    if size > limit {
+        return Err(GpuError::BindingTooLarge {
+            tensor: label.into(),
+            bytes: size,
+            limit,
+        });
+    }
+    Ok(ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size: ((size + 3) / 4 * 4).max(4),
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    }))
+}
+
+/// A uniform buffer initialised with a `Pod` value.
+pub fn create_uniform<T: bytemuck::Pod>(ctx: &GpuContext, label: &str, value: &T) -> wgpu::Buffer {
+    ctx.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some(label),
+        contents: bytemuck::bytes_of(value),
+        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+    })
+}
+
+/// A reusable staging buffer for reading results back to the host.
+pub struct Readback {
+    buffer: wgpu::Buffer,
+    size: u64,
+}
+
+impl Readback {
+    pub fn new(ctx: &GpuContext, label: &str, size: u64) -> Readback {
+        let size = ((size + 3) / 4 * 4).max(4);
+        Readback {
+            buffer: ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+            size,
+        }
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Record a copy of `bytes` bytes from `src` at `offset` into this staging buffer.
+    pub fn copy_from(&self, enc: &mut wgpu::CommandEncoder, src: &wgpu::Buffer, offset: u64, bytes: u64) {
+        enc.copy_buffer_to_buffer(src, offset, &self.buffer, 0, bytes);
+    }
+
+    /// Map and read the first `bytes` bytes after the submitted copy completes. On native the
+    /// await drives the device until that work is done; in a browser it yields to the event
+    /// loop.
+    pub async fn read(&self, ctx: &GpuContext, bytes: u64) -> Result<Vec<u8>, GpuError> {
+        let bytes = ((bytes + 3) / 4 * 4).min(self.size).max(4);
+        let slice = self.buffer.slice(0..bytes);
+        let (tx, rx) = futures_channel::oneshot::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        #[cfg(not(target_arch = "wasm32"))]
+        ctx.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| GpuError::Readback(e.to_string()))?;
+        #[cfg(target_arch = "wasm32")]
+        let _ = ctx;
+        rx.await
+            .map_err(|_| GpuError::Readback("map callback dropped (device lost?)".into()))?
+            .map_err(|e| GpuError::Readback(e.to_string()))?;
+        let out = {
+            let view = slice
+                .get_mapped_range()
+                .map_err(|e| GpuError::Readback(e.to_string()))?;
+            view.to_vec()
+        };
+        self.buffer.unmap();
+        Ok(out)
+    }
+}
+
+/// Read a whole storage buffer (tests and debugging).
+pub async fn read_buffer(ctx: &Arc<GpuContext>, src: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, GpuError> {
+    let rb = Readback::new(ctx, "read_buffer", bytes);
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    rb.copy_from(&mut enc, src, 0, (bytes + 3) / 4 * 4);
+    ctx.queue.submit([enc.finish()]);
+    rb.read(ctx, bytes).await
+}
+
+/// Read f32 values of a storage buffer.
+pub async fn read_f32(ctx: &Arc<GpuContext>, src: &wgpu::Buffer, n: usize) -> Result<Vec<f32>, GpuError> {
+    let b = read_buffer(ctx, src, (n * 4) as u64).await?;
+    Ok(bytemuck::cast_slice(&b[..n * 4]).to_vec())
+}

@@ -1,0 +1,374 @@
+//! The only code that touches wgpu: adapter choice, device creation with the adapter's real
+//! limits and optional features, the shader registry and pipeline cache, buffers and readback.
+
+pub mod buffer;
+pub mod pipeline;
+pub mod preprocess;
+pub mod shader;
+
+use std::sync::Arc;
+
+use serde::Serialize;
+
+pub use buffer::{GpuTensor, Readback};
+pub use pipeline::PipelineCache;
+pub use shader::{Features, PipelineKey, ShaderOp};
+
+/// Errors from the GPU layer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GpuError {
+    #[error("no GPU adapter found{}{}", match .backend { Some(b) => format!(" for backend {b}"), None => String::new() }, if .available.is_empty() { String::new() } else { format!(" matching the request; available: {}", .available.join(", ")) })]
+    NoAdapter {
+        backend: Option<String>,
+        available: Vec<String>,
+    },
+    #[error("adapter {adapter}: device request failed: {reason}")]
+    RequestDevice { adapter: String, reason: String },
+    #[error("adapter {adapter} lacks {capability}, which Lantern needs: {why}")]
+    MissingCapability {
+        adapter: String,
+        capability: String,
+        why: String,
+    },
+    #[error("shader `{label}`: {message}")]
+    Shader { label: String, message: String },
+    #[error("tensor `{tensor}` needs a binding of {bytes} bytes but the device allows {limit} (max_storage_buffer_binding_size); it must be split")]
+    BindingTooLarge { tensor: String, bytes: u64, limit: u64 },
+    #[error("allocating `{what}` ({bytes} bytes) failed: {reason}")]
+    Allocation {
+        what: String,
+        bytes: u64,
+        reason: String,
+    },
+    #[error("GPU readback failed: {0}")]
+    Readback(String),
+    #[error("GPU validation error in {context}: {message}")]
+    Validation { context: String, message: String },
+    #[error("unknown backend `{0}` (expected vulkan, metal, dx12 or gl)")]
+    UnknownBackend(String),
+}
+
+/// What the kernels may use on this device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Capabilities {
+    pub shader_f16: bool,
+    pub subgroups: bool,
+    pub timestamps: bool,
+    pub subgroup_min_size: u32,
+    pub subgroup_max_size: u32,
+    /// The adapter is a CPU (lavapipe, SwiftShader, WARP): kernels that walk contiguous
+    /// memory per invocation beat the usual coalesced layout there.
+    pub cpu_like: bool,
+}
+
+/// A description of one adapter, as `lantern devices` prints it.
+#[derive(Debug, Clone, Serialize)]
+pub struct AdapterSummary {
+    pub index: usize,
+    pub name: String,
+    pub backend: String,
+    pub device_type: String,
+    pub driver: String,
+    pub driver_info: String,
+    pub vendor: u32,
+    pub device: u32,
+    pub features: Vec<String>,
+    pub limits: LimitsSummary,
+}
+
+/// The limits that matter for inference.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LimitsSummary {
+    pub max_buffer_size: u64,
+    pub max_storage_buffer_binding_size: u64,
+    pub max_storage_buffers_per_shader_stage: u32,
+    pub max_compute_workgroup_storage_size: u32,
+    pub max_compute_invocations_per_workgroup: u32,
+    pub max_compute_workgroups_per_dimension: u32,
+}
+
+impl From<&wgpu::Limits> for LimitsSummary {
+    fn from(l: &wgpu::Limits) -> Self {
+        LimitsSummary {
+            max_buffer_size: l.max_buffer_size,
+            max_storage_buffer_binding_size: l.max_storage_buffer_binding_size,
+            max_storage_buffers_per_shader_stage: l.max_storage_buffers_per_shader_stage,
+            max_compute_workgroup_storage_size: l.max_compute_workgroup_storage_size,
+            max_compute_invocations_per_workgroup: l.max_compute_invocations_per_workgroup,
+            max_compute_workgroups_per_dimension: l.max_compute_workgroups_per_dimension,
+        }
+    }
+}
+
+/// How to choose an adapter and device.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceOptions {
+    /// Pin a backend: "vulkan", "metal", "dx12", "gl". `None`: all, or `WGPU_BACKEND`.
+    pub backend: Option<String>,
+    /// Pick an adapter by index (as `lantern devices` prints) or by a name substring.
+    pub adapter: Option<String>,
+    /// Cap on `max_storage_buffer_binding_size` (tests use this to force tensor splitting).
+    pub max_binding_size: Option<u64>,
+    /// Do not request optional features (shader-f16, subgroups, timestamps).
+    pub no_optional_features: bool,
+}
+
+fn parse_backend(name: &str) -> Result<wgpu::Backends, GpuError> {
+    match name.to_ascii_lowercase().as_str() {
+        "vulkan" | "vk" => Ok(wgpu::Backends::VULKAN),
+        "metal" | "mtl" => Ok(wgpu::Backends::METAL),
+        "dx12" | "d3d12" => Ok(wgpu::Backends::DX12),
+        "gl" | "gles" | "opengl" => Ok(wgpu::Backends::GL),
+        "webgpu" | "browser" => Ok(wgpu::Backends::BROWSER_WEBGPU),
+        other => Err(GpuError::UnknownBackend(other.to_string())),
+    }
+}
+
+fn make_instance(backend: Option<&str>) -> Result<wgpu::Instance, GpuError> {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+    if let Some(b) = backend {
+        desc.backends = parse_backend(b)?;
+    }
+    Ok(wgpu::Instance::new(desc))
+}
+
+fn device_type_rank(t: wgpu::DeviceType) -> u32 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    }
+}
+
+fn backend_rank(b: wgpu::Backend) -> u32 {
+    match b {
+        wgpu::Backend::Vulkan | wgpu::Backend::Metal | wgpu::Backend::Dx12 => 0,
+        wgpu::Backend::BrowserWebGpu => 0,
+        wgpu::Backend::Gl => 1,
+        _ => 2,
+    }
+}
+
+fn summarize(index: usize, a: &wgpu::Adapter) -> AdapterSummary {
+    let info = a.get_info();
+    let feats = a.features();
+    let mut features = Vec::new();
+    for (flag, name) in [
+        (wgpu::Features::SHADER_F16, "shader-f16"),
+        (wgpu::Features::SUBGROUP, "subgroups"),
+        (wgpu::Features::TIMESTAMP_QUERY, "timestamp-query"),
+        (wgpu::Features::PIPELINE_CACHE, "pipeline-cache"),
+    ] {
+        if feats.contains(flag) {
+            features.push(name.to_string());
+        }
+    }
+    AdapterSummary {
+        index,
+        name: info.name.clone(),
+        backend: format!("{:?}", info.backend).to_lowercase(),
+        device_type: format!("{:?}", info.device_type),
+        driver: info.driver.clone(),
+        driver_info: info.driver_info.clone(),
+        vendor: info.vendor,
+        device: info.device,
+        features,
+        limits: LimitsSummary::from(&a.limits()),
+    }
+}
+
+/// Every adapter present, in the order `--adapter INDEX` refers to (best first).
+pub async fn list_adapters(backend: Option<&str>) -> Result<Vec<AdapterSummary>, GpuError> {
+    let instance = make_instance(backend)?;
+    let adapters = sorted_adapters(&instance, backend).await?;
+    Ok(adapters.iter().enumerate().map(|(i, a)| summarize(i, a)).collect())
+}
+
+async fn sorted_adapters(
+    instance: &wgpu::Instance,
+    backend: Option<&str>,
+) -> Result<Vec<wgpu::Adapter>, GpuError> {
+    let backends = match backend {
+        Some(b) => parse_backend(b)?,
+        None => instance_backends(),
+    };
+    #[allow(unused_mut)]
+    let mut adapters = instance.enumerate_adapters(backends).await;
+    #[cfg(target_arch = "wasm32")]
+    if adapters.is_empty() {
+        if let Ok(a) = instance
+            .request_adapter(&wgpu::RequestAdapterOptions {
+                power_preference: wgpu::PowerPreference::HighPerformance,
+                ..Default::default()
+            })
+            .await
+        {
+            adapters.push(a);
+        }
+    }
+    adapters.sort_by_key(|a| {
+        let i = a.get_info();
+        (device_type_rank(i.device_type), backend_rank(i.backend))
+    });
+    Ok(adapters)
+}
+
+fn instance_backends() -> wgpu::Backends {
+    wgpu::Backends::from_env().unwrap_or(wgpu::Backends::all())
+}
+
+/// The device Lantern runs on, with what its kernels may use.
+pub struct GpuContext {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub limits: wgpu::Limits,
+    pub caps: Capabilities,
+    pub pipelines: PipelineCache,
+}
+
+impl std::fmt::Debug for GpuContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuContext")
+            .field("adapter", &self.info.name)
+            .field("backend", &self.info.backend)
+            .field("caps", &self.caps)
+            .finish()
+    }
+}
+
+impl GpuContext {
+    /// Choose the best adapter (discrete > integrated > virtual > CPU; native backends over
+    /// GL) unless `opts` pins one, and request a device with the adapter's real limits and
+    /// the optional features the kernels can use.
+    pub async fn new(opts: &DeviceOptions) -> Result<Arc<GpuContext>, GpuError> {
+        let backend = opts.backend.as_deref();
+        let instance = make_instance(backend)?;
+        let adapters = sorted_adapters(&instance, backend).await?;
+        let names: Vec<String> = adapters
+            .iter()
+            .map(|a| {
+                let i = a.get_info();
+                format!("{} ({:?})", i.name, i.backend)
+            })
+            .collect();
+        let chosen = match &opts.adapter {
+            None => adapters.into_iter().next(),
+            Some(sel) => {
+                if let Ok(idx) = sel.parse::<usize>() {
+                    adapters.into_iter().nth(idx)
+                } else {
+                    let sel_l = sel.to_lowercase();
+                    adapters
+                        .into_iter()
+                        .find(|a| a.get_info().name.to_lowercase().contains(&sel_l))
+                }
+            }
+        };
+        let adapter = chosen.ok_or_else(|| GpuError::NoAdapter {
+            backend: backend
+                .map(String::from)
+                .or_else(|| std::env::var("WGPU_BACKEND").ok()),
+            available: names,
+        })?;
+        Self::from_adapter(adapter, opts).await
+    }
+
+    /// Request a device on a given adapter.
+    pub async fn from_adapter(
+        adapter: wgpu::Adapter,
+        opts: &DeviceOptions,
+    ) -> Result<Arc<GpuContext>, GpuError> {
+        let info = adapter.get_info();
+        let mut limits = adapter.limits();
+        if let Some(cap) = opts.max_binding_size {
+            limits.max_storage_buffer_binding_size = limits.max_storage_buffer_binding_size.min(cap);
+        }
+        let available = adapter.features();
+        let mut wanted = wgpu::Features::empty();
+        if !opts.no_optional_features {
+            wanted |= wgpu::Features::SHADER_F16 | wgpu::Features::SUBGROUP | wgpu::Features::TIMESTAMP_QUERY;
+        }
+        let features = available & wanted;
+        if limits.max_storage_buffers_per_shader_stage < 8 {
+            return Err(GpuError::MissingCapability {
+                adapter: info.name.clone(),
+                capability: format!(
+                    "8 storage buffers per shader stage (has {})",
+                    limits.max_storage_buffers_per_shader_stage
+                ),
+                why: "the fused kernels bind up to 8 storage buffers".into(),
+            });
+        }
+        if !adapter
+            .get_downlevel_capabilities()
+            .flags
+            .contains(wgpu::DownlevelFlags::COMPUTE_SHADERS)
+        {
+            return Err(GpuError::MissingCapability {
+                adapter: info.name.clone(),
+                capability: "compute shaders".into(),
+                why: "every kernel is a compute shader".into(),
+            });
+        }
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("lantern"),
+                required_features: features,
+                required_limits: limits.clone(),
+                experimental_features: wgpu::ExperimentalFeatures::disabled(),
+                memory_hints: wgpu::MemoryHints::Performance,
+                trace: wgpu::Trace::Off,
+            })
+            .await
+            .map_err(|e| GpuError::RequestDevice {
+                adapter: info.name.clone(),
+                reason: e.to_string(),
+            })?;
+        let caps = Capabilities {
+            shader_f16: features.contains(wgpu::Features::SHADER_F16),
+            subgroups: features.contains(wgpu::Features::SUBGROUP),
+            timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            subgroup_min_size: info.subgroup_min_size,
+            subgroup_max_size: info.subgroup_max_size,
+            cpu_like: info.device_type == wgpu::DeviceType::Cpu,
+        };
+        Ok(Arc::new(GpuContext {
+            device,
+            queue,
+            info,
+            limits,
+            caps,
+            pipelines: PipelineCache::default(),
+        }))
+    }
+
+    /// Adapter facts for reports (`--json`, `lantern devices`).
+    pub fn adapter_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "name": self.info.name,
+            "backend": format!("{:?}", self.info.backend).to_lowercase(),
+            "device_type": format!("{:?}", self.info.device_type),
+            "driver": self.info.driver,
+            "driver_info": self.info.driver_info,
+            "capabilities": self.caps,
+            "limits": LimitsSummary::from(&self.limits),
+        })
+    }
+
+    /// The largest storage binding, in bytes.
+    pub fn max_binding(&self) -> u64 {
+        self.limits.max_storage_buffer_binding_size
+    }
+
+    /// The kernel feature set this device supports.
+    pub fn features(&self) -> Features {
+        Features {
+            f16: self.caps.shader_f16,
+            subgroups: self.caps.subgroups,
+        }
+    }
+}

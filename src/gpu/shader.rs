@@ -1,0 +1,263 @@
+//! The shader registry: every WGSL file embedded with `include_str!`, a typed key per kernel
+//! variant, and the expansion of a key into WGSL source (preprocessed, with the variant's
+//! sizes as `const` declarations).
+
+use std::collections::BTreeSet;
+
+use super::preprocess::{preprocess, PreprocessError};
+
+/// Every shader file, by path relative to `shaders/`.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("common/step.wgsl", include_str!("../../shaders/common/step.wgsl")),
+    ("common/weights.wgsl", include_str!("../../shaders/common/weights.wgsl")),
+    ("embedding.wgsl", include_str!("../../shaders/embedding.wgsl")),
+    ("rmsnorm.wgsl", include_str!("../../shaders/rmsnorm.wgsl")),
+    ("matvec.wgsl", include_str!("../../shaders/matvec.wgsl")),
+    ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
+    ("rope_kv.wgsl", include_str!("../../shaders/rope_kv.wgsl")),
+    ("attention.wgsl", include_str!("../../shaders/attention.wgsl")),
+    ("argmax.wgsl", include_str!("../../shaders/argmax.wgsl")),
+];
+
+/// Look up an embedded shader file.
+pub fn source(path: &str) -> Option<&'static str> {
+    SOURCES.iter().find(|(p, _)| *p == path).map(|(_, s)| *s)
+}
+
+/// One op per shader file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ShaderOp {
+    /// Gather embedding rows for token ids.
+    Embedding,
+    /// Standalone RMSNorm (the forward pass folds it into the following matvec/matmul).
+    RmsNorm,
+    /// Decode matvec `y = W x` with optional fused RMSNorm, bias, SiLU gate and residual add.
+    Matvec,
+    /// Prefill tiled matmul `Y = X W^T` with the same fused prologue/epilogues.
+    Matmul,
+    /// RoPE on q and k, and the write of k and v into the paged KV cache.
+    RopeKv,
+    /// Causal grouped-query attention over the paged KV cache.
+    Attention,
+    /// Greedy sampling: argmax over logits rows, 4 bytes read back per row.
+    Argmax,
+}
+
+impl ShaderOp {
+    /// The shader file of this op.
+    pub fn file(&self) -> &'static str {
+        match self {
+            ShaderOp::Embedding => "embedding.wgsl",
+            ShaderOp::RmsNorm => "rmsnorm.wgsl",
+            ShaderOp::Matvec => "matvec.wgsl",
+            ShaderOp::Matmul => "matmul.wgsl",
+            ShaderOp::RopeKv => "rope_kv.wgsl",
+            ShaderOp::Attention => "attention.wgsl",
+            ShaderOp::Argmax => "argmax.wgsl",
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        self.file().trim_end_matches(".wgsl")
+    }
+}
+
+/// Optional device features a variant uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub struct Features {
+    pub f16: bool,
+    pub subgroups: bool,
+}
+
+/// Storage dtype of a weight operand as the kernels read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WeightFormat {
+    /// One f32 per element.
+    F32,
+    /// Two f16 packed in each u32, unpacked with `unpack2x16float` (needs no shader-f16).
+    F16,
+}
+
+/// Fused prologue/epilogue flags of the matvec and matmul kernels.
+pub mod flags {
+    /// Fold RMSNorm of the input rows (with weight `g`) into the product.
+    pub const NORM: u32 = 1;
+    /// Add a bias per output row.
+    pub const BIAS: u32 = 2;
+    /// Add the result into the output (residual stream) instead of overwriting.
+    pub const RESIDUAL: u32 = 4;
+    /// Two weights (gate, up): output `silu(gate x) * (up x)`.
+    pub const GATED: u32 = 8;
+    /// Input rows are gathered through a row index list (logits of selected positions).
+    pub const GATHER: u32 = 16;
+    /// Matvec layout: one workgroup per output row, threads striding K (coalesced; GPUs).
+    /// Without it: one invocation per output row walking K contiguously (CPU adapters).
+    pub const ROW_PER_WORKGROUP: u32 = 32;
+    /// Every flag with its define name, in a stable order.
+    pub const ALL: &[(u32, &str)] = &[
+        (NORM, "NORM"),
+        (BIAS, "BIAS"),
+        (RESIDUAL, "RESIDUAL"),
+        (GATED, "GATED"),
+        (GATHER, "GATHER"),
+        (ROW_PER_WORKGROUP, "ROW_PER_WORKGROUP"),
+    ];
+}
+
+/// The typed key of one pipeline variant: it yields the defines, the cache key and a label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PipelineKey {
+    pub op: ShaderOp,
+    /// `flags::*` bits.
+    pub flags: u32,
+    pub weights: WeightFormat,
+    /// Invocations per workgroup (x).
+    pub workgroup: u32,
+    pub features: Features,
+}
+
+impl PipelineKey {
+    /// A key with no flags, f32 weights, no optional features.
+    pub fn new(op: ShaderOp, workgroup: u32) -> Self {
+        PipelineKey {
+            op,
+            flags: 0,
+            weights: WeightFormat::F32,
+            workgroup,
+            features: Features::default(),
+        }
+    }
+
+    pub fn with_flags(mut self, flags: u32) -> Self {
+        self.flags = flags;
+        self
+    }
+
+    pub fn with_features(mut self, features: Features) -> Self {
+        self.features = features;
+        self
+    }
+
+    pub fn with_weights(mut self, w: WeightFormat) -> Self {
+        self.weights = w;
+        self
+    }
+
+    /// The preprocessor flags of this variant.
+    pub fn defines(&self) -> BTreeSet<String> {
+        let mut d = BTreeSet::new();
+        for (bit, name) in flags::ALL {
+            if self.flags & bit != 0 {
+                d.insert(name.to_string());
+            }
+        }
+        d.insert(
+            match self.weights {
+                WeightFormat::F32 => "W_F32",
+                WeightFormat::F16 => "W_F16",
+            }
+            .to_string(),
+        );
+        if self.features.f16 {
+            d.insert("F16".into());
+        }
+        if self.features.subgroups {
+            d.insert("SUBGROUPS".into());
+        }
+        d
+    }
+
+    /// A readable label, also used as the snapshot name.
+    pub fn label(&self) -> String {
+        let mut s = format!("{}_wg{}", self.op.name(), self.workgroup);
+        for (bit, name) in flags::ALL {
+            if self.flags & bit != 0 {
+                s.push('_');
+                s.push_str(&name.to_lowercase());
+            }
+        }
+        s.push_str(match self.weights {
+            WeightFormat::F32 => "_wf32",
+            WeightFormat::F16 => "_wf16",
+        });
+        if self.features.f16 {
+            s.push_str("_f16");
+        }
+        if self.features.subgroups {
+            s.push_str("_sg");
+        }
+        s
+    }
+
+    /// The expanded WGSL of this variant.
+    pub fn expand(&self) -> Result<String, PreprocessError> {
+        let file = self.op.file();
+        let src = source(file).ok_or_else(|| PreprocessError::UnknownInclude {
+            file: "<registry>".into(),
+            line: 0,
+            target: file.into(),
+        })?;
+        let body = preprocess(file, src, &self.defines(), &source)?;
+        let mut out = String::new();
+        if self.features.f16 {
+            out.push_str("enable f16;\n");
+        }
+        out.push_str(&format!("// {} (generated by lantern from shaders/{})\n", self.label(), file));
+        out.push_str(&format!("const WG: u32 = {}u;\n", self.workgroup));
+        out.push_str(&body);
+        Ok(out)
+    }
+
+    /// naga capabilities this variant needs.
+    pub fn naga_capabilities(&self) -> naga::valid::Capabilities {
+        let mut c = naga::valid::Capabilities::empty();
+        if self.weights == WeightFormat::F16 {
+            // unpack2x16float: core WebGPU, absent only on old GL (DownlevelFlags::SHADER_F16_IN_F32).
+            c |= naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32;
+        }
+        if self.features.f16 {
+            c |= naga::valid::Capabilities::SHADER_FLOAT16;
+        }
+        if self.features.subgroups {
+            c |= naga::valid::Capabilities::SUBGROUP;
+        }
+        c
+    }
+
+    /// Every variant the runtime can ask for on a device with `features`: the set that the
+    /// snapshot and validation tests cover.
+    pub fn all_variants(features: Features) -> Vec<PipelineKey> {
+        use flags::*;
+        let mut v = Vec::new();
+        let sg = Features { f16: false, subgroups: features.subgroups };
+        v.push(PipelineKey::new(ShaderOp::Embedding, 64));
+        v.push(PipelineKey::new(ShaderOp::RmsNorm, 64));
+        v.push(PipelineKey::new(ShaderOp::RopeKv, 64));
+        v.push(PipelineKey::new(ShaderOp::Attention, 64));
+        v.push(PipelineKey::new(ShaderOp::Argmax, 256));
+        let combos = [
+            NORM | BIAS,
+            0,
+            RESIDUAL,
+            NORM | GATED,
+            NORM | GATHER,
+            NORM,
+            BIAS,
+        ];
+        for w in [WeightFormat::F32, WeightFormat::F16] {
+            for &c in &combos {
+                v.push(PipelineKey::new(ShaderOp::Matvec, 64).with_flags(c).with_weights(w));
+                v.push(
+                    PipelineKey::new(ShaderOp::Matvec, 64)
+                        .with_flags(c | ROW_PER_WORKGROUP)
+                        .with_weights(w)
+                        .with_features(sg),
+                );
+                if c & GATHER == 0 {
+                    v.push(PipelineKey::new(ShaderOp::Matmul, 64).with_flags(c).with_weights(w));
+                }
+            }
+        }
+        v
+    }
+}

@@ -1,0 +1,72 @@
+//! Causal grouped-query attention over the paged KV cache (`shaders/attention.wgsl`).
+
+use crate::gpu::buffer::create_uniform;
+use crate::gpu::{GpuContext, GpuError, PipelineKey, ShaderOp};
+
+use super::{bind, pipeline, Dim, Dispatch};
+
+/// Mirrors `struct Params` in attention.wgsl.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct AttentionParams {
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    pub qkv_stride: u32,
+    pub page_size: u32,
+    pub max_pages: u32,
+    pub out_stride: u32,
+    pub scale: f32,
+}
+
+/// Largest head_dim the kernel supports (4 dims per lane x 64 lanes).
+pub const MAX_HEAD_DIM: u32 = 256;
+
+/// The buffers of the attention op.
+pub struct AttentionIo<'a> {
+    pub step: &'a wgpu::Buffer,
+    pub qkv: &'a wgpu::Buffer,
+    pub positions: &'a wgpu::Buffer,
+    pub token_seq: &'a wgpu::Buffer,
+    pub block_table: &'a wgpu::Buffer,
+    pub k_cache: &'a wgpu::Buffer,
+    pub v_cache: &'a wgpu::Buffer,
+    pub out: &'a wgpu::Buffer,
+}
+
+pub async fn build(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionParams) -> Result<Dispatch, GpuError> {
+    if p.head_dim > MAX_HEAD_DIM || p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 {
+        return Err(GpuError::Validation {
+            context: "attention".into(),
+            message: format!(
+                "unsupported head layout: {} heads, {} kv heads, head_dim {} (max {MAX_HEAD_DIM})",
+                p.n_heads, p.n_kv_heads, p.head_dim
+            ),
+        });
+    }
+    let key = PipelineKey::new(ShaderOp::Attention, 64);
+    let pipe = pipeline(ctx, key).await?;
+    let ubuf = create_uniform(ctx, "attention.params", &p);
+    let bg = bind(
+        ctx,
+        "attention",
+        &pipe,
+        &[
+            (0, io.step),
+            (1, &ubuf),
+            (2, io.qkv),
+            (3, io.positions),
+            (4, io.token_seq),
+            (5, io.block_table),
+            (6, io.k_cache),
+            (7, io.v_cache),
+            (8, io.out),
+        ],
+    );
+    Ok(Dispatch {
+        label: "attention".into(),
+        pipeline: pipe,
+        bind_group: bg,
+        grid: [Dim::Const(p.n_heads), Dim::Tokens, Dim::Const(1)],
+    })
+}

@@ -1,0 +1,262 @@
+//! `y = W x` in its two shapes: the decode matvec (`shaders/matvec.wgsl`) and the prefill
+//! tiled matmul (`shaders/matmul.wgsl`), with the fused prologue/epilogues of both
+//! (RMSNorm folded in, bias, SiLU gate, residual add, gathered rows).
+
+use crate::gpu::buffer::{create_storage, create_uniform};
+use crate::gpu::shader::{flags, WeightFormat};
+use crate::gpu::{GpuContext, GpuError, GpuTensor, PipelineKey, ShaderOp};
+
+use super::{bind, pipeline, Dim, Dispatch};
+
+/// Mirrors `struct Params` in matvec.wgsl and matmul.wgsl.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct LinearParams {
+    pub n_rows: u32,
+    pub k: u32,
+    pub row_offset: u32,
+    pub out_stride: u32,
+    pub x_stride: u32,
+    pub grid_x: u32,
+    pub eps: f32,
+    pub _pad: u32,
+}
+
+/// Host data of one weight matrix in a format the kernels read.
+pub enum HostMatrix<'a> {
+    F32(&'a [f32]),
+    /// IEEE half bits.
+    F16(&'a [u16]),
+}
+
+/// A linear layer on the GPU: weight (n_rows x k), optional second weight for the gated
+/// product, optional bias, all split by rows into binding-sized chunks with the same row
+/// boundaries.
+pub struct GpuLinear {
+    pub name: String,
+    pub n_rows: usize,
+    pub k: usize,
+    pub format: WeightFormat,
+    pub w: GpuTensor,
+    pub u: Option<GpuTensor>,
+    /// One bias buffer per chunk.
+    pub bias: Option<Vec<wgpu::Buffer>>,
+}
+
+fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usize) -> Result<GpuTensor, GpuError> {
+    match m {
+        HostMatrix::F32(v) => {
+            if v.len() != n * k {
+                return Err(GpuError::Validation {
+                    context: name.into(),
+                    message: format!("weight has {} values, expected {n} x {k}", v.len()),
+                });
+            }
+            GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(v), n, k * 4)
+        }
+        HostMatrix::F16(v) => {
+            if v.len() != n * k || k % 2 != 0 {
+                return Err(GpuError::Validation {
+                    context: name.into(),
+                    message: format!("f16 weight has {} values, expected {n} x {k} with k even", v.len()),
+                });
+            }
+            GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(v), n, k * 2)
+        }
+    }
+}
+
+impl GpuLinear {
+    /// Upload a weight (and, for gated layers, the up weight) plus an optional bias.
+    pub fn upload(
+        ctx: &GpuContext,
+        name: &str,
+        w: HostMatrix,
+        u: Option<HostMatrix>,
+        bias: Option<&[f32]>,
+        n_rows: usize,
+        k: usize,
+    ) -> Result<GpuLinear, GpuError> {
+        let format = match w {
+            HostMatrix::F32(_) => WeightFormat::F32,
+            HostMatrix::F16(_) => WeightFormat::F16,
+        };
+        let wt = upload_matrix(ctx, name, &w, n_rows, k)?;
+        let ut = match &u {
+            Some(m) => Some(upload_matrix(ctx, &format!("{name}.up"), m, n_rows, k)?),
+            None => None,
+        };
+        let bias = match bias {
+            Some(b) => {
+                if b.len() != n_rows {
+                    return Err(GpuError::Validation {
+                        context: name.into(),
+                        message: format!("bias has {} values, expected {n_rows}", b.len()),
+                    });
+                }
+                let mut v = Vec::new();
+                for c in &wt.chunks {
+                    v.push(create_storage(
+                        ctx,
+                        &format!("{name}.bias"),
+                        bytemuck::cast_slice(&b[c.row_offset..c.row_offset + c.rows]),
+                    )?);
+                }
+                Some(v)
+            }
+            None => None,
+        };
+        Ok(GpuLinear {
+            name: name.into(),
+            n_rows,
+            k,
+            format,
+            w: wt,
+            u: ut,
+            bias,
+        })
+    }
+
+    /// Bytes of weights held on the GPU.
+    pub fn bytes(&self) -> u64 {
+        self.w.bytes() + self.u.as_ref().map_or(0, |u| u.bytes())
+    }
+}
+
+/// Which kernel shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// One or a few rows: matvec.
+    Matvec,
+    /// Many rows: tiled matmul.
+    Matmul,
+}
+
+/// The buffers of one linear call.
+pub struct LinearIo<'a> {
+    pub step: &'a wgpu::Buffer,
+    /// Input rows (tokens x x_stride).
+    pub x: &'a wgpu::Buffer,
+    pub x_stride: usize,
+    /// RMSNorm weight when NORM is fused.
+    pub norm: Option<&'a wgpu::Buffer>,
+    pub eps: f32,
+    /// Output rows (tokens x out_stride); written at column `out_offset`.
+    pub y: &'a wgpu::Buffer,
+    pub out_stride: usize,
+    pub out_offset: usize,
+    /// Add into y.
+    pub residual: bool,
+    /// Gather input rows through this index list (matvec only).
+    pub rows: Option<&'a wgpu::Buffer>,
+}
+
+/// Build the dispatches (one per weight chunk) of `y = epilogue(W x)`.
+pub async fn build(
+    ctx: &GpuContext,
+    lin: &GpuLinear,
+    io: &LinearIo<'_>,
+    shape: Shape,
+) -> Result<Vec<Dispatch>, GpuError> {
+    let mut fl = 0;
+    if io.norm.is_some() {
+        fl |= flags::NORM;
+    }
+    if lin.bias.is_some() {
+        fl |= flags::BIAS;
+    }
+    if io.residual {
+        fl |= flags::RESIDUAL;
+    }
+    if lin.u.is_some() {
+        fl |= flags::GATED;
+    }
+    if io.rows.is_some() {
+        if shape == Shape::Matmul {
+            return Err(GpuError::Validation {
+                context: lin.name.clone(),
+                message: "gathered rows are only supported by the matvec kernel".into(),
+            });
+        }
+        fl |= flags::GATHER;
+    }
+    let op = match shape {
+        Shape::Matvec => ShaderOp::Matvec,
+        Shape::Matmul => ShaderOp::Matmul,
+    };
+    let mut features = crate::gpu::Features::default();
+    if shape == Shape::Matvec && !ctx.caps.cpu_like {
+        fl |= flags::ROW_PER_WORKGROUP;
+        features.subgroups = ctx.caps.subgroups;
+    }
+    let key = PipelineKey::new(op, 64)
+        .with_flags(fl)
+        .with_weights(lin.format)
+        .with_features(features);
+    build_with_key(ctx, lin, io, key).await
+}
+
+/// Build with an explicit variant (tests use this to cover every layout on one adapter).
+pub async fn build_with_key(
+    ctx: &GpuContext,
+    lin: &GpuLinear,
+    io: &LinearIo<'_>,
+    key: PipelineKey,
+) -> Result<Vec<Dispatch>, GpuError> {
+    let pipe = pipeline(ctx, key).await?;
+    let max_dim = ctx.limits.max_compute_workgroups_per_dimension.max(1);
+    let mut out = Vec::new();
+    for (ci, chunk) in lin.w.chunks.iter().enumerate() {
+        let rows = chunk.rows as u32;
+        let (grid, grid_x) = match key.op {
+            ShaderOp::Matmul => ([Dim::Const(rows.div_ceil(32)), Dim::TokensDiv(32), Dim::Const(1)], 0),
+            _ => {
+                let groups = if key.flags & flags::ROW_PER_WORKGROUP != 0 {
+                    rows
+                } else {
+                    rows.div_ceil(key.workgroup)
+                };
+                let gx = groups.min(max_dim);
+                let gy = groups.div_ceil(gx);
+                let tok = if key.flags & flags::GATHER != 0 { Dim::Out } else { Dim::Tokens };
+                ([Dim::Const(gx), Dim::Const(gy), tok], gx)
+            }
+        };
+        let params = LinearParams {
+            n_rows: rows,
+            k: lin.k as u32,
+            row_offset: (io.out_offset + chunk.row_offset) as u32,
+            out_stride: io.out_stride as u32,
+            x_stride: io.x_stride as u32,
+            grid_x,
+            eps: io.eps,
+            _pad: 0,
+        };
+        let ubuf = create_uniform(ctx, &format!("{}.params", lin.name), &params);
+        let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(0, io.step), (1, &ubuf), (2, io.x), (3, &chunk.buffer), (7, io.y)];
+        if key.flags & flags::GATED != 0 {
+            let u = lin.u.as_ref().ok_or_else(|| GpuError::Validation {
+                context: lin.name.clone(),
+                message: "gated kernel without up weight".into(),
+            })?;
+            entries.push((4, &u.chunks[ci].buffer));
+        }
+        if let Some(g) = io.norm {
+            entries.push((5, g));
+        }
+        if let Some(b) = &lin.bias {
+            entries.push((6, &b[ci]));
+        }
+        if let Some(r) = io.rows {
+            entries.push((8, r));
+        }
+        let bg = bind(ctx, &lin.name, &pipe, &entries);
+        out.push(Dispatch {
+            label: format!("{} [{}]", lin.name, key.label()),
+            pipeline: pipe.clone(),
+            bind_group: bg,
+            grid,
+        });
+    }
+    Ok(out)
+}

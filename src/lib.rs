@@ -1,0 +1,15 @@
+//! Lantern: portable LLM inference on WebGPU.
+//!
+//! Layers, top to bottom (see ARCHITECTURE.md): `engine` (generation, sampling, metrics),
+//! `model` (config, loaders, tokenizer, forward pass), `kv` (paged KV cache), `kernels`
+//! (one file per GPU op), `gpu` (the only code that touches wgpu), and `reference`
+//! (plain-loop CPU oracle for every op and for the whole forward pass).
+
+pub mod error;
+#[cfg(feature = "cli")] pub mod fetch;
+pub mod model;
+pub mod reference;
+
+pub use error::{LanternError, Result};
+pub mod gpu;
+pub mod kernels;

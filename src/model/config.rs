@@ -1,0 +1,476 @@
+//! Model hyper-parameters, read from a Hugging Face `config.json` (both the transformers 5
+//! `rope_parameters` form and the older `rope_theta` + `rope_scaling` form) or from GGUF
+//! metadata.
+
+use serde::Serialize;
+
+/// Supported decoder-only architectures. All share the Llama block
+/// (RMSNorm, RoPE attention with grouped-query heads, SiLU-gated MLP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// Llama 1/2/3, SmolLM2, TinyLlama.
+    Llama,
+    /// Mistral without sliding window (full causal attention).
+    Mistral,
+    /// Qwen2: Llama block with q/k/v projection biases.
+    Qwen2,
+}
+
+/// RoPE frequency scaling.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum RopeScaling {
+    /// Llama 3 scaling: low frequencies divided by `factor`, a smooth band in between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+    /// Linear position interpolation: every frequency divided by `factor`.
+    Linear { factor: f64 },
+}
+
+/// Everything the forward pass needs to know about a model's shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry biases (Qwen2, or Llama with `attention_bias`).
+    pub qkv_bias: bool,
+    pub bos_token_id: Option<u32>,
+    /// Tokens that end generation.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// The exact inverse frequencies used by RoPE (length `head_dim / 2`), computed as
+    /// transformers does (float32), including Llama 3 / linear scaling.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let dim = self.head_dim;
+        let base = self.rope_theta as f32;
+        let mut inv: Vec<f32> = (0..dim / 2)
+            .map(|i| 1.0f32 / base.powf((2 * i) as f32 / dim as f32))
+            .collect();
+        match self.rope_scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => {
+                for f in &mut inv {
+                    *f /= factor as f32;
+                }
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old_ctx,
+            }) => {
+                let low_wavelen = old_ctx / low_freq_factor;
+                let high_wavelen = old_ctx / high_freq_factor;
+                for f in &mut inv {
+                    let wavelen = 2.0 * std::f64::consts::PI / *f as f64;
+                    if wavelen < high_wavelen {
+                        // unchanged
+                    } else if wavelen > low_wavelen {
+                        *f = (*f as f64 / factor) as f32;
+                    } else {
+                        let smooth =
+                            (old_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let v = *f as f64;
+                        *f = ((1.0 - smooth) * v / factor + smooth * v) as f32;
+                    }
+                }
+            }
+        }
+        inv
+    }
+
+    /// Number of query heads that share one KV head.
+    pub fn group_size(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
+    /// Width of the fused q|k|v projection output.
+    pub fn qkv_dim(&self) -> usize {
+        (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+    }
+}
+
+/// Reads Hugging Face `config.json` text into a [`ModelConfig`].
+mod hf_json {
+    use serde_json::{Map, Value};
+
+    use super::{Arch, ModelConfig, RopeScaling};
+    use crate::error::LanternError;
+    use crate::model::LoadError;
+
+    type Obj = Map<String, Value>;
+
+    fn cfg_err(file: &str, field: &str, reason: impl std::fmt::Display) -> LanternError {
+        LanternError::Config {
+            field: field.to_string(),
+            reason: format!("{reason} (in {file})"),
+        }
+    }
+
+    /// A present, non-null value.
+    fn get<'a>(o: &'a Obj, key: &str) -> Option<&'a Value> {
+        o.get(key).filter(|v| !v.is_null())
+    }
+
+    fn usize_field(o: &Obj, key: &str, file: &str) -> Result<Option<usize>, LanternError> {
+        match get(o, key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| cfg_err(file, key, format!("expected a non-negative integer, got {v}"))),
+        }
+    }
+
+    fn required_usize(o: &Obj, key: &str, file: &str) -> Result<usize, LanternError> {
+        let n = usize_field(o, key, file)?.ok_or_else(|| cfg_err(file, key, "missing"))?;
+        if n == 0 {
+            return Err(cfg_err(file, key, "must be positive, got 0"));
+        }
+        Ok(n)
+    }
+
+    fn f64_field(o: &Obj, key: &str, field: &str, file: &str) -> Result<Option<f64>, LanternError> {
+        match get(o, key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| cfg_err(file, field, format!("expected a number, got {v}"))),
+        }
+    }
+
+    fn bool_field(o: &Obj, key: &str, file: &str) -> Result<Option<bool>, LanternError> {
+        match get(o, key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| cfg_err(file, key, format!("expected true or false, got {v}"))),
+        }
+    }
+
+    fn token_id(v: &Value, field: &str, file: &str) -> Result<u32, LanternError> {
+        v.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| cfg_err(file, field, format!("expected a token id, got {v}")))
+    }
+
+    /// Architecture from `model_type`, cross-checked with `architectures`.
+    fn arch(o: &Obj, file: &str) -> Result<Arch, LanternError> {
+        let from_class = |c: &str| match c {
+            "LlamaForCausalLM" => Some(Arch::Llama),
+            "MistralForCausalLM" => Some(Arch::Mistral),
+            "Qwen2ForCausalLM" => Some(Arch::Qwen2),
+            _ => None,
+        };
+        let classes: Vec<&str> = match get(o, "architectures") {
+            Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
+            Some(Value::String(s)) => vec![s.as_str()],
+            _ => Vec::new(),
+        };
+        let model_type = get(o, "model_type").and_then(Value::as_str);
+        let arch = match model_type {
+            Some("llama") => Arch::Llama,
+            Some("mistral") => Arch::Mistral,
+            Some("qwen2") => Arch::Qwen2,
+            Some(other) => return Err(LanternError::UnsupportedArchitecture { arch: other.to_string() }),
+            None => match classes.first() {
+                Some(c) => from_class(c).ok_or_else(|| LanternError::UnsupportedArchitecture { arch: c.to_string() })?,
+                None => return Err(cfg_err(file, "model_type", "missing (and no `architectures` list)")),
+            },
+        };
+        // A head other than the causal-LM one (e.g. `LlamaForSequenceClassification`) has no
+        // lm_head to run; refuse rather than guess.
+        if !classes.is_empty() && !classes.iter().any(|c| from_class(c).is_some()) {
+            return Err(LanternError::UnsupportedArchitecture {
+                arch: format!("{} (model_type {:?})", classes.join(", "), model_type.unwrap_or("?")),
+            });
+        }
+        Ok(arch)
+    }
+
+    /// `(rope_theta, rope_scaling)` from `rope_parameters` (transformers 5) or the legacy
+    /// top-level `rope_theta` + `rope_scaling`.
+    fn rope(o: &Obj, file: &str) -> Result<(f64, Option<RopeScaling>), LanternError> {
+        let mut params: Option<&Obj> = match get(o, "rope_parameters") {
+            None => None,
+            Some(Value::Object(p)) => Some(p),
+            Some(v) => return Err(cfg_err(file, "rope_parameters", format!("expected an object, got {v}"))),
+        };
+        // Per-layer-type form ({"full_attention": {...}}): these archs only use full attention.
+        if let Some(p) = params {
+            if !p.contains_key("rope_type") && !p.contains_key("rope_theta") {
+                if let Some(Value::Object(full)) = p.get("full_attention") {
+                    params = Some(full);
+                }
+            }
+        }
+        let legacy_scaling: Option<&Obj> = match get(o, "rope_scaling") {
+            None => None,
+            Some(Value::Object(p)) => Some(p),
+            Some(v) => return Err(cfg_err(file, "rope_scaling", format!("expected an object or null, got {v}"))),
+        };
+        let theta = match params.map(|p| f64_field(p, "rope_theta", "rope_parameters.rope_theta", file)) {
+            Some(r) => r?,
+            None => None,
+        };
+        let theta = match theta {
+            Some(t) => t,
+            None => f64_field(o, "rope_theta", "rope_theta", file)?.unwrap_or(10000.0),
+        };
+        if !(theta.is_finite() && theta > 0.0) {
+            return Err(cfg_err(file, "rope_theta", format!("must be a positive number, got {theta}")));
+        }
+        let (scaling, prefix): (Option<&Obj>, &str) = match (params, legacy_scaling) {
+            (Some(p), _) => (Some(p), "rope_parameters"),
+            (None, Some(s)) => (Some(s), "rope_scaling"),
+            (None, None) => (None, ""),
+        };
+        let Some(s) = scaling else {
+            return Ok((theta, None));
+        };
+        let kind = get(s, "rope_type")
+            .or_else(|| get(s, "type"))
+            .map(|v| v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string()))
+            .unwrap_or_else(|| "default".to_string());
+        let num = |key: &str| -> Result<f64, LanternError> {
+            let field = format!("{prefix}.{key}");
+            let v = f64_field(s, key, &field, file)?
+                .ok_or_else(|| cfg_err(file, &field, format!("missing (needed by rope_type `{kind}`)")))?;
+            if !(v.is_finite() && v > 0.0) {
+                return Err(cfg_err(file, &field, format!("must be a positive number, got {v}")));
+            }
+            Ok(v)
+        };
+        let scaling = match kind.as_str() {
+            "default" => None,
+            "linear" => Some(RopeScaling::Linear { factor: num("factor")? }),
+            "llama3" => {
+                let low = num("low_freq_factor")?;
+                let high = num("high_freq_factor")?;
+                if high <= low {
+                    return Err(cfg_err(
+                        file,
+                        &format!("{prefix}.high_freq_factor"),
+                        format!("must be greater than low_freq_factor ({high} <= {low})"),
+                    ));
+                }
+                Some(RopeScaling::Llama3 {
+                    factor: num("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: num("original_max_position_embeddings")?,
+                })
+            }
+            other => {
+                return Err(cfg_err(
+                    file,
+                    &format!("{prefix}.rope_type"),
+                    format!("unsupported RoPE type `{other}` (supported: default, linear, llama3)"),
+                ))
+            }
+        };
+        Ok((theta, scaling))
+    }
+
+    pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError> {
+        let root: Value = serde_json::from_str(text).map_err(|e| LoadError::Invalid {
+            file: file.to_string(),
+            reason: format!("not valid JSON: {e}"),
+        })?;
+        let Value::Object(o) = root else {
+            return Err(LoadError::Invalid {
+                file: file.to_string(),
+                reason: "expected a JSON object at the top level".to_string(),
+            }
+            .into());
+        };
+        let o = &o;
+        let arch = arch(o, file)?;
+
+        if let Some(act) = get(o, "hidden_act").or_else(|| get(o, "hidden_activation")) {
+            if act.as_str() != Some("silu") {
+                return Err(cfg_err(file, "hidden_act", format!("only `silu` is supported, got {act}")));
+            }
+        }
+
+        let vocab_size = required_usize(o, "vocab_size", file)?;
+        let hidden_size = required_usize(o, "hidden_size", file)?;
+        let intermediate_size = required_usize(o, "intermediate_size", file)?;
+        let num_layers = required_usize(o, "num_hidden_layers", file)?;
+        let num_heads = required_usize(o, "num_attention_heads", file)?;
+        let num_kv_heads = usize_field(o, "num_key_value_heads", file)?.unwrap_or(num_heads);
+        if num_kv_heads == 0 {
+            return Err(cfg_err(file, "num_key_value_heads", "must be positive, got 0"));
+        }
+        if num_heads % num_kv_heads != 0 {
+            return Err(cfg_err(
+                file,
+                "num_key_value_heads",
+                format!("num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})"),
+            ));
+        }
+        let head_dim = match usize_field(o, "head_dim", file)? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_heads != 0 {
+                    return Err(cfg_err(
+                        file,
+                        "head_dim",
+                        format!("absent, and hidden_size ({hidden_size}) is not a multiple of num_attention_heads ({num_heads})"),
+                    ));
+                }
+                hidden_size / num_heads
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(cfg_err(file, "head_dim", format!("must be positive and even (RoPE pairs dimensions), got {head_dim}")));
+        }
+
+        let rms_norm_eps = f64_field(o, "rms_norm_eps", "rms_norm_eps", file)?.unwrap_or(1e-6);
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
+            return Err(cfg_err(file, "rms_norm_eps", format!("must be a positive number, got {rms_norm_eps}")));
+        }
+        let (rope_theta, rope_scaling) = rope(o, file)?;
+
+        let default_max_pos = match arch {
+            Arch::Llama => 2048,
+            Arch::Mistral => 4096 * 32,
+            Arch::Qwen2 => 32768,
+        };
+        let max_position_embeddings = usize_field(o, "max_position_embeddings", file)?.unwrap_or(default_max_pos);
+        if max_position_embeddings == 0 {
+            return Err(cfg_err(file, "max_position_embeddings", "must be positive, got 0"));
+        }
+        let tie_word_embeddings = bool_field(o, "tie_word_embeddings", file)?.unwrap_or(false);
+
+        if bool_field(o, "mlp_bias", file)? == Some(true) {
+            return Err(cfg_err(file, "mlp_bias", "MLP projection biases are not supported"));
+        }
+        let qkv_bias = match arch {
+            Arch::Qwen2 => true,
+            Arch::Mistral => false,
+            Arch::Llama => {
+                // In transformers' LlamaAttention `attention_bias` puts a bias on o_proj as
+                // well as q/k/v, and an o_proj bias has no place in this runtime's block.
+                if bool_field(o, "attention_bias", file)? == Some(true) {
+                    return Err(cfg_err(
+                        file,
+                        "attention_bias",
+                        "Llama `attention_bias: true` also adds an o_proj bias, which is not supported",
+                    ));
+                }
+                false
+            }
+        };
+        for key in ["o_proj_bias", "output_bias"] {
+            if bool_field(o, key, file)? == Some(true) {
+                return Err(cfg_err(file, key, "an o_proj bias is not supported"));
+            }
+        }
+
+        // Sliding-window attention is not implemented: only full causal attention.
+        match arch {
+            Arch::Mistral | Arch::Llama => {
+                if let Some(w) = usize_field(o, "sliding_window", file)? {
+                    if w < max_position_embeddings {
+                        return Err(cfg_err(
+                            file,
+                            "sliding_window",
+                            format!(
+                                "sliding-window attention (window {w} < max_position_embeddings {max_position_embeddings}) \
+                                 is not supported; only full causal attention is"
+                            ),
+                        ));
+                    }
+                }
+            }
+            Arch::Qwen2 => {
+                if bool_field(o, "use_sliding_window", file)? == Some(true) {
+                    return Err(cfg_err(
+                        file,
+                        "use_sliding_window",
+                        "sliding-window attention is not supported; only full causal attention is",
+                    ));
+                }
+            }
+        }
+        if let Some(Value::Array(types)) = get(o, "layer_types") {
+            if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
+                return Err(cfg_err(
+                    file,
+                    "layer_types",
+                    format!("layer type {t} is not supported; only `full_attention` is"),
+                ));
+            }
+        }
+
+        let bos_token_id = match get(o, "bos_token_id") {
+            None => None,
+            Some(v) => Some(token_id(v, "bos_token_id", file)?),
+        };
+        let eos_token_ids = match get(o, "eos_token_id") {
+            None => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| token_id(v, "eos_token_id", file))
+                .collect::<Result<Vec<_>, _>>()?,
+            Some(v) => vec![token_id(v, "eos_token_id", file)?],
+        };
+
+        Ok(ModelConfig {
+            arch,
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: rms_norm_eps as f32,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings,
+            tie_word_embeddings,
+            qkv_bias,
+            bos_token_id,
+            eos_token_ids,
+        })
+    }
+}
+
+impl ModelConfig {
+    /// Parses a Hugging Face `config.json` (`text`; `file` names it in errors).
+    ///
+    /// Accepts `model_type` llama, mistral and qwen2 (any other gives
+    /// [`LanternError::UnsupportedArchitecture`]), and both RoPE forms: transformers 5
+    /// `rope_parameters` and legacy `rope_theta` + `rope_scaling` (`rope_type`/`type` of
+    /// `default`, `linear` or `llama3`). Refuses, with a typed [`LanternError::Config`], what
+    /// the runtime cannot run exactly: sliding-window attention, MLP or o_proj biases,
+    /// activations other than SiLU, unknown RoPE types, and inconsistent sizes.
+    ///
+    /// [`LanternError::UnsupportedArchitecture`]: crate::LanternError::UnsupportedArchitecture
+    /// [`LanternError::Config`]: crate::LanternError::Config
+    pub fn from_hf_json(text: &str, file: &str) -> Result<ModelConfig, crate::LanternError> {
+        hf_json::parse(text, file)
+    }
+}

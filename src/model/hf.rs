@@ -1,0 +1,326 @@
+//! Hugging Face folder loader: `config.json` plus `model.safetensors`, or sharded
+//! `model-0000k-of-0000n.safetensors` files listed by `model.safetensors.index.json`.
+//!
+//! Tensors keep their file dtype (F32, F16 or BF16) and their Hugging Face names and shapes.
+//! Natively the files are memory-mapped ([`load_hf_folder`]); in the browser the caller
+//! fetches the files and hands over the bytes ([`load_hf_buffers`]). Both validate the
+//! result against the config ([`crate::model::validate::validate`]).
+
+use std::collections::{BTreeMap, HashMap};
+
+use safetensors::tensor::{Dtype as StDtype, SafeTensorError, SafeTensors};
+
+use super::config::ModelConfig;
+use super::tensor::{DType, HostTensor, ModelWeights};
+use super::validate::validate;
+use super::LoadError;
+use crate::error::LanternError;
+
+/// Name of the model config file in a Hugging Face folder.
+pub const CONFIG_FILE: &str = "config.json";
+/// Name of the single weights file of an unsharded checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Name of the shard index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Maps a safetensors dtype to a storage dtype this runtime keeps, or `None`.
+fn map_dtype(d: StDtype) -> Option<DType> {
+    match d {
+        StDtype::F32 => Some(DType::F32),
+        StDtype::F16 => Some(DType::F16),
+        StDtype::BF16 => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+/// Turns a safetensors parse error into a message that says what is wrong with the file.
+fn describe(err: SafeTensorError, len: usize) -> String {
+    match err {
+        SafeTensorError::HeaderTooSmall => {
+            format!("file is {len} bytes, too short for the 8-byte header length (truncated or not a safetensors file)")
+        }
+        SafeTensorError::InvalidHeaderLength => format!(
+            "header length runs past the end of the file ({len} bytes): truncated or not a safetensors file"
+        ),
+        SafeTensorError::HeaderTooLarge => {
+            "header length is implausibly large (corrupt, or not a safetensors file)".to_string()
+        }
+        SafeTensorError::MetadataIncompleteBuffer => format!(
+            "tensor data does not match the file size ({len} bytes): the file is truncated or has trailing bytes"
+        ),
+        SafeTensorError::InvalidHeaderDeserialization(e) => format!("corrupt header JSON: {e}"),
+        other => other.to_string(),
+    }
+}
+
+/// Parses one safetensors file's bytes and adds its tensors to `out`, copied in their file
+/// dtype. `file` names the file in errors.
+///
+/// Errors: [`LoadError::Safetensors`] for a corrupt or truncated file,
+/// [`LoadError::UnsupportedDType`] for a dtype other than F32/F16/BF16, and
+/// [`LoadError::Invalid`] for a tensor name already present in `out`.
+pub fn read_safetensors(
+    file: &str,
+    bytes: &[u8],
+    out: &mut HashMap<String, HostTensor>,
+) -> Result<(), LanternError> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| LoadError::Safetensors {
+        file: file.to_string(),
+        reason: describe(e, bytes.len()),
+    })?;
+    // Sorted so that the first error reported does not depend on hash order.
+    let mut views = st.tensors();
+    views.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, view) in views {
+        let dtype = map_dtype(view.dtype()).ok_or_else(|| LoadError::UnsupportedDType {
+            file: file.to_string(),
+            tensor: name.clone(),
+            dtype: format!("{} (supported: F32, F16, BF16)", view.dtype()),
+        })?;
+        if out.contains_key(&name) {
+            return Err(LoadError::Invalid {
+                file: file.to_string(),
+                reason: format!("tensor `{name}` is stored more than once"),
+            }
+            .into());
+        }
+        out.insert(
+            name.clone(),
+            HostTensor {
+                name,
+                shape: view.shape().to_vec(),
+                dtype,
+                data: view.data().to_vec(),
+            },
+        );
+    }
+    Ok(())
+}
+
+/// Reads a `model.safetensors.index.json`: its `weight_map` (tensor name -> shard file name).
+/// `file` names the index in errors.
+pub fn parse_index(text: &str, file: &str) -> Result<BTreeMap<String, String>, LanternError> {
+    let invalid = |reason: String| LoadError::Invalid {
+        file: file.to_string(),
+        reason,
+    };
+    let root: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
+    let map = root
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| invalid("no `weight_map` object".to_string()))?;
+    let mut out = BTreeMap::new();
+    for (tensor, shard) in map {
+        let shard = shard
+            .as_str()
+            .ok_or_else(|| invalid(format!("weight_map entry for `{tensor}` is not a file name: {shard}")))?;
+        // Shards must sit beside the index: no paths.
+        if shard.is_empty() || shard.contains('/') || shard.contains('\\') || shard == ".." {
+            return Err(invalid(format!("weight_map entry for `{tensor}` is not a plain file name: {shard:?}")).into());
+        }
+        out.insert(tensor.clone(), shard.to_string());
+    }
+    if out.is_empty() {
+        return Err(invalid("`weight_map` is empty".to_string()).into());
+    }
+    Ok(out)
+}
+
+/// The distinct shard file names an index lists, in sorted order (what a browser must fetch).
+pub fn shard_files(index_json: &str, file: &str) -> Result<Vec<String>, LanternError> {
+    let mut shards: Vec<String> = parse_index(index_json, file)?.into_values().collect();
+    shards.sort();
+    shards.dedup();
+    Ok(shards)
+}
+
+/// Checks that every tensor the index names was found in the shard it names.
+fn check_index(
+    index_file: &str,
+    weight_map: &BTreeMap<String, String>,
+    found_in: &HashMap<String, String>,
+) -> Result<(), LanternError> {
+    for (tensor, shard) in weight_map {
+        match found_in.get(tensor) {
+            Some(f) if f == shard => {}
+            Some(f) => {
+                return Err(LoadError::Invalid {
+                    file: index_file.to_string(),
+                    reason: format!("weight_map puts `{tensor}` in {shard}, but it is stored in {f}"),
+                }
+                .into())
+            }
+            None => {
+                return Err(LoadError::MissingTensor {
+                    file: shard.clone(),
+                    tensor: tensor.clone(),
+                }
+                .into())
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Loads a checkpoint from bytes already in memory (the browser path): `config_json` is the
+/// text of `config.json`, `index_json` that of `model.safetensors.index.json` when the
+/// checkpoint is sharded, and `files` the safetensors files as `(file name, bytes)`.
+///
+/// With an index, every shard it names must be among `files` and hold the tensors it says.
+/// The result is validated against the config.
+pub fn load_hf_buffers(
+    config_json: &str,
+    index_json: Option<&str>,
+    files: &[(&str, &[u8])],
+) -> Result<ModelWeights, LanternError> {
+    let config = ModelConfig::from_hf_json(config_json, CONFIG_FILE)?;
+    let mut tensors = HashMap::new();
+    let mut found_in = HashMap::new();
+    for (name, bytes) in files {
+        let before: std::collections::HashSet<String> = tensors.keys().cloned().collect();
+        read_safetensors(name, bytes, &mut tensors)?;
+        for t in tensors.keys().filter(|t| !before.contains(*t)) {
+            found_in.insert(t.clone(), name.to_string());
+        }
+    }
+    if let Some(index) = index_json {
+        let weight_map = parse_index(index, INDEX_FILE)?;
+        for shard in weight_map.values() {
+            if !files.iter().any(|(n, _)| n == shard) {
+                return Err(LoadError::Invalid {
+                    file: INDEX_FILE.to_string(),
+                    reason: format!("names shard {shard}, which was not provided"),
+                }
+                .into());
+            }
+        }
+        check_index(INDEX_FILE, &weight_map, &found_in)?;
+    }
+    let source = match files {
+        [(one, _)] => one.to_string(),
+        _ => format!("{} safetensors files", files.len()),
+    };
+    let weights = ModelWeights {
+        config,
+        tensors,
+        source,
+    };
+    validate(&weights)?;
+    Ok(weights)
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+pub use native::{load_hf_folder, read_hf_folder};
+
+#[cfg(not(target_arch = "wasm32"))]
+mod native {
+    use std::collections::HashMap;
+    use std::fs::File;
+    use std::path::Path;
+
+    use super::{check_index, parse_index, read_safetensors, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+    use crate::error::LanternError;
+    use crate::model::validate::validate;
+    use crate::model::{LoadError, ModelConfig, ModelWeights};
+
+    fn read_text(path: &Path) -> Result<String, LanternError> {
+        std::fs::read_to_string(path).map_err(|e| LanternError::io(path, e))
+    }
+
+    /// Memory-maps one safetensors file and copies its tensors into `out`.
+    fn read_file(path: &Path, out: &mut HashMap<String, crate::model::HostTensor>) -> Result<(), LanternError> {
+        let shown = path.display().to_string();
+        let file = File::open(path).map_err(|e| LanternError::io(path, e))?;
+        let len = file.metadata().map_err(|e| LanternError::io(path, e))?.len();
+        if len < 8 {
+            // Too short to map usefully (and zero-length maps fail on some platforms).
+            let bytes = std::fs::read(path).map_err(|e| LanternError::io(path, e))?;
+            return read_safetensors(&shown, &bytes, out);
+        }
+        // SAFETY: the map is read-only and dropped before returning; every tensor is copied
+        // out. Another process truncating the file while we read it could fault, which is
+        // the usual caveat of memory-mapped loading.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| LanternError::io(path, e))?;
+        read_safetensors(&shown, &map, out)
+    }
+
+    /// Reads a Hugging Face folder without validating tensor names and shapes against the
+    /// config (see [`load_hf_folder`] for the checked version).
+    pub fn read_hf_folder(dir: &Path) -> Result<ModelWeights, LanternError> {
+        let config_path = dir.join(CONFIG_FILE);
+        if !config_path.is_file() {
+            return Err(LoadError::Invalid {
+                file: dir.display().to_string(),
+                reason: format!(
+                    "no {CONFIG_FILE} here: expected a Hugging Face model folder ({CONFIG_FILE} + {SINGLE_FILE} or {INDEX_FILE})"
+                ),
+            }
+            .into());
+        }
+        let config = ModelConfig::from_hf_json(&read_text(&config_path)?, &config_path.display().to_string())?;
+
+        let mut tensors = HashMap::new();
+        let index_path = dir.join(INDEX_FILE);
+        let single_path = dir.join(SINGLE_FILE);
+        if index_path.is_file() {
+            let index_name = index_path.display().to_string();
+            let weight_map = parse_index(&read_text(&index_path)?, &index_name)?;
+            let mut shards: Vec<&String> = weight_map.values().collect();
+            shards.sort();
+            shards.dedup();
+            let mut found_in = HashMap::new();
+            for shard in shards {
+                let shard_path = dir.join(shard);
+                if !shard_path.is_file() {
+                    return Err(LoadError::Invalid {
+                        file: index_name,
+                        reason: format!("names shard {shard}, which does not exist in {}", dir.display()),
+                    }
+                    .into());
+                }
+                let mut part = HashMap::new();
+                read_file(&shard_path, &mut part)?;
+                for (name, t) in part {
+                    if tensors.contains_key(&name) {
+                        return Err(LoadError::Invalid {
+                            file: shard_path.display().to_string(),
+                            reason: format!("tensor `{name}` is also stored in {}", found_in[&name]),
+                        }
+                        .into());
+                    }
+                    found_in.insert(name.clone(), shard.clone());
+                    tensors.insert(name, t);
+                }
+            }
+            check_index(&index_name, &weight_map, &found_in)?;
+        } else if single_path.is_file() {
+            read_file(&single_path, &mut tensors)?;
+        } else {
+            let has_bin = dir.join("pytorch_model.bin").is_file() || dir.join("pytorch_model.bin.index.json").is_file();
+            return Err(LoadError::Invalid {
+                file: dir.display().to_string(),
+                reason: if has_bin {
+                    format!("only PyTorch .bin weights here; convert them to safetensors ({SINGLE_FILE})")
+                } else {
+                    format!("neither {SINGLE_FILE} nor {INDEX_FILE} found")
+                },
+            }
+            .into());
+        }
+        Ok(ModelWeights {
+            config,
+            tensors,
+            source: dir.display().to_string(),
+        })
+    }
+
+    /// Loads a Hugging Face model folder (`config.json` plus `model.safetensors`, or shards
+    /// listed by `model.safetensors.index.json`), memory-mapping the weight files, and
+    /// validates every tensor's presence and shape against the config.
+    pub fn load_hf_folder(dir: &Path) -> Result<ModelWeights, LanternError> {
+        let weights = read_hf_folder(dir)?;
+        validate(&weights)?;
+        Ok(weights)
+    }
+}

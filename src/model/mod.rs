@@ -1,0 +1,38 @@
+//! Models: configuration, loaders (GGUF, Hugging Face safetensors folders), tokenizer and
+//! chat template, host-side weights, and the GPU forward pass.
+
+pub mod config;
+pub mod gguf;
+pub mod hf;
+pub mod tensor;
+pub mod tokenizer;
+pub mod validate;
+
+pub use config::{Arch, ModelConfig, RopeScaling};
+pub use tensor::{DType, HostTensor, ModelWeights};
+
+/// Errors while loading weights from a safetensors folder or while mapping tensors to the
+/// model's expected set.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    #[error("{file}: missing tensor `{tensor}`")]
+    MissingTensor { file: String, tensor: String },
+    #[error("{file}: tensor `{tensor}` has shape {got:?}, expected {expected:?}")]
+    WrongShape {
+        file: String,
+        tensor: String,
+        got: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("{file}: tensor `{tensor}` has unsupported dtype {dtype}")]
+    UnsupportedDType {
+        file: String,
+        tensor: String,
+        dtype: String,
+    },
+    #[error("{file}: invalid safetensors data: {reason}")]
+    Safetensors { file: String, reason: String },
+    #[error("{file}: {reason}")]
+    Invalid { file: String, reason: String },
+}

@@ -1,0 +1,127 @@
+//! Host-side tensors as loaded from a file, before upload, and the model's weight set.
+//!
+//! Tensors keep their file dtype (including GGUF block-quantized formats) so that later
+//! stages can upload packed data without going through floats; `to_f32` dequantizes.
+
+use std::collections::HashMap;
+
+use super::config::ModelConfig;
+
+/// Storage dtype of a host tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    /// GGUF Q8_0: blocks of 32, one f16 scale + 32 i8 (34 bytes).
+    Q8_0,
+    /// GGUF Q4_0: blocks of 32, one f16 scale + 16 bytes of nibbles (18 bytes), value = (q - 8) * d.
+    Q4_0,
+    /// GGUF Q4_1: blocks of 32, f16 scale d, f16 min m, 16 bytes of nibbles (20 bytes), value = q * d + m.
+    Q4_1,
+}
+
+impl DType {
+    /// (elements per block, bytes per block).
+    pub fn block(&self) -> (usize, usize) {
+        match self {
+            DType::F32 => (1, 4),
+            DType::F16 | DType::BF16 => (1, 2),
+            DType::Q8_0 => (32, 34),
+            DType::Q4_0 => (32, 18),
+            DType::Q4_1 => (32, 20),
+        }
+    }
+
+    /// Bytes needed for `n` elements; `None` if `n` is not a multiple of the block size.
+    pub fn bytes_for(&self, n: usize) -> Option<usize> {
+        let (be, bb) = self.block();
+        if n % be != 0 {
+            return None;
+        }
+        Some(n / be * bb)
+    }
+}
+
+/// A tensor in host memory, in its file dtype. `shape` is row-major, outermost first
+/// (a Linear weight is `[out_features, in_features]`, as in Hugging Face checkpoints).
+#[derive(Debug, Clone)]
+pub struct HostTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub data: Vec<u8>,
+}
+
+impl HostTensor {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn from_f32(name: impl Into<String>, shape: Vec<usize>, values: &[f32]) -> Self {
+        HostTensor {
+            name: name.into(),
+            shape,
+            dtype: DType::F32,
+            data: bytemuck::cast_slice(values).to_vec(),
+        }
+    }
+
+    /// Dequantize / convert to f32 values.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let n = self.numel();
+        let d = &self.data;
+        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        match self.dtype {
+            DType::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            DType::F16 => d.chunks_exact(2).map(f16).collect(),
+            DType::BF16 => d
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            DType::Q8_0 => {
+                let mut out = Vec::with_capacity(n);
+                for b in d.chunks_exact(34) {
+                    let s = f16(&b[0..2]);
+                    out.extend(b[2..34].iter().map(|&q| q as i8 as f32 * s));
+                }
+                out
+            }
+            DType::Q4_0 => {
+                let mut out = vec![0.0; n];
+                for (bi, b) in d.chunks_exact(18).enumerate() {
+                    let s = f16(&b[0..2]);
+                    for j in 0..16 {
+                        out[bi * 32 + j] = ((b[2 + j] & 0x0f) as i32 - 8) as f32 * s;
+                        out[bi * 32 + j + 16] = ((b[2 + j] >> 4) as i32 - 8) as f32 * s;
+                    }
+                }
+                out
+            }
+            DType::Q4_1 => {
+                let mut out = vec![0.0; n];
+                for (bi, b) in d.chunks_exact(20).enumerate() {
+                    let s = f16(&b[0..2]);
+                    let m = f16(&b[2..4]);
+                    for j in 0..16 {
+                        out[bi * 32 + j] = (b[4 + j] & 0x0f) as f32 * s + m;
+                        out[bi * 32 + j + 16] = (b[4 + j] >> 4) as f32 * s + m;
+                    }
+                }
+                out
+            }
+        }
+    }
+}
+
+/// A loaded model: its config and its tensors under canonical (Hugging Face) names, e.g.
+/// `model.embed_tokens.weight`, `model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`
+/// (absent when embeddings are tied). Q/K rows are in the Hugging Face `rotate_half` layout,
+/// whatever the source file stored.
+#[derive(Debug, Clone)]
+pub struct ModelWeights {
+    pub config: ModelConfig,
+    pub tensors: HashMap<String, HostTensor>,
+    /// Where the weights came from (file or folder), for error messages.
+    pub source: String,
+}

@@ -1,0 +1,118 @@
+//! Checks a loaded weight set against its config: every tensor the architecture needs is
+//! present with the exact expected shape and a byte size matching its dtype, and no bias the
+//! config does not account for is silently ignored.
+
+use super::config::ModelConfig;
+use super::tensor::ModelWeights;
+use super::LoadError;
+use crate::error::LanternError;
+
+/// Every tensor the forward pass reads, with its expected shape (Hugging Face names,
+/// Linear weights as `[out_features, in_features]`).
+pub fn expected_tensors(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let q = c.num_heads * hd;
+    let kv = c.num_kv_heads * hd;
+    let ffn = c.intermediate_size;
+    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h])];
+    for l in 0..c.num_layers {
+        let p = format!("model.layers.{l}");
+        out.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
+        out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
+        out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+        if c.qkv_bias {
+            out.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+            out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+            out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+        }
+        out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        out.push((format!("{p}.mlp.gate_proj.weight"), vec![ffn, h]));
+        out.push((format!("{p}.mlp.up_proj.weight"), vec![ffn, h]));
+        out.push((format!("{p}.mlp.down_proj.weight"), vec![h, ffn]));
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !c.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![c.vocab_size, h]));
+    }
+    out
+}
+
+/// True for a bias tensor the runtime would not apply under this config.
+fn is_unexpected_bias(c: &ModelConfig, name: &str) -> bool {
+    if !name.starts_with("model.layers.") || !name.ends_with(".bias") {
+        return name == "lm_head.bias";
+    }
+    let qkv = name.ends_with("q_proj.bias") || name.ends_with("k_proj.bias") || name.ends_with("v_proj.bias");
+    !(qkv && c.qkv_bias)
+}
+
+/// Checks that `weights` holds every tensor its config needs ([`expected_tensors`]) with
+/// exactly the expected shape, that each tensor's byte size matches its dtype, and that no
+/// bias tensor is present that the forward pass would ignore. Extra non-bias tensors (for
+/// example a stored `lm_head.weight` when embeddings are tied) are allowed.
+///
+/// Errors name the tensor and, for a shape mismatch, both shapes:
+/// [`LoadError::MissingTensor`], [`LoadError::WrongShape`], [`LoadError::Invalid`].
+pub fn validate(weights: &ModelWeights) -> Result<(), LanternError> {
+    let c = &weights.config;
+    let file = || weights.source.clone();
+    for (name, shape) in expected_tensors(c) {
+        let t = weights.tensors.get(&name).ok_or_else(|| LoadError::MissingTensor {
+            file: file(),
+            tensor: name.clone(),
+        })?;
+        if t.shape != shape {
+            return Err(LoadError::WrongShape {
+                file: file(),
+                tensor: name,
+                got: t.shape.clone(),
+                expected: shape,
+            }
+            .into());
+        }
+    }
+    let mut names: Vec<&String> = weights.tensors.keys().collect();
+    names.sort();
+    for name in names {
+        let t = &weights.tensors[name];
+        let numel: usize = t.shape.iter().product();
+        match t.dtype.bytes_for(numel) {
+            Some(n) if n == t.data.len() => {}
+            Some(n) => {
+                return Err(LoadError::Invalid {
+                    file: file(),
+                    reason: format!(
+                        "tensor `{name}` ({:?} {:?}) should hold {n} bytes but holds {}",
+                        t.dtype,
+                        t.shape,
+                        t.data.len()
+                    ),
+                }
+                .into())
+            }
+            None => {
+                return Err(LoadError::Invalid {
+                    file: file(),
+                    reason: format!(
+                        "tensor `{name}` has {numel} elements, not a multiple of the {:?} block size",
+                        t.dtype
+                    ),
+                }
+                .into())
+            }
+        }
+        if is_unexpected_bias(c, name) {
+            return Err(LoadError::Invalid {
+                file: file(),
+                reason: format!(
+                    "tensor `{name}` is a bias this {:?} config does not use; refusing to ignore it",
+                    c.arch
+                ),
+            }
+            .into());
+        }
+    }
+    Ok(())
+}

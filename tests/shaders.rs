@@ -1,0 +1,118 @@
+//! Shader artifacts, checked with no adapter: every kernel variant is expanded, parsed and
+//! validated by naga under capability sets with and without shader-f16 and subgroups,
+//! translated to SPIR-V (Vulkan), MSL (Metal) and HLSL (DX12), and snapshotted with insta.
+
+use lantern::gpu::shader::{Features, PipelineKey};
+use naga::valid::{Capabilities, ValidationFlags, Validator};
+
+fn feature_sets() -> Vec<Features> {
+    vec![
+        Features { f16: false, subgroups: false },
+        Features { f16: false, subgroups: true },
+        Features { f16: true, subgroups: false },
+        Features { f16: true, subgroups: true },
+    ]
+}
+
+fn all_keys() -> Vec<PipelineKey> {
+    let mut keys: Vec<PipelineKey> = feature_sets()
+        .into_iter()
+        .flat_map(PipelineKey::all_variants)
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
+fn parse_validate(key: &PipelineKey, caps: Capabilities) -> (naga::Module, naga::valid::ModuleInfo) {
+    let src = key.expand().unwrap_or_else(|e| panic!("{}: preprocess: {e}", key.label()));
+    let module = naga::front::wgsl::parse_str(&src)
+        .unwrap_or_else(|e| panic!("{}: parse: {}", key.label(), e.emit_to_string(&src)));
+    let info = Validator::new(ValidationFlags::all(), caps)
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{}: validate: {}", key.label(), e.emit_to_string(&src)));
+    (module, info)
+}
+
+#[test]
+fn every_variant_validates_under_its_capabilities_and_richer_ones() {
+    let keys = all_keys();
+    assert!(keys.len() >= 40, "expected the full variant set, got {}", keys.len());
+    for key in &keys {
+        let needed = key.naga_capabilities();
+        parse_validate(key, needed);
+        parse_validate(key, needed | Capabilities::SHADER_FLOAT16 | Capabilities::SUBGROUP);
+    }
+}
+
+#[test]
+fn variants_without_optional_features_validate_with_no_capabilities() {
+    // The baseline set must run where neither shader-f16 nor subgroups exist
+    // (SwiftShader in Chromium has no f16).
+    for key in PipelineKey::all_variants(Features::default()) {
+        assert!(!key.features.f16 && !key.features.subgroups, "{}", key.label());
+        // Only the core-WebGPU f16 packing builtins, never the shader-f16 feature.
+        let caps = key.naga_capabilities();
+        assert!(!caps.contains(Capabilities::SHADER_FLOAT16) && !caps.contains(Capabilities::SUBGROUP));
+        parse_validate(&key, caps);
+    }
+}
+
+#[test]
+fn subgroup_variants_are_rejected_without_the_capability() {
+    let sg = PipelineKey::all_variants(Features { f16: false, subgroups: true })
+        .into_iter()
+        .filter(|k| k.features.subgroups)
+        .collect::<Vec<_>>();
+    assert!(!sg.is_empty());
+    for key in sg {
+        let src = key.expand().unwrap();
+        let module = naga::front::wgsl::parse_str(&src).unwrap();
+        let r = Validator::new(ValidationFlags::all(), Capabilities::empty()).validate(&module);
+        assert!(r.is_err(), "{} validated without SUBGROUP", key.label());
+    }
+}
+
+#[test]
+fn every_variant_translates_to_spirv_msl_and_hlsl() {
+    for key in all_keys() {
+        let (module, info) = parse_validate(&key, key.naga_capabilities());
+        let spv = naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
+            .unwrap_or_else(|e| panic!("{}: SPIR-V: {e}", key.label()));
+        assert!(!spv.is_empty());
+        let msl_opts = naga::back::msl::Options {
+            lang_version: (2, 1),
+            ..Default::default()
+        };
+        naga::back::msl::write_string(&module, &info, &msl_opts, &naga::back::msl::PipelineOptions::default())
+            .unwrap_or_else(|e| panic!("{}: MSL: {e}", key.label()));
+        let hlsl_opts = naga::back::hlsl::Options {
+            shader_model: naga::back::hlsl::ShaderModel::V6_0,
+            ..Default::default()
+        };
+        let pipeline_opts = naga::back::hlsl::PipelineOptions::default();
+        let mut out = String::new();
+        naga::back::hlsl::Writer::new(&mut out, &hlsl_opts, &pipeline_opts)
+            .write(&module, &info, None)
+            .unwrap_or_else(|e| panic!("{}: HLSL: {e}", key.label()));
+        assert!(out.contains("main"));
+    }
+}
+
+#[test]
+fn expanded_sources_snapshot() {
+    for key in all_keys() {
+        let src = key.expand().unwrap();
+        insta::assert_snapshot!(key.label(), src);
+    }
+}
+
+#[test]
+fn labels_are_unique_per_key() {
+    let keys = all_keys();
+    let mut labels: Vec<String> = keys.iter().map(|k| k.label()).collect();
+    labels.sort();
+    let n = labels.len();
+    labels.dedup();
+    assert_eq!(n, labels.len());
+}
