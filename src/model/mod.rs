@@ -7,6 +7,7 @@ pub mod hf;
 pub mod tensor;
 pub mod tokenizer;
 pub mod validate;
+pub mod llama;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use tensor::{DType, HostTensor, ModelWeights};

@@ -1,0 +1,10 @@
+//! Requests and generation: sampling, the generation loop with streaming and stop
+//! conditions, and serving metrics (TTFT, ITL, TPOT, E2E).
+
+pub mod generate;
+pub mod metrics;
+pub mod sampler;
+
+pub use generate::{FinishReason, GenerateRequest, Generation};
+pub use metrics::RequestTimings;
+pub use sampler::{Sampler, SamplingParams};

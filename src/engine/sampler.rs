@@ -1,0 +1,208 @@
+//! Token sampling: greedy, temperature, top-k, top-p (nucleus), with a seeded generator so
+//! a given seed reproduces a sampled continuation exactly.
+//!
+//! Order of operations (as in Hugging Face `generate` and llama.cpp): temperature scaling,
+//! then top-k, then top-p over the renormalised distribution, then one draw. Temperature 0
+//! means greedy (argmax, lowest id on ties), and greedy runs on the GPU.
+
+/// Sampling parameters of one request.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Keep the smallest set whose probability reaches p; 1.0 = off.
+    pub top_p: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding (argmax).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 || self.top_k == 1
+    }
+}
+
+/// Index of the largest value; lowest index on ties; NaN never wins.
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut bv = f32::NEG_INFINITY;
+    let mut found = false;
+    for (i, &v) in row.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        if !found || v > bv {
+            best = i;
+            bv = v;
+            found = true;
+        }
+    }
+    best as u32
+}
+
+/// A small, fast, seedable generator (SplitMix64 seeding a xoshiro256**).
+#[derive(Debug, Clone)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        let mut z = seed;
+        let mut next = || {
+            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut x = z;
+            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            x ^ (x >> 31)
+        };
+        Rng {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        r
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// A sampler for one request.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    pub params: SamplingParams,
+    rng: Rng,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Sampler {
+        Sampler {
+            params,
+            rng: Rng::new(params.seed),
+        }
+    }
+
+    /// Draw a token from one row of logits.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.params.is_greedy() || logits.is_empty() {
+            return argmax(logits);
+        }
+        let t = self.params.temperature as f64;
+        let mut cand: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.is_finite())
+            .map(|(i, &v)| (i as u32, v as f64 / t))
+            .collect();
+        if cand.is_empty() {
+            return argmax(logits);
+        }
+        // Descending by logit, ties by lower id (stable and deterministic).
+        cand.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0)));
+        if self.params.top_k > 0 && self.params.top_k < cand.len() {
+            cand.truncate(self.params.top_k);
+        }
+        let max = cand[0].1;
+        let mut probs: Vec<f64> = cand.iter().map(|c| (c.1 - max).exp()).collect();
+        let sum: f64 = probs.iter().sum();
+        for p in &mut probs {
+            *p /= sum;
+        }
+        if self.params.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, p) in probs.iter().enumerate() {
+                acc += p;
+                if acc >= self.params.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep.max(1));
+            let s: f64 = probs.iter().sum();
+            for p in &mut probs {
+                *p /= s;
+            }
+        }
+        let u = self.rng.next_f64();
+        let mut acc = 0.0;
+        for (i, p) in probs.iter().enumerate() {
+            acc += p;
+            if u < acc {
+                return cand[i].0;
+            }
+        }
+        cand[probs.len() - 1].0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_prefers_lowest_index_and_skips_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, 0.1]), 1);
+        assert_eq!(argmax(&[-1.0, -0.5]), 1);
+    }
+
+    #[test]
+    fn same_seed_same_draws_and_top_k_limits_support() {
+        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 100) as f32 / 10.0).collect();
+        let p = SamplingParams { temperature: 1.0, top_k: 5, top_p: 1.0, seed: 42 };
+        let a: Vec<u32> = { let mut s = Sampler::new(p); (0..200).map(|_| s.sample(&logits)).collect() };
+        let b: Vec<u32> = { let mut s = Sampler::new(p); (0..200).map(|_| s.sample(&logits)).collect() };
+        assert_eq!(a, b);
+        let mut top5: Vec<u32> = (0..100u32).collect();
+        top5.sort_by(|&x, &y| logits[y as usize].partial_cmp(&logits[x as usize]).unwrap());
+        top5.truncate(5);
+        assert!(a.iter().all(|t| top5.contains(t)));
+        let distinct: std::collections::BTreeSet<_> = a.iter().collect();
+        assert!(distinct.len() > 1, "temperature 1 should not be greedy");
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        // Probabilities ~ [0.5, 0.25, 0.125, ...]: p = 0.7 keeps the first two.
+        let logits: Vec<f32> = (0..10).map(|i| -(i as f32) * std::f32::consts::LN_2).collect();
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.7, seed: 7 });
+        for _ in 0..500 {
+            assert!(s.sample(&logits) <= 1);
+        }
+    }
+
+    #[test]
+    fn sampling_frequencies_follow_the_distribution() {
+        let logits = [0.0f32, (3.0f32).ln()]; // p = [0.25, 0.75]
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 1 });
+        let n = 20000;
+        let ones = (0..n).filter(|_| s.sample(&logits) == 1).count() as f64 / n as f64;
+        assert!((ones - 0.75).abs() < 0.02, "{ones}");
+    }
+}

@@ -1,0 +1,662 @@
+//! The Llama-family forward pass on the GPU (Llama 1/2/3, SmolLM2, TinyLlama, Mistral without
+//! sliding window, Qwen2 with q/k/v biases), mirroring Hugging Face transformers'
+//! `modeling_llama.py` (https://github.com/huggingface/transformers) and the paper
+//! "LLaMA: Open and Efficient Foundation Language Models" (arXiv:2302.13971).
+//!
+//! Per layer, six dispatches, each a fused op:
+//! 1. `qkv = rmsnorm(x) W_qkv^T (+ b)`   (norm folded into the q|k|v projection)
+//! 2. RoPE on q and k; k and v written into the paged KV cache
+//! 3. causal GQA attention over the cache
+//! 4. `x += attn W_o^T`                  (residual add fused)
+//! 5. `act = silu(n W_gate^T) * (n W_up^T)`, `n = rmsnorm(x)` (norm and gate fused)
+//! 6. `x += act W_down^T`
+//!
+//! plus the embedding gather before and `logits = rmsnorm(x) W_head^T` and the GPU argmax
+//! after: 6 L + 3 dispatches per step, all recorded into one command submission.
+
+use std::sync::Arc;
+
+use crate::gpu::buffer::{create_storage, create_zeroed, Readback};
+use crate::gpu::{GpuContext, GpuError, GpuTensor};
+use crate::kernels::attention::{AttentionIo, AttentionParams};
+use crate::kernels::linear::{GpuLinear, HostMatrix, LinearIo, Shape};
+use crate::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
+use crate::kernels::{self, Dispatch, StepUniform};
+use crate::kv::{KvCache, KvConfig, KvError};
+use crate::model::{DType, HostTensor, ModelConfig, ModelWeights};
+use crate::{LanternError, Result};
+
+/// Load-time choices.
+#[derive(Debug, Clone)]
+pub struct ModelOptions {
+    /// Longest sequence in tokens (prompt + generated). Default: min(model max, 2048).
+    pub context: Option<usize>,
+    /// Sequences served at once.
+    pub max_seqs: usize,
+    /// Tokens per KV page.
+    pub page_size: usize,
+    /// Most tokens processed in one step (prefill chunk size).
+    pub max_batch_tokens: usize,
+    /// Most rows of logits read in one step.
+    pub max_logit_rows: usize,
+    /// Keep f16 weights as f16 on the GPU (else expand to f32).
+    pub keep_f16: bool,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            context: None,
+            max_seqs: 1,
+            page_size: 16,
+            max_batch_tokens: 128,
+            max_logit_rows: 64,
+            keep_f16: true,
+        }
+    }
+}
+
+struct Layer {
+    qkv: GpuLinear,
+    o: GpuLinear,
+    gate_up: GpuLinear,
+    down: GpuLinear,
+    in_norm: wgpu::Buffer,
+    post_norm: wgpu::Buffer,
+}
+
+/// Per-step host inputs.
+struct Workspace {
+    step: wgpu::Buffer,
+    ids: wgpu::Buffer,
+    positions: wgpu::Buffer,
+    token_seq: wgpu::Buffer,
+    block_table: wgpu::Buffer,
+    logit_rows: wgpu::Buffer,
+    hidden: wgpu::Buffer,
+    qkv: wgpu::Buffer,
+    attn: wgpu::Buffer,
+    act: wgpu::Buffer,
+    logits: wgpu::Buffer,
+    argmax: wgpu::Buffer,
+    rope: wgpu::Buffer,
+}
+
+struct Plans {
+    embed: Vec<Dispatch>,
+    layers_matvec: Vec<Dispatch>,
+    layers_matmul: Vec<Dispatch>,
+    head_gather: Vec<Dispatch>,
+    head_all: Vec<Dispatch>,
+    argmax: Dispatch,
+}
+
+/// What a step should return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    /// Only the argmax of each requested row (4 bytes read back per row).
+    Argmax,
+    /// The full logits of each requested row (and their argmax).
+    Logits,
+}
+
+/// Result of a forward step.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutput {
+    /// Argmax per requested row.
+    pub argmax: Vec<u32>,
+    /// Logits per requested row (`rows x vocab`), when asked for.
+    pub logits: Option<Vec<f32>>,
+}
+
+/// A model resident on the GPU with its KV cache.
+pub struct GpuModel {
+    pub ctx: Arc<GpuContext>,
+    pub config: ModelConfig,
+    pub options: ModelOptions,
+    pub kv: KvCache,
+    // Weights stay owned here for the model's lifetime (the plans' bind groups use them).
+    #[allow(dead_code)]
+    layers: Vec<Layer>,
+    lm_head: GpuLinear,
+    #[allow(dead_code)]
+    embed_own: Option<GpuTensor>,
+    #[allow(dead_code)]
+    final_norm: wgpu::Buffer,
+    ws: Workspace,
+    plans: Plans,
+    readback: Readback,
+    weight_bytes: u64,
+    /// Steps where the matvec path runs (n_tokens at or below this).
+    pub matvec_max_tokens: usize,
+}
+
+enum Owned {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+}
+
+impl Owned {
+    fn as_matrix(&self) -> HostMatrix<'_> {
+        match self {
+            Owned::F32(v) => HostMatrix::F32(v),
+            Owned::F16(v) => HostMatrix::F16(v),
+        }
+    }
+}
+
+fn get<'a>(w: &'a ModelWeights, name: &str) -> Result<&'a HostTensor> {
+    w.tensors.get(name).ok_or_else(|| {
+        LanternError::Load(crate::model::LoadError::MissingTensor {
+            file: w.source.clone(),
+            tensor: name.into(),
+        })
+    })
+}
+
+/// Concatenate row blocks of matrices into one, keeping f16 when all parts are f16.
+fn matrix(parts: &[&HostTensor], keep_f16: bool) -> Owned {
+    if keep_f16 && parts.iter().all(|t| t.dtype == DType::F16) {
+        let mut v = Vec::new();
+        for t in parts {
+            v.extend(t.data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])));
+        }
+        Owned::F16(v)
+    } else {
+        let mut v = Vec::new();
+        for t in parts {
+            v.extend(t.to_f32());
+        }
+        Owned::F32(v)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn lin_io<'a>(
+    ws: &'a Workspace,
+    x: &'a wgpu::Buffer,
+    x_stride: usize,
+    norm: Option<&'a wgpu::Buffer>,
+    y: &'a wgpu::Buffer,
+    out_stride: usize,
+    residual: bool,
+    eps: f32,
+    rows: Option<&'a wgpu::Buffer>,
+) -> LinearIo<'a> {
+    LinearIo {
+        step: &ws.step,
+        x,
+        x_stride,
+        norm,
+        eps,
+        y,
+        out_stride,
+        out_offset: 0,
+        residual,
+        rows,
+    }
+}
+
+fn gpu_err(e: GpuError) -> LanternError {
+    LanternError::Gpu(e)
+}
+
+impl GpuModel {
+    /// Upload `weights` and build the step plans.
+    pub async fn load(ctx: Arc<GpuContext>, weights: &ModelWeights, options: ModelOptions) -> Result<GpuModel> {
+        let c = weights.config.clone();
+        let d = c.hidden_size;
+        let hd = c.head_dim;
+        let qkv_dim = c.qkv_dim();
+        let q_dim = c.num_heads * hd;
+        let kv_dim = c.num_kv_heads * hd;
+        let f = c.intermediate_size;
+        let keep = options.keep_f16;
+        let mut weight_bytes = 0u64;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        let norm = |name: &str| -> Result<wgpu::Buffer> {
+            let t = get(weights, name)?;
+            create_storage(&ctx, name, bytemuck::cast_slice(&t.to_f32())).map_err(gpu_err)
+        };
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            let q = get(weights, &format!("{p}.self_attn.q_proj.weight"))?;
+            let k = get(weights, &format!("{p}.self_attn.k_proj.weight"))?;
+            let v = get(weights, &format!("{p}.self_attn.v_proj.weight"))?;
+            let qkv_w = matrix(&[q, k, v], keep);
+            let bias = if c.qkv_bias {
+                let mut b = get(weights, &format!("{p}.self_attn.q_proj.bias"))?.to_f32();
+                b.extend(get(weights, &format!("{p}.self_attn.k_proj.bias"))?.to_f32());
+                b.extend(get(weights, &format!("{p}.self_attn.v_proj.bias"))?.to_f32());
+                Some(b)
+            } else {
+                None
+            };
+            let qkv = GpuLinear::upload(&ctx, &format!("{p}.qkv"), qkv_w.as_matrix(), None, bias.as_deref(), qkv_dim, d)
+                .map_err(gpu_err)?;
+            let o_w = matrix(&[get(weights, &format!("{p}.self_attn.o_proj.weight"))?], keep);
+            let o = GpuLinear::upload(&ctx, &format!("{p}.o_proj"), o_w.as_matrix(), None, None, d, q_dim).map_err(gpu_err)?;
+            let g_w = matrix(&[get(weights, &format!("{p}.mlp.gate_proj.weight"))?], keep);
+            let u_w = matrix(&[get(weights, &format!("{p}.mlp.up_proj.weight"))?], keep);
+            let (g_m, u_m) = match (&g_w, &u_w) {
+                (Owned::F16(_), Owned::F16(_)) | (Owned::F32(_), Owned::F32(_)) => (g_w, u_w),
+                _ => (
+                    matrix(&[get(weights, &format!("{p}.mlp.gate_proj.weight"))?], false),
+                    matrix(&[get(weights, &format!("{p}.mlp.up_proj.weight"))?], false),
+                ),
+            };
+            let gate_up = GpuLinear::upload(&ctx, &format!("{p}.gate_up"), g_m.as_matrix(), Some(u_m.as_matrix()), None, f, d)
+                .map_err(gpu_err)?;
+            let dn_w = matrix(&[get(weights, &format!("{p}.mlp.down_proj.weight"))?], keep);
+            let down = GpuLinear::upload(&ctx, &format!("{p}.down_proj"), dn_w.as_matrix(), None, None, d, f).map_err(gpu_err)?;
+            weight_bytes += qkv.bytes() + o.bytes() + gate_up.bytes() + down.bytes() + 2 * d as u64 * 4;
+            layers.push(Layer {
+                qkv,
+                o,
+                gate_up,
+                down,
+                in_norm: norm(&format!("{p}.input_layernorm.weight"))?,
+                post_norm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+            });
+        }
+        let embed_t = get(weights, "model.embed_tokens.weight")?;
+        let head_t = if c.tie_word_embeddings {
+            embed_t
+        } else {
+            get(weights, "lm_head.weight")?
+        };
+        let head_m = matrix(&[head_t], keep);
+        let lm_head = GpuLinear::upload(&ctx, "lm_head", head_m.as_matrix(), None, None, c.vocab_size, d).map_err(gpu_err)?;
+        weight_bytes += lm_head.bytes();
+        let embed_own = if c.tie_word_embeddings {
+            None
+        } else {
+            let m = matrix(&[embed_t], keep);
+            let t = match &m {
+                Owned::F32(v) => GpuTensor::upload_rows(&ctx, "embed_tokens", bytemuck::cast_slice(v), c.vocab_size, d * 4),
+                Owned::F16(v) => GpuTensor::upload_rows(&ctx, "embed_tokens", bytemuck::cast_slice(v), c.vocab_size, d * 2),
+            }
+            .map_err(gpu_err)?;
+            weight_bytes += t.bytes();
+            Some(t)
+        };
+        let final_norm = norm("model.norm.weight")?;
+        weight_bytes += d as u64 * 4;
+
+        // KV cache.
+        let context = options
+            .context
+            .unwrap_or(c.max_position_embeddings.min(2048))
+            .max(1);
+        let kv_cfg = KvConfig {
+            page_size: options.page_size.max(1),
+            num_pages: options.max_seqs.max(1) * context.div_ceil(options.page_size.max(1)),
+            max_seqs: options.max_seqs.max(1),
+            context,
+        };
+        let kv = KvCache::new(&ctx, kv_cfg, c.num_layers, c.num_kv_heads, hd).map_err(gpu_err)?;
+
+        // Workspace.
+        let t = options.max_batch_tokens.max(1);
+        let r = options.max_logit_rows.max(1).min(t);
+        let ws = Workspace {
+            step: kernels::step_buffer(&ctx),
+            ids: create_zeroed(&ctx, "ids", (t * 4) as u64).map_err(gpu_err)?,
+            positions: create_zeroed(&ctx, "positions", (t * 4) as u64).map_err(gpu_err)?,
+            token_seq: create_zeroed(&ctx, "token_seq", (t * 4) as u64).map_err(gpu_err)?,
+            block_table: create_zeroed(&ctx, "block_table", (kv_cfg.max_seqs * kv_cfg.max_pages_per_seq() * 4) as u64)
+                .map_err(gpu_err)?,
+            logit_rows: create_zeroed(&ctx, "logit_rows", (r * 4) as u64).map_err(gpu_err)?,
+            hidden: create_zeroed(&ctx, "hidden", (t * d * 4) as u64).map_err(gpu_err)?,
+            qkv: create_zeroed(&ctx, "qkv", (t * qkv_dim * 4) as u64).map_err(gpu_err)?,
+            attn: create_zeroed(&ctx, "attn", (t * q_dim * 4) as u64).map_err(gpu_err)?,
+            act: create_zeroed(&ctx, "act", (t * f * 4) as u64).map_err(gpu_err)?,
+            logits: create_zeroed(&ctx, "logits", (r * c.vocab_size * 4) as u64).map_err(gpu_err)?,
+            argmax: create_zeroed(&ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
+            rope: create_storage(&ctx, "rope", bytemuck::cast_slice(&rope_table(&c.rope_inv_freq(), context)))
+                .map_err(gpu_err)?,
+        };
+        let _ = kv_dim;
+
+        // Plans.
+        let embed_src = embed_own.as_ref().unwrap_or(&lm_head.w);
+        let embed = kernels::embedding::build(&ctx, &ws.step, &ws.ids, embed_src, lm_head.format, d, &ws.hidden)
+            .await
+            .map_err(gpu_err)?;
+        let mut layers_matvec = Vec::new();
+        let mut layers_matmul = Vec::new();
+        for (l, layer) in layers.iter().enumerate() {
+            for shape in [Shape::Matvec, Shape::Matmul] {
+                let list = Self::layer_plan(&ctx, &c, &ws, &kv, kv_cfg, l, layer, shape).await?;
+                match shape {
+                    Shape::Matvec => layers_matvec.extend(list),
+                    Shape::Matmul => layers_matmul.extend(list),
+                }
+            }
+        }
+        let head_gather = kernels::linear::build(&ctx, &lm_head, &lin_io(&ws, &ws.hidden, d, Some(&final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, Some(&ws.logit_rows)), Shape::Matvec)
+            .await
+            .map_err(gpu_err)?;
+        let head_all = kernels::linear::build(&ctx, &lm_head, &lin_io(&ws, &ws.hidden, d, Some(&final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, None), Shape::Matmul)
+            .await
+            .map_err(gpu_err)?;
+        let argmax = kernels::argmax::build(&ctx, &ws.step, &ws.logits, &ws.argmax, c.vocab_size)
+            .await
+            .map_err(gpu_err)?;
+        let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size * 4) as u64);
+        let plans = Plans {
+            embed,
+            layers_matvec,
+            layers_matmul,
+            head_gather,
+            head_all,
+            argmax,
+        };
+        let matvec_max_tokens = if ctx.caps.cpu_like { 1 } else { 4 };
+        Ok(GpuModel {
+            ctx,
+            config: c,
+            options,
+            kv,
+            layers,
+            lm_head,
+            embed_own,
+            final_norm,
+            ws,
+            plans,
+            readback,
+            weight_bytes,
+            matvec_max_tokens,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn layer_plan(
+        ctx: &GpuContext,
+        c: &ModelConfig,
+        ws: &Workspace,
+        kv: &KvCache,
+        kv_cfg: KvConfig,
+        l: usize,
+        layer: &Layer,
+        shape: Shape,
+    ) -> Result<Vec<Dispatch>> {
+        let d = c.hidden_size;
+        let hd = c.head_dim;
+        let qkv_dim = c.qkv_dim();
+        let q_dim = c.num_heads * hd;
+        let eps = c.rms_norm_eps;
+        let io = |x, x_stride, norm, y, out_stride, residual| lin_io(ws, x, x_stride, norm, y, out_stride, residual, eps, None);
+        let mut v = Vec::new();
+        v.extend(
+            kernels::linear::build(ctx, &layer.qkv, &io(&ws.hidden, d, Some(&layer.in_norm), &ws.qkv, qkv_dim, false), shape)
+                .await
+                .map_err(gpu_err)?,
+        );
+        let max_pages = kv_cfg.max_pages_per_seq() as u32;
+        v.push(
+            kernels::rope_kv::build(
+                ctx,
+                &RopeKvIo {
+                    step: &ws.step,
+                    qkv: &ws.qkv,
+                    rope: &ws.rope,
+                    positions: &ws.positions,
+                    token_seq: &ws.token_seq,
+                    block_table: &ws.block_table,
+                    k_cache: &kv.k[l],
+                    v_cache: &kv.v[l],
+                },
+                RopeKvParams {
+                    n_heads: c.num_heads as u32,
+                    n_kv_heads: c.num_kv_heads as u32,
+                    head_dim: hd as u32,
+                    qkv_stride: qkv_dim as u32,
+                    page_size: kv_cfg.page_size as u32,
+                    max_pages,
+                    n_positions: kv_cfg.context as u32,
+                    _pad: 0,
+                },
+            )
+            .await
+            .map_err(gpu_err)?,
+        );
+        v.push(
+            kernels::attention::build(
+                ctx,
+                &AttentionIo {
+                    step: &ws.step,
+                    qkv: &ws.qkv,
+                    positions: &ws.positions,
+                    token_seq: &ws.token_seq,
+                    block_table: &ws.block_table,
+                    k_cache: &kv.k[l],
+                    v_cache: &kv.v[l],
+                    out: &ws.attn,
+                },
+                AttentionParams {
+                    n_heads: c.num_heads as u32,
+                    n_kv_heads: c.num_kv_heads as u32,
+                    head_dim: hd as u32,
+                    qkv_stride: qkv_dim as u32,
+                    page_size: kv_cfg.page_size as u32,
+                    max_pages,
+                    out_stride: q_dim as u32,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                },
+            )
+            .await
+            .map_err(gpu_err)?,
+        );
+        v.extend(
+            kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, &ws.hidden, d, true), shape)
+                .await
+                .map_err(gpu_err)?,
+        );
+        v.extend(
+            kernels::linear::build(
+                ctx,
+                &layer.gate_up,
+                &io(&ws.hidden, d, Some(&layer.post_norm), &ws.act, c.intermediate_size, false),
+                shape,
+            )
+            .await
+            .map_err(gpu_err)?,
+        );
+        v.extend(
+            kernels::linear::build(ctx, &layer.down, &io(&ws.act, c.intermediate_size, None, &ws.hidden, d, true), shape)
+                .await
+                .map_err(gpu_err)?,
+        );
+        Ok(v)
+    }
+
+    /// Bytes of weights on the GPU.
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    /// Dispatches recorded for one decode step (one token of one sequence).
+    pub fn dispatches_per_decode_step(&self) -> usize {
+        self.plans.embed.len() + self.plans.layers_matvec.len() + self.plans.head_gather.len() + 1
+    }
+
+    /// Dispatches recorded for one prefill step.
+    pub fn dispatches_per_prefill_step(&self) -> usize {
+        self.plans.embed.len() + self.plans.layers_matmul.len() + self.plans.head_gather.len() + 1
+    }
+
+    /// Start a new sequence in the KV cache.
+    pub fn new_sequence(&mut self) -> Result<usize> {
+        self.kv.alloc.create().map_err(LanternError::Kv)
+    }
+
+    /// End a sequence, freeing its pages.
+    pub fn release_sequence(&mut self, seq: usize) {
+        self.kv.alloc.release(seq);
+    }
+
+    /// Tokens stored for a sequence.
+    pub fn sequence_len(&self, seq: usize) -> Result<usize> {
+        self.kv.alloc.len(seq).map_err(LanternError::Kv)
+    }
+
+    /// Append `tokens` to sequence `seq`, running as many steps as the batch limit needs,
+    /// and return the argmax (and logits, if asked) of the last token.
+    pub async fn forward(&mut self, seq: usize, tokens: &[u32], want: Want) -> Result<StepOutput> {
+        if tokens.is_empty() {
+            return Err(LanternError::Other("forward called with no tokens".into()));
+        }
+        self.check_ids(tokens)?;
+        let start = self.kv.alloc.len(seq).map_err(LanternError::Kv)?;
+        // Reserve all pages up front so a full cache is reported before any work.
+        self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
+        let chunk = self.options.max_batch_tokens.max(1);
+        let mut out = StepOutput::default();
+        let n_chunks = tokens.len().div_ceil(chunk);
+        for (ci, part) in tokens.chunks(chunk).enumerate() {
+            let pos0 = start + ci * chunk;
+            let last = ci + 1 == n_chunks;
+            let rows = if last { vec![(part.len() - 1) as u32] } else { vec![] };
+            let r = self.step(seq, part, pos0, &rows, want, false).await;
+            match r {
+                Ok(o) => {
+                    if last {
+                        out = o;
+                    }
+                }
+                Err(e) => {
+                    let _ = self.kv.alloc.truncate(seq, start);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Append `tokens` to `seq` and return the logits of every position (`tokens x vocab`),
+    /// for evaluation (perplexity) and reference comparisons.
+    pub async fn forward_all_logits(&mut self, seq: usize, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.check_ids(tokens)?;
+        let start = self.kv.alloc.len(seq).map_err(LanternError::Kv)?;
+        self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
+        let chunk = self.options.max_logit_rows.min(self.options.max_batch_tokens).max(1);
+        let mut all = Vec::with_capacity(tokens.len() * self.config.vocab_size);
+        for (ci, part) in tokens.chunks(chunk).enumerate() {
+            let rows: Vec<u32> = (0..part.len() as u32).collect();
+            match self.step(seq, part, start + ci * chunk, &rows, Want::Logits, true).await {
+                Ok(o) => all.extend(o.logits.unwrap_or_default()),
+                Err(e) => {
+                    let _ = self.kv.alloc.truncate(seq, start);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(all)
+    }
+
+    fn check_ids(&self, tokens: &[u32]) -> Result<()> {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            return Err(LanternError::Other(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.config.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// One step: `part` tokens of `seq` at positions `pos0..`, logits for `rows` (indices
+    /// into `part`). Pages must already be reserved.
+    async fn step(&mut self, seq: usize, part: &[u32], pos0: usize, rows: &[u32], want: Want, all_rows: bool) -> Result<StepOutput> {
+        let ctx = self.ctx.clone();
+        let n = part.len() as u32;
+        let n_out = rows.len() as u32;
+        let positions: Vec<u32> = (0..n).map(|i| pos0 as u32 + i).collect();
+        let seqs = vec![seq as u32; part.len()];
+        let q = &ctx.queue;
+        q.write_buffer(&self.ws.step, 0, bytemuck::bytes_of(&StepUniform { n_tokens: n, n_out, _pad: [0; 2] }));
+        q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(part));
+        q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(&positions));
+        q.write_buffer(&self.ws.token_seq, 0, bytemuck::cast_slice(&seqs));
+        q.write_buffer(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
+        if !rows.is_empty() {
+            q.write_buffer(&self.ws.logit_rows, 0, bytemuck::cast_slice(rows));
+        }
+        let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("forward"),
+                timestamp_writes: None,
+            });
+            let layers = if (n as usize) <= self.matvec_max_tokens {
+                &self.plans.layers_matvec
+            } else {
+                &self.plans.layers_matmul
+            };
+            for d in self.plans.embed.iter().chain(layers.iter()) {
+                d.encode(&mut pass, n, n_out);
+            }
+            if n_out > 0 {
+                let head = if all_rows { &self.plans.head_all } else { &self.plans.head_gather };
+                for d in head {
+                    d.encode(&mut pass, n, n_out);
+                }
+                self.plans.argmax.encode(&mut pass, n, n_out);
+            }
+        }
+        let vocab = self.config.vocab_size as u64;
+        let argmax_bytes = n_out as u64 * 4;
+        let logits_bytes = n_out as u64 * vocab * 4;
+        let read_logits = want == Want::Logits && n_out > 0;
+        if n_out > 0 {
+            if read_logits {
+                self.readback.copy_from(&mut enc, &self.ws.logits, 0, logits_bytes);
+            } else {
+                self.readback.copy_from(&mut enc, &self.ws.argmax, 0, argmax_bytes);
+            }
+        }
+        ctx.queue.submit([enc.finish()]);
+        if let Some(e) = scope.pop().await {
+            return Err(LanternError::Gpu(GpuError::Validation {
+                context: "forward step".into(),
+                message: e.to_string(),
+            }));
+        }
+        if n_out == 0 {
+            return Ok(StepOutput::default());
+        }
+        if read_logits {
+            let bytes = self.readback.read(&ctx, logits_bytes).await.map_err(gpu_err)?;
+            let logits: Vec<f32> = bytemuck::cast_slice(&bytes[..logits_bytes as usize]).to_vec();
+            let argmax = logits
+                .chunks_exact(vocab as usize)
+                .map(|row| crate::engine::sampler::argmax(row))
+                .collect();
+            Ok(StepOutput { argmax, logits: Some(logits) })
+        } else {
+            let bytes = self.readback.read(&ctx, argmax_bytes).await.map_err(gpu_err)?;
+            Ok(StepOutput {
+                argmax: bytemuck::cast_slice(&bytes[..argmax_bytes as usize]).to_vec(),
+                logits: None,
+            })
+        }
+    }
+
+    /// The KV error of trying to add `n` tokens to `seq`, if it would fail.
+    pub fn check_fits(&self, seq: usize, n: usize) -> std::result::Result<(), KvError> {
+        let needed = self.kv.alloc.pages_needed(seq, n)?;
+        if needed > self.kv.alloc.free_pages() {
+            return Err(KvError::Full {
+                needed,
+                free: self.kv.alloc.free_pages(),
+                total: self.kv.alloc.config.num_pages,
+                page_size: self.kv.alloc.config.page_size,
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,208 @@
+//! Plain-loop CPU reference ops over `&[f32]` slices with explicit dimensions. Sums are
+//! accumulated in f64 and rounded to f32 once, so these are the oracle GPU kernels are
+//! compared against. Matrices are row-major; shapes are given as `[rows, cols]`.
+//!
+//! These functions check their slice lengths with `assert!`: they are a test oracle, and a
+//! mismatch is a bug in the caller.
+
+/// Gathers rows of an embedding table.
+///
+/// `table`: `[vocab, dim]`; `ids`: `T` token ids. Returns `[T, dim]`.
+///
+/// # Panics
+/// If an id is `>= vocab` or `table.len() != vocab * dim`.
+pub fn embedding(table: &[f32], vocab: usize, dim: usize, ids: &[u32]) -> Vec<f32> {
+    assert_eq!(table.len(), vocab * dim, "embedding table is not [vocab, dim]");
+    let mut out = Vec::with_capacity(ids.len() * dim);
+    for &id in ids {
+        let id = id as usize;
+        assert!(id < vocab, "token id {id} out of range for vocab {vocab}");
+        out.extend_from_slice(&table[id * dim..(id + 1) * dim]);
+    }
+    out
+}
+
+/// RMSNorm over each row: `y = x / sqrt(mean(x^2) + eps) * w` (the weight multiplies
+/// directly; it is not `1 + w`).
+///
+/// `x`: `[T, D]` with `D = w.len()`. Returns `[T, D]`.
+pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let d = w.len();
+    assert!(d > 0 && x.len() % d == 0, "rmsnorm: x is not [T, {d}]");
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(d) {
+        let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64;
+        let r = 1.0 / (ms + eps as f64).sqrt();
+        out.extend(row.iter().zip(w).map(|(&v, &g)| (v as f64 * r * g as f64) as f32));
+    }
+    out
+}
+
+/// Linear layer `y = x W^T + b`.
+///
+/// `x`: `[T, K]`; `w`: `[N, K]` (Hugging Face `[out_features, in_features]`);
+/// `bias`: `[N]` or `None`. Returns `[T, N]`.
+pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, k: usize, n: usize) -> Vec<f32> {
+    assert!(k > 0 && x.len() % k == 0, "linear: x is not [T, {k}]");
+    assert_eq!(w.len(), n * k, "linear: w is not [{n}, {k}]");
+    if let Some(b) = bias {
+        assert_eq!(b.len(), n, "linear: bias is not [{n}]");
+    }
+    let t = x.len() / k;
+    let mut out = Vec::with_capacity(t * n);
+    for row in x.chunks_exact(k) {
+        for j in 0..n {
+            let wr = &w[j * k..(j + 1) * k];
+            let mut acc = bias.map_or(0.0, |b| b[j] as f64);
+            for (&a, &b) in row.iter().zip(wr) {
+                acc += a as f64 * b as f64;
+            }
+            out.push(acc as f32);
+        }
+    }
+    out
+}
+
+/// Rotary position embedding in the Hugging Face `rotate_half` layout: within each head,
+/// dimension `i` is paired with `i + head_dim/2` (not `2i` with `2i+1`).
+///
+/// For pair `i` the angle is `positions[t] * inv_freq[i]`, computed in f32 as transformers
+/// does; then `y[i] = x[i] cos - x[i+h] sin` and `y[i+h] = x[i+h] cos + x[i] sin`.
+///
+/// `x`: `[T, n_heads * head_dim]`; `positions`: `T` absolute positions;
+/// `inv_freq`: `head_dim / 2` frequencies. Returns `[T, n_heads * head_dim]`.
+pub fn rope(x: &[f32], positions: &[usize], n_heads: usize, head_dim: usize, inv_freq: &[f32]) -> Vec<f32> {
+    let half = head_dim / 2;
+    let width = n_heads * head_dim;
+    assert!(head_dim % 2 == 0, "rope: head_dim {head_dim} is odd");
+    assert_eq!(inv_freq.len(), half, "rope: inv_freq is not [head_dim/2]");
+    assert_eq!(x.len(), positions.len() * width, "rope: x is not [T, n_heads*head_dim]");
+    let mut out = vec![0.0f32; x.len()];
+    for (t, &pos) in positions.iter().enumerate() {
+        for i in 0..half {
+            let angle = pos as f32 * inv_freq[i];
+            let (sin, cos) = (angle.sin() as f64, angle.cos() as f64);
+            for h in 0..n_heads {
+                let base = t * width + h * head_dim;
+                let a = x[base + i] as f64;
+                let b = x[base + i + half] as f64;
+                out[base + i] = (a * cos - b * sin) as f32;
+                out[base + i + half] = (b * cos + a * sin) as f32;
+            }
+        }
+    }
+    out
+}
+
+/// Causal scaled-dot-product attention with grouped-query heads.
+///
+/// `q`: `[T, n_heads * head_dim]`, query row `t` at absolute position `q_positions[t]`;
+/// `k`, `v`: `[S, n_kv_heads * head_dim]`, key row `j` at position `j`. Query row `t`
+/// attends to keys `0..=q_positions[t]` (so prefill passes `0..T` with `S = T`, and a decode
+/// step passes `[S - 1]`). Query head `h` reads kv head `h / (n_heads / n_kv_heads)`.
+/// Scores are `q.k * scale` (usually `head_dim^-0.5`). Returns `[T, n_heads * head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    q_positions: &[usize],
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) -> Vec<f32> {
+    assert!(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "attention: heads not a multiple of kv heads");
+    let qw = n_heads * head_dim;
+    let kw = n_kv_heads * head_dim;
+    assert_eq!(q.len(), q_positions.len() * qw, "attention: q is not [T, n_heads*head_dim]");
+    assert!(k.len() % kw == 0 && k.len() == v.len(), "attention: k/v are not [S, n_kv_heads*head_dim]");
+    let s = k.len() / kw;
+    let group = n_heads / n_kv_heads;
+    let mut out = vec![0.0f32; q.len()];
+    let mut scores = vec![0.0f64; s];
+    for (t, &pos) in q_positions.iter().enumerate() {
+        assert!(pos < s, "attention: query position {pos} has no key (S = {s})");
+        let n_keys = pos + 1;
+        for h in 0..n_heads {
+            let kvh = h / group;
+            let qr = &q[t * qw + h * head_dim..t * qw + (h + 1) * head_dim];
+            let mut max = f64::NEG_INFINITY;
+            for (j, sc) in scores[..n_keys].iter_mut().enumerate() {
+                let kr = &k[j * kw + kvh * head_dim..j * kw + (kvh + 1) * head_dim];
+                let dot: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                *sc = dot * scale as f64;
+                max = max.max(*sc);
+            }
+            let mut denom = 0.0f64;
+            for sc in &mut scores[..n_keys] {
+                *sc = (*sc - max).exp();
+                denom += *sc;
+            }
+            for d in 0..head_dim {
+                let mut acc = 0.0f64;
+                for (j, &p) in scores[..n_keys].iter().enumerate() {
+                    acc += p * v[j * kw + kvh * head_dim + d] as f64;
+                }
+                out[t * qw + h * head_dim + d] = (acc / denom) as f32;
+            }
+        }
+    }
+    out
+}
+
+/// SiLU, `x * sigmoid(x)`, elementwise.
+pub fn silu(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| silu_f64(v as f64) as f32).collect()
+}
+
+fn silu_f64(v: f64) -> f64 {
+    v / (1.0 + (-v).exp())
+}
+
+/// Gated MLP activation `silu(gate) * up`, elementwise; both have the same length.
+pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    assert_eq!(gate.len(), up.len(), "silu_mul: gate and up differ in length");
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| (silu_f64(g as f64) * u as f64) as f32)
+        .collect()
+}
+
+/// Elementwise `a + b` (the residual add); both have the same length.
+pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
+    assert_eq!(a.len(), b.len(), "add: lengths differ");
+    a.iter().zip(b).map(|(&x, &y)| x + y).collect()
+}
+
+/// Softmax over each row of `x` (`[T, n]`), max-subtracted, in f64. Returns `[T, n]`.
+pub fn softmax(x: &[f32], n: usize) -> Vec<f32> {
+    assert!(n > 0 && x.len() % n == 0, "softmax: x is not [T, {n}]");
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(n) {
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+        let e: Vec<f64> = row.iter().map(|&v| (v as f64 - max).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        out.extend(e.iter().map(|&v| (v / sum) as f32));
+    }
+    out
+}
+
+/// Index of the largest value; the lowest index wins ties, NaNs are never chosen (an
+/// all-NaN or empty row gives 0).
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    let mut found = false;
+    for (i, &v) in row.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        if !found || v > best_v {
+            best = i;
+            best_v = v;
+            found = true;
+        }
+    }
+    best as u32
+}

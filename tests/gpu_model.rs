@@ -1,0 +1,153 @@
+//! The GPU forward pass against Hugging Face reference logits (tiny fixtures) and against the
+//! CPU reference forward pass (seeded random models), including chunked prefill, decode
+//! through the paged cache, and tensors split across bindings.
+
+mod common;
+
+use std::path::PathBuf;
+
+use lantern::engine::sampler::argmax;
+use lantern::model::hf::load_hf_folder;
+use lantern::model::llama::{GpuModel, ModelOptions, Want};
+use lantern::model::ModelWeights;
+
+const TOL: f32 = 1e-4;
+
+fn tiny(name: &str) -> PathBuf {
+    common::fixtures_dir().join("tiny").join(name)
+}
+
+fn read_f32(path: &std::path::Path) -> Vec<f32> {
+    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn reference(name: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(tiny(name).join("reference.json")).unwrap()).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Compare two logit arrays; on failure name the worst position, token and values.
+fn assert_close(what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let (mut worst, mut wi) = (0.0f32, 0usize);
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        let d = (a - b).abs();
+        if !(d <= worst) {
+            worst = d;
+            wi = i;
+        }
+    }
+    assert!(
+        worst <= tol,
+        "{what}: max |diff| {worst:e} > {tol:e} at position {} token {} (got {}, want {})",
+        wi / vocab,
+        wi % vocab,
+        got[wi],
+        want[wi]
+    );
+}
+
+fn load_gpu(weights: &ModelWeights, opts: ModelOptions) -> GpuModel {
+    let ctx = common::gpu();
+    pollster::block_on(GpuModel::load(ctx, weights, opts)).expect("load model on GPU")
+}
+
+fn check_fixture(name: &str, opts: ModelOptions) {
+    let w = load_hf_folder(&tiny(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let r = reference(name);
+    let input = ids(&r["input_ids"]);
+    let want = read_f32(&tiny(name).join("logits.f32"));
+    let vocab = w.config.vocab_size;
+    let mut m = load_gpu(&w, opts);
+    let seq = m.new_sequence().unwrap();
+    let got = pollster::block_on(m.forward_all_logits(seq, &input)).unwrap();
+    assert_close(name, &got, &want, vocab, TOL);
+    let am: Vec<u32> = got.chunks_exact(vocab).map(argmax).collect();
+    assert_eq!(am, ids(&r["argmax"]), "{name}: argmax per position");
+    m.release_sequence(seq);
+
+    // Greedy continuation through the cache: prefill, then one token per step.
+    let greedy = ids(&r["greedy_ids"]);
+    let seq = m.new_sequence().unwrap();
+    let mut out = Vec::new();
+    let mut next = pollster::block_on(m.forward(seq, &input, Want::Argmax)).unwrap().argmax[0];
+    out.push(next);
+    while out.len() < greedy.len() {
+        next = pollster::block_on(m.forward(seq, &[next], Want::Argmax)).unwrap().argmax[0];
+        out.push(next);
+    }
+    assert_eq!(out, greedy, "{name}: greedy ids");
+}
+
+macro_rules! fixture_tests {
+    ($($fn:ident => $name:expr),* $(,)?) => {$(
+        #[test]
+        fn $fn() {
+            check_fixture($name, ModelOptions { context: Some(256), ..Default::default() });
+        }
+    )*};
+}
+
+fixture_tests! {
+    llama_gqa => "llama-gqa",
+    llama_gqa_f16 => "llama-gqa-f16",
+    llama_gqa_bf16 => "llama-gqa-bf16",
+    llama_mha_tied => "llama-mha-tied",
+    llama_mha_tied_sharded => "llama-mha-tied-sharded",
+    llama_mqa => "llama-mqa",
+    llama3_rope_scaling => "llama3-rope-scaling",
+    llama3_rope_scaling_hd16 => "llama3-rope-scaling-hd16",
+    qwen2_bias => "qwen2-bias",
+    mistral => "mistral",
+}
+
+#[test]
+fn llama_gqa_long_input_in_small_chunks_with_odd_page_size() {
+    // 200 tokens, prefilled 37 at a time through pages of 7 tokens.
+    let w = load_hf_folder(&tiny("llama-gqa")).unwrap();
+    let r = reference("llama-gqa");
+    let input = ids(&r["long"]["input_ids"]);
+    let want = read_f32(&tiny("llama-gqa").join("logits_long.f32"));
+    let opts = ModelOptions {
+        context: Some(256),
+        page_size: 7,
+        max_batch_tokens: 37,
+        max_logit_rows: 37,
+        ..Default::default()
+    };
+    let mut m = load_gpu(&w, opts);
+    let seq = m.new_sequence().unwrap();
+    let got = pollster::block_on(m.forward_all_logits(seq, &input)).unwrap();
+    assert_close("llama-gqa long", &got, &want, w.config.vocab_size, TOL);
+}
+
+#[test]
+fn tensors_split_across_small_bindings_give_the_same_logits() {
+    // 8 KiB bindings force every weight to be split by rows into several buffers.
+    let w = load_hf_folder(&tiny("llama-gqa")).unwrap();
+    let r = reference("llama-gqa");
+    let input = ids(&r["input_ids"]);
+    let want = read_f32(&tiny("llama-gqa").join("logits.f32"));
+    let ctx = common::gpu_with(&lantern::gpu::DeviceOptions {
+        max_binding_size: Some(8 * 1024),
+        ..Default::default()
+    });
+    let mut m = pollster::block_on(GpuModel::load(
+        ctx,
+        &w,
+        ModelOptions {
+            context: Some(48),
+            max_batch_tokens: 8,
+            max_logit_rows: 2,
+            ..Default::default()
+        },
+    ))
+    .unwrap();
+    let seq = m.new_sequence().unwrap();
+    let got = pollster::block_on(m.forward_all_logits(seq, &input)).unwrap();
+    assert_close("llama-gqa split", &got, &want, w.config.vocab_size, TOL);
+}

@@ -1,0 +1,230 @@
+//! The CPU reference forward pass against the transformers golden fixtures in
+//! `fixtures/tiny`: logits at every position, argmax, greedy continuations, RoPE
+//! frequencies, the 200-token input, and the legacy `rope_theta` + `rope_scaling` config form.
+
+use std::path::{Path, PathBuf};
+
+use lantern::model::hf::load_hf_folder;
+use lantern::reference::ReferenceModel;
+use serde_json::Value;
+
+/// Largest allowed |logit - reference| (logits have std about 0.16).
+const LOGIT_TOL: f32 = 1e-4;
+
+/// `$LANTERN_FIXTURES/tiny`, or `../shared/fixtures/tiny` beside the crate.
+fn tiny_dir() -> PathBuf {
+    let root = std::env::var_os("LANTERN_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"));
+    root.join("tiny")
+}
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().expect("id list").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
+
+/// Asserts `got` matches `want` within `tol`, printing the worst (position, vocab) index.
+fn assert_close(what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let (mut worst, mut worst_i) = (0.0f32, 0usize);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let d = (g - w).abs();
+        if !(d <= worst) {
+            worst = d;
+            worst_i = i;
+        }
+    }
+    assert!(
+        worst <= tol,
+        "{what}: max |diff| {worst:e} > {tol:e} at position {} token {} (got {}, want {})",
+        worst_i / vocab,
+        worst_i % vocab,
+        got[worst_i],
+        want[worst_i]
+    );
+    eprintln!("{what}: max |diff| {worst:e}");
+}
+
+fn argmax_rows(logits: &[f32], vocab: usize) -> Vec<u32> {
+    logits.chunks_exact(vocab).map(lantern::reference::ops::argmax).collect()
+}
+
+/// Loads `dir`, checks config values, inv_freq, logits and argmax against `reference.json`;
+/// returns the model and the reference JSON for further checks.
+fn check_logits(name: &str, dir: &Path) -> (ReferenceModel, Value) {
+    let reference = read_json(&tiny_dir().join(name).join("reference.json"));
+    let weights = load_hf_folder(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let rc = &reference["config"];
+    let c = &weights.config;
+    assert_eq!(c.vocab_size as u64, rc["vocab_size"].as_u64().unwrap(), "{name}: vocab_size");
+    assert_eq!(c.hidden_size as u64, rc["hidden_size"].as_u64().unwrap(), "{name}: hidden_size");
+    assert_eq!(c.intermediate_size as u64, rc["intermediate_size"].as_u64().unwrap(), "{name}: intermediate_size");
+    assert_eq!(c.num_layers as u64, rc["num_hidden_layers"].as_u64().unwrap(), "{name}: layers");
+    assert_eq!(c.num_heads as u64, rc["num_attention_heads"].as_u64().unwrap(), "{name}: heads");
+    assert_eq!(c.num_kv_heads as u64, rc["num_key_value_heads"].as_u64().unwrap(), "{name}: kv heads");
+    assert_eq!(c.head_dim as u64, rc["head_dim"].as_u64().unwrap(), "{name}: head_dim");
+    assert_eq!(c.rms_norm_eps, rc["rms_norm_eps"].as_f64().unwrap() as f32, "{name}: eps");
+    assert_eq!(c.rope_theta, rc["rope_theta"].as_f64().unwrap(), "{name}: rope_theta");
+    assert_eq!(c.max_position_embeddings as u64, rc["max_position_embeddings"].as_u64().unwrap(), "{name}: max pos");
+    assert_eq!(c.tie_word_embeddings, rc["tie_word_embeddings"].as_bool().unwrap(), "{name}: tied");
+    assert_eq!(c.qkv_bias, rc["qkv_bias"].as_bool().unwrap(), "{name}: qkv_bias");
+    assert_eq!(c.rope_scaling.is_some(), rc["rope_type"].as_str() != Some("default"), "{name}: rope type");
+
+    let want_inv: Vec<f32> = rc["rope_inv_freq"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    assert_eq!(c.rope_inv_freq(), want_inv, "{name}: rope_inv_freq");
+
+    let model = ReferenceModel::new(&weights).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let input = ids(&reference["input_ids"]);
+    let logits = model.forward(&input);
+    let want = read_f32(&tiny_dir().join(name).join("logits.f32"));
+    assert_close(&format!("{name} logits ({})", dir.display()), &logits, &want, c.vocab_size, LOGIT_TOL);
+    assert_eq!(argmax_rows(&logits, c.vocab_size), ids(&reference["argmax"]), "{name}: argmax");
+    (model, reference)
+}
+
+/// Full check of one fixture folder: logits, argmax and the 24-token greedy continuation.
+fn check_fixture(name: &str) {
+    let (model, reference) = check_logits(name, &tiny_dir().join(name));
+    let want = ids(&reference["greedy_ids"]);
+    let got = model.greedy(&ids(&reference["input_ids"]), want.len());
+    assert_eq!(want.len(), 24, "{name}: fixture greedy length");
+    assert_eq!(got, want, "{name}: greedy_ids");
+}
+
+macro_rules! fixture_tests {
+    ($($test:ident => $folder:literal),* $(,)?) => {
+        $(
+            #[test]
+            fn $test() {
+                check_fixture($folder);
+            }
+        )*
+    };
+}
+
+fixture_tests! {
+    llama_gqa => "llama-gqa",
+    llama_gqa_f16 => "llama-gqa-f16",
+    llama_gqa_bf16 => "llama-gqa-bf16",
+    llama_mha_tied => "llama-mha-tied",
+    llama_mha_tied_sharded => "llama-mha-tied-sharded",
+    llama_mqa => "llama-mqa",
+    llama3_rope_scaling => "llama3-rope-scaling",
+    llama3_rope_scaling_hd16 => "llama3-rope-scaling-hd16",
+    qwen2_bias => "qwen2-bias",
+    mistral => "mistral",
+}
+
+#[test]
+fn llama_gqa_long_input_200_tokens() {
+    let dir = tiny_dir().join("llama-gqa");
+    let reference = read_json(&dir.join("reference.json"));
+    let weights = load_hf_folder(&dir).unwrap();
+    let model = ReferenceModel::new(&weights).unwrap();
+    let long = &reference["long"];
+    let input = ids(&long["input_ids"]);
+    assert_eq!(input.len(), 200);
+    let logits = model.forward(&input);
+    let want = read_f32(&dir.join("logits_long.f32"));
+    assert_close("llama-gqa long logits", &logits, &want, 512, LOGIT_TOL);
+    assert_eq!(argmax_rows(&logits, 512), ids(&long["argmax"]), "llama-gqa long argmax");
+}
+
+#[test]
+fn forward_hidden_has_one_state_per_layer_plus_embedding() {
+    let dir = tiny_dir().join("llama-gqa");
+    let model = ReferenceModel::new(&load_hf_folder(&dir).unwrap()).unwrap();
+    let states = model.forward_hidden(&[1, 2, 3]);
+    assert_eq!(states.len(), model.config().num_layers + 1);
+    assert!(states.iter().all(|s| s.len() == 3 * model.config().hidden_size));
+}
+
+/// Copies fixture `name` to a temp folder with its config rewritten to the transformers 4
+/// form: top-level `rope_theta` + `rope_scaling`, `torch_dtype` instead of `dtype`.
+fn legacy_copy(name: &str) -> PathBuf {
+    let src = tiny_dir().join(name);
+    let dst = std::env::temp_dir().join(format!("lantern-ref-legacy-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    std::fs::create_dir_all(&dst).unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let entry = entry.unwrap();
+        let file = entry.file_name();
+        if file != "config.json" {
+            std::fs::copy(entry.path(), dst.join(&file)).unwrap();
+        }
+    }
+    let mut config = read_json(&src.join("config.json"));
+    let o = config.as_object_mut().unwrap();
+    let rope = o.remove("rope_parameters").expect("fixture uses rope_parameters");
+    let mut rope = rope.as_object().unwrap().clone();
+    o.insert("rope_theta".into(), rope.remove("rope_theta").unwrap());
+    let scaling = if rope["rope_type"] == "default" { Value::Null } else { Value::Object(rope) };
+    o.insert("rope_scaling".into(), scaling);
+    let dtype = o.remove("dtype").unwrap();
+    o.insert("torch_dtype".into(), dtype);
+    std::fs::write(dst.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
+    dst
+}
+
+fn check_legacy(name: &str) {
+    let dir = legacy_copy(name);
+    let (legacy, reference) = check_logits(name, &dir);
+    let modern = ReferenceModel::new(&load_hf_folder(&tiny_dir().join(name)).unwrap()).unwrap();
+    assert_eq!(legacy.config(), modern.config(), "{name}: legacy config differs");
+    let input = ids(&reference["input_ids"]);
+    assert_eq!(legacy.forward(&input), modern.forward(&input), "{name}: legacy logits differ");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn legacy_rope_scaling_config_gives_identical_logits_llama3() {
+    check_legacy("llama3-rope-scaling");
+}
+
+#[test]
+fn legacy_rope_theta_config_gives_identical_logits_llama_gqa() {
+    check_legacy("llama-gqa");
+}
+
+#[test]
+fn legacy_rope_scaling_accepts_type_key() {
+    // Older configs spell the kind `type` rather than `rope_type`.
+    let text = r#"{"model_type":"llama","vocab_size":8,"hidden_size":8,"intermediate_size":8,
+        "num_hidden_layers":1,"num_attention_heads":2,"rope_theta":500000.0,
+        "rope_scaling":{"type":"linear","factor":4.0}}"#;
+    let c = lantern::model::ModelConfig::from_hf_json(text, "config.json").unwrap();
+    assert_eq!(c.rope_scaling, Some(lantern::model::RopeScaling::Linear { factor: 4.0 }));
+    assert_eq!(c.num_kv_heads, 2);
+    assert_eq!(c.head_dim, 4);
+}
+
+#[test]
+fn ops_argmax_takes_lowest_index_on_ties() {
+    use lantern::reference::ops::argmax;
+    assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+    assert_eq!(argmax(&[f32::NAN, -1.0, -1.0]), 1);
+}
+
+#[test]
+fn ops_attention_gqa_maps_query_heads_to_kv_heads() {
+    use lantern::reference::ops::attention;
+    // 4 query heads, 2 kv heads, head_dim 1, two positions. At position 0 each head sees only
+    // key 0, so the output is v[0][kv head]; heads 0,1 use kv 0 and heads 2,3 use kv 1.
+    let q = vec![1.0; 8];
+    let k = vec![0.0; 4];
+    let v = vec![10.0, 20.0, 30.0, 40.0];
+    let out = attention(&q, &k, &v, &[0, 1], 4, 2, 1, 1.0);
+    assert_eq!(&out[..4], &[10.0, 10.0, 20.0, 20.0]);
+    // At position 1 with equal scores, the mean of the two keys.
+    assert_eq!(&out[4..], &[20.0, 20.0, 30.0, 30.0]);
+}
