@@ -64,7 +64,7 @@ fn real_model_config() {
     assert_eq!(c.intermediate_size, 1536);
     assert_eq!(c.rope_theta, 100000.0);
     assert_eq!(c.rope_scaling, None);
-    assert_eq!(c.rms_norm_eps, 9.999999747378752e-06);
+    assert_eq!(c.rms_norm_eps, 1e-5_f32); // stored as f32: 9.999999747378752e-06
     assert_eq!(c.vocab_size, 49152);
     assert_eq!(c.max_position_embeddings, 8192);
     assert!(c.tie_word_embeddings);
@@ -91,7 +91,10 @@ fn real_model_tensor_set() {
     assert_eq!((emb.shape.clone(), emb.dtype), (vec![49152, 576], DType::Q8_0));
     let q = &w.tensors["model.layers.0.self_attn.q_proj.weight"];
     assert_eq!((q.shape.clone(), q.dtype), (vec![576, 576], DType::Q4_1));
-    assert_eq!(w.tensors["model.layers.29.self_attn.k_proj.weight"].shape, vec![192, 576]);
+    assert_eq!(
+        w.tensors["model.layers.29.self_attn.k_proj.weight"].shape,
+        vec![192, 576]
+    );
     assert_eq!(w.tensors["model.layers.3.mlp.down_proj.weight"].shape, vec![576, 1536]);
     assert_eq!(w.tensors["model.norm.weight"].dtype, DType::F32);
     for t in w.tensors.values() {
@@ -225,7 +228,10 @@ fn untied_output_and_mistral_and_linear_rope() {
     assert_eq!(w.config.arch, Arch::Mistral);
     assert!(!w.config.tie_word_embeddings);
     assert_eq!(w.tensors["lm_head.weight"].shape, vec![8, 32]);
-    assert_eq!(w.config.rope_scaling, Some(lantern::model::RopeScaling::Linear { factor: 4.0 }));
+    assert_eq!(
+        w.config.rope_scaling,
+        Some(lantern::model::RopeScaling::Linear { factor: 4.0 })
+    );
 }
 
 #[test]
@@ -260,9 +266,18 @@ fn llama3_rope_freqs_tensor_is_recognised() {
 
 #[test]
 fn name_mapping() {
-    assert_eq!(hf_tensor_name("blk.12.ffn_down.weight").unwrap(), "model.layers.12.mlp.down_proj.weight");
-    assert_eq!(hf_tensor_name("blk.0.attn_v.bias").unwrap(), "model.layers.0.self_attn.v_proj.bias");
-    assert_eq!(hf_tensor_name("blk.3.ffn_norm.weight").unwrap(), "model.layers.3.post_attention_layernorm.weight");
+    assert_eq!(
+        hf_tensor_name("blk.12.ffn_down.weight").unwrap(),
+        "model.layers.12.mlp.down_proj.weight"
+    );
+    assert_eq!(
+        hf_tensor_name("blk.0.attn_v.bias").unwrap(),
+        "model.layers.0.self_attn.v_proj.bias"
+    );
+    assert_eq!(
+        hf_tensor_name("blk.3.ffn_norm.weight").unwrap(),
+        "model.layers.3.post_attention_layernorm.weight"
+    );
     assert_eq!(hf_tensor_name("output.weight").unwrap(), "lm_head.weight");
     assert_eq!(hf_tensor_name("rope_freqs.weight"), None);
     assert_eq!(hf_tensor_name("blk.x.attn_q.weight"), None);
@@ -288,7 +303,10 @@ fn parse_err(bytes: &[u8]) -> GgufError {
     match GgufFile::parse(bytes, "bad.gguf") {
         Ok(_) => panic!("parse should fail"),
         Err(e) => {
-            assert!(e.to_string().starts_with("bad.gguf: "), "error should name the file: {e}");
+            assert!(
+                e.to_string().starts_with("bad.gguf: "),
+                "error should name the file: {e}"
+            );
             e
         }
     }
@@ -307,7 +325,10 @@ fn truncated_at_every_point() {
     for cut in 0..bytes.len() {
         let e = parse_err(&bytes[..cut]);
         assert!(
-            matches!(e, GgufError::Truncated { .. } | GgufError::TensorOutOfBounds { .. } | GgufError::TooLarge { .. }),
+            matches!(
+                e,
+                GgufError::Truncated { .. } | GgufError::TensorOutOfBounds { .. } | GgufError::TooLarge { .. }
+            ),
             "cut at {cut}: unexpected {e}"
         );
     }
@@ -322,7 +343,10 @@ fn bad_magic() {
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.magic = *b"GGML";
     let e = parse_err(&w.to_bytes());
-    assert!(matches!(e, GgufError::BadMagic { found, .. } if &found == b"GGML"), "{e}");
+    assert!(
+        matches!(e, GgufError::BadMagic { found, .. } if &found == b"GGML"),
+        "{e}"
+    );
     assert!(e.to_string().contains("GGUF"));
 }
 
@@ -332,7 +356,10 @@ fn unsupported_versions() {
         let mut w = tiny_model("llama", TINY, ggml::F32);
         w.version = v;
         let e = parse_err(&w.to_bytes());
-        assert!(matches!(e, GgufError::UnsupportedVersion { version, .. } if version == v), "{e}");
+        assert!(
+            matches!(e, GgufError::UnsupportedVersion { version, .. } if version == v),
+            "{e}"
+        );
         assert!(e.to_string().contains(&v.to_string()));
     }
     let mut w = tiny_model("llama", TINY, ggml::F32);
@@ -345,7 +372,10 @@ fn huge_counts_and_lengths() {
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.tensor_count_override = Some(u64::MAX / 2);
     let e = parse_err(&w.to_bytes());
-    assert!(matches!(e, GgufError::TooLarge { .. }) && e.to_string().contains("tensor count"), "{e}");
+    assert!(
+        matches!(e, GgufError::TooLarge { .. }) && e.to_string().contains("tensor count"),
+        "{e}"
+    );
 
     // A string array claiming 2^60 elements.
     let mut w = GgufWriter::default();
@@ -359,7 +389,10 @@ fn huge_counts_and_lengths() {
     let mut w = GgufWriter::default();
     w.kv("general.name", Meta::Raw(8, u64::MAX.to_le_bytes().to_vec()));
     let e = parse_err(&w.to_bytes());
-    assert!(matches!(e, GgufError::TooLarge { .. }) && e.to_string().contains("general.name"), "{e}");
+    assert!(
+        matches!(e, GgufError::TooLarge { .. }) && e.to_string().contains("general.name"),
+        "{e}"
+    );
 
     // Arrays nested far too deep.
     let mut raw = Vec::new();
@@ -372,7 +405,10 @@ fn huge_counts_and_lengths() {
     let mut w = GgufWriter::default();
     w.kv("deep", Meta::Raw(9, raw));
     let e = parse_err(&w.to_bytes());
-    assert!(matches!(e, GgufError::NestingTooDeep { .. }) && e.to_string().contains("deep"), "{e}");
+    assert!(
+        matches!(e, GgufError::NestingTooDeep { .. }) && e.to_string().contains("deep"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -385,7 +421,9 @@ fn nested_arrays_parse() {
         (0..n).for_each(|x| raw.extend(x.to_le_bytes()));
     }
     let mut w = GgufWriter::default();
-    w.kv("nested", Meta::Raw(9, raw)).kv("u64", Meta::U64(7)).kv("i32", Meta::I32(-3));
+    w.kv("nested", Meta::Raw(9, raw))
+        .kv("u64", Meta::U64(7))
+        .kv("i32", Meta::I32(-3));
     let bytes = w.to_bytes();
     let g = GgufFile::parse(&bytes, "n.gguf").unwrap();
     use lantern::model::gguf::GgufArray;
@@ -417,10 +455,23 @@ fn misaligned_offset_and_bad_alignment() {
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.tensors[1].offset = Some(4100);
     let e = parse_err(&w.to_bytes());
-    assert!(matches!(&e, GgufError::MisalignedTensor { offset: 4100, alignment: 32, .. }), "{e}");
+    assert!(
+        matches!(
+            &e,
+            GgufError::MisalignedTensor {
+                offset: 4100,
+                alignment: 32,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.kv("general.alignment", Meta::U32(24));
-    assert!(matches!(parse_err(&w.to_bytes()), GgufError::BadAlignment { alignment: 24, .. }));
+    assert!(matches!(
+        parse_err(&w.to_bytes()),
+        GgufError::BadAlignment { alignment: 24, .. }
+    ));
     // A valid non-default alignment is honoured.
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.alignment = 64;
@@ -436,12 +487,18 @@ fn too_many_dims_and_block_mismatch() {
     let mut w = GgufWriter::default();
     w.tensor("t5", &[1, 1, 1, 1, 1], ggml::F32, vec![0; 4]);
     let e = parse_err(&w.to_bytes());
-    assert!(matches!(&e, GgufError::TooManyDims { n_dims: 5, tensor, .. } if tensor == "t5"), "{e}");
+    assert!(
+        matches!(&e, GgufError::TooManyDims { n_dims: 5, tensor, .. } if tensor == "t5"),
+        "{e}"
+    );
 
     let mut w = GgufWriter::default();
     w.tensor("odd", &[33, 2], ggml::Q8_0, vec![0; 68]);
     let e = parse_err(&w.to_bytes());
-    assert!(matches!(&e, GgufError::BadTensorShape { tensor, .. } if tensor == "odd"), "{e}");
+    assert!(
+        matches!(&e, GgufError::BadTensorShape { tensor, .. } if tensor == "odd"),
+        "{e}"
+    );
     assert!(e.to_string().contains("block size 32"), "{e}");
 
     let mut w = GgufWriter::default();
@@ -454,7 +511,10 @@ fn unknown_and_unsupported_tensor_types() {
     let mut w = GgufWriter::default();
     w.tensor("weird", &[32], 99, vec![0; 32]);
     let e = parse_err(&w.to_bytes());
-    assert!(matches!(&e, GgufError::UnknownTensorType { type_id: 99, tensor, .. } if tensor == "weird"), "{e}");
+    assert!(
+        matches!(&e, GgufError::UnknownTensorType { type_id: 99, tensor, .. } if tensor == "weird"),
+        "{e}"
+    );
 
     let mut w = tiny_model("llama", TINY, ggml::F32);
     let i = w.tensors.iter().position(|t| t.name == "blk.1.ffn_up.weight").unwrap();
@@ -473,7 +533,10 @@ fn unknown_and_unsupported_tensor_types() {
 fn unsupported_architectures() {
     for arch in ["gpt2", "mamba"] {
         let e = load_err(&tiny_model(arch, TINY, ggml::F32));
-        assert!(matches!(&e, LanternError::UnsupportedArchitecture { arch: a } if a == arch), "{e}");
+        assert!(
+            matches!(&e, LanternError::UnsupportedArchitecture { arch: a } if a == arch),
+            "{e}"
+        );
         assert!(e.to_string().contains(arch));
     }
 }

@@ -1,1 +1,263 @@
-fn main() {}
+//! `lantern`: run language models on any GPU through WebGPU.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use lantern::engine::generate::{generate, GenerateRequest};
+use lantern::engine::SamplingParams;
+use lantern::gpu::{DeviceOptions, GpuContext};
+use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::load::load_path;
+use lantern::model::tokenizer::ChatMessage;
+
+#[derive(Parser)]
+#[command(name = "lantern", version, about = "Portable LLM inference on WebGPU (wgpu)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt (fetches the default model on first use).
+    Run(RunArgs),
+    /// List every GPU adapter with its backend, type, driver, features and limits.
+    Devices {
+        /// Only adapters of this backend (vulkan, metal, dx12, gl).
+        #[arg(long)]
+        backend: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) into the cache.
+    Fetch,
+}
+
+#[derive(Args)]
+struct DeviceArgs {
+    /// Adapter by index (as `lantern devices` lists them) or name substring.
+    #[arg(long)]
+    adapter: Option<String>,
+    /// Pin a backend: vulkan, metal, dx12, gl.
+    #[arg(long)]
+    backend: Option<String>,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// The prompt (or the user message with --chat).
+    prompt: String,
+    /// A GGUF file or a Hugging Face folder. Default: SmolLM2-135M-Instruct, fetched once.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Wrap the prompt in the model's chat template as one user message.
+    #[arg(long)]
+    chat: bool,
+    /// System message for --chat (default: the template's own).
+    #[arg(long)]
+    system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 = greedy (argmax on the GPU).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches p.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when this string appears (repeatable); the text is cut before it.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Context window in tokens (prompt + output). Default: min(model's, 2048).
+    #[arg(long)]
+    context: Option<usize>,
+    /// Print one JSON object instead of streaming.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Run(a) => run(a),
+        Cmd::Devices { backend, json } => devices(backend, json),
+        Cmd::Fetch => lantern::fetch::ensure_default_model(true).map(|p| {
+            println!("{}", p.display());
+        }),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn devices(backend: Option<String>, json: bool) -> Result<()> {
+    let list = pollster::block_on(lantern::gpu::list_adapters(backend.as_deref()))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+        return Ok(());
+    }
+    if list.is_empty() {
+        bail!("no GPU adapter found (on Linux without a GPU, install mesa-vulkan-drivers for lavapipe)");
+    }
+    for a in &list {
+        println!("[{}] {} ({}, {})", a.index, a.name, a.backend, a.device_type);
+        println!("    driver: {} {}", a.driver, a.driver_info);
+        println!("    features: {}", if a.features.is_empty() { "-".into() } else { a.features.join(", ") });
+        let l = &a.limits;
+        println!(
+            "    limits: max_buffer_size {} MiB, max_storage_buffer_binding_size {} MiB, {} storage buffers/stage, {} B workgroup memory, {} invocations/workgroup",
+            l.max_buffer_size >> 20,
+            l.max_storage_buffer_binding_size >> 20,
+            l.max_storage_buffers_per_shader_stage,
+            l.max_compute_workgroup_storage_size,
+            l.max_compute_invocations_per_workgroup
+        );
+    }
+    Ok(())
+}
+
+fn spinner(msg: &str, quiet: bool) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new_spinner();
+    pb.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    pb.set_message(msg.to_string());
+    pb.enable_steady_tick(std::time::Duration::from_millis(120));
+    pb
+}
+
+fn run(a: RunArgs) -> Result<()> {
+    let model_path = match &a.model {
+        Some(p) => p.clone(),
+        None => lantern::fetch::ensure_default_model(true).context("fetching the default model")?,
+    };
+    let t0 = Instant::now();
+    let pb = spinner(&format!("loading {}", model_path.display()), false);
+    let loaded = load_path(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
+    let tokenizer = loaded
+        .tokenizer
+        .with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
+    pb.set_message("choosing adapter");
+    let ctx = pollster::block_on(GpuContext::new(&DeviceOptions {
+        backend: a.device.backend.clone(),
+        adapter: a.device.adapter.clone(),
+        ..Default::default()
+    }))?;
+    pb.set_message(format!("uploading weights to {}", ctx.info.name));
+    let mut model = pollster::block_on(GpuModel::load(
+        ctx.clone(),
+        &loaded.weights,
+        ModelOptions {
+            context: a.context,
+            ..Default::default()
+        },
+    ))?;
+    pb.finish_and_clear();
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    drop(loaded.weights);
+
+    let prompt_text = if a.chat {
+        let tmpl = tokenizer.chat_template().context("this model has no usable chat template")?;
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage::system(s.clone()));
+        }
+        msgs.push(ChatMessage::user(a.prompt.clone()));
+        tmpl.render(&msgs, true)?
+    } else {
+        a.prompt.clone()
+    };
+    let prompt_ids = if a.chat {
+        tokenizer.encode_chat(&prompt_text)?
+    } else {
+        tokenizer.encode(&prompt_text)?
+    };
+    let mut stop_ids = model.config.eos_token_ids.clone();
+    if let Some(e) = tokenizer.eos_id() {
+        if !stop_ids.contains(&e) {
+            stop_ids.push(e);
+        }
+    }
+    let req = GenerateRequest {
+        prompt_ids,
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
+        stop_ids,
+        stop_strings: a.stop.clone(),
+    };
+    let json = a.json;
+    let stdout = std::io::stdout();
+    let gen = pollster::block_on(generate(&mut model, &tokenizer, &req, |piece| {
+        if !json {
+            let mut out = stdout.lock();
+            let _ = out.write_all(piece.as_bytes());
+            let _ = out.flush();
+        }
+        true
+    }))?;
+    let m = gen.timings.metrics();
+    let prefill_tps = m.ttft_ms.map(|t| gen.prompt_ids.len() as f64 / (t / 1e3));
+    if json {
+        let v = serde_json::json!({
+            "prompt_ids": gen.prompt_ids,
+            "output_ids": gen.output_ids,
+            "text": gen.text,
+            "finish_reason": gen.finish_reason.as_str(),
+            "ttft_ms": m.ttft_ms,
+            "tpot_ms": m.tpot_ms,
+            "tokens_per_s": m.tokens_per_s,
+            "e2e_ms": m.e2e_ms,
+            "prefill_tokens_per_s": prefill_tps,
+            "load_ms": load_ms,
+            "dispatches_per_decode_step": model.dispatches_per_decode_step(),
+            "dispatches_per_prefill_step": model.dispatches_per_prefill_step(),
+            "weight_bytes": model.weight_bytes(),
+            "kv_cache_bytes": model.kv.bytes(),
+            "context": model.kv.alloc.config.context,
+            "model": {
+                "path": model_path.display().to_string(),
+                "config": model.config,
+            },
+            "adapter": ctx.adapter_json(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!();
+        let f = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.1}"));
+        eprintln!(
+            "[{} | {} prompt + {} output tokens, finish: {} | TTFT {} ms ({} tok/s prefill) | TPOT {} ms | {} tok/s decode | {} dispatches/token | load {:.0} ms]",
+            ctx.info.name,
+            gen.prompt_ids.len(),
+            gen.output_ids.len(),
+            gen.finish_reason.as_str(),
+            f(m.ttft_ms),
+            f(prefill_tps),
+            f(m.tpot_ms),
+            f(m.tokens_per_s),
+            model.dispatches_per_decode_step(),
+            load_ms
+        );
+    }
+    Ok(())
+}

@@ -97,7 +97,7 @@ async fn run(
     let mut decoder = tokenizer.stream_decoder();
     let mut text = String::new();
     let mut out_ids = Vec::new();
-    let mut finish = FinishReason::Length;
+    let finish;
     let mut next_input: Vec<u32> = req.prompt_ids.clone();
     // Longest stop string, to hold back text that may be the start of one.
     let hold = req.stop_strings.iter().map(|s| s.len()).max().unwrap_or(0);

@@ -185,15 +185,43 @@ pub async fn build(
         Shape::Matmul => ShaderOp::Matmul,
     };
     let mut features = crate::gpu::Features::default();
-    if shape == Shape::Matvec && !ctx.caps.cpu_like {
-        fl |= flags::ROW_PER_WORKGROUP;
-        features.subgroups = ctx.caps.subgroups;
+    let mut wg = 64;
+    if shape == Shape::Matvec {
+        let (f, w) = matvec_layout(ctx);
+        fl |= f;
+        wg = w;
+        features.subgroups = fl & flags::ROW_PER_WORKGROUP != 0 && ctx.caps.subgroups;
     }
-    let key = PipelineKey::new(op, 64)
+    let key = PipelineKey::new(op, wg)
         .with_flags(fl)
         .with_weights(lin.format)
         .with_features(features);
     build_with_key(ctx, lin, io, key).await
+}
+
+/// Matvec layout by adapter: `(flags, workgroup size)`.
+///
+/// On CPU adapters (lavapipe, SwiftShader) a workgroup of one subgroup whose lanes stride K
+/// turns each step into one contiguous vector load; on GPUs a 64-wide workgroup per row
+/// gives coalesced loads. The row-per-invocation layout remains for adapters without
+/// subgroups. Override with `LANTERN_MATVEC=thread|wg8|wg64` (benchmarks).
+pub fn matvec_layout(ctx: &GpuContext) -> (u32, u32) {
+    let forced = std::env::var("LANTERN_MATVEC").ok();
+    match forced.as_deref() {
+        Some("thread") => return (0, 64),
+        Some("wg64") => return (flags::ROW_PER_WORKGROUP, 64),
+        Some("wg8") => return (flags::ROW_PER_WORKGROUP, 8),
+        _ => {}
+    }
+    if ctx.caps.cpu_like {
+        if ctx.caps.subgroups && ctx.caps.subgroup_max_size >= 4 && ctx.caps.subgroup_max_size <= 64 {
+            (flags::ROW_PER_WORKGROUP, ctx.caps.subgroup_max_size)
+        } else {
+            (0, 64)
+        }
+    } else {
+        (flags::ROW_PER_WORKGROUP, 64)
+    }
 }
 
 /// Build with an explicit variant (tests use this to cover every layout on one adapter).

@@ -22,33 +22,54 @@ pub enum Arch {
 pub enum RopeScaling {
     /// Llama 3 scaling: low frequencies divided by `factor`, a smooth band in between.
     Llama3 {
+        /// Divisor applied to low frequencies.
         factor: f64,
+        /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are divided.
         low_freq_factor: f64,
+        /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
         high_freq_factor: f64,
+        /// Context length the model was pre-trained with.
         original_max_position_embeddings: f64,
     },
     /// Linear position interpolation: every frequency divided by `factor`.
-    Linear { factor: f64 },
+    Linear {
+        /// Divisor applied to every frequency.
+        factor: f64,
+    },
 }
 
 /// Everything the forward pass needs to know about a model's shape.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ModelConfig {
+    /// Architecture family (from `model_type`).
     pub arch: Arch,
+    /// Number of token ids (rows of the embedding and lm_head).
     pub vocab_size: usize,
+    /// Width of the residual stream (`d_model`).
     pub hidden_size: usize,
+    /// Width of the gated MLP (gate/up output, down input).
     pub intermediate_size: usize,
+    /// Number of decoder blocks (`num_hidden_layers`).
     pub num_layers: usize,
+    /// Query heads (`num_attention_heads`).
     pub num_heads: usize,
+    /// Key/value heads (`num_key_value_heads`; equal to `num_heads` when absent).
     pub num_kv_heads: usize,
+    /// Per-head width (`head_dim`, or `hidden_size / num_heads` when absent); even.
     pub head_dim: usize,
+    /// RMSNorm epsilon, added to the mean square.
     pub rms_norm_eps: f32,
+    /// RoPE base.
     pub rope_theta: f64,
+    /// RoPE frequency scaling; `None` for the default (unscaled) RoPE.
     pub rope_scaling: Option<RopeScaling>,
+    /// Longest context the model was configured for.
     pub max_position_embeddings: usize,
+    /// lm_head shares the embedding matrix (no `lm_head.weight` needed).
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry biases (Qwen2, or Llama with `attention_bias`).
     pub qkv_bias: bool,
+    /// Beginning-of-sequence token, if the config names one.
     pub bos_token_id: Option<u32>,
     /// Tokens that end generation.
     pub eos_token_ids: Vec<u32>,
@@ -76,19 +97,22 @@ impl ModelConfig {
                 high_freq_factor,
                 original_max_position_embeddings: old_ctx,
             }) => {
-                let low_wavelen = old_ctx / low_freq_factor;
-                let high_wavelen = old_ctx / high_freq_factor;
+                // Same float32 operations, in the same order, as transformers'
+                // `_compute_llama3_parameters` (Python scalars meet f32 tensors as f32).
+                let low_wavelen = (old_ctx / low_freq_factor) as f32;
+                let high_wavelen = (old_ctx / high_freq_factor) as f32;
+                let factor = factor as f32;
+                let band = (high_freq_factor - low_freq_factor) as f32;
                 for f in &mut inv {
-                    let wavelen = 2.0 * std::f64::consts::PI / *f as f64;
+                    let wavelen = (2.0 * std::f64::consts::PI) as f32 / *f;
                     if wavelen < high_wavelen {
                         // unchanged
                     } else if wavelen > low_wavelen {
-                        *f = (*f as f64 / factor) as f32;
+                        *f /= factor;
                     } else {
-                        let smooth =
-                            (old_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                        let v = *f as f64;
-                        *f = ((1.0 - smooth) * v / factor + smooth * v) as f32;
+                        let smooth = (old_ctx as f32 / wavelen - low_freq_factor as f32) / band;
+                        let v = *f;
+                        *f = (1.0 - smooth) * v / factor + smooth * v;
                     }
                 }
             }
@@ -136,7 +160,13 @@ mod hf_json {
                 .as_u64()
                 .and_then(|n| usize::try_from(n).ok())
                 .map(Some)
-                .ok_or_else(|| cfg_err(file, key, format!("expected a non-negative integer, got {v}"))),
+                .ok_or_else(|| {
+                    cfg_err(
+                        file,
+                        key,
+                        format!("expected a non-negative integer, got {v}"),
+                    )
+                }),
         }
     }
 
@@ -192,17 +222,33 @@ mod hf_json {
             Some("llama") => Arch::Llama,
             Some("mistral") => Arch::Mistral,
             Some("qwen2") => Arch::Qwen2,
-            Some(other) => return Err(LanternError::UnsupportedArchitecture { arch: other.to_string() }),
+            Some(other) => {
+                return Err(LanternError::UnsupportedArchitecture {
+                    arch: other.to_string(),
+                })
+            }
             None => match classes.first() {
-                Some(c) => from_class(c).ok_or_else(|| LanternError::UnsupportedArchitecture { arch: c.to_string() })?,
-                None => return Err(cfg_err(file, "model_type", "missing (and no `architectures` list)")),
+                Some(c) => from_class(c).ok_or_else(|| LanternError::UnsupportedArchitecture {
+                    arch: c.to_string(),
+                })?,
+                None => {
+                    return Err(cfg_err(
+                        file,
+                        "model_type",
+                        "missing (and no `architectures` list)",
+                    ))
+                }
             },
         };
         // A head other than the causal-LM one (e.g. `LlamaForSequenceClassification`) has no
         // lm_head to run; refuse rather than guess.
         if !classes.is_empty() && !classes.iter().any(|c| from_class(c).is_some()) {
             return Err(LanternError::UnsupportedArchitecture {
-                arch: format!("{} (model_type {:?})", classes.join(", "), model_type.unwrap_or("?")),
+                arch: format!(
+                    "{} (model_type {:?})",
+                    classes.join(", "),
+                    model_type.unwrap_or("?")
+                ),
             });
         }
         Ok(arch)
@@ -214,7 +260,13 @@ mod hf_json {
         let mut params: Option<&Obj> = match get(o, "rope_parameters") {
             None => None,
             Some(Value::Object(p)) => Some(p),
-            Some(v) => return Err(cfg_err(file, "rope_parameters", format!("expected an object, got {v}"))),
+            Some(v) => {
+                return Err(cfg_err(
+                    file,
+                    "rope_parameters",
+                    format!("expected an object, got {v}"),
+                ))
+            }
         };
         // Per-layer-type form ({"full_attention": {...}}): these archs only use full attention.
         if let Some(p) = params {
@@ -227,18 +279,29 @@ mod hf_json {
         let legacy_scaling: Option<&Obj> = match get(o, "rope_scaling") {
             None => None,
             Some(Value::Object(p)) => Some(p),
-            Some(v) => return Err(cfg_err(file, "rope_scaling", format!("expected an object or null, got {v}"))),
+            Some(v) => {
+                return Err(cfg_err(
+                    file,
+                    "rope_scaling",
+                    format!("expected an object or null, got {v}"),
+                ))
+            }
         };
-        let theta = match params.map(|p| f64_field(p, "rope_theta", "rope_parameters.rope_theta", file)) {
-            Some(r) => r?,
-            None => None,
-        };
+        let theta =
+            match params.map(|p| f64_field(p, "rope_theta", "rope_parameters.rope_theta", file)) {
+                Some(r) => r?,
+                None => None,
+            };
         let theta = match theta {
             Some(t) => t,
             None => f64_field(o, "rope_theta", "rope_theta", file)?.unwrap_or(10000.0),
         };
         if !(theta.is_finite() && theta > 0.0) {
-            return Err(cfg_err(file, "rope_theta", format!("must be a positive number, got {theta}")));
+            return Err(cfg_err(
+                file,
+                "rope_theta",
+                format!("must be a positive number, got {theta}"),
+            ));
         }
         let (scaling, prefix): (Option<&Obj>, &str) = match (params, legacy_scaling) {
             (Some(p), _) => (Some(p), "rope_parameters"),
@@ -250,20 +313,35 @@ mod hf_json {
         };
         let kind = get(s, "rope_type")
             .or_else(|| get(s, "type"))
-            .map(|v| v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string()))
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| v.to_string())
+            })
             .unwrap_or_else(|| "default".to_string());
         let num = |key: &str| -> Result<f64, LanternError> {
             let field = format!("{prefix}.{key}");
-            let v = f64_field(s, key, &field, file)?
-                .ok_or_else(|| cfg_err(file, &field, format!("missing (needed by rope_type `{kind}`)")))?;
+            let v = f64_field(s, key, &field, file)?.ok_or_else(|| {
+                cfg_err(
+                    file,
+                    &field,
+                    format!("missing (needed by rope_type `{kind}`)"),
+                )
+            })?;
             if !(v.is_finite() && v > 0.0) {
-                return Err(cfg_err(file, &field, format!("must be a positive number, got {v}")));
+                return Err(cfg_err(
+                    file,
+                    &field,
+                    format!("must be a positive number, got {v}"),
+                ));
             }
             Ok(v)
         };
         let scaling = match kind.as_str() {
             "default" => None,
-            "linear" => Some(RopeScaling::Linear { factor: num("factor")? }),
+            "linear" => Some(RopeScaling::Linear {
+                factor: num("factor")?,
+            }),
             "llama3" => {
                 let low = num("low_freq_factor")?;
                 let high = num("high_freq_factor")?;
@@ -309,7 +387,11 @@ mod hf_json {
 
         if let Some(act) = get(o, "hidden_act").or_else(|| get(o, "hidden_activation")) {
             if act.as_str() != Some("silu") {
-                return Err(cfg_err(file, "hidden_act", format!("only `silu` is supported, got {act}")));
+                return Err(cfg_err(
+                    file,
+                    "hidden_act",
+                    format!("only `silu` is supported, got {act}"),
+                ));
             }
         }
 
@@ -320,7 +402,11 @@ mod hf_json {
         let num_heads = required_usize(o, "num_attention_heads", file)?;
         let num_kv_heads = usize_field(o, "num_key_value_heads", file)?.unwrap_or(num_heads);
         if num_kv_heads == 0 {
-            return Err(cfg_err(file, "num_key_value_heads", "must be positive, got 0"));
+            return Err(cfg_err(
+                file,
+                "num_key_value_heads",
+                "must be positive, got 0",
+            ));
         }
         if num_heads % num_kv_heads != 0 {
             return Err(cfg_err(
@@ -343,12 +429,20 @@ mod hf_json {
             }
         };
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(cfg_err(file, "head_dim", format!("must be positive and even (RoPE pairs dimensions), got {head_dim}")));
+            return Err(cfg_err(
+                file,
+                "head_dim",
+                format!("must be positive and even (RoPE pairs dimensions), got {head_dim}"),
+            ));
         }
 
         let rms_norm_eps = f64_field(o, "rms_norm_eps", "rms_norm_eps", file)?.unwrap_or(1e-6);
         if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
-            return Err(cfg_err(file, "rms_norm_eps", format!("must be a positive number, got {rms_norm_eps}")));
+            return Err(cfg_err(
+                file,
+                "rms_norm_eps",
+                format!("must be a positive number, got {rms_norm_eps}"),
+            ));
         }
         let (rope_theta, rope_scaling) = rope(o, file)?;
 
@@ -357,14 +451,23 @@ mod hf_json {
             Arch::Mistral => 4096 * 32,
             Arch::Qwen2 => 32768,
         };
-        let max_position_embeddings = usize_field(o, "max_position_embeddings", file)?.unwrap_or(default_max_pos);
+        let max_position_embeddings =
+            usize_field(o, "max_position_embeddings", file)?.unwrap_or(default_max_pos);
         if max_position_embeddings == 0 {
-            return Err(cfg_err(file, "max_position_embeddings", "must be positive, got 0"));
+            return Err(cfg_err(
+                file,
+                "max_position_embeddings",
+                "must be positive, got 0",
+            ));
         }
         let tie_word_embeddings = bool_field(o, "tie_word_embeddings", file)?.unwrap_or(false);
 
         if bool_field(o, "mlp_bias", file)? == Some(true) {
-            return Err(cfg_err(file, "mlp_bias", "MLP projection biases are not supported"));
+            return Err(cfg_err(
+                file,
+                "mlp_bias",
+                "MLP projection biases are not supported",
+            ));
         }
         let qkv_bias = match arch {
             Arch::Qwen2 => true,

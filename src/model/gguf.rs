@@ -74,18 +74,10 @@ pub enum GgufError {
     BadAlignment { file: String, alignment: u64 },
     /// A tensor with more than [`GGUF_MAX_DIMS`] dimensions.
     #[error("{file}: tensor `{tensor}` has {n_dims} dimensions, at most 4 are allowed")]
-    TooManyDims {
-        file: String,
-        tensor: String,
-        n_dims: u32,
-    },
+    TooManyDims { file: String, tensor: String, n_dims: u32 },
     /// A ggml type id this reader does not know (so its size cannot be computed).
     #[error("{file}: tensor `{tensor}` has unknown ggml type id {type_id}")]
-    UnknownTensorType {
-        file: String,
-        tensor: String,
-        type_id: u32,
-    },
+    UnknownTensorType { file: String, tensor: String, type_id: u32 },
     /// A known ggml type that Lantern cannot load (e.g. the K-quants).
     #[error("{file}: tensor `{tensor}` has ggml type {ggml_type}, which Lantern does not load (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
     UnsupportedTensorType {
@@ -137,18 +129,31 @@ pub enum GgufError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum GgufValueType {
+    /// Unsigned 8-bit value.
     U8,
+    /// Signed 8-bit value.
     I8,
+    /// Unsigned 16-bit value.
     U16,
+    /// Signed 16-bit value.
     I16,
+    /// Unsigned 32-bit value.
     U32,
+    /// Signed 32-bit value.
     I32,
+    /// 32-bit float value.
     F32,
+    /// Boolean value.
     Bool,
+    /// Utf-8 string value.
     String,
+    /// Array value.
     Array,
+    /// Unsigned 64-bit value.
     U64,
+    /// Signed 64-bit value.
     I64,
+    /// 64-bit float value.
     F64,
 }
 
@@ -210,19 +215,31 @@ impl GgufValueType {
 /// A homogeneous metadata array, stored compactly by element type.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GgufArray {
+    /// Array of unsigned 8-bit values.
     U8(Vec<u8>),
+    /// Array of signed 8-bit values.
     I8(Vec<i8>),
+    /// Array of unsigned 16-bit values.
     U16(Vec<u16>),
+    /// Array of signed 16-bit values.
     I16(Vec<i16>),
+    /// Array of unsigned 32-bit values.
     U32(Vec<u32>),
+    /// Array of signed 32-bit values.
     I32(Vec<i32>),
+    /// Array of 32-bit float values.
     F32(Vec<f32>),
+    /// Array of boolean values.
     Bool(Vec<bool>),
+    /// Array of UTF-8 string values.
     String(Vec<String>),
     /// Nested arrays (each may have its own element type).
     Array(Vec<GgufArray>),
+    /// Array of unsigned 64-bit values.
     U64(Vec<u64>),
+    /// Array of signed 64-bit values.
     I64(Vec<i64>),
+    /// Array of 64-bit float values.
     F64(Vec<f64>),
 }
 
@@ -298,18 +315,31 @@ impl GgufArray {
 /// One metadata value.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GgufValue {
+    /// Unsigned 8-bit value.
     U8(u8),
+    /// Signed 8-bit value.
     I8(i8),
+    /// Unsigned 16-bit value.
     U16(u16),
+    /// Signed 16-bit value.
     I16(i16),
+    /// Unsigned 32-bit value.
     U32(u32),
+    /// Signed 32-bit value.
     I32(i32),
+    /// 32-bit float value.
     F32(f32),
+    /// Boolean value.
     Bool(bool),
+    /// Utf-8 string value.
     String(String),
+    /// Array value.
     Array(GgufArray),
+    /// Unsigned 64-bit value.
     U64(u64),
+    /// Signed 64-bit value.
     I64(i64),
+    /// 64-bit float value.
     F64(f64),
 }
 
@@ -394,37 +424,69 @@ impl GgufValue {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum GgmlType {
+    /// ggml `F32`.
     F32,
+    /// ggml `F16`.
     F16,
+    /// ggml `Q4_0`.
     Q4_0,
+    /// ggml `Q4_1`.
     Q4_1,
+    /// ggml `Q5_0`.
     Q5_0,
+    /// ggml `Q5_1`.
     Q5_1,
+    /// ggml `Q8_0`.
     Q8_0,
+    /// ggml `Q8_1`.
     Q8_1,
+    /// ggml `Q2_K`.
     Q2_K,
+    /// ggml `Q3_K`.
     Q3_K,
+    /// ggml `Q4_K`.
     Q4_K,
+    /// ggml `Q5_K`.
     Q5_K,
+    /// ggml `Q6_K`.
     Q6_K,
+    /// ggml `Q8_K`.
     Q8_K,
+    /// ggml `IQ2_XXS`.
     IQ2_XXS,
+    /// ggml `IQ2_XS`.
     IQ2_XS,
+    /// ggml `IQ3_XXS`.
     IQ3_XXS,
+    /// ggml `IQ1_S`.
     IQ1_S,
+    /// ggml `IQ4_NL`.
     IQ4_NL,
+    /// ggml `IQ3_S`.
     IQ3_S,
+    /// ggml `IQ2_S`.
     IQ2_S,
+    /// ggml `IQ4_XS`.
     IQ4_XS,
+    /// ggml `I8`.
     I8,
+    /// ggml `I16`.
     I16,
+    /// ggml `I32`.
     I32,
+    /// ggml `I64`.
     I64,
+    /// ggml `F64`.
     F64,
+    /// ggml `IQ1_M`.
     IQ1_M,
+    /// ggml `BF16`.
     BF16,
+    /// ggml `TQ1_0`.
     TQ1_0,
+    /// ggml `TQ2_0`.
     TQ2_0,
+    /// ggml `MXFP4`.
     MXFP4,
 }
 
@@ -475,7 +537,11 @@ impl GgmlType {
 
     fn entry(self) -> (u32, GgmlType, u64, u64) {
         // Every variant is in TABLE; the fallback is unreachable but keeps this panic-free.
-        Self::TABLE.iter().copied().find(|e| e.1 == self).unwrap_or((0, self, 1, 4))
+        Self::TABLE
+            .iter()
+            .copied()
+            .find(|e| e.1 == self)
+            .unwrap_or((0, self, 1, 4))
     }
 
     /// The ggml type id written in files.
@@ -763,7 +829,10 @@ impl<'a> GgufFile<'a> {
             let ty = r.value_type(&key)?;
             let value = r.value(ty, &key, 0)?;
             if key_index.insert(key.clone(), metadata.len()).is_some() {
-                return Err(GgufError::DuplicateKey { file: name.clone(), key });
+                return Err(GgufError::DuplicateKey {
+                    file: name.clone(),
+                    key,
+                });
             }
             metadata.push((key, value));
         }
@@ -914,7 +983,10 @@ impl<'a> GgufFile<'a> {
     pub fn get_f32_opt(&self, key: &str) -> Result<Option<f32>, GgufError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_float().map(|f| Some(f as f32)).ok_or_else(|| self.wrong(key, "a float", v)),
+            Some(v) => v
+                .as_float()
+                .map(|f| Some(f as f32))
+                .ok_or_else(|| self.wrong(key, "a float", v)),
         }
     }
 
@@ -1017,11 +1089,13 @@ impl<'a> GgufFile<'a> {
     }
 
     fn loadable_dtype(&self, info: &GgufTensorInfo) -> Result<DType, GgufError> {
-        info.ggml_type.to_dtype().ok_or_else(|| GgufError::UnsupportedTensorType {
-            file: self.name.clone(),
-            tensor: info.name.clone(),
-            ggml_type: info.ggml_type.name(),
-        })
+        info.ggml_type
+            .to_dtype()
+            .ok_or_else(|| GgufError::UnsupportedTensorType {
+                file: self.name.clone(),
+                tensor: info.name.clone(),
+                ggml_type: info.ggml_type.name(),
+            })
     }
 }
 
@@ -1127,11 +1201,11 @@ pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
 /// dimension (`n_head * hd`); 1-D biases work with one element per row. Returns `None` if
 /// the bytes do not split into `n_rows` equal rows or the head size is not even.
 pub fn unpermute_qk_rows(data: &[u8], n_rows: usize, n_head: usize) -> Option<Vec<u8>> {
-    if n_rows == 0 || n_head == 0 || n_rows % n_head != 0 || data.len() % n_rows != 0 {
+    if n_rows == 0 || n_head == 0 || !n_rows.is_multiple_of(n_head) || !data.len().is_multiple_of(n_rows) {
         return None;
     }
     let hd = n_rows / n_head;
-    if hd % 2 != 0 {
+    if !hd.is_multiple_of(2) {
         return None;
     }
     let half = hd / 2;
@@ -1206,7 +1280,16 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         }
     };
     if head_dim % 2 != 0 {
-        return Err(config_err(&k("attention.key_length"), format!("head size {head_dim} is odd")));
+        return Err(config_err(
+            &k("attention.key_length"),
+            format!("head size {head_dim} is odd"),
+        ));
+    }
+    if num_heads.checked_mul(head_dim).is_none() {
+        return Err(config_err(
+            &k("attention.head_count"),
+            format!("{num_heads} heads of {head_dim} overflow the address space"),
+        ));
     }
     if let Some(v) = g.get_u32_opt(&k("attention.value_length"))? {
         if v as usize != head_dim {
@@ -1293,12 +1376,19 @@ fn rope_scaling_from_gguf(
     let positive = |f: Option<f64>| -> Result<f64, LanternError> {
         match f {
             Some(f) if f > 0.0 && f.is_finite() => Ok(f),
-            Some(f) => Err(config_err(&k("rope.scaling.factor"), format!("{f} is not a positive number"))),
+            Some(f) => Err(config_err(
+                &k("rope.scaling.factor"),
+                format!("{f} is not a positive number"),
+            )),
             None => Err(config_err(&k("rope.scaling.factor"), "missing")),
         }
     };
     match ty {
-        Some("linear") => return Ok(Some(RopeScaling::Linear { factor: positive(factor)? })),
+        Some("linear") => {
+            return Ok(Some(RopeScaling::Linear {
+                factor: positive(factor)?,
+            }))
+        }
         Some("llama3") => {
             let low = g.get_f32_opt(&k("rope.scaling.low_freq_factor"))?.unwrap_or(1.0) as f64;
             let high = g.get_f32_opt(&k("rope.scaling.high_freq_factor"))?.unwrap_or(4.0) as f64;
@@ -1320,7 +1410,9 @@ fn rope_scaling_from_gguf(
     if ty.is_none() {
         if let Some(f) = g.get_f32_opt(&k("rope.scale_linear"))? {
             if f != 1.0 {
-                return Ok(Some(RopeScaling::Linear { factor: positive(Some(f as f64))? }));
+                return Ok(Some(RopeScaling::Linear {
+                    factor: positive(Some(f as f64))?,
+                }));
             }
         }
     }
@@ -1396,7 +1488,10 @@ pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWe
     for info in gguf.tensors() {
         let Some(hf) = hf_tensor_name(&info.name) else {
             if info.name != "rope_freqs.weight" {
-                log::warn!("{file_name}: ignoring tensor `{}` (no Hugging Face counterpart)", info.name);
+                log::warn!(
+                    "{file_name}: ignoring tensor `{}` (no Hugging Face counterpart)",
+                    info.name
+                );
             }
             continue;
         };
@@ -1424,7 +1519,10 @@ pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWe
                 }
                 unpermute_qk_rows(raw, rows, n_head).ok_or_else(|| LoadError::Invalid {
                     file: file_name.to_string(),
-                    reason: format!("tensor `{}` cannot be split into {rows} rows of {n_head} heads", info.name),
+                    reason: format!(
+                        "tensor `{}` cannot be split into {rows} rows of {n_head} heads",
+                        info.name
+                    ),
                 })?
             }
             _ => raw.to_vec(),
@@ -1448,64 +1546,52 @@ pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWe
 }
 
 /// Every tensor the forward pass needs is present with the shape the config implies.
-fn check_tensor_set(
-    c: &ModelConfig,
-    tensors: &HashMap<String, HostTensor>,
-    file: &str,
-) -> Result<(), LanternError> {
+/// Checked layer by layer, so a corrupt `block_count` fails at the first missing layer
+/// instead of building a huge list.
+fn check_tensor_set(c: &ModelConfig, tensors: &HashMap<String, HostTensor>, file: &str) -> Result<(), LanternError> {
     let (h, q, kv, ff) = (
         c.hidden_size,
         c.num_heads * c.head_dim,
         c.num_kv_heads * c.head_dim,
         c.intermediate_size,
     );
-    let mut expected: Vec<(String, Vec<usize>)> = vec![
-        ("model.embed_tokens.weight".into(), vec![c.vocab_size, h]),
-        ("model.norm.weight".into(), vec![h]),
-    ];
+    let check = |name: String, shape: Vec<usize>| -> Result<(), LanternError> {
+        match tensors.get(&name) {
+            None => Err(LoadError::MissingTensor {
+                file: file.to_string(),
+                tensor: name,
+            }
+            .into()),
+            Some(t) if t.shape != shape => Err(LoadError::WrongShape {
+                file: file.to_string(),
+                tensor: name,
+                got: t.shape.clone(),
+                expected: shape,
+            }
+            .into()),
+            Some(_) => Ok(()),
+        }
+    };
+    check("model.embed_tokens.weight".into(), vec![c.vocab_size, h])?;
+    check("model.norm.weight".into(), vec![h])?;
     if !c.tie_word_embeddings {
-        expected.push(("lm_head.weight".into(), vec![c.vocab_size, h]));
+        check("lm_head.weight".into(), vec![c.vocab_size, h])?;
     }
     for l in 0..c.num_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");
-        expected.extend([
-            (p("input_layernorm.weight"), vec![h]),
-            (p("post_attention_layernorm.weight"), vec![h]),
-            (p("self_attn.q_proj.weight"), vec![q, h]),
-            (p("self_attn.k_proj.weight"), vec![kv, h]),
-            (p("self_attn.v_proj.weight"), vec![kv, h]),
-            (p("self_attn.o_proj.weight"), vec![h, q]),
-            (p("mlp.gate_proj.weight"), vec![ff, h]),
-            (p("mlp.up_proj.weight"), vec![ff, h]),
-            (p("mlp.down_proj.weight"), vec![h, ff]),
-        ]);
+        check(p("input_layernorm.weight"), vec![h])?;
+        check(p("post_attention_layernorm.weight"), vec![h])?;
+        check(p("self_attn.q_proj.weight"), vec![q, h])?;
+        check(p("self_attn.k_proj.weight"), vec![kv, h])?;
+        check(p("self_attn.v_proj.weight"), vec![kv, h])?;
+        check(p("self_attn.o_proj.weight"), vec![h, q])?;
+        check(p("mlp.gate_proj.weight"), vec![ff, h])?;
+        check(p("mlp.up_proj.weight"), vec![ff, h])?;
+        check(p("mlp.down_proj.weight"), vec![h, ff])?;
         if c.qkv_bias {
-            expected.extend([
-                (p("self_attn.q_proj.bias"), vec![q]),
-                (p("self_attn.k_proj.bias"), vec![kv]),
-                (p("self_attn.v_proj.bias"), vec![kv]),
-            ]);
-        }
-    }
-    for (name, shape) in expected {
-        match tensors.get(&name) {
-            None => {
-                return Err(LoadError::MissingTensor {
-                    file: file.to_string(),
-                    tensor: name,
-                }
-                .into())
-            }
-            Some(t) if t.shape != shape => {
-                return Err(LoadError::WrongShape {
-                    file: file.to_string(),
-                    tensor: name,
-                    got: t.shape.clone(),
-                    expected: shape,
-                }
-                .into())
-            }
-            Some(_) => {}
+            check(p("self_attn.q_proj.bias"), vec![q])?;
+            check(p("self_attn.k_proj.bias"), vec![kv])?;
+            check(p("self_attn.v_proj.bias"), vec![kv])?;
         }
     }
     Ok(())

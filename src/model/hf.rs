@@ -112,12 +112,17 @@ pub fn parse_index(text: &str, file: &str) -> Result<BTreeMap<String, String>, L
         .ok_or_else(|| invalid("no `weight_map` object".to_string()))?;
     let mut out = BTreeMap::new();
     for (tensor, shard) in map {
-        let shard = shard
-            .as_str()
-            .ok_or_else(|| invalid(format!("weight_map entry for `{tensor}` is not a file name: {shard}")))?;
+        let shard = shard.as_str().ok_or_else(|| {
+            invalid(format!(
+                "weight_map entry for `{tensor}` is not a file name: {shard}"
+            ))
+        })?;
         // Shards must sit beside the index: no paths.
         if shard.is_empty() || shard.contains('/') || shard.contains('\\') || shard == ".." {
-            return Err(invalid(format!("weight_map entry for `{tensor}` is not a plain file name: {shard:?}")).into());
+            return Err(invalid(format!(
+                "weight_map entry for `{tensor}` is not a plain file name: {shard:?}"
+            ))
+            .into());
         }
         out.insert(tensor.clone(), shard.to_string());
     }
@@ -147,7 +152,9 @@ fn check_index(
             Some(f) => {
                 return Err(LoadError::Invalid {
                     file: index_file.to_string(),
-                    reason: format!("weight_map puts `{tensor}` in {shard}, but it is stored in {f}"),
+                    reason: format!(
+                        "weight_map puts `{tensor}` in {shard}, but it is stored in {f}"
+                    ),
                 }
                 .into())
             }
@@ -159,6 +166,31 @@ fn check_index(
                 .into())
             }
         }
+    }
+    Ok(())
+}
+
+/// Moves one file's tensors into `tensors`, recording in `found_in` that `shard` held
+/// each; a name already loaded from another file is an error naming `file` (the path).
+fn merge(
+    file: &str,
+    shard: &str,
+    part: HashMap<String, HostTensor>,
+    tensors: &mut HashMap<String, HostTensor>,
+    found_in: &mut HashMap<String, String>,
+) -> Result<(), LanternError> {
+    let mut names: Vec<String> = part.keys().cloned().collect();
+    names.sort();
+    if let Some(dup) = names.iter().find(|n| tensors.contains_key(*n)) {
+        return Err(LoadError::Invalid {
+            file: file.to_string(),
+            reason: format!("tensor `{dup}` is also stored in {}", found_in[dup]),
+        }
+        .into());
+    }
+    for (name, t) in part {
+        found_in.insert(name.clone(), shard.to_string());
+        tensors.insert(name, t);
     }
     Ok(())
 }
@@ -178,11 +210,9 @@ pub fn load_hf_buffers(
     let mut tensors = HashMap::new();
     let mut found_in = HashMap::new();
     for (name, bytes) in files {
-        let before: std::collections::HashSet<String> = tensors.keys().cloned().collect();
-        read_safetensors(name, bytes, &mut tensors)?;
-        for t in tensors.keys().filter(|t| !before.contains(*t)) {
-            found_in.insert(t.clone(), name.to_string());
-        }
+        let mut part = HashMap::new();
+        read_safetensors(name, bytes, &mut part)?;
+        merge(name, name, part, &mut tensors, &mut found_in)?;
     }
     if let Some(index) = index_json {
         let weight_map = parse_index(index, INDEX_FILE)?;
@@ -219,7 +249,9 @@ mod native {
     use std::fs::File;
     use std::path::Path;
 
-    use super::{check_index, parse_index, read_safetensors, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+    use super::{
+        check_index, merge, parse_index, read_safetensors, CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+    };
     use crate::error::LanternError;
     use crate::model::validate::validate;
     use crate::model::{LoadError, ModelConfig, ModelWeights};
@@ -229,10 +261,16 @@ mod native {
     }
 
     /// Memory-maps one safetensors file and copies its tensors into `out`.
-    fn read_file(path: &Path, out: &mut HashMap<String, crate::model::HostTensor>) -> Result<(), LanternError> {
+    fn read_file(
+        path: &Path,
+        out: &mut HashMap<String, crate::model::HostTensor>,
+    ) -> Result<(), LanternError> {
         let shown = path.display().to_string();
         let file = File::open(path).map_err(|e| LanternError::io(path, e))?;
-        let len = file.metadata().map_err(|e| LanternError::io(path, e))?.len();
+        let len = file
+            .metadata()
+            .map_err(|e| LanternError::io(path, e))?
+            .len();
         if len < 8 {
             // Too short to map usefully (and zero-length maps fail on some platforms).
             let bytes = std::fs::read(path).map_err(|e| LanternError::io(path, e))?;
@@ -258,7 +296,10 @@ mod native {
             }
             .into());
         }
-        let config = ModelConfig::from_hf_json(&read_text(&config_path)?, &config_path.display().to_string())?;
+        let config = ModelConfig::from_hf_json(
+            &read_text(&config_path)?,
+            &config_path.display().to_string(),
+        )?;
 
         let mut tensors = HashMap::new();
         let index_path = dir.join(INDEX_FILE);
@@ -275,29 +316,29 @@ mod native {
                 if !shard_path.is_file() {
                     return Err(LoadError::Invalid {
                         file: index_name,
-                        reason: format!("names shard {shard}, which does not exist in {}", dir.display()),
+                        reason: format!(
+                            "names shard {shard}, which does not exist in {}",
+                            dir.display()
+                        ),
                     }
                     .into());
                 }
                 let mut part = HashMap::new();
                 read_file(&shard_path, &mut part)?;
-                for (name, t) in part {
-                    if tensors.contains_key(&name) {
-                        return Err(LoadError::Invalid {
-                            file: shard_path.display().to_string(),
-                            reason: format!("tensor `{name}` is also stored in {}", found_in[&name]),
-                        }
-                        .into());
-                    }
-                    found_in.insert(name.clone(), shard.clone());
-                    tensors.insert(name, t);
-                }
+                merge(
+                    &shard_path.display().to_string(),
+                    shard,
+                    part,
+                    &mut tensors,
+                    &mut found_in,
+                )?;
             }
             check_index(&index_name, &weight_map, &found_in)?;
         } else if single_path.is_file() {
             read_file(&single_path, &mut tensors)?;
         } else {
-            let has_bin = dir.join("pytorch_model.bin").is_file() || dir.join("pytorch_model.bin.index.json").is_file();
+            let has_bin = dir.join("pytorch_model.bin").is_file()
+                || dir.join("pytorch_model.bin.index.json").is_file();
             return Err(LoadError::Invalid {
                 file: dir.display().to_string(),
                 reason: if has_bin {

@@ -118,6 +118,7 @@ pub struct GpuModel {
     // Weights stay owned here for the model's lifetime (the plans' bind groups use them).
     #[allow(dead_code)]
     layers: Vec<Layer>,
+    #[allow(dead_code)]
     lm_head: GpuLinear,
     #[allow(dead_code)]
     embed_own: Option<GpuTensor>,
@@ -644,6 +645,67 @@ impl GpuModel {
                 logits: None,
             })
         }
+    }
+
+    /// Time every dispatch of one step separately (one submission and wait per dispatch):
+    /// wall-clock milliseconds per dispatch label, summed over layers. Appends `tokens` to
+    /// `seq` like `forward`. For profiling only: it is much slower than a real step.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn profile_step(&mut self, seq: usize, tokens: &[u32]) -> Result<Vec<(String, f64, usize)>> {
+        self.check_ids(tokens)?;
+        let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
+        let n = tokens.len() as u32;
+        let positions: Vec<u32> = (0..n).map(|i| start as u32 + i).collect();
+        let ctx = self.ctx.clone();
+        let q = &ctx.queue;
+        q.write_buffer(&self.ws.step, 0, bytemuck::bytes_of(&StepUniform { n_tokens: n, n_out: 1, _pad: [0; 2] }));
+        q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(tokens));
+        q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(&positions));
+        q.write_buffer(&self.ws.token_seq, 0, bytemuck::cast_slice(&vec![seq as u32; tokens.len()]));
+        q.write_buffer(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
+        q.write_buffer(&self.ws.logit_rows, 0, bytemuck::cast_slice(&[n - 1]));
+        let layers = if (n as usize) <= self.matvec_max_tokens { &self.plans.layers_matvec } else { &self.plans.layers_matmul };
+        let all: Vec<&Dispatch> = self
+            .plans
+            .embed
+            .iter()
+            .chain(layers.iter())
+            .chain(self.plans.head_gather.iter())
+            .chain(std::iter::once(&self.plans.argmax))
+            .collect();
+        let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
+        let mut acc: Vec<(String, f64, usize)> = Vec::new();
+        for d in all {
+            let t0 = web_time::Instant::now();
+            let mut enc = ctx.device.create_command_encoder(&Default::default());
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                d.encode(&mut pass, n, 1);
+            }
+            ctx.queue.submit([enc.finish()]);
+            let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            // Group by kernel variant and weight name without the layer index.
+            let key = d
+                .label
+                .split_whitespace()
+                .map(|w| {
+                    w.split('.')
+                        .filter(|p| p.parse::<usize>().is_err() && *p != "model" && *p != "layers")
+                        .collect::<Vec<_>>()
+                        .join(".")
+                })
+                .collect::<Vec<_>>()
+                .join(" ");
+            match acc.iter_mut().find(|e| e.0 == key) {
+                Some(e) => {
+                    e.1 += ms;
+                    e.2 += 1;
+                }
+                None => acc.push((key, ms, 1)),
+            }
+        }
+        Ok(acc)
     }
 
     /// The KV error of trying to add `n` tokens to `seq`, if it would fail.

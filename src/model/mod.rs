@@ -8,6 +8,7 @@ pub mod tensor;
 pub mod tokenizer;
 pub mod validate;
 pub mod llama;
+pub mod load;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use tensor::{DType, HostTensor, ModelWeights};

@@ -61,7 +61,8 @@ mod token_type {
 /// Llama 3 split regex (`tokenizer.ggml.pre` = `llama-bpe`), as in its tokenizer.json.
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2 split regex (single digits), as in its tokenizer.json.
-const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A text tokenizer with the model's special tokens and chat template.
 #[derive(Clone)]
@@ -118,17 +119,17 @@ fn bos_post_processor(bos: &str, bos_id: u32) -> Json {
 /// `generate_merges` does: every split of every piece into two in-vocab pieces, ordered by
 /// the merged piece's score (descending), then longer left piece, then longer right piece.
 fn merges_from_scores(tokens: &[String], scores: &[f32], vocab: &HashMap<&str, u32>) -> Vec<(String, String)> {
-    let mut merges: Vec<(f32, usize, usize, u32, u32, usize)> = Vec::new();
+    // (merged score, chars in left, chars in right, left id, right id)
+    let mut merges: Vec<(f32, usize, usize, u32, u32)> = Vec::new();
     for (t, &score) in tokens.iter().zip(scores) {
-        let mut local = Vec::new();
+        let start = merges.len();
         for (k, _) in t.char_indices().skip(1) {
             let (l, r) = t.split_at(k);
             if let (Some(&il), Some(&ir)) = (vocab.get(l), vocab.get(r)) {
-                local.push((score, l.chars().count(), r.chars().count(), il, ir, k));
+                merges.push((score, l.chars().count(), r.chars().count(), il, ir));
             }
         }
-        local.sort_by_key(|m| (m.3, m.4));
-        merges.extend(local.into_iter().map(|m| (m.0, m.1, m.2, m.3, m.4, m.5)));
+        merges[start..].sort_by_key(|m| (m.3, m.4));
     }
     // Stable sort, descending on (score, len(left), len(right)) like Python's reverse=True.
     merges.sort_by(|a, b| {
@@ -193,8 +194,7 @@ impl Tokenizer {
                 }
             }
         }
-        let vocab_json: serde_json::Map<String, Json> =
-            vocab.iter().map(|(k, &v)| (k.to_string(), json!(v))).collect();
+        let vocab_json: serde_json::Map<String, Json> = vocab.iter().map(|(k, &v)| (k.to_string(), json!(v))).collect();
 
         let (add_bos_default, spec) = match model {
             "gpt2" => {
@@ -202,18 +202,17 @@ impl Tokenizer {
                 let mut pairs = Vec::with_capacity(merges.len());
                 for (i, m) in merges.iter().enumerate() {
                     let Some((a, b)) = m.split_once(' ') else {
-                        return Err(vocab_err(src, format!("merge #{i} {m:?} is not two tokens separated by a space")));
+                        return Err(vocab_err(
+                            src,
+                            format!("merge #{i} {m:?} is not two tokens separated by a space"),
+                        ));
                     };
                     pairs.push((a, b));
                 }
                 let pre = gguf.get_str_opt("tokenizer.ggml.pre")?.unwrap_or("default");
                 let prefix = add_space_prefix.unwrap_or(false);
-                let byte_level = |use_regex: bool| {
-                    json!({"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": false, "use_regex": use_regex})
-                };
-                let split = |re: &str| {
-                    json!({"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false})
-                };
+                let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": false, "use_regex": use_regex});
+                let split = |re: &str| json!({"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false});
                 let (pre_tokenizer, ignore_merges) = match pre {
                     "default" | "gpt2" => (byte_level(true), false),
                     "smollm" | "starcoder" | "refact" => (
@@ -311,7 +310,9 @@ impl Tokenizer {
             }
         };
         let mut spec = spec;
-        let add_bos = gguf.get_bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(add_bos_default);
+        let add_bos = gguf
+            .get_bool_opt("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(add_bos_default);
         let bos_token = bos_id.map(|i| tokens[i as usize].clone());
         if let (true, Some(bos), Some(id)) = (add_bos, &bos_token, bos_id) {
             spec["post_processor"] = bos_post_processor(bos, id);
@@ -380,7 +381,11 @@ impl Tokenizer {
         // post-processor when tokenizer.json disagrees with it.
         if let Some(want) = config.get("add_bos_token").and_then(Json::as_bool) {
             if want != detected {
-                let pp = match (want, &bos_token, bos_token.as_deref().and_then(|b| inner.token_to_id(b))) {
+                let pp = match (
+                    want,
+                    &bos_token,
+                    bos_token.as_deref().and_then(|b| inner.token_to_id(b)),
+                ) {
                     (true, Some(b), Some(id)) => Some(
                         serde_json::from_value::<tokenizers::PostProcessorWrapper>(bos_post_processor(b, id))
                             .map_err(|e| build_err(src, e))?,
@@ -501,9 +506,12 @@ impl Tokenizer {
 
     /// The model's chat template, compiled, with this tokenizer's BOS/EOS strings.
     pub fn chat_template(&self) -> Result<ChatTemplate, TokenizerError> {
-        let src = self.chat_template.as_deref().ok_or_else(|| TokenizerError::NoChatTemplate {
-            source_name: self.source_name.clone(),
-        })?;
+        let src = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| TokenizerError::NoChatTemplate {
+                source_name: self.source_name.clone(),
+            })?;
         ChatTemplate::new(src, self.bos_token.as_deref(), self.eos_token.as_deref())
     }
 
@@ -630,12 +638,17 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<minijinja::Value, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<minijinja::Value, minijinja::Error> {
+                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
-            .map_err(|e| TokenizerError::TemplateSyntax { reason: format!("{e:#}") })?;
+            .map_err(|e| TokenizerError::TemplateSyntax {
+                reason: format!("{e:#}"),
+            })?;
         Ok(ChatTemplate {
             env,
             bos_token: bos_token.unwrap_or_default().to_string(),
@@ -695,7 +708,12 @@ fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<S
     Ok(out)
 }
 
-fn py_json(v: &minijinja::Value, indent: Option<usize>, level: usize, out: &mut String) -> Result<(), minijinja::Error> {
+fn py_json(
+    v: &minijinja::Value,
+    indent: Option<usize>,
+    level: usize,
+    out: &mut String,
+) -> Result<(), minijinja::Error> {
     use minijinja::value::ValueKind;
     let newline = |out: &mut String, level: usize| {
         if let Some(n) = indent {

@@ -14,7 +14,10 @@ pub fn expected_tensors(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let q = c.num_heads * hd;
     let kv = c.num_kv_heads * hd;
     let ffn = c.intermediate_size;
-    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h])];
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![c.vocab_size, h],
+    )];
     for l in 0..c.num_layers {
         let p = format!("model.layers.{l}");
         out.push((format!("{p}.input_layernorm.weight"), vec![h]));
@@ -44,7 +47,9 @@ fn is_unexpected_bias(c: &ModelConfig, name: &str) -> bool {
     if !name.starts_with("model.layers.") || !name.ends_with(".bias") {
         return name == "lm_head.bias";
     }
-    let qkv = name.ends_with("q_proj.bias") || name.ends_with("k_proj.bias") || name.ends_with("v_proj.bias");
+    let qkv = name.ends_with("q_proj.bias")
+        || name.ends_with("k_proj.bias")
+        || name.ends_with("v_proj.bias");
     !(qkv && c.qkv_bias)
 }
 
@@ -59,10 +64,13 @@ pub fn validate(weights: &ModelWeights) -> Result<(), LanternError> {
     let c = &weights.config;
     let file = || weights.source.clone();
     for (name, shape) in expected_tensors(c) {
-        let t = weights.tensors.get(&name).ok_or_else(|| LoadError::MissingTensor {
-            file: file(),
-            tensor: name.clone(),
-        })?;
+        let t = weights
+            .tensors
+            .get(&name)
+            .ok_or_else(|| LoadError::MissingTensor {
+                file: file(),
+                tensor: name.clone(),
+            })?;
         if t.shape != shape {
             return Err(LoadError::WrongShape {
                 file: file(),
@@ -92,16 +100,14 @@ pub fn validate(weights: &ModelWeights) -> Result<(), LanternError> {
                 }
                 .into())
             }
-            None => {
-                return Err(LoadError::Invalid {
-                    file: file(),
-                    reason: format!(
-                        "tensor `{name}` has {numel} elements, not a multiple of the {:?} block size",
-                        t.dtype
-                    ),
-                }
-                .into())
+            None => return Err(LoadError::Invalid {
+                file: file(),
+                reason: format!(
+                    "tensor `{name}` has {numel} elements, not a multiple of the {:?} block size",
+                    t.dtype
+                ),
             }
+            .into()),
         }
         if is_unexpected_bias(c, name) {
             return Err(LoadError::Invalid {

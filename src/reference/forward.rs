@@ -10,18 +10,18 @@ use crate::model::{ModelConfig, ModelWeights};
 
 /// One decoder block's weights, dequantized to f32.
 struct RefLayer {
-    input_norm: Vec<f32>, // (hidden)
-    q: Vec<f32>,          // (n_heads * head_dim, hidden)
-    k: Vec<f32>,          // (n_kv_heads * head_dim, hidden)
-    v: Vec<f32>,          // (n_kv_heads * head_dim, hidden)
+    input_norm: Vec<f32>,     // (hidden)
+    q: Vec<f32>,              // (n_heads * head_dim, hidden)
+    k: Vec<f32>,              // (n_kv_heads * head_dim, hidden)
+    v: Vec<f32>,              // (n_kv_heads * head_dim, hidden)
     q_bias: Option<Vec<f32>>, // (n_heads * head_dim)
     k_bias: Option<Vec<f32>>, // (n_kv_heads * head_dim)
     v_bias: Option<Vec<f32>>, // (n_kv_heads * head_dim)
-    o: Vec<f32>,          // (hidden, n_heads * head_dim)
-    post_norm: Vec<f32>,  // (hidden)
-    gate: Vec<f32>,       // (intermediate, hidden)
-    up: Vec<f32>,         // (intermediate, hidden)
-    down: Vec<f32>,       // (hidden, intermediate)
+    o: Vec<f32>,              // (hidden, n_heads * head_dim)
+    post_norm: Vec<f32>,      // (hidden)
+    gate: Vec<f32>,           // (intermediate, hidden)
+    up: Vec<f32>,             // (intermediate, hidden)
+    down: Vec<f32>,           // (hidden, intermediate)
 }
 
 /// A CPU reference model: every weight converted to f32 with `HostTensor::to_f32`.
@@ -29,9 +29,9 @@ pub struct ReferenceModel {
     config: ModelConfig,
     embed: Vec<f32>, // (vocab, hidden)
     layers: Vec<RefLayer>,
-    norm: Vec<f32>,             // (hidden)
+    norm: Vec<f32>,            // (hidden)
     lm_head: Option<Vec<f32>>, // (vocab, hidden); None when tied to `embed`
-    inv_freq: Vec<f32>,         // (head_dim / 2)
+    inv_freq: Vec<f32>,        // (head_dim / 2)
 }
 
 impl ReferenceModel {
@@ -46,7 +46,13 @@ impl ReferenceModel {
         let layers = (0..c.num_layers)
             .map(|l| {
                 let p = format!("model.layers.{l}");
-                let bias = |n: &str| if c.qkv_bias { opt(&format!("{p}.self_attn.{n}_proj.bias")) } else { None };
+                let bias = |n: &str| {
+                    if c.qkv_bias {
+                        opt(&format!("{p}.self_attn.{n}_proj.bias"))
+                    } else {
+                        None
+                    }
+                };
                 RefLayer {
                     input_norm: get(&format!("{p}.input_layernorm.weight")),
                     q: get(&format!("{p}.self_attn.q_proj.weight")),
@@ -66,7 +72,11 @@ impl ReferenceModel {
         Ok(ReferenceModel {
             embed: get("model.embed_tokens.weight"),
             norm: get("model.norm.weight"),
-            lm_head: if c.tie_word_embeddings { None } else { Some(get("lm_head.weight")) },
+            lm_head: if c.tie_word_embeddings {
+                None
+            } else {
+                Some(get("lm_head.weight"))
+            },
             inv_freq: c.rope_inv_freq(),
             layers,
             config: c,
@@ -91,7 +101,16 @@ impl ReferenceModel {
         let q = ops::rope(&q, positions, c.num_heads, hd, &self.inv_freq);
         let k = ops::rope(&k, positions, c.num_kv_heads, hd, &self.inv_freq);
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
-        let a = ops::attention(&q, &k, &v, positions, c.num_heads, c.num_kv_heads, hd, scale);
+        let a = ops::attention(
+            &q,
+            &k,
+            &v,
+            positions,
+            c.num_heads,
+            c.num_kv_heads,
+            hd,
+            scale,
+        );
         let x = ops::add(x, &ops::linear(&a, &layer.o, None, qd, h));
 
         let n = ops::rmsnorm(&x, &layer.post_norm, c.rms_norm_eps);
@@ -112,9 +131,18 @@ impl ReferenceModel {
         let c = &self.config;
         let positions: Vec<usize> = (0..tokens.len()).collect();
         let mut states = Vec::with_capacity(c.num_layers + 1);
-        states.push(ops::embedding(&self.embed, c.vocab_size, c.hidden_size, tokens));
+        states.push(ops::embedding(
+            &self.embed,
+            c.vocab_size,
+            c.hidden_size,
+            tokens,
+        ));
         for layer in &self.layers {
-            let next = self.layer(layer, states.last().map(Vec::as_slice).unwrap_or(&[]), &positions);
+            let next = self.layer(
+                layer,
+                states.last().map(Vec::as_slice).unwrap_or(&[]),
+                &positions,
+            );
             states.push(next);
         }
         states

@@ -16,7 +16,9 @@ pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
         return PathBuf::from(d).join("lantern");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("lantern")
 }
 
@@ -233,7 +235,7 @@ impl GgufWriter {
 
 /// Encode rows of f32 values as Q8_0 with scale 1.0 (values must be integers in -127..=127).
 pub fn q8_0_exact(values: &[f32]) -> Vec<u8> {
-    assert!(values.len() % 32 == 0);
+    assert!(values.len().is_multiple_of(32));
     let mut out = Vec::new();
     for block in values.chunks(32) {
         out.extend(half::f16::from_f32(1.0).to_le_bytes());
@@ -292,7 +294,9 @@ pub fn tiny_model(arch: &str, s: TinyShape, qk_type: u32) -> GgufWriter {
     let kv = s.kv_heads * s.head_dim;
     let ramp = |n: u64, base: f32| (0..n).map(|i| base + i as f32 * 0.001).collect::<Vec<f32>>();
     let rows = |out_rows: u64, inner: u64| -> Vec<f32> {
-        (0..out_rows).flat_map(|r| std::iter::repeat_n(r as f32, inner as usize)).collect()
+        (0..out_rows)
+            .flat_map(|r| std::iter::repeat_n(r as f32, inner as usize))
+            .collect()
     };
     let qk = |w: &mut GgufWriter, name: &str, out_rows: u64| {
         let vals = rows(out_rows, s.hidden);
@@ -301,7 +305,11 @@ pub fn tiny_model(arch: &str, s: TinyShape, qk_type: u32) -> GgufWriter {
             _ => w.tensor_f32(name, &[s.hidden, out_rows], &vals),
         };
     };
-    w.tensor_f32("token_embd.weight", &[s.hidden, s.vocab], &ramp(s.hidden * s.vocab, 0.0));
+    w.tensor_f32(
+        "token_embd.weight",
+        &[s.hidden, s.vocab],
+        &ramp(s.hidden * s.vocab, 0.0),
+    );
     for l in 0..s.layers {
         let b = |x: &str| format!("blk.{l}.{x}");
         w.tensor_f32(&b("attn_norm.weight"), &[s.hidden], &ramp(s.hidden, 1.0));

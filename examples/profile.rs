@@ -1,0 +1,24 @@
+//! Per-kernel wall-clock profile of one prefill and one decode step:
+//! `cargo run --release --example profile -- MODEL.gguf [PROMPT_TOKENS]`.
+
+use lantern::gpu::{DeviceOptions, GpuContext};
+use lantern::model::llama::{GpuModel, ModelOptions};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let path = std::env::args().nth(1).ok_or("usage: profile MODEL [PROMPT_TOKENS]")?;
+    let n: usize = std::env::args().nth(2).map(|s| s.parse()).transpose()?.unwrap_or(16);
+    let loaded = lantern::model::load::load_path(std::path::Path::new(&path))?;
+    let ctx = pollster::block_on(GpuContext::new(&DeviceOptions::default()))?;
+    let mut m = pollster::block_on(GpuModel::load(ctx.clone(), &loaded.weights, ModelOptions::default()))?;
+    let seq = m.new_sequence()?;
+    let prompt: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
+    for (name, tokens) in [("prefill", prompt.clone()), ("decode", vec![42u32]), ("decode", vec![43u32])] {
+        let prof = m.profile_step(seq, &tokens)?;
+        let total: f64 = prof.iter().map(|p| p.1).sum();
+        println!("{name} ({} tokens): {total:.1} ms in {} dispatches on {}", tokens.len(), prof.iter().map(|p| p.2).sum::<usize>(), ctx.info.name);
+        for (k, ms, c) in prof {
+            println!("  {ms:9.2} ms  x{c:<3} {k}");
+        }
+    }
+    Ok(())
+}
