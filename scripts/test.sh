@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what it needs, fetches the test
+# model, checks that a GPU adapter exists (a missing adapter fails the run), then runs
+# every test on it. CI runs exactly this (.ci/run).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+# shellcheck source=setup.sh
+source scripts/setup.sh
+
+# Tests run on Vulkan: without a GPU that is lavapipe. Unpinned, wgpu would fall back to GL.
+export WGPU_BACKEND="${WGPU_BACKEND:-vulkan}"
+export NODEVICE_SELECT=1
+export RUST_BACKTRACE=1
+
+cargo build --release --bin lantern
+./target/release/lantern fetch
+export LANTERN_SMOLLM2_GGUF="${LANTERN_SMOLLM2_GGUF:-$(./target/release/lantern fetch 2>/dev/null)}"
+
+if ! ./target/release/lantern devices --backend "$WGPU_BACKEND"; then
+    echo "test.sh: no GPU adapter for backend $WGPU_BACKEND: failing (tests never skip for lack of an adapter)" >&2
+    exit 1
+fi
+
+# Benches must build; they run with `cargo bench` / `lantern bench`, never as tests.
+cargo build --release --benches
+cargo test --release "$@"

@@ -1,0 +1,124 @@
+//! SmolLM2-135M-Instruct from the real GGUF (Q4_1 weights, expanded to f32 here) against the
+//! Hugging Face transformers fixtures in `shared/fixtures/smollm2`: argmax at every prompt
+//! position, last-position top-20 logits within 1e-3, and every greedy continuation token
+//! for token. Greedy continuations are checked teacher-forced (one prefill over prompt +
+//! greedy tokens, the argmax at each position must be the next greedy token), which is
+//! exactly the fixture's own cross-check; one case is also decoded token by token through
+//! the KV cache.
+
+mod common;
+
+use std::sync::{Mutex, OnceLock};
+
+use lantern::engine::sampler::argmax;
+use lantern::model::llama::{GpuModel, ModelOptions, Want};
+use lantern::model::load::load_path;
+use lantern::model::tokenizer::Tokenizer;
+
+const TOP20_TOL: f32 = 1e-3;
+
+struct Loaded {
+    model: GpuModel,
+    tokenizer: Tokenizer,
+}
+
+fn loaded() -> &'static Mutex<Loaded> {
+    static M: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    M.get_or_init(|| {
+        let l = load_path(&common::smollm2_gguf()).expect("load SmolLM2 GGUF");
+        let model = pollster::block_on(GpuModel::load(
+            common::gpu(),
+            &l.weights,
+            ModelOptions {
+                context: Some(256),
+                ..Default::default()
+            },
+        ))
+        .expect("upload SmolLM2");
+        Mutex::new(Loaded {
+            model,
+            tokenizer: l.tokenizer.expect("GGUF tokenizer"),
+        })
+    })
+}
+
+fn cases() -> Vec<serde_json::Value> {
+    let v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::fixtures_dir().join("smollm2/cases.json")).expect("cases.json"),
+    )
+    .unwrap();
+    v.as_array().unwrap().clone()
+}
+
+fn u32s(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+#[test]
+fn every_case_matches_transformers() {
+    let mut guard = loaded().lock().unwrap_or_else(|e| e.into_inner());
+    let Loaded { model, tokenizer } = &mut *guard;
+    let vocab = model.config.vocab_size;
+    let mut failures = Vec::new();
+    for case in cases() {
+        let name = case["name"].as_str().unwrap().to_string();
+        let prompt = u32s(&case["input_ids"]);
+        // The tokenizer reproduces the fixture's ids from the text.
+        let text = case["prompt_text"].as_str().unwrap();
+        let ids = if case["chat"].as_bool().unwrap() {
+            tokenizer.encode_chat(text).unwrap()
+        } else {
+            tokenizer.encode(text).unwrap()
+        };
+        if ids != prompt {
+            failures.push(format!("{name}: tokenizer ids differ"));
+        }
+        let greedy = u32s(&case["greedy_ids"]);
+        let mut all = prompt.clone();
+        all.extend(&greedy[..greedy.len() - 1]);
+        let seq = model.new_sequence().unwrap();
+        let logits = pollster::block_on(model.forward_all_logits(seq, &all)).expect("forward");
+        model.release_sequence(seq);
+        let am: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
+        let l = prompt.len();
+        let want_prompt = u32s(&case["prompt_argmax"]);
+        if am[..l] != want_prompt[..] {
+            let i = (0..l).find(|&i| am[i] != want_prompt[i]).unwrap();
+            failures.push(format!("{name}: prompt argmax differs first at position {i}: {} vs {}", am[i], want_prompt[i]));
+        }
+        if am[l - 1..] != greedy[..] {
+            let i = (0..greedy.len()).find(|&i| am[l - 1 + i] != greedy[i]).unwrap();
+            failures.push(format!("{name}: greedy token {i} differs: {} vs {}", am[l - 1 + i], greedy[i]));
+        }
+        let last = &logits[(l - 1) * vocab..l * vocab];
+        let mut worst = 0.0f32;
+        for pair in case["last_top20"].as_array().unwrap() {
+            let id = pair[0].as_u64().unwrap() as usize;
+            let want = pair[1].as_f64().unwrap() as f32;
+            worst = worst.max((last[id] - want).abs());
+        }
+        if worst > TOP20_TOL {
+            failures.push(format!("{name}: last-position top-20 logits differ by {worst:e} > {TOP20_TOL:e}"));
+        }
+        eprintln!("{name}: {} tokens, top-20 max |diff| {worst:e}", all.len());
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn greedy_decode_through_the_cache_matches_the_fixture() {
+    let mut guard = loaded().lock().unwrap_or_else(|e| e.into_inner());
+    let model = &mut guard.model;
+    let case = cases().into_iter().find(|c| c["name"] == "story_lily").unwrap();
+    let prompt = u32s(&case["input_ids"]);
+    let greedy = u32s(&case["greedy_ids"]);
+    let n = 4;
+    let seq = model.new_sequence().unwrap();
+    let mut out = vec![pollster::block_on(model.forward(seq, &prompt, Want::Argmax)).unwrap().argmax[0]];
+    while out.len() < n {
+        let t = *out.last().unwrap();
+        out.push(pollster::block_on(model.forward(seq, &[t], Want::Argmax)).unwrap().argmax[0]);
+    }
+    model.release_sequence(seq);
+    assert_eq!(out, greedy[..n]);
+}
