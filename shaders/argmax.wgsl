@@ -1,4 +1,5 @@
-// Greedy sampling: out[r] = argmax(logits[r, :]) (lowest index on ties, NaN never wins).
+// Greedy sampling: out[r] = argmax(logits[r, :]) (lowest index on ties, NaN never wins,
+// 0 for a row without any value above -f32::MAX).
 // One workgroup per row; the host reads back 4 bytes per row.
 #include "common/step.wgsl"
 
@@ -54,6 +55,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier();
     }
     if (lid == 0u) {
-        out[r] = min(best_i[0], p.n - 1u);
+        // A row with no finite maximum (all NaN or -inf) yields token 0, as the CPU does.
+        out[r] = select(best_i[0], 0u, best_i[0] >= p.n);
     }
 }

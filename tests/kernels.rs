@@ -1,0 +1,985 @@
+//! Every GPU kernel against the plain-loop CPU oracle (`lantern::reference::ops`) on seeded
+//! random data and odd shapes: each fused linear variant in each matvec layout and the matmul
+//! (f32 and f16 weights, offset outputs, weights split across bindings), embedding, rmsnorm,
+//! argmax, RoPE with the paged KV-cache write, and paged grouped-query attention.
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use half::f16;
+use lantern::gpu::buffer::{create_storage, create_zeroed, read_buffer, read_f32};
+use lantern::gpu::shader::{flags, Features, WeightFormat};
+use lantern::gpu::{DeviceOptions, GpuContext, GpuError, GpuTensor, PipelineKey, ShaderOp};
+use lantern::kernels::attention::{AttentionIo, AttentionParams};
+use lantern::kernels::linear::{self, GpuLinear, HostMatrix, LinearIo};
+use lantern::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
+use lantern::kernels::{self, step_buffer, submit};
+use lantern::reference::ops;
+use pollster::block_on;
+
+// ---------------------------------------------------------------------------------------------
+// Tolerances. All are relative to the scale of the expected output: a value passes when
+// |got - want| <= TOL * max(1, max |want|) (see `assert_close`).
+// ---------------------------------------------------------------------------------------------
+
+/// Matvec/matmul with fused prologue/epilogues: f32 sums of up to ~600 products (plus f32
+/// RMSNorm and SiLU) against f64 sums.
+const LINEAR_TOL: f32 = 1e-5;
+/// Standalone RMSNorm: one f32 sum of squares per row.
+const RMSNORM_TOL: f32 = 1e-5;
+/// RoPE: one rotation; the table's cos/sin (f64, rounded) vs the oracle's f32 sin/cos.
+const ROPE_TOL: f32 = 1e-5;
+/// Attention: f32 online softmax over up to ~130 keys against an f64 two-pass softmax.
+const ATTENTION_TOL: f32 = 1e-5;
+/// Embedding and the KV-cache copy of v are gathers: bit exact.
+const EXACT: f32 = 0.0;
+
+/// RMSNorm epsilon used throughout.
+const EPS: f32 = 1e-5;
+/// The binding limit that forces weight and table splitting (bytes).
+const SMALL_BINDING: u64 = 4096;
+
+// ---------------------------------------------------------------------------------------------
+// Helpers: RNG, contexts, buffers, comparison.
+// ---------------------------------------------------------------------------------------------
+
+/// xorshift64: deterministic test data without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng((seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03) | 1)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform()).collect()
+    }
+
+    fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = self.below(i + 1);
+            v.swap(i, j);
+        }
+    }
+}
+
+/// The shared default context (one device for the whole binary; pipelines are cached on it).
+fn gpu() -> Arc<GpuContext> {
+    static CTX: OnceLock<Arc<GpuContext>> = OnceLock::new();
+    CTX.get_or_init(common::gpu).clone()
+}
+
+/// A context whose storage bindings are capped at `SMALL_BINDING` bytes, so tensors split.
+fn gpu_small() -> Arc<GpuContext> {
+    static CTX: OnceLock<Arc<GpuContext>> = OnceLock::new();
+    CTX.get_or_init(|| {
+        common::gpu_with(&DeviceOptions {
+            max_binding_size: Some(SMALL_BINDING),
+            ..Default::default()
+        })
+    })
+    .clone()
+}
+
+fn buf_f32(ctx: &GpuContext, label: &str, v: &[f32]) -> wgpu::Buffer {
+    create_storage(ctx, label, bytemuck::cast_slice(v)).unwrap_or_else(|e| panic!("{label}: {e}"))
+}
+
+fn buf_u32(ctx: &GpuContext, label: &str, v: &[u32]) -> wgpu::Buffer {
+    create_storage(ctx, label, bytemuck::cast_slice(v)).unwrap_or_else(|e| panic!("{label}: {e}"))
+}
+
+fn read_f32s(ctx: &Arc<GpuContext>, b: &wgpu::Buffer, n: usize) -> Vec<f32> {
+    block_on(read_f32(ctx, b, n)).expect("read back f32")
+}
+
+fn read_u32s(ctx: &Arc<GpuContext>, b: &wgpu::Buffer, n: usize) -> Vec<u32> {
+    let bytes = block_on(read_buffer(ctx, b, (n * 4) as u64)).expect("read back u32");
+    bytemuck::cast_slice(&bytes[..n * 4]).to_vec()
+}
+
+/// Values rounded to f16: (IEEE half bits, the same values back in f32).
+fn round_f16(v: &[f32]) -> (Vec<u16>, Vec<f32>) {
+    let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+    (h.iter().map(|x| x.to_bits()).collect(), h.iter().map(|x| x.to_f32()).collect())
+}
+
+/// Fail with the worst index, got and want unless every |got - want| <= tol * scale, where
+/// scale = max(1, max |want|). NaN in `got` always fails.
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    let (mut worst, mut wi) = (0.0f32, 0usize);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let d = (g - w).abs();
+        let d = if d.is_nan() { f32::INFINITY } else { d };
+        if d > worst {
+            worst = d;
+            wi = i;
+        }
+    }
+    assert!(
+        worst <= tol * scale,
+        "{what}: worst |got - want| = {worst:e} at index {wi} (got {}, want {}), tolerance {tol:e} x scale {scale}",
+        got[wi],
+        want[wi]
+    );
+}
+
+/// A random weight matrix in `format`: the f32 values the oracle uses (already rounded for
+/// f16) and, for f16, the half bits the GPU gets.
+struct HostWeight {
+    values: Vec<f32>,
+    half: Option<Vec<u16>>,
+}
+
+impl HostWeight {
+    fn random(rng: &mut Rng, n: usize, format: WeightFormat) -> HostWeight {
+        let v = rng.vec(n);
+        match format {
+            WeightFormat::F32 => HostWeight { values: v, half: None },
+            WeightFormat::F16 => {
+                let (bits, values) = round_f16(&v);
+                HostWeight { values, half: Some(bits) }
+            }
+        }
+    }
+
+    fn matrix(&self) -> HostMatrix<'_> {
+        match &self.half {
+            Some(b) => HostMatrix::F16(b),
+            None => HostMatrix::F32(&self.values),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear: matvec in every layout and the matmul, with every fused combination the runtime uses.
+// ---------------------------------------------------------------------------------------------
+
+/// The fused combinations the forward pass builds.
+const PLAIN: u32 = 0;
+const NORM: u32 = flags::NORM;
+const NORM_BIAS: u32 = flags::NORM | flags::BIAS;
+const RESIDUAL: u32 = flags::RESIDUAL;
+const NORM_GATED: u32 = flags::NORM | flags::GATED;
+const NORM_GATHER: u32 = flags::NORM | flags::GATHER;
+const COMBOS: [u32; 6] = [PLAIN, NORM, NORM_BIAS, RESIDUAL, NORM_GATED, NORM_GATHER];
+
+/// (rows, K, tokens): odd sizes that straddle workgroup, tile and subgroup multiples. Every K
+/// is even so f16 weights can use them too.
+const LINEAR_SHAPES: [(usize, usize, usize); 5] = [(1, 2, 1), (7, 6, 3), (65, 58, 33), (333, 130, 3), (701, 578, 2)];
+/// Odd K (the scalar tail of the row-per-invocation loop): f32 weights only.
+const LINEAR_SHAPES_ODD_K: [(usize, usize, usize); 2] = [(9, 5, 3), (70, 131, 1)];
+
+/// How the kernel is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Matvec, one invocation per output row, 64 per workgroup (CPU adapters without subgroups).
+    Thread64,
+    /// Matvec, a 64-wide workgroup per row, shared-memory reduction.
+    RowWg64,
+    /// Matvec, a 64-wide workgroup per row, subgroup reduction (GPUs).
+    RowWg64Subgroups,
+    /// Matvec, an 8-wide workgroup per row, subgroup reduction (lavapipe: one subgroup).
+    RowWg8Subgroups,
+    /// Tiled matmul (prefill).
+    Matmul,
+    /// Whatever `linear::build` picks for a matvec on this adapter.
+    Auto,
+}
+
+impl Layout {
+    const ALL: [Layout; 5] = [
+        Layout::Thread64,
+        Layout::RowWg64,
+        Layout::RowWg64Subgroups,
+        Layout::RowWg8Subgroups,
+        Layout::Matmul,
+    ];
+
+    fn needs_subgroups(self) -> bool {
+        matches!(self, Layout::RowWg64Subgroups | Layout::RowWg8Subgroups)
+    }
+
+    /// The explicit variant; `None` for `Auto`.
+    fn key(self, fl: u32, weights: WeightFormat) -> Option<PipelineKey> {
+        let sg = Features { f16: false, subgroups: true };
+        let rpw = flags::ROW_PER_WORKGROUP;
+        let key = match self {
+            Layout::Thread64 => PipelineKey::new(ShaderOp::Matvec, 64).with_flags(fl),
+            Layout::RowWg64 => PipelineKey::new(ShaderOp::Matvec, 64).with_flags(fl | rpw),
+            Layout::RowWg64Subgroups => PipelineKey::new(ShaderOp::Matvec, 64).with_flags(fl | rpw).with_features(sg),
+            Layout::RowWg8Subgroups => PipelineKey::new(ShaderOp::Matvec, 8).with_flags(fl | rpw).with_features(sg),
+            Layout::Matmul => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl),
+            Layout::Auto => return None,
+        };
+        Some(key.with_weights(weights))
+    }
+
+    /// The layouts this device can run: subgroup ones need the subgroup feature, and the
+    /// 8-wide one subgroups of at most 8 (the kernel needs whole subgroups per workgroup).
+    fn available(ctx: &GpuContext) -> Vec<Layout> {
+        let runs = |l: &Layout| match l {
+            Layout::RowWg8Subgroups => ctx.caps.subgroups && ctx.caps.subgroup_max_size <= 8,
+            l => !l.needs_subgroups() || ctx.caps.subgroups,
+        };
+        let (yes, no): (Vec<Layout>, Vec<Layout>) = Layout::ALL.into_iter().partition(runs);
+        if !no.is_empty() {
+            eprintln!("note: adapter {} ({:?}) cannot run layouts {no:?}", ctx.info.name, ctx.caps);
+        }
+        yes
+    }
+}
+
+/// One linear check.
+#[derive(Debug, Clone, Copy)]
+struct LinearCase {
+    fl: u32,
+    layout: Layout,
+    weights: WeightFormat,
+    rows: usize,
+    k: usize,
+    tokens: usize,
+    /// Input rows wider than K, output written at a column offset into wider rows.
+    wide: bool,
+    seed: u64,
+}
+
+/// Run one fused linear on the GPU and compare it with the ops composition it stands for.
+fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
+    let LinearCase { fl, rows, k, tokens, .. } = c;
+    let has = |f: u32| fl & f != 0;
+    assert!(!(has(flags::GATED) && has(flags::BIAS)), "the runtime never fuses a bias into the gated product");
+    let mut rng = Rng::new(c.seed);
+    let x_stride = if c.wide { k + 2 } else { k };
+    let (out_offset, out_stride) = if c.wide { (3, rows + 5) } else { (0, rows) };
+    let x = rng.vec(tokens * x_stride);
+    let g: Vec<f32> = (0..k).map(|_| 1.0 + 0.5 * rng.uniform()).collect();
+    let w = HostWeight::random(&mut rng, rows * k, c.weights);
+    let u = has(flags::GATED).then(|| HostWeight::random(&mut rng, rows * k, c.weights));
+    let bias = has(flags::BIAS).then(|| rng.vec(rows));
+    // Gathered rows: a few input rows in scrambled order, always including the last one.
+    let gather: Vec<u32> = if has(flags::GATHER) {
+        let n = tokens.min(4);
+        let mut v: Vec<u32> = (0..n).map(|_| rng.below(tokens) as u32).collect();
+        v[0] = tokens as u32 - 1;
+        v
+    } else {
+        (0..tokens as u32).collect()
+    };
+    let n_out = gather.len();
+    let y0 = rng.vec(n_out * out_stride);
+
+    let lin = GpuLinear::upload(ctx, "test.linear", w.matrix(), u.as_ref().map(|u| u.matrix()), bias.as_deref(), rows, k)
+        .expect("upload linear");
+    let key = c.layout.key(fl, c.weights);
+    let what = format!(
+        "{} rows {rows} k {k} tokens {tokens}{} ({} chunks)",
+        key.map_or_else(|| format!("{:?} auto matvec", c.weights), |k| k.label()),
+        if c.wide { " wide" } else { "" },
+        lin.w.chunks.len()
+    );
+    let step = step_buffer(ctx);
+    let xb = buf_f32(ctx, "x", &x);
+    let gb = buf_f32(ctx, "g", &g);
+    let yb = buf_f32(ctx, "y", &y0);
+    let rb = buf_u32(ctx, "rows", &gather);
+    let io = LinearIo {
+        step: &step,
+        x: &xb,
+        x_stride,
+        norm: has(flags::NORM).then_some(&gb),
+        eps: EPS,
+        y: &yb,
+        out_stride,
+        out_offset,
+        residual: has(flags::RESIDUAL),
+        rows: has(flags::GATHER).then_some(&rb),
+    };
+    let d = match key {
+        Some(key) => block_on(linear::build_with_key(ctx, &lin, &io, key)),
+        None => block_on(linear::build(ctx, &lin, &io, linear::Shape::Matvec)),
+    }
+    .unwrap_or_else(|e| panic!("{what}: build: {e}"));
+    submit(ctx, &step, tokens as u32, n_out as u32, &d);
+    let got = read_f32s(ctx, &yb, y0.len());
+
+    let xin: Vec<f32> = gather
+        .iter()
+        .flat_map(|&r| x[r as usize * x_stride..][..k].iter().copied())
+        .collect();
+    let xn = if has(flags::NORM) { ops::rmsnorm(&xin, &g, EPS) } else { xin };
+    let core = match &u {
+        Some(u) => ops::silu_mul(&ops::linear(&xn, &w.values, None, k, rows), &ops::linear(&xn, &u.values, None, k, rows)),
+        None => ops::linear(&xn, &w.values, bias.as_deref(), k, rows),
+    };
+    let mut want = y0.clone();
+    for r in 0..n_out {
+        let dst = &mut want[r * out_stride + out_offset..][..rows];
+        let src = &core[r * rows..][..rows];
+        let new = if has(flags::RESIDUAL) { ops::add(dst, src) } else { src.to_vec() };
+        dst.copy_from_slice(&new);
+    }
+    assert_close(&what, &got, &want, LINEAR_TOL);
+}
+
+/// Every layout and weight format over every shape for one fused combination.
+fn linear_suite(fl: u32, seed: u64) {
+    let ctx = gpu();
+    for layout in Layout::available(&ctx) {
+        if layout == Layout::Matmul && fl & flags::GATHER != 0 {
+            continue; // gathered rows are matvec-only
+        }
+        for weights in [WeightFormat::F32, WeightFormat::F16] {
+            let odd: &[(usize, usize, usize)] = match weights {
+                WeightFormat::F32 => &LINEAR_SHAPES_ODD_K,
+                WeightFormat::F16 => &[],
+            };
+            for (i, &(rows, k, tokens)) in LINEAR_SHAPES.iter().chain(odd).enumerate() {
+                check_linear(
+                    &ctx,
+                    LinearCase {
+                        fl,
+                        layout,
+                        weights,
+                        rows,
+                        k,
+                        tokens,
+                        wide: i % 2 == 1,
+                        seed: seed ^ ((i as u64) << 8) ^ ((layout as u64) << 16) ^ ((weights as u64) << 24),
+                    },
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn linear_plain_matches_reference() {
+    linear_suite(PLAIN, 1);
+}
+
+#[test]
+fn linear_norm_matches_reference() {
+    linear_suite(NORM, 2);
+}
+
+#[test]
+fn linear_norm_bias_matches_reference() {
+    linear_suite(NORM_BIAS, 3);
+}
+
+#[test]
+fn linear_residual_matches_reference() {
+    linear_suite(RESIDUAL, 4);
+}
+
+#[test]
+fn linear_norm_gated_matches_reference() {
+    linear_suite(NORM_GATED, 5);
+}
+
+#[test]
+fn linear_norm_gather_matches_reference() {
+    linear_suite(NORM_GATHER, 6);
+}
+
+/// Weights (and the bias) split by rows into several bindings: every combination and layout,
+/// output at a column offset so each chunk's `row_offset` is exercised.
+#[test]
+fn linear_weights_split_across_bindings_match_reference() {
+    let ctx = gpu_small();
+    let (rows, k, tokens) = (65, 130, 3);
+    for fl in COMBOS {
+        for layout in Layout::available(&ctx) {
+            if layout == Layout::Matmul && fl & flags::GATHER != 0 {
+                continue;
+            }
+            for weights in [WeightFormat::F32, WeightFormat::F16] {
+                let c = LinearCase { fl, layout, weights, rows, k, tokens, wide: true, seed: 77 ^ fl as u64 };
+                let bytes = rows * k * if weights == WeightFormat::F32 { 4 } else { 2 };
+                assert!(bytes as u64 > 4 * SMALL_BINDING, "shape too small to split into several chunks");
+                check_linear(&ctx, c);
+            }
+        }
+    }
+}
+
+/// `linear::build` (the layout the runtime picks for this adapter) agrees too.
+#[test]
+fn linear_auto_layout_matches_reference() {
+    let ctx = gpu();
+    eprintln!("adapter {}: matvec layout {:?}, caps {:?}", ctx.info.name, linear::matvec_layout(&ctx), ctx.caps);
+    for fl in [NORM_BIAS, NORM_GATHER] {
+        for (i, &(rows, k, tokens)) in LINEAR_SHAPES.iter().enumerate() {
+            let c = LinearCase { fl, layout: Layout::Auto, weights: WeightFormat::F16, rows, k, tokens, wide: false, seed: 900 + i as u64 };
+            check_linear(&ctx, c);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding.
+// ---------------------------------------------------------------------------------------------
+
+/// Gather `tokens` random ids (always including 0, vocab - 1 and both sides of every chunk
+/// boundary) from a random table and compare with `ops::embedding`; returns the chunk count.
+fn check_embedding(ctx: &Arc<GpuContext>, format: WeightFormat, vocab: usize, dim: usize, tokens: usize, seed: u64) -> usize {
+    let mut rng = Rng::new(seed);
+    let w = HostWeight::random(&mut rng, vocab * dim, format);
+    let table = match &w.half {
+        Some(b) => GpuTensor::upload_rows(ctx, "embed", bytemuck::cast_slice(b), vocab, dim * 2),
+        None => GpuTensor::upload_rows(ctx, "embed", bytemuck::cast_slice(&w.values), vocab, dim * 4),
+    }
+    .expect("upload table");
+    let mut ids: Vec<u32> = vec![0, vocab as u32 - 1];
+    for c in table.chunks.iter().skip(1) {
+        ids.extend([c.row_offset as u32 - 1, c.row_offset as u32]);
+    }
+    while ids.len() < tokens {
+        ids.push(rng.below(vocab) as u32);
+    }
+    rng.shuffle(&mut ids);
+    let t = ids.len();
+    let what = format!("embedding {format:?} vocab {vocab} dim {dim} tokens {t} ({} chunks)", table.chunks.len());
+    let step = step_buffer(ctx);
+    let idb = buf_u32(ctx, "ids", &ids);
+    let y = create_zeroed(ctx, "y", (t * dim * 4) as u64).unwrap();
+    let d = block_on(kernels::embedding::build(ctx, &step, &idb, &table, format, dim, &y)).expect("build embedding");
+    submit(ctx, &step, t as u32, t as u32, &d);
+    let got = read_f32s(ctx, &y, t * dim);
+    assert_close(&what, &got, &ops::embedding(&w.values, vocab, dim, &ids), EXACT);
+    table.chunks.len()
+}
+
+#[test]
+fn embedding_matches_reference() {
+    let ctx = gpu();
+    check_embedding(&ctx, WeightFormat::F32, 50, 58, 33, 11);
+    check_embedding(&ctx, WeightFormat::F32, 20, 578, 3, 12);
+    check_embedding(&ctx, WeightFormat::F32, 9, 7, 1, 13);
+    check_embedding(&ctx, WeightFormat::F16, 50, 6, 33, 14);
+    check_embedding(&ctx, WeightFormat::F16, 20, 130, 3, 15);
+}
+
+#[test]
+fn embedding_table_split_across_bindings_matches_reference() {
+    let ctx = gpu_small();
+    // f32 rows of 232 bytes: 17 rows per chunk; f16 rows of 116 bytes: 35 per chunk; f16 rows
+    // of 10 bytes (odd dim): 409 per chunk, chunk boundaries inside a u32 word pair.
+    for (format, vocab, dim, seed) in [
+        (WeightFormat::F32, 77, 58, 21),
+        (WeightFormat::F16, 77, 58, 22),
+        (WeightFormat::F16, 900, 5, 23),
+    ] {
+        let chunks = check_embedding(&ctx, format, vocab, dim, 15, seed);
+        assert!(chunks >= 3, "{format:?} {vocab}x{dim}: only {chunks} chunks");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn rmsnorm_matches_reference() {
+    let ctx = gpu();
+    let step = step_buffer(&ctx);
+    for (i, &k) in [1usize, 2, 6, 58, 130, 578].iter().enumerate() {
+        for &t in &[1usize, 3, 33] {
+            let mut rng = Rng::new(100 + i as u64 * 7 + t as u64);
+            // Rows of very different magnitude: the norm must not depend on it.
+            let mut x = rng.vec(t * k);
+            for (r, row) in x.chunks_mut(k).enumerate() {
+                let s = [1e-2f32, 1.0, 30.0][r % 3];
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+            let g: Vec<f32> = (0..k).map(|_| 1.0 + rng.uniform()).collect();
+            let xb = buf_f32(&ctx, "x", &x);
+            let gb = buf_f32(&ctx, "g", &g);
+            let y = create_zeroed(&ctx, "y", (t * k * 4) as u64).unwrap();
+            let d = block_on(kernels::rmsnorm::build(&ctx, &step, &xb, &gb, &y, k, EPS)).expect("build rmsnorm");
+            submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
+            let got = read_f32s(&ctx, &y, t * k);
+            assert_close(&format!("rmsnorm k {k} tokens {t}"), &got, &ops::rmsnorm(&x, &g, EPS), RMSNORM_TOL);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argmax.
+// ---------------------------------------------------------------------------------------------
+
+/// Argmax of every `n`-wide row of `logits` on the GPU against `ops::argmax`.
+fn check_argmax(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], n: usize) {
+    let rows = logits.len() / n;
+    let step = step_buffer(ctx);
+    let lb = buf_f32(ctx, "logits", logits);
+    let out = create_zeroed(ctx, "argmax", (rows * 4) as u64).unwrap();
+    let d = block_on(kernels::argmax::build(ctx, &step, &lb, &out, n)).expect("build argmax");
+    submit(ctx, &step, rows as u32, rows as u32, std::slice::from_ref(&d));
+    let got = read_u32s(ctx, &out, rows);
+    for (r, row) in logits.chunks(n).enumerate() {
+        let want = ops::argmax(row);
+        let at = |i: u32| row.get(i as usize).copied().unwrap_or(f32::NAN);
+        assert_eq!(
+            got[r],
+            want,
+            "{what}: row {r} of {rows} (n {n}): got index {} (value {}), want index {want} (value {})",
+            got[r],
+            at(got[r]),
+            at(want)
+        );
+    }
+}
+
+#[test]
+fn argmax_matches_reference_on_random_rows() {
+    let ctx = gpu();
+    for (i, &n) in [1usize, 7, 255, 257, 1000, 4099].iter().enumerate() {
+        let mut rng = Rng::new(200 + i as u64);
+        check_argmax(&ctx, "random", &rng.vec(3 * n), n);
+    }
+}
+
+#[test]
+fn argmax_ties_pick_the_lowest_index() {
+    let ctx = gpu();
+    let n = 1000;
+    let mut rng = Rng::new(300);
+    let mut logits = Vec::new();
+    // Tied maxima in different lanes (256-wide workgroup), in the same lane, across many
+    // lanes, and a constant row.
+    for tied in [&[700usize, 3, 259][..], &[500, 244], &[300, 44], &[999, 998, 997, 600, 1]] {
+        let mut row = rng.vec(n);
+        tied.iter().for_each(|&i| row[i] = 2.0);
+        logits.extend(row);
+    }
+    logits.extend(std::iter::repeat_n(0.5f32, n));
+    check_argmax(&ctx, "ties", &logits, n);
+}
+
+#[test]
+fn argmax_never_picks_nan() {
+    let ctx = gpu();
+    let n = 777;
+    let mut rng = Rng::new(400);
+    let mut logits = Vec::new();
+    // NaN first, NaN after the maximum, NaN everywhere but two values, NaN as the would-be max.
+    let mut row = rng.vec(n);
+    row[0] = f32::NAN;
+    logits.extend(row);
+    let mut row = rng.vec(n);
+    row[100] = 5.0;
+    row[101] = f32::NAN;
+    row[776] = f32::NAN;
+    logits.extend(row);
+    let mut row = vec![f32::NAN; n];
+    row[300] = -1.0;
+    row[600] = 3.0;
+    logits.extend(row);
+    let mut row = rng.vec(n);
+    row[42] = f32::NAN;
+    row[43] = 1.5;
+    logits.extend(row);
+    check_argmax(&ctx, "nan", &logits, n);
+}
+
+/// Regression: a row with no value above f32::MIN (all NaN, or all -inf as a fully masked
+/// row gives) yielded index n - 1 on the GPU; the oracle says 0.
+#[test]
+fn argmax_all_nan_or_all_neg_inf_row_gives_zero() {
+    let ctx = gpu();
+    let n = 300;
+    let mut logits = vec![f32::NAN; n];
+    logits.extend(vec![f32::NEG_INFINITY; n]);
+    check_argmax(&ctx, "all nan / all -inf", &logits, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged KV cache layout shared by the rope_kv and attention checks.
+// ---------------------------------------------------------------------------------------------
+
+/// Heads of one attention layer.
+#[derive(Debug, Clone, Copy)]
+struct Heads {
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Heads {
+    fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+    fn qkv_dim(&self) -> usize {
+        self.q_dim() + 2 * self.kv_dim()
+    }
+}
+
+/// A random block table over a shuffled pool (with spare pages nobody owns) and host copies
+/// of the K and V caches, `(pages, page_size, n_kv_heads, head_dim)`.
+struct Paged {
+    heads: Heads,
+    page_size: usize,
+    max_pages: usize,
+    block_table: Vec<u32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl Paged {
+    fn random(rng: &mut Rng, heads: Heads, n_seqs: usize, max_len: usize, page_size: usize) -> Paged {
+        let max_pages = max_len.div_ceil(page_size);
+        let n_pages = n_seqs * max_pages + 2;
+        let mut pool: Vec<u32> = (0..n_pages as u32).collect();
+        rng.shuffle(&mut pool);
+        let block_table = pool[..n_seqs * max_pages].to_vec();
+        let cells = n_pages * page_size * heads.kv_dim();
+        Paged { heads, page_size, max_pages, block_table, k: rng.vec(cells), v: rng.vec(cells) }
+    }
+
+    /// Offset of (seq, pos, kv head) in the caches.
+    fn addr(&self, seq: usize, pos: usize, kvh: usize) -> usize {
+        let page = self.block_table[seq * self.max_pages + pos / self.page_size] as usize;
+        ((page * self.page_size + pos % self.page_size) * self.heads.n_kv_heads + kvh) * self.heads.head_dim
+    }
+
+    /// K and V of `seq` for positions `0..n` as `[n, n_kv_heads * head_dim]` rows.
+    fn gather(&self, seq: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for pos in 0..n {
+            for kvh in 0..self.heads.n_kv_heads {
+                let a = self.addr(seq, pos, kvh);
+                k.extend_from_slice(&self.k[a..a + self.heads.head_dim]);
+                v.extend_from_slice(&self.v[a..a + self.heads.head_dim]);
+            }
+        }
+        (k, v)
+    }
+}
+
+/// HF-style inverse frequencies, base 10000.
+fn inv_freq(head_dim: usize) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / head_dim as f32))
+        .collect()
+}
+
+/// Tokens as (seq, pos): a fresh prefill, a chunk continuing a sequence already in pages, and a
+/// decode step deep into a third, in scrambled order.
+fn mixed_tokens(rng: &mut Rng, spans: &[(usize, std::ops::Range<usize>)]) -> Vec<(usize, usize)> {
+    let mut t: Vec<(usize, usize)> = spans.iter().flat_map(|(s, r)| r.clone().map(move |p| (*s, p))).collect();
+    rng.shuffle(&mut t);
+    t
+}
+
+/// Columns `[from, from + width)` of every `stride`-wide row.
+fn columns(x: &[f32], stride: usize, from: usize, width: usize) -> Vec<f32> {
+    x.chunks(stride).flat_map(|r| r[from..from + width].iter().copied()).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE + KV-cache write.
+// ---------------------------------------------------------------------------------------------
+
+fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Range<usize>)], seed: u64) {
+    let ctx = gpu();
+    let mut rng = Rng::new(seed);
+    let Heads { n_heads, n_kv_heads, head_dim } = heads;
+    let n_seqs = spans.iter().map(|s| s.0 + 1).max().unwrap();
+    let n_positions = spans.iter().map(|s| s.1.end).max().unwrap() + 3;
+    let mut paged = Paged::random(&mut rng, heads, n_seqs, n_positions, page_size);
+    let tokens = mixed_tokens(&mut rng, spans);
+    let t = tokens.len();
+    let stride = heads.qkv_dim() + 3; // padding the kernel must leave alone
+    let qkv = rng.vec(t * stride);
+    let positions: Vec<u32> = tokens.iter().map(|&(_, p)| p as u32).collect();
+    let seqs: Vec<u32> = tokens.iter().map(|&(s, _)| s as u32).collect();
+    let freq = inv_freq(head_dim);
+    let what = format!("rope_kv {n_heads}/{n_kv_heads} heads, head_dim {head_dim}, page {page_size}, {t} tokens");
+
+    let step = step_buffer(&ctx);
+    let qkv_b = buf_f32(&ctx, "qkv", &qkv);
+    let rope_b = buf_f32(&ctx, "rope", &rope_table(&freq, n_positions));
+    let pos_b = buf_u32(&ctx, "positions", &positions);
+    let seq_b = buf_u32(&ctx, "token_seq", &seqs);
+    let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
+    let k_b = buf_f32(&ctx, "k_cache", &paged.k);
+    let v_b = buf_f32(&ctx, "v_cache", &paged.v);
+    let io = RopeKvIo {
+        step: &step,
+        qkv: &qkv_b,
+        rope: &rope_b,
+        positions: &pos_b,
+        token_seq: &seq_b,
+        block_table: &bt_b,
+        k_cache: &k_b,
+        v_cache: &v_b,
+    };
+    let p = RopeKvParams {
+        n_heads: n_heads as u32,
+        n_kv_heads: n_kv_heads as u32,
+        head_dim: head_dim as u32,
+        qkv_stride: stride as u32,
+        page_size: page_size as u32,
+        max_pages: paged.max_pages as u32,
+        n_positions: n_positions as u32,
+        _pad: 0,
+    };
+    let d = block_on(kernels::rope_kv::build(&ctx, &io, p)).expect("build rope_kv");
+    submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
+    let got_qkv = read_f32s(&ctx, &qkv_b, qkv.len());
+    let got_k = read_f32s(&ctx, &k_b, paged.k.len());
+    let got_v = read_f32s(&ctx, &v_b, paged.v.len());
+
+    let pos_usize: Vec<usize> = tokens.iter().map(|&(_, p)| p).collect();
+    let q_rot = ops::rope(&columns(&qkv, stride, 0, heads.q_dim()), &pos_usize, n_heads, head_dim, &freq);
+    let k_rot = ops::rope(&columns(&qkv, stride, heads.q_dim(), heads.kv_dim()), &pos_usize, n_kv_heads, head_dim, &freq);
+    // q rotated in place; k, v and the padding of the row untouched.
+    let mut want_qkv = qkv.clone();
+    for ti in 0..t {
+        want_qkv[ti * stride..][..heads.q_dim()].copy_from_slice(&q_rot[ti * heads.q_dim()..][..heads.q_dim()]);
+    }
+    assert_close(&format!("{what}: qkv (q rotated in place)"), &got_qkv, &want_qkv, ROPE_TOL);
+    // k rotated and v copied into (page, slot) of each token; every other cell untouched.
+    for (ti, &(s, pos)) in tokens.iter().enumerate() {
+        for kvh in 0..n_kv_heads {
+            let a = paged.addr(s, pos, kvh);
+            paged.k[a..a + head_dim].copy_from_slice(&k_rot[ti * heads.kv_dim() + kvh * head_dim..][..head_dim]);
+            let vb = ti * stride + heads.q_dim() + heads.kv_dim() + kvh * head_dim;
+            paged.v[a..a + head_dim].copy_from_slice(&qkv[vb..vb + head_dim]);
+        }
+    }
+    assert_close(&format!("{what}: k cache"), &got_k, &paged.k, ROPE_TOL);
+    assert_close(&format!("{what}: v cache"), &got_v, &paged.v, EXACT);
+}
+
+#[test]
+fn rope_kv_matches_reference_and_writes_the_right_slots() {
+    let spans = [(0, 0..4), (1, 7..10), (2, 13..14)];
+    check_rope_kv(Heads { n_heads: 8, n_kv_heads: 2, head_dim: 8 }, 3, &spans, 500);
+    check_rope_kv(Heads { n_heads: 4, n_kv_heads: 1, head_dim: 64 }, 5, &spans, 501);
+    check_rope_kv(Heads { n_heads: 3, n_kv_heads: 3, head_dim: 6 }, 3, &spans, 502);
+    check_rope_kv(Heads { n_heads: 2, n_kv_heads: 1, head_dim: 130 }, 5, &spans, 503);
+    // A 33-token chunk continuing a sequence, beside a one-token decode of another.
+    check_rope_kv(Heads { n_heads: 4, n_kv_heads: 2, head_dim: 16 }, 5, &[(1, 5..38), (0, 40..41)], 504);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention over the paged cache.
+// ---------------------------------------------------------------------------------------------
+
+fn attention_params(heads: Heads, paged: &Paged, qkv_stride: usize, out_stride: usize) -> AttentionParams {
+    AttentionParams {
+        n_heads: heads.n_heads as u32,
+        n_kv_heads: heads.n_kv_heads as u32,
+        head_dim: heads.head_dim as u32,
+        qkv_stride: qkv_stride as u32,
+        page_size: paged.page_size as u32,
+        max_pages: paged.max_pages as u32,
+        out_stride: out_stride as u32,
+        scale: 1.0 / (heads.head_dim as f32).sqrt(),
+    }
+}
+
+fn check_attention(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Range<usize>)], seed: u64) {
+    let ctx = gpu();
+    let mut rng = Rng::new(seed);
+    let Heads { n_heads, n_kv_heads, head_dim } = heads;
+    let n_seqs = spans.iter().map(|s| s.0 + 1).max().unwrap();
+    let max_len = spans.iter().map(|s| s.1.end).max().unwrap() + 2;
+    // Every cell random, including slots past each query's position: reading them is a bug.
+    let paged = Paged::random(&mut rng, heads, n_seqs, max_len, page_size);
+    let tokens = mixed_tokens(&mut rng, spans);
+    let t = tokens.len();
+    let stride = heads.qkv_dim();
+    // Sharper-than-uniform scores so the softmax weights matter.
+    let qkv: Vec<f32> = rng.vec(t * stride).iter().map(|v| v * 3.0).collect();
+    let out_stride = heads.q_dim() + 2;
+    let out0 = rng.vec(t * out_stride);
+    let positions: Vec<u32> = tokens.iter().map(|&(_, p)| p as u32).collect();
+    let seqs: Vec<u32> = tokens.iter().map(|&(s, _)| s as u32).collect();
+    let what = format!("attention {n_heads}/{n_kv_heads} heads, head_dim {head_dim}, page {page_size}, {t} tokens");
+
+    let step = step_buffer(&ctx);
+    let qkv_b = buf_f32(&ctx, "qkv", &qkv);
+    let pos_b = buf_u32(&ctx, "positions", &positions);
+    let seq_b = buf_u32(&ctx, "token_seq", &seqs);
+    let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
+    let k_b = buf_f32(&ctx, "k_cache", &paged.k);
+    let v_b = buf_f32(&ctx, "v_cache", &paged.v);
+    let out_b = buf_f32(&ctx, "out", &out0);
+    let io = AttentionIo {
+        step: &step,
+        qkv: &qkv_b,
+        positions: &pos_b,
+        token_seq: &seq_b,
+        block_table: &bt_b,
+        k_cache: &k_b,
+        v_cache: &v_b,
+        out: &out_b,
+    };
+    let p = attention_params(heads, &paged, stride, out_stride);
+    let d = block_on(kernels::attention::build(&ctx, &io, p)).unwrap_or_else(|e| panic!("{what}: build: {e}"));
+    submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
+    let got = read_f32s(&ctx, &out_b, out0.len());
+
+    let mut want = out0.clone();
+    for (ti, &(s, pos)) in tokens.iter().enumerate() {
+        let (k, v) = paged.gather(s, pos + 1);
+        let q = &qkv[ti * stride..][..heads.q_dim()];
+        let o = ops::attention(q, &k, &v, &[pos], n_heads, n_kv_heads, head_dim, p.scale);
+        want[ti * out_stride..][..heads.q_dim()].copy_from_slice(&o);
+    }
+    assert_close(&what, &got, &want, ATTENTION_TOL);
+}
+
+/// A fresh prefill, a chunk continuing 70 cached tokens (more than one 64-key chunk) and a
+/// decode after 130 cached tokens.
+const ATTENTION_SPANS: [(usize, std::ops::Range<usize>); 3] = [(0, 0..3), (1, 70..73), (2, 130..131)];
+
+#[test]
+fn attention_gqa_matches_reference() {
+    check_attention(Heads { n_heads: 8, n_kv_heads: 2, head_dim: 8 }, 3, &ATTENTION_SPANS, 600);
+}
+
+#[test]
+fn attention_mqa_matches_reference() {
+    check_attention(Heads { n_heads: 4, n_kv_heads: 1, head_dim: 64 }, 5, &ATTENTION_SPANS, 601);
+}
+
+#[test]
+fn attention_mha_matches_reference() {
+    check_attention(Heads { n_heads: 3, n_kv_heads: 3, head_dim: 10 }, 3, &ATTENTION_SPANS, 602);
+    check_attention(Heads { n_heads: 2, n_kv_heads: 2, head_dim: 130 }, 5, &ATTENTION_SPANS, 603);
+}
+
+#[test]
+fn attention_head_dim_256_matches_reference() {
+    check_attention(Heads { n_heads: 2, n_kv_heads: 1, head_dim: 256 }, 5, &ATTENTION_SPANS, 604);
+}
+
+#[test]
+fn attention_rejects_head_dim_over_256() {
+    let ctx = gpu();
+    let heads = Heads { n_heads: 2, n_kv_heads: 1, head_dim: 258 };
+    let mut rng = Rng::new(605);
+    let paged = Paged::random(&mut rng, heads, 1, 4, 2);
+    let b = buf_f32(&ctx, "any", &[0.0; 4]);
+    let io = AttentionIo {
+        step: &b,
+        qkv: &b,
+        positions: &b,
+        token_seq: &b,
+        block_table: &b,
+        k_cache: &b,
+        v_cache: &b,
+        out: &b,
+    };
+    let r = block_on(kernels::attention::build(&ctx, &io, attention_params(heads, &paged, 1, 1)));
+    assert!(matches!(r, Err(GpuError::Validation { .. })), "head_dim 258 accepted: {:?}", r.err());
+}
+
+/// The forward pass's order in one submission: rope_kv writes the new tokens into pages that
+/// already hold a sequence's earlier tokens, then attention reads them.
+#[test]
+fn rope_kv_then_attention_continue_a_paged_sequence() {
+    let ctx = gpu();
+    let mut rng = Rng::new(700);
+    let heads = Heads { n_heads: 6, n_kv_heads: 2, head_dim: 16 };
+    let Heads { n_heads, n_kv_heads, head_dim } = heads;
+    let (page_size, cached, new) = (3, 11, 5);
+    let n_positions = cached + new;
+    let paged = Paged::random(&mut rng, heads, 2, n_positions, page_size);
+    let seq = 1;
+    let stride = heads.qkv_dim();
+    let qkv = rng.vec(new * stride);
+    let pos: Vec<usize> = (cached..cached + new).collect();
+    let positions: Vec<u32> = pos.iter().map(|&p| p as u32).collect();
+    let freq = inv_freq(head_dim);
+
+    let step = step_buffer(&ctx);
+    let qkv_b = buf_f32(&ctx, "qkv", &qkv);
+    let rope_b = buf_f32(&ctx, "rope", &rope_table(&freq, n_positions));
+    let pos_b = buf_u32(&ctx, "positions", &positions);
+    let seq_b = buf_u32(&ctx, "token_seq", &vec![seq as u32; new]);
+    let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
+    let k_b = buf_f32(&ctx, "k_cache", &paged.k);
+    let v_b = buf_f32(&ctx, "v_cache", &paged.v);
+    let out_b = create_zeroed(&ctx, "out", (new * heads.q_dim() * 4) as u64).unwrap();
+    let rope = block_on(kernels::rope_kv::build(
+        &ctx,
+        &RopeKvIo {
+            step: &step,
+            qkv: &qkv_b,
+            rope: &rope_b,
+            positions: &pos_b,
+            token_seq: &seq_b,
+            block_table: &bt_b,
+            k_cache: &k_b,
+            v_cache: &v_b,
+        },
+        RopeKvParams {
+            n_heads: n_heads as u32,
+            n_kv_heads: n_kv_heads as u32,
+            head_dim: head_dim as u32,
+            qkv_stride: stride as u32,
+            page_size: page_size as u32,
+            max_pages: paged.max_pages as u32,
+            n_positions: n_positions as u32,
+            _pad: 0,
+        },
+    ))
+    .expect("build rope_kv");
+    let p = attention_params(heads, &paged, stride, heads.q_dim());
+    let attn = block_on(kernels::attention::build(
+        &ctx,
+        &AttentionIo {
+            step: &step,
+            qkv: &qkv_b,
+            positions: &pos_b,
+            token_seq: &seq_b,
+            block_table: &bt_b,
+            k_cache: &k_b,
+            v_cache: &v_b,
+            out: &out_b,
+        },
+        p,
+    ))
+    .expect("build attention");
+    submit(&ctx, &step, new as u32, new as u32, &[rope, attn]);
+    let got = read_f32s(&ctx, &out_b, new * heads.q_dim());
+
+    let q = ops::rope(&columns(&qkv, stride, 0, heads.q_dim()), &pos, n_heads, head_dim, &freq);
+    let k_new = ops::rope(&columns(&qkv, stride, heads.q_dim(), heads.kv_dim()), &pos, n_kv_heads, head_dim, &freq);
+    let v_new = columns(&qkv, stride, heads.q_dim() + heads.kv_dim(), heads.kv_dim());
+    let (mut k, mut v) = paged.gather(seq, cached);
+    k.extend(k_new);
+    v.extend(v_new);
+    let want = ops::attention(&q, &k, &v, &pos, n_heads, n_kv_heads, head_dim, p.scale);
+    assert_close("rope_kv + attention, 5 tokens after 11 cached", &got, &want, ATTENTION_TOL);
+}
