@@ -5,7 +5,8 @@
 //
 // Layouts: by default one invocation per output row walks K contiguously (what CPU adapters
 // such as lavapipe want); ROW_PER_WORKGROUP gives each row a workgroup whose threads stride
-// K (coalesced loads on GPUs), reduced with subgroups when SUBGROUPS is set.
+// K (coalesced loads on GPUs), reduced with subgroups when SUBGROUPS is set; ROWS4 gives
+// each invocation four adjacent rows so that each x load serves four weights.
 #include "common/step.wgsl"
 
 struct Params {
@@ -135,7 +136,8 @@ fn main(
     workgroupBarrier();
     if (lid == 0u) {
         var total = vec3<f32>(0.0);
-        for (var i = 0u; i < WG / sg_size; i++) {
+        // Partials of every subgroup (a subgroup wider than the workgroup gives one).
+        for (var i = 0u; i < (WG + sg_size - 1u) / sg_size; i++) {
             total += red[i];
         }
         finish(t, row, total);
@@ -153,6 +155,66 @@ fn main(
         finish(t, row, red[0]);
     }
 #endif
+#else
+#if ROWS4
+    // Four rows per invocation (register blocking): every x (and g) load feeds four rows.
+    // On lavapipe each storage-buffer load is a per-lane scalar branch, so loads, not
+    // bytes, are the cost; this halves them per weight. Rows past n_rows read the last row.
+    let row0 = ((wid.y * p.grid_x + wid.x) * WG + lid) * 4u;
+    if (row0 >= p.n_rows) {
+        return;
+    }
+    let last = p.n_rows - 1u;
+    let wb0 = row0 * p.k;
+    let wb1 = min(row0 + 1u, last) * p.k;
+    let wb2 = min(row0 + 2u, last) * p.k;
+    let wb3 = min(row0 + 3u, last) * p.k;
+    var a = vec4<f32>(0.0);
+    var b = vec4<f32>(0.0);
+    var ua = vec4<f32>(0.0);
+    var ub = vec4<f32>(0.0);
+    var s0 = 0.0;
+    let k2 = p.k & ~1u;
+    var k = 0u;
+    for (; k < k2; k += 2u) {
+        var xv = vec2<f32>(x[xb + k], x[xb + k + 1u]);
+#if NORM
+        s0 += dot(xv, xv);
+        xv = xv * vec2<f32>(g[k], g[k + 1u]);
+#endif
+        let w0 = w_load2(wb0 + k);
+        let w1 = w_load2(wb1 + k);
+        let w2 = w_load2(wb2 + k);
+        let w3 = w_load2(wb3 + k);
+        a += vec4<f32>(w0.x, w1.x, w2.x, w3.x) * xv.x;
+        b += vec4<f32>(w0.y, w1.y, w2.y, w3.y) * xv.y;
+#if GATED
+        let u0 = u_load2(wb0 + k);
+        let u1 = u_load2(wb1 + k);
+        let u2 = u_load2(wb2 + k);
+        let u3 = u_load2(wb3 + k);
+        ua += vec4<f32>(u0.x, u1.x, u2.x, u3.x) * xv.x;
+        ub += vec4<f32>(u0.y, u1.y, u2.y, u3.y) * xv.y;
+#endif
+    }
+    if (k < p.k) {
+        var xv = x[xb + k];
+#if NORM
+        s0 += xv * xv;
+        xv = xv * g[k];
+#endif
+        a += vec4<f32>(w_load(wb0 + k), w_load(wb1 + k), w_load(wb2 + k), w_load(wb3 + k)) * xv;
+#if GATED
+        ua += vec4<f32>(u_load(wb0 + k), u_load(wb1 + k), u_load(wb2 + k), u_load(wb3 + k)) * xv;
+#endif
+    }
+    a += b;
+    ua += ub;
+    for (var i = 0u; i < 4u; i++) {
+        if (row0 + i < p.n_rows) {
+            finish(t, row0 + i, vec3<f32>(a[i], ua[i], s0));
+        }
+    }
 #else
     let row = (wid.y * p.grid_x + wid.x) * WG + lid;
     if (row >= p.n_rows) {
@@ -194,5 +256,6 @@ fn main(
 #endif
     }
     finish(t, row, vec3<f32>(a0 + a1, u0 + u1, s0));
+#endif
 #endif
 }

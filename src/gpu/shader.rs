@@ -93,6 +93,9 @@ pub mod flags {
     /// Matvec layout: one workgroup per output row, threads striding K (coalesced; GPUs).
     /// Without it: one invocation per output row walking K contiguously (CPU adapters).
     pub const ROW_PER_WORKGROUP: u32 = 32;
+    /// Matvec layout without ROW_PER_WORKGROUP: each invocation computes four adjacent rows,
+    /// reusing every x load (CPU adapters, where each storage load is costly).
+    pub const ROWS4: u32 = 64;
     /// Every flag with its define name, in a stable order.
     pub const ALL: &[(u32, &str)] = &[
         (NORM, "NORM"),
@@ -101,6 +104,7 @@ pub mod flags {
         (GATED, "GATED"),
         (GATHER, "GATHER"),
         (ROW_PER_WORKGROUP, "ROW_PER_WORKGROUP"),
+        (ROWS4, "ROWS4"),
     ];
 }
 
@@ -247,6 +251,7 @@ impl PipelineKey {
         for w in [WeightFormat::F32, WeightFormat::F16] {
             for &c in &combos {
                 v.push(PipelineKey::new(ShaderOp::Matvec, 64).with_flags(c).with_weights(w));
+                v.push(PipelineKey::new(ShaderOp::Matvec, 8).with_flags(c | ROWS4).with_weights(w));
                 v.push(
                     PipelineKey::new(ShaderOp::Matvec, 64)
                         .with_flags(c | ROW_PER_WORKGROUP)

@@ -1,0 +1,255 @@
+//! Kernel bandwidth bench (plain main, `harness = false`): `cargo bench --bench kernels`.
+//! Prints, in one run, medians of: the adapter's buffer-copy bandwidth (baseline), a plain
+//! WGSL contiguous-read kernel, every matvec layout for 4096x4096 and 576x1536 weights in
+//! f32 and f16, and the prefill matmul at 64 tokens; GB/s of weight reads and the fraction
+//! of the copy bandwidth (GFLOP/s for matmul). Set `BENCH_REPS` (default 3).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use lantern::gpu::shader::{flags, Features, WeightFormat};
+use lantern::gpu::{DeviceOptions, GpuContext, PipelineKey, ShaderOp};
+use lantern::kernels::linear::{build_with_key, GpuLinear, HostMatrix, LinearIo};
+use lantern::kernels::{step_buffer, submit};
+use wgpu::util::DeviceExt;
+
+fn wait(ctx: &GpuContext) {
+    let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Median seconds of `f` (one warm-up run first).
+fn time(ctx: &GpuContext, reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    wait(ctx);
+    median(
+        (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                wait(ctx);
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+fn storage(ctx: &GpuContext, data: &[u8]) -> wgpu::Buffer {
+    ctx.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some("bench"),
+        contents: data,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+    })
+}
+
+fn data(n: usize, seed: usize) -> Vec<f32> {
+    (0..n).map(|i| (((i * 7919 + seed * 104729) % 2001) as f32 / 1000.0 - 1.0) * 0.5).collect()
+}
+
+const READ_WGSL: &str = "
+@group(0) @binding(0) var<storage, read> w: array<f32>;
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;
+@group(0) @binding(2) var<uniform> chunk: vec4<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {
+    let b = id.x * chunk.x;
+    var a = 0.0;
+    for (var i = 0u; i < chunk.x; i++) { a += w[b + i]; }
+    y[id.x] = a;
+}";
+
+struct Layout {
+    name: &'static str,
+    flags: u32,
+    wg: u32,
+    subgroups: bool,
+}
+
+const LAYOUTS: &[Layout] = &[
+    Layout { name: "thread (row/invocation, wg64)", flags: 0, wg: 64, subgroups: false },
+    Layout { name: "rows4 (4 rows/invocation, wg8)", flags: flags::ROWS4, wg: 8, subgroups: false },
+    Layout { name: "wg8 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 8, subgroups: true },
+    Layout { name: "wg64 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 64, subgroups: true },
+];
+
+struct Case {
+    lin: GpuLinear,
+    x: wgpu::Buffer,
+    y: wgpu::Buffer,
+    step: wgpu::Buffer,
+    k: usize,
+}
+
+fn case(ctx: &Arc<GpuContext>, n: usize, k: usize, fmt: WeightFormat, tokens: usize) -> (Case, Vec<f32>, Vec<f32>) {
+    let w = data(n * k, 1);
+    let lin = match fmt {
+        WeightFormat::F32 => GpuLinear::upload(ctx, "w", HostMatrix::F32(&w), None, None, n, k),
+        WeightFormat::F16 => {
+            let h: Vec<u16> = w.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+            GpuLinear::upload(ctx, "w", HostMatrix::F16(&h), None, None, n, k)
+        }
+    }
+    .expect("upload");
+    let xv = data(tokens * k, 2);
+    let x = storage(ctx, bytemuck::cast_slice(&xv));
+    let y = storage(ctx, &vec![0u8; tokens * n * 4]);
+    (Case { lin, x, y, step: step_buffer(ctx), k }, w, xv)
+}
+
+fn dispatches(ctx: &Arc<GpuContext>, c: &Case, key: PipelineKey) -> Vec<lantern::kernels::Dispatch> {
+    let io = LinearIo {
+        step: &c.step,
+        x: &c.x,
+        x_stride: c.k,
+        norm: None,
+        eps: 1e-5,
+        y: &c.y,
+        out_stride: c.lin.n_rows,
+        out_offset: 0,
+        residual: false,
+        rows: None,
+    };
+    pollster::block_on(build_with_key(ctx, &c.lin, &io, key)).expect("pipeline")
+}
+
+fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext) -> Option<PipelineKey> {
+    if l.subgroups && !ctx.caps.subgroups {
+        return None;
+    }
+    Some(
+        PipelineKey::new(ShaderOp::Matvec, l.wg)
+            .with_flags(l.flags)
+            .with_weights(fmt)
+            .with_features(Features { f16: false, subgroups: l.subgroups }),
+    )
+}
+
+/// Every layout against a CPU product on an odd K (tails) and a row count not a multiple
+/// of any workgroup.
+fn check(ctx: &Arc<GpuContext>) {
+    for (fmt, n, k) in [(WeightFormat::F32, 101, 77), (WeightFormat::F16, 37, 130)] {
+        let (c, w, x) = case(ctx, n, k, fmt, 1);
+        let w: Vec<f32> = match fmt {
+            WeightFormat::F16 => w.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+            WeightFormat::F32 => w,
+        };
+        for l in LAYOUTS {
+            let Some(key) = key(l, fmt, ctx) else { continue };
+            submit(ctx, &c.step, 1, 1, &dispatches(ctx, &c, key));
+            let got = pollster::block_on(lantern::gpu::buffer::read_f32(ctx, &c.y, n)).unwrap();
+            for r in 0..n {
+                let want: f32 = (0..k).map(|i| w[r * k + i] * x[i]).sum();
+                assert!((got[r] - want).abs() < 1e-3 * (1.0 + want.abs()), "{} {fmt:?} row {r}: {} vs {want}", l.name, got[r]);
+            }
+        }
+    }
+    println!("check: every matvec layout matches the CPU product (odd K, ragged rows)");
+}
+
+fn main() {
+    let reps: usize = std::env::var("BENCH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let ctx = pollster::block_on(GpuContext::new(&DeviceOptions::default())).expect("device");
+    println!("adapter: {} ({:?}), cpu_like {}, reps {reps}", ctx.info.name, ctx.info.backend, ctx.caps.cpu_like);
+    check(&ctx);
+
+    // Baseline: buffer-to-buffer copy of 64 MiB.
+    let bytes = 64u64 << 20;
+    let src = storage(&ctx, &vec![1u8; bytes as usize]);
+    let dst = storage(&ctx, &vec![0u8; bytes as usize]);
+    let t = time(&ctx, reps, || {
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(&src, 0, &dst, 0, bytes);
+        ctx.queue.submit([enc.finish()]);
+    });
+    let copy = bytes as f64 / t / 1e9;
+    println!("{:<44} {:9.2} ms {:7.2} GB/s", "buffer copy 64 MiB (read)", t * 1e3, copy);
+    let line = |name: &str, t: f64, b: f64| {
+        println!("{:<44} {:9.2} ms {:7.2} GB/s {:6.1}% of copy", name, t * 1e3, b / t / 1e9, 100.0 * b / t / 1e9 / copy);
+    };
+
+    // Plain WGSL read: each of 64 x 256 invocations sums a contiguous run of f32.
+    {
+        let m = ctx.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some("read"),
+            source: wgpu::ShaderSource::Wgsl(READ_WGSL.into()),
+        });
+        let p = ctx.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some("read"),
+            layout: None,
+            module: &m,
+            entry_point: Some("main"),
+            compilation_options: Default::default(),
+            cache: None,
+        });
+        let inv = 64 * 256u32;
+        let chunk = (bytes / 4) as u32 / inv;
+        let out = storage(&ctx, &vec![0u8; inv as usize * 4]);
+        let u = ctx.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: None,
+            contents: bytemuck::cast_slice(&[chunk, 0, 0, 0]),
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+        let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &p.get_bind_group_layout(0),
+            entries: &[
+                wgpu::BindGroupEntry { binding: 0, resource: src.as_entire_binding() },
+                wgpu::BindGroupEntry { binding: 1, resource: out.as_entire_binding() },
+                wgpu::BindGroupEntry { binding: 2, resource: u.as_entire_binding() },
+            ],
+        });
+        let t = time(&ctx, reps, || {
+            let mut enc = ctx.device.create_command_encoder(&Default::default());
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                pass.set_pipeline(&p);
+                pass.set_bind_group(0, &bg, &[]);
+                pass.dispatch_workgroups(inv / 64, 1, 1);
+            }
+            ctx.queue.submit([enc.finish()]);
+        });
+        line("WGSL contiguous read (f32 per invocation)", t, (inv as u64 * chunk as u64 * 4) as f64);
+    }
+    drop((src, dst));
+
+    for (n, k) in [(4096usize, 4096usize), (576, 1536)] {
+        for fmt in [WeightFormat::F32, WeightFormat::F16] {
+            let (c, _, _) = case(&ctx, n, k, fmt, 1);
+            let wbytes = c.lin.bytes() as f64;
+            for l in LAYOUTS {
+                let Some(key) = key(l, fmt, &ctx) else { continue };
+                let d = dispatches(&ctx, &c, key);
+                let t = time(&ctx, reps, || submit(&ctx, &c.step, 1, 1, &d));
+                line(&format!("matvec {n}x{k} {fmt:?} {}", l.name), t, wbytes);
+            }
+        }
+    }
+
+    // Prefill matmul at 64 tokens (the 4096x4096 case is too slow for CPU adapters).
+    let big = !ctx.caps.cpu_like;
+    for (n, k) in [(576usize, 1536usize), (1536, 576), (4096, 4096)] {
+        if n == 4096 && !big {
+            continue;
+        }
+        for fmt in [WeightFormat::F32, WeightFormat::F16] {
+            let tokens = 64;
+            let (c, _, _) = case(&ctx, n, k, fmt, tokens);
+            let key = PipelineKey::new(ShaderOp::Matmul, 64).with_weights(fmt);
+            let d = dispatches(&ctx, &c, key);
+            let t = time(&ctx, reps, || submit(&ctx, &c.step, tokens as u32, tokens as u32, &d));
+            let flops = 2.0 * (tokens * n * k) as f64;
+            println!(
+                "{:<44} {:9.2} ms {:7.2} GFLOP/s {:7.2} GB/s of weights ({:.1}% of copy)",
+                format!("matmul {tokens} tok x {n}x{k} {fmt:?}"),
+                t * 1e3,
+                flops / t / 1e9,
+                c.lin.bytes() as f64 / t / 1e9,
+                100.0 * c.lin.bytes() as f64 / t / 1e9 / copy
+            );
+        }
+    }
+}
