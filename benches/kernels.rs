@@ -1,7 +1,7 @@
 //! Kernel bandwidth bench (plain main, `harness = false`): `cargo bench --bench kernels`.
 //! Prints, in one run, medians of: the adapter's buffer-copy bandwidth (baseline), a plain
 //! WGSL contiguous-read kernel, every matvec layout for 4096x4096 and 576x1536 weights in
-//! f32 and f16, and the prefill matmul at 64 tokens; GB/s of weight reads and the fraction
+//! f32 and f16, and every prefill matmul variant (tiled, blocked) at 64 tokens; GB/s of weight reads and the fraction
 //! of the copy bandwidth (GFLOP/s for matmul). Set `BENCH_REPS` (default 3).
 
 use std::sync::Arc;
@@ -229,8 +229,11 @@ fn main() {
         }
     }
 
-    // Prefill matmul at 64 tokens (the 4096x4096 case is too slow for CPU adapters).
+    // Prefill matmul at 64 tokens in every variant: the tiled one (workgroup memory) and the
+    // blocked ones (tokens x rows per invocation, CPU adapters). The 4096x4096 case is too
+    // slow for CPU adapters. `BENCH_MATMUL=tiled,b88` restricts the variants.
     let big = !ctx.caps.cpu_like;
+    let only = std::env::var("BENCH_MATMUL").ok();
     for (n, k) in [(576usize, 1536usize), (1536, 576), (4096, 4096)] {
         if n == 4096 && !big {
             continue;
@@ -238,18 +241,38 @@ fn main() {
         for fmt in [WeightFormat::F32, WeightFormat::F16] {
             let tokens = 64;
             let (c, _, _) = case(&ctx, n, k, fmt, tokens);
-            let key = PipelineKey::new(ShaderOp::Matmul, 64).with_weights(fmt);
-            let d = dispatches(&ctx, &c, key);
-            let t = time(&ctx, reps, || submit(&ctx, &c.step, tokens as u32, tokens as u32, &d));
-            let flops = 2.0 * (tokens * n * k) as f64;
-            println!(
-                "{:<44} {:9.2} ms {:7.2} GFLOP/s {:7.2} GB/s of weights ({:.1}% of copy)",
-                format!("matmul {tokens} tok x {n}x{k} {fmt:?}"),
-                t * 1e3,
-                flops / t / 1e9,
-                c.lin.bytes() as f64 / t / 1e9,
-                100.0 * c.lin.bytes() as f64 / t / 1e9 / copy
-            );
+            for m in MATMULS {
+                if only.as_deref().is_some_and(|o| !o.split(',').any(|x| x == m.name)) {
+                    continue;
+                }
+                let key = PipelineKey::new(m.op, m.wg).with_flags(m.flags).with_weights(fmt);
+                let d = dispatches(&ctx, &c, key);
+                let t = time(&ctx, reps, || submit(&ctx, &c.step, tokens as u32, tokens as u32, &d));
+                let flops = 2.0 * (tokens * n * k) as f64;
+                println!(
+                    "{:<44} {:9.2} ms {:7.2} GFLOP/s {:7.2} GB/s of weights ({:.1}% of copy)",
+                    format!("matmul {} {tokens} tok x {n}x{k} {fmt:?}", m.name),
+                    t * 1e3,
+                    flops / t / 1e9,
+                    c.lin.bytes() as f64 / t / 1e9,
+                    100.0 * c.lin.bytes() as f64 / t / 1e9 / copy
+                );
+            }
         }
     }
 }
+
+struct MatmulVariant {
+    name: &'static str,
+    op: ShaderOp,
+    flags: u32,
+    wg: u32,
+}
+
+const MATMULS: &[MatmulVariant] = &[
+    MatmulVariant { name: "tiled", op: ShaderOp::Matmul, flags: 0, wg: 64 },
+    MatmulVariant { name: "b44", op: ShaderOp::MatmulBlocked, flags: 0, wg: 8 },
+    MatmulVariant { name: "b84", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8, wg: 8 },
+    MatmulVariant { name: "b48", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_N8, wg: 8 },
+    MatmulVariant { name: "b88", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::BLOCK_N8, wg: 8 },
+];

@@ -13,7 +13,9 @@ export WGPU_BACKEND="${WGPU_BACKEND:-vulkan}"
 export NODEVICE_SELECT=1
 export RUST_BACKTRACE=1
 
-cargo build --release --bin lantern
+# One build of everything (tests, examples, the binary) with one feature set.
+cargo test --release --no-run
+cargo build --release --benches
 ./target/release/lantern fetch
 export LANTERN_SMOLLM2_GGUF="${LANTERN_SMOLLM2_GGUF:-$(./target/release/lantern fetch 2>/dev/null)}"
 
@@ -22,6 +24,5 @@ if ! ./target/release/lantern devices --backend "$WGPU_BACKEND"; then
     exit 1
 fi
 
-# Benches must build; they run with `cargo bench` / `lantern bench`, never as tests.
-cargo build --release --benches
+# Benches are built above but only run with `cargo bench`, never as tests.
 cargo test --release "$@"

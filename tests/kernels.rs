@@ -204,18 +204,37 @@ enum Layout {
     RowWg8Subgroups,
     /// Tiled matmul (prefill).
     Matmul,
+    /// Blocked matmul (prefill on CPU adapters), 4 tokens x 4 rows per invocation.
+    Blocked44,
+    /// Blocked matmul, 8 tokens x 4 rows.
+    Blocked84,
+    /// Blocked matmul, 4 tokens x 8 rows.
+    Blocked48,
+    /// Blocked matmul, 8 tokens x 8 rows.
+    Blocked88,
     /// Whatever `linear::build` picks for a matvec on this adapter.
     Auto,
+    /// Whatever `linear::build` picks for a matmul (prefill) on this adapter.
+    AutoMatmul,
 }
 
 impl Layout {
-    const ALL: [Layout; 5] = [
+    const ALL: [Layout; 9] = [
         Layout::Thread64,
         Layout::RowWg64,
         Layout::RowWg64Subgroups,
         Layout::RowWg8Subgroups,
         Layout::Matmul,
+        Layout::Blocked44,
+        Layout::Blocked84,
+        Layout::Blocked48,
+        Layout::Blocked88,
     ];
+
+    /// A prefill (matmul) layout: no gathered rows.
+    fn is_matmul(self) -> bool {
+        matches!(self, Layout::Matmul | Layout::Blocked44 | Layout::Blocked84 | Layout::Blocked48 | Layout::Blocked88)
+    }
 
     fn needs_subgroups(self) -> bool {
         matches!(self, Layout::RowWg64Subgroups | Layout::RowWg8Subgroups)
@@ -231,7 +250,13 @@ impl Layout {
             Layout::RowWg64Subgroups => PipelineKey::new(ShaderOp::Matvec, 64).with_flags(fl | rpw).with_features(sg),
             Layout::RowWg8Subgroups => PipelineKey::new(ShaderOp::Matvec, 8).with_flags(fl | rpw).with_features(sg),
             Layout::Matmul => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl),
-            Layout::Auto => return None,
+            Layout::Blocked44 => PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(fl),
+            Layout::Blocked84 => PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(fl | flags::BLOCK_M8),
+            Layout::Blocked48 => PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(fl | flags::BLOCK_N8),
+            Layout::Blocked88 => {
+                PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8)
+            }
+            Layout::Auto | Layout::AutoMatmul => return None,
         };
         Some(key.with_weights(weights))
     }
@@ -295,7 +320,7 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
     let key = c.layout.key(fl, c.weights);
     let what = format!(
         "{} rows {rows} k {k} tokens {tokens}{} ({} chunks)",
-        key.map_or_else(|| format!("{:?} auto matvec", c.weights), |k| k.label()),
+        key.map_or_else(|| format!("{:?} {:?}", c.weights, c.layout), |k| k.label()),
         if c.wide { " wide" } else { "" },
         lin.w.chunks.len()
     );
@@ -318,6 +343,7 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
     };
     let d = match key {
         Some(key) => block_on(linear::build_with_key(ctx, &lin, &io, key)),
+        None if c.layout == Layout::AutoMatmul => block_on(linear::build(ctx, &lin, &io, linear::Shape::Matmul)),
         None => block_on(linear::build(ctx, &lin, &io, linear::Shape::Matvec)),
     }
     .unwrap_or_else(|e| panic!("{what}: build: {e}"));
@@ -347,7 +373,7 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
 fn linear_suite(fl: u32, seed: u64) {
     let ctx = gpu();
     for layout in Layout::available(&ctx) {
-        if layout == Layout::Matmul && fl & flags::GATHER != 0 {
+        if layout.is_matmul() && fl & flags::GATHER != 0 {
             continue; // gathered rows are matvec-only
         }
         for weights in [WeightFormat::F32, WeightFormat::F16] {
@@ -412,7 +438,7 @@ fn linear_weights_split_across_bindings_match_reference() {
     let (rows, k, tokens) = (65, 130, 3);
     for fl in COMBOS {
         for layout in Layout::available(&ctx) {
-            if layout == Layout::Matmul && fl & flags::GATHER != 0 {
+            if layout.is_matmul() && fl & flags::GATHER != 0 {
                 continue;
             }
             for weights in [WeightFormat::F32, WeightFormat::F16] {
@@ -433,6 +459,13 @@ fn linear_auto_layout_matches_reference() {
     for fl in [NORM_BIAS, NORM_GATHER] {
         for (i, &(rows, k, tokens)) in LINEAR_SHAPES.iter().enumerate() {
             let c = LinearCase { fl, layout: Layout::Auto, weights: WeightFormat::F16, rows, k, tokens, wide: false, seed: 900 + i as u64 };
+            check_linear(&ctx, c);
+        }
+    }
+    eprintln!("adapter {}: matmul layout {:?}", ctx.info.name, linear::matmul_layout(&ctx));
+    for fl in [NORM_BIAS, NORM_GATED, RESIDUAL] {
+        for (i, &(rows, k, tokens)) in LINEAR_SHAPES.iter().enumerate() {
+            let c = LinearCase { fl, layout: Layout::AutoMatmul, weights: WeightFormat::F16, rows, k, tokens, wide: i % 2 == 1, seed: 950 + i as u64 };
             check_linear(&ctx, c);
         }
     }

@@ -14,6 +14,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rmsnorm.wgsl", include_str!("../../shaders/rmsnorm.wgsl")),
     ("matvec.wgsl", include_str!("../../shaders/matvec.wgsl")),
     ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
+    ("matmul_blocked.wgsl", include_str!("../../shaders/matmul_blocked.wgsl")),
     ("rope_kv.wgsl", include_str!("../../shaders/rope_kv.wgsl")),
     ("attention.wgsl", include_str!("../../shaders/attention.wgsl")),
     ("argmax.wgsl", include_str!("../../shaders/argmax.wgsl")),
@@ -35,6 +36,9 @@ pub enum ShaderOp {
     Matvec,
     /// Prefill tiled matmul `Y = X W^T` with the same fused prologue/epilogues.
     Matmul,
+    /// Prefill matmul for CPU adapters: register blocks of tokens x rows per invocation read
+    /// straight from global memory (no workgroup memory, no barriers); same semantics.
+    MatmulBlocked,
     /// RoPE on q and k, and the write of k and v into the paged KV cache.
     RopeKv,
     /// Causal grouped-query attention over the paged KV cache.
@@ -51,6 +55,7 @@ impl ShaderOp {
             ShaderOp::RmsNorm => "rmsnorm.wgsl",
             ShaderOp::Matvec => "matvec.wgsl",
             ShaderOp::Matmul => "matmul.wgsl",
+            ShaderOp::MatmulBlocked => "matmul_blocked.wgsl",
             ShaderOp::RopeKv => "rope_kv.wgsl",
             ShaderOp::Attention => "attention.wgsl",
             ShaderOp::Argmax => "argmax.wgsl",
@@ -96,6 +101,10 @@ pub mod flags {
     /// Matvec layout without ROW_PER_WORKGROUP: each invocation computes four adjacent rows,
     /// reusing every x load (CPU adapters, where each storage load is costly).
     pub const ROWS4: u32 = 64;
+    /// Blocked matmul: 8 tokens per invocation (else 4).
+    pub const BLOCK_M8: u32 = 128;
+    /// Blocked matmul: 8 rows per invocation (else 4).
+    pub const BLOCK_N8: u32 = 256;
     /// Every flag with its define name, in a stable order.
     pub const ALL: &[(u32, &str)] = &[
         (NORM, "NORM"),
@@ -105,6 +114,8 @@ pub mod flags {
         (GATHER, "GATHER"),
         (ROW_PER_WORKGROUP, "ROW_PER_WORKGROUP"),
         (ROWS4, "ROWS4"),
+        (BLOCK_M8, "BLOCK_M8"),
+        (BLOCK_N8, "BLOCK_N8"),
     ];
 }
 
@@ -260,6 +271,12 @@ impl PipelineKey {
                 );
                 if c & GATHER == 0 {
                     v.push(PipelineKey::new(ShaderOp::Matmul, 64).with_flags(c).with_weights(w));
+                    // The blocked matmul CPU adapters get (kernels::linear::BLOCKED_DEFAULT).
+                    v.push(
+                        PipelineKey::new(ShaderOp::MatmulBlocked, 8)
+                            .with_flags(c | BLOCK_M8 | BLOCK_N8)
+                            .with_weights(w),
+                    );
                 }
             }
         }

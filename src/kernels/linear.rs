@@ -180,18 +180,20 @@ pub async fn build(
         }
         fl |= flags::GATHER;
     }
-    let op = match shape {
-        Shape::Matvec => ShaderOp::Matvec,
-        Shape::Matmul => ShaderOp::Matmul,
-    };
     let mut features = crate::gpu::Features::default();
-    let mut wg = 64;
-    if shape == Shape::Matvec {
-        let (f, w) = matvec_layout(ctx);
-        fl |= f;
-        wg = w;
-        features.subgroups = fl & flags::ROW_PER_WORKGROUP != 0 && ctx.caps.subgroups;
-    }
+    let (op, wg) = match shape {
+        Shape::Matvec => {
+            let (f, w) = matvec_layout(ctx);
+            fl |= f;
+            features.subgroups = fl & flags::ROW_PER_WORKGROUP != 0 && ctx.caps.subgroups;
+            (ShaderOp::Matvec, w)
+        }
+        Shape::Matmul => {
+            let (op, f, w) = matmul_layout(ctx);
+            fl |= f;
+            (op, w)
+        }
+    };
     let key = PipelineKey::new(op, wg)
         .with_flags(fl)
         .with_weights(lin.format)
@@ -224,6 +226,40 @@ pub fn matvec_layout(ctx: &GpuContext) -> (u32, u32) {
     }
 }
 
+/// Prefill matmul variant by adapter: `(op, flags, workgroup size)`.
+///
+/// On CPU adapters the tiled matmul's workgroup-memory staging and barriers cost more than
+/// they save (workgroup-memory loads are emulated per lane like storage loads, and each
+/// barrier switches every invocation's coroutine), so each invocation instead computes a
+/// register block of tokens x rows straight from global memory (`MatmulBlocked`), in
+/// workgroups of 8 (one SIMD batch), 8 tokens x 8 rows each: measured on lavapipe (64
+/// tokens, 576x1536 and 1536x576) 3-5x the tiled matmul, and 1.3-1.8x the 4x4, 8x4 and 4x8
+/// blocks (benches/kernels.rs). On GPUs the tiled matmul. Override with
+/// `LANTERN_MATMUL=tiled|blocked` (benchmarks).
+pub fn matmul_layout(ctx: &GpuContext) -> (ShaderOp, u32, u32) {
+    let forced = std::env::var("LANTERN_MATMUL").ok();
+    match forced.as_deref() {
+        Some("tiled") => return (ShaderOp::Matmul, 0, 64),
+        Some("blocked") => return BLOCKED_DEFAULT,
+        _ => {}
+    }
+    if ctx.caps.cpu_like {
+        BLOCKED_DEFAULT
+    } else {
+        (ShaderOp::Matmul, 0, 64)
+    }
+}
+
+/// The blocked matmul variant CPU adapters get.
+pub const BLOCKED_DEFAULT: (ShaderOp, u32, u32) = (ShaderOp::MatmulBlocked, flags::BLOCK_M8 | flags::BLOCK_N8, 8);
+
+/// Tokens x rows computed by one invocation of a blocked matmul variant.
+pub fn blocked_tile(fl: u32) -> (u32, u32) {
+    let tm = if fl & flags::BLOCK_M8 != 0 { 8 } else { 4 };
+    let tn = if fl & flags::BLOCK_N8 != 0 { 8 } else { 4 };
+    (tm, tn)
+}
+
 /// Build with an explicit variant (tests use this to cover every layout on one adapter).
 pub async fn build_with_key(
     ctx: &GpuContext,
@@ -238,6 +274,10 @@ pub async fn build_with_key(
         let rows = chunk.rows as u32;
         let (grid, grid_x) = match key.op {
             ShaderOp::Matmul => ([Dim::Const(rows.div_ceil(32)), Dim::TokensDiv(32), Dim::Const(1)], 0),
+            ShaderOp::MatmulBlocked => {
+                let (tm, tn) = blocked_tile(key.flags);
+                ([Dim::Const(rows.div_ceil(tn * key.workgroup)), Dim::TokensDiv(tm), Dim::Const(1)], 0)
+            }
             _ => {
                 let groups = if key.flags & flags::ROW_PER_WORKGROUP != 0 {
                     rows
