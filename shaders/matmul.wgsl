@@ -2,48 +2,12 @@
 // BM x BN output tile per workgroup, staging BK-wide slices of X and W in workgroup memory.
 // Same fused prologue/epilogues as matvec.wgsl: NORM (RMSNorm folded: X' = X * g, result
 // scaled by each row's 1/rms), GATED (silu(W x') * (U x')), BIAS, RESIDUAL.
-#include "common/step.wgsl"
-
-struct Params {
-    n_rows: u32,
-    k: u32,
-    row_offset: u32,
-    out_stride: u32,
-    x_stride: u32,
-    grid_x: u32,
-    eps: f32,
-    _pad: u32,
-}
+#include "common/linear.wgsl"
 
 const BM: u32 = 32u;   // tokens per tile
 const BN: u32 = 32u;   // output rows per tile
 const BK: u32 = 16u;   // K slice staged per step
 const TILE: u32 = 512u; // BM * BK == BN * BK
-
-@group(0) @binding(0) var<uniform> step: Step;
-@group(0) @binding(1) var<uniform> p: Params;
-@group(0) @binding(2) var<storage, read> x: array<f32>;            // (n_tokens, x_stride)
-#if W_F32
-@group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
-#else
-@group(0) @binding(3) var<storage, read> w: array<u32>;
-#endif
-#if GATED
-#if W_F32
-@group(0) @binding(4) var<storage, read> u: array<f32>;            // (n_rows, k)
-#else
-@group(0) @binding(4) var<storage, read> u: array<u32>;
-#endif
-#endif
-#if NORM
-@group(0) @binding(5) var<storage, read> g: array<f32>;            // (k)
-#endif
-#if BIAS
-@group(0) @binding(6) var<storage, read> bias: array<f32>;         // (n_rows)
-#endif
-@group(0) @binding(7) var<storage, read_write> y: array<f32>;      // (n_tokens, out_stride)
-
-#include "common/weights.wgsl"
 
 var<workgroup> xs: array<f32, TILE>;   // [m][k]
 var<workgroup> ws: array<f32, TILE>;   // [n][k]
@@ -54,10 +18,6 @@ var<workgroup> us: array<f32, TILE>;
 var<workgroup> part: array<f32, 64>;
 var<workgroup> rs: array<f32, BM>;
 #endif
-
-fn silu(v: f32) -> f32 {
-    return v / (1.0 + exp(-v));
-}
 
 // 64 invocations as 8 x 8; each computes 4 x 4 outputs at stride 8.
 @compute @workgroup_size(64)
@@ -86,7 +46,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     workgroupBarrier();
     if (lid < BM) {
-        rs[lid] = inverseSqrt((part[2u * lid] + part[2u * lid + 1u]) / f32(p.k) + p.eps);
+        rs[lid] = inv_rms(part[2u * lid] + part[2u * lid + 1u]);
     }
 #endif
     var acc: array<f32, 16>;
@@ -160,25 +120,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             if (n >= p.n_rows) {
                 continue;
             }
-            var v = acc[i * 4u + j];
-#if NORM
-            v = v * rs[ml];
-#endif
+            var b = 0.0;
 #if GATED
-            var b = acc_u[i * 4u + j];
+            b = acc_u[i * 4u + j];
+#endif
 #if NORM
-            b = b * rs[ml];
-#endif
-            v = silu(v) * b;
-#endif
-#if BIAS
-            v += bias[n];
-#endif
-            let oi = m * p.out_stride + p.row_offset + n;
-#if RESIDUAL
-            y[oi] = y[oi] + v;
+            store_out(m, n, acc[i * 4u + j], b, rs[ml]);
 #else
-            y[oi] = v;
+            store_out(m, n, acc[i * 4u + j], b, 1.0);
 #endif
         }
     }

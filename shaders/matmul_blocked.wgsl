@@ -10,43 +10,7 @@
 // (silu(W x') * (U x')), BIAS, RESIDUAL. The WG invocations of a workgroup take adjacent row
 // blocks of the same TM tokens. Tokens and rows past the ends are read clamped and never
 // stored, so there is no early return and control flow stays uniform.
-#include "common/step.wgsl"
-
-struct Params {
-    n_rows: u32,
-    k: u32,
-    row_offset: u32,
-    out_stride: u32,
-    x_stride: u32,
-    grid_x: u32,
-    eps: f32,
-    _pad: u32,
-}
-
-@group(0) @binding(0) var<uniform> step: Step;
-@group(0) @binding(1) var<uniform> p: Params;
-@group(0) @binding(2) var<storage, read> x: array<f32>;            // (n_tokens, x_stride)
-#if W_F32
-@group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
-#else
-@group(0) @binding(3) var<storage, read> w: array<u32>;
-#endif
-#if GATED
-#if W_F32
-@group(0) @binding(4) var<storage, read> u: array<f32>;            // (n_rows, k)
-#else
-@group(0) @binding(4) var<storage, read> u: array<u32>;
-#endif
-#endif
-#if NORM
-@group(0) @binding(5) var<storage, read> g: array<f32>;            // (k)
-#endif
-#if BIAS
-@group(0) @binding(6) var<storage, read> bias: array<f32>;         // (n_rows)
-#endif
-@group(0) @binding(7) var<storage, read_write> y: array<f32>;      // (n_tokens, out_stride)
-
-#include "common/weights.wgsl"
+#include "common/linear.wgsl"
 
 #if BLOCK_M8
 const TM: u32 = 8u;
@@ -92,10 +56,6 @@ struct Acc {
 #endif
 #endif
     s: f32,
-}
-
-fn silu(v: f32) -> f32 {
-    return v / (1.0 + exp(-v));
 }
 
 fn w_pair(b: vec4<u32>, k: u32) -> Pair {
@@ -168,7 +128,9 @@ fn finish(t: Acc, m: u32, n0: u32) {
         return;
     }
 #if NORM
-    let r = inverseSqrt(t.s / f32(p.k) + p.eps);
+    let r = inv_rms(t.s);
+#else
+    let r = 1.0;
 #endif
     for (var j = 0u; j < TN; j++) {
         let n = n0 + j;
@@ -176,8 +138,9 @@ fn finish(t: Acc, m: u32, n0: u32) {
             break;
         }
         var v = t.a0[j & 3u];
+        var b = 0.0;
 #if GATED
-        var b = t.c0[j & 3u];
+        b = t.c0[j & 3u];
 #endif
 #if BLOCK_N8
         if (j >= 4u) {
@@ -187,24 +150,7 @@ fn finish(t: Acc, m: u32, n0: u32) {
 #endif
         }
 #endif
-#if NORM
-        v = v * r;
-#endif
-#if GATED
-#if NORM
-        b = b * r;
-#endif
-        v = silu(v) * b;
-#endif
-#if BIAS
-        v += bias[n];
-#endif
-        let oi = m * p.out_stride + p.row_offset + n;
-#if RESIDUAL
-        y[oi] = y[oi] + v;
-#else
-        y[oi] = v;
-#endif
+        store_out(m, n, v, b, r);
     }
 }
 

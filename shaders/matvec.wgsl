@@ -7,79 +7,17 @@
 // such as lavapipe want); ROW_PER_WORKGROUP gives each row a workgroup whose threads stride
 // K (coalesced loads on GPUs), reduced with subgroups when SUBGROUPS is set; ROWS4 gives
 // each invocation four adjacent rows so that each x load serves four weights.
-#include "common/step.wgsl"
-
-struct Params {
-    // Output rows in this chunk.
-    n_rows: u32,
-    // Input width.
-    k: u32,
-    // Column of y where this chunk's row 0 lands.
-    row_offset: u32,
-    // Floats per row of y.
-    out_stride: u32,
-    // Floats per row of x.
-    x_stride: u32,
-    // Workgroups along x; the row (group) index is wid.y * grid_x + wid.x.
-    grid_x: u32,
-    eps: f32,
-    _pad: u32,
-}
-
-@group(0) @binding(0) var<uniform> step: Step;
-@group(0) @binding(1) var<uniform> p: Params;
-@group(0) @binding(2) var<storage, read> x: array<f32>;            // (rows of x, x_stride)
-#if W_F32
-@group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
-#else
-@group(0) @binding(3) var<storage, read> w: array<u32>;            // (n_rows, k) f16 pairs
-#endif
-#if GATED
-#if W_F32
-@group(0) @binding(4) var<storage, read> u: array<f32>;            // (n_rows, k) up
-#else
-@group(0) @binding(4) var<storage, read> u: array<u32>;
-#endif
-#endif
-#if NORM
-@group(0) @binding(5) var<storage, read> g: array<f32>;            // (k) norm weight
-#endif
-#if BIAS
-@group(0) @binding(6) var<storage, read> bias: array<f32>;         // (n_rows)
-#endif
-@group(0) @binding(7) var<storage, read_write> y: array<f32>;      // (n_tok, out_stride)
+#include "common/linear.wgsl"
 #if GATHER
 @group(0) @binding(8) var<storage, read> rows: array<u32>;         // (n_out) rows of x
 #endif
 
-#include "common/weights.wgsl"
-
-fn silu(v: f32) -> f32 {
-    return v / (1.0 + exp(-v));
-}
-
 // Apply the epilogue to the raw sums (w.x, u.x, sum of squares) and store.
 fn finish(t: u32, row: u32, acc: vec3<f32>) {
-    var a = acc.x;
 #if NORM
-    let r = inverseSqrt(acc.z / f32(p.k) + p.eps);
-    a = a * r;
-#endif
-#if GATED
-    var b = acc.y;
-#if NORM
-    b = b * r;
-#endif
-    a = silu(a) * b;
-#endif
-#if BIAS
-    a += bias[row];
-#endif
-    let oi = t * p.out_stride + p.row_offset + row;
-#if RESIDUAL
-    y[oi] = y[oi] + a;
+    store_out(t, row, acc.x, acc.y, inv_rms(acc.z));
 #else
-    y[oi] = a;
+    store_out(t, row, acc.x, acc.y, 1.0);
 #endif
 }
 

@@ -10,6 +10,7 @@ use super::preprocess::{preprocess, PreprocessError};
 pub const SOURCES: &[(&str, &str)] = &[
     ("common/step.wgsl", include_str!("../../shaders/common/step.wgsl")),
     ("common/weights.wgsl", include_str!("../../shaders/common/weights.wgsl")),
+    ("common/linear.wgsl", include_str!("../../shaders/common/linear.wgsl")),
     ("embedding.wgsl", include_str!("../../shaders/embedding.wgsl")),
     ("rmsnorm.wgsl", include_str!("../../shaders/rmsnorm.wgsl")),
     ("matvec.wgsl", include_str!("../../shaders/matvec.wgsl")),

@@ -1,0 +1,72 @@
+// The interface shared by the linear kernels (matvec.wgsl, matmul.wgsl, matmul_blocked.wgsl):
+// Params, bindings 0-7, weight loads, and the fused epilogue.
+#include "common/step.wgsl"
+
+struct Params {
+    // Output rows in this weight chunk.
+    n_rows: u32,
+    // Input width.
+    k: u32,
+    // Column of y where this chunk's row 0 lands.
+    row_offset: u32,
+    // Floats per row of y.
+    out_stride: u32,
+    // Floats per row of x.
+    x_stride: u32,
+    // Workgroups along x (matvec: row group index = wid.y * grid_x + wid.x).
+    grid_x: u32,
+    eps: f32,
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> step: Step;
+@group(0) @binding(1) var<uniform> p: Params;
+@group(0) @binding(2) var<storage, read> x: array<f32>;            // (rows of x, x_stride)
+#if W_F32
+@group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
+#else
+@group(0) @binding(3) var<storage, read> w: array<u32>;            // (n_rows, k) f16 pairs
+#endif
+#if GATED
+#if W_F32
+@group(0) @binding(4) var<storage, read> u: array<f32>;            // (n_rows, k) up
+#else
+@group(0) @binding(4) var<storage, read> u: array<u32>;
+#endif
+#endif
+#if NORM
+@group(0) @binding(5) var<storage, read> g: array<f32>;            // (k) norm weight
+#endif
+#if BIAS
+@group(0) @binding(6) var<storage, read> bias: array<f32>;         // (n_rows)
+#endif
+@group(0) @binding(7) var<storage, read_write> y: array<f32>;      // (n_tok, out_stride)
+
+#include "common/weights.wgsl"
+
+fn silu(v: f32) -> f32 {
+    return v / (1.0 + exp(-v));
+}
+
+// 1/rms of an input row from its sum of squares (NORM).
+fn inv_rms(sum_sq: f32) -> f32 {
+    return inverseSqrt(sum_sq / f32(p.k) + p.eps);
+}
+
+// Epilogue and store of output (t, row): `a` = W x', `b` = U x' (GATED), both raw sums;
+// `r` = the row's 1/rms with NORM (pass 1.0 otherwise: multiplying by 1 is exact).
+fn store_out(t: u32, row: u32, a_raw: f32, b_raw: f32, r: f32) {
+    var a = a_raw * r;
+#if GATED
+    a = silu(a) * (b_raw * r);
+#endif
+#if BIAS
+    a += bias[row];
+#endif
+    let oi = t * p.out_stride + p.row_offset + row;
+#if RESIDUAL
+    y[oi] = y[oi] + a;
+#else
+    y[oi] = a;
+#endif
+}
