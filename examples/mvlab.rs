@@ -242,7 +242,6 @@ fn main() {
             for wg in [1u32, 8, 16, 64] {
                 let name = format!("thread_{}{}_r{r}_wg{wg}", if vec4 { "v4" } else { "f" }, if unroll { "u2" } else { "" });
                 if !want_name(&name) { continue; }
-                if n % (r * wg) != 0 && wg > 1 { }
                 let p = pipe(&ctx, &mv_rows(r, wg, vec4, unroll));
                 let t = run(&ctx, &p, &[&wb, &xb, &yb, &db], groups2(r * wg), reps);
                 report(&name, t, true);

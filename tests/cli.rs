@@ -24,7 +24,7 @@ fn run_json_reports_ids_text_and_metrics() {
     assert_eq!(v["prompt_ids"].as_array().unwrap().len(), 4);
     assert_eq!(v["output_ids"].as_array().unwrap().len(), 3);
     assert_eq!(v["finish_reason"], "length");
-    assert!(v["text"].as_str().unwrap().len() > 0);
+    assert!(!v["text"].as_str().unwrap().is_empty());
     assert!(v["ttft_ms"].as_f64().unwrap() > 0.0);
     assert!(v["tpot_ms"].as_f64().unwrap() > 0.0);
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);

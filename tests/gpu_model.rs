@@ -36,7 +36,7 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
     let (mut worst, mut wi) = (0.0f32, 0usize);
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
         let d = (a - b).abs();
-        if !(d <= worst) {
+        if d > worst || d.is_nan() {
             worst = d;
             wi = i;
         }

@@ -100,9 +100,9 @@ pub fn create_storage(ctx: &GpuContext, label: &str, bytes: &[u8]) -> Result<wgp
         });
     }
     let padded;
-    let contents = if bytes.len() % 4 != 0 || bytes.is_empty() {
+    let contents = if !bytes.len().is_multiple_of(4) || bytes.is_empty() {
         let mut v = bytes.to_vec();
-        v.resize((bytes.len() + 3) / 4 * 4 + if bytes.is_empty() { 4 } else { 0 }, 0);
+        v.resize(bytes.len().div_ceil(4) * 4 + if bytes.is_empty() { 4 } else { 0 }, 0);
         padded = v;
         &padded[..]
     } else {
@@ -127,7 +127,7 @@ pub fn create_zeroed(ctx: &GpuContext, label: &str, size: u64) -> Result<wgpu::B
     }
     Ok(ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some(label),
-        size: ((size + 3) / 4 * 4).max(4),
+        size: (size.div_ceil(4) * 4).max(4),
         usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
         mapped_at_creation: false,
     }))
@@ -150,7 +150,7 @@ pub struct Readback {
 
 impl Readback {
     pub fn new(ctx: &GpuContext, label: &str, size: u64) -> Readback {
-        let size = ((size + 3) / 4 * 4).max(4);
+        let size = (size.div_ceil(4) * 4).max(4);
         Readback {
             buffer: ctx.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some(label),
@@ -175,7 +175,7 @@ impl Readback {
     /// await drives the device until that work is done; in a browser it yields to the event
     /// loop.
     pub async fn read(&self, ctx: &GpuContext, bytes: u64) -> Result<Vec<u8>, GpuError> {
-        let bytes = ((bytes + 3) / 4 * 4).min(self.size).max(4);
+        let bytes = (bytes.div_ceil(4) * 4).min(self.size).max(4);
         let slice = self.buffer.slice(0..bytes);
         let (tx, rx) = futures_channel::oneshot::channel();
         slice.map_async(wgpu::MapMode::Read, move |r| {
@@ -205,7 +205,7 @@ impl Readback {
 pub async fn read_buffer(ctx: &Arc<GpuContext>, src: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, GpuError> {
     let rb = Readback::new(ctx, "read_buffer", bytes);
     let mut enc = ctx.device.create_command_encoder(&Default::default());
-    rb.copy_from(&mut enc, src, 0, (bytes + 3) / 4 * 4);
+    rb.copy_from(&mut enc, src, 0, bytes.div_ceil(4) * 4);
     ctx.queue.submit([enc.finish()]);
     rb.read(ctx, bytes).await
 }

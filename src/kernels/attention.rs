@@ -35,7 +35,7 @@ pub struct AttentionIo<'a> {
 }
 
 pub async fn build(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionParams) -> Result<Dispatch, GpuError> {
-    if p.head_dim > MAX_HEAD_DIM || p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 {
+    if p.head_dim > MAX_HEAD_DIM || p.n_kv_heads == 0 || !p.n_heads.is_multiple_of(p.n_kv_heads) {
         return Err(GpuError::Validation {
             context: "attention".into(),
             message: format!(

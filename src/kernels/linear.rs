@@ -55,7 +55,7 @@ fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usiz
             GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(v), n, k * 4)
         }
         HostMatrix::F16(v) => {
-            if v.len() != n * k || k % 2 != 0 {
+            if v.len() != n * k || !k.is_multiple_of(2) {
                 return Err(GpuError::Validation {
                     context: name.into(),
                     message: format!("f16 weight has {} values, expected {n} x {k} with k even", v.len()),

@@ -48,7 +48,7 @@ pub struct RopeKvIo<'a> {
 }
 
 pub async fn build(ctx: &GpuContext, io: &RopeKvIo<'_>, p: RopeKvParams) -> Result<Dispatch, GpuError> {
-    if p.head_dim % 2 != 0 || p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 {
+    if !p.head_dim.is_multiple_of(2) || p.n_kv_heads == 0 || !p.n_heads.is_multiple_of(p.n_kv_heads) {
         return Err(GpuError::Validation {
             context: "rope_kv".into(),
             message: format!("bad head layout: {} heads, {} kv heads, head_dim {}", p.n_heads, p.n_kv_heads, p.head_dim),

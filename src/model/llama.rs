@@ -637,7 +637,7 @@ impl GpuModel {
             let logits: Vec<f32> = bytemuck::cast_slice(&bytes[..logits_bytes as usize]).to_vec();
             let argmax = logits
                 .chunks_exact(vocab as usize)
-                .map(|row| crate::engine::sampler::argmax(row))
+                .map(crate::engine::sampler::argmax)
                 .collect();
             Ok(StepOutput { argmax, logits: Some(logits) })
         } else {

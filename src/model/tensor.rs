@@ -36,7 +36,7 @@ impl DType {
     /// Bytes needed for `n` elements; `None` if `n` is not a multiple of the block size.
     pub fn bytes_for(&self, n: usize) -> Option<usize> {
         let (be, bb) = self.block();
-        if n % be != 0 {
+        if !n.is_multiple_of(be) {
             return None;
         }
         Some(n / be * bb)
