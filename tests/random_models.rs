@@ -168,3 +168,37 @@ fn large_head_dim_and_single_token_steps() {
     let s = Spec { seed: 4, vocab: 50, hidden: 128, ffn: 96, heads: 2, kv_heads: 1, head_dim: 128, ..BASE };
     check(s, 9, ModelOptions { context: Some(16), page_size: 2, max_batch_tokens: 1, max_logit_rows: 1, ..Default::default() });
 }
+
+#[test]
+fn f16_weight_storage_stays_close_to_the_f32_reference() {
+    // WeightPrecision::F16 rounds f32 weights to f16 at upload: logits move by about the
+    // f16 rounding of the weights, far less than the gaps between top tokens here.
+    use lantern::model::llama::WeightPrecision;
+    let s = Spec { seed: 5, vocab: 200, hidden: 64, ffn: 96, heads: 4, kv_heads: 2, head_dim: 16, ..BASE };
+    let w = random_model(s);
+    let want = ReferenceModel::new(&w).unwrap().forward(&[3, 14, 15, 92, 65, 35]);
+    let mut m = pollster::block_on(GpuModel::load(
+        common::gpu(),
+        &w,
+        ModelOptions { context: Some(16), weights: WeightPrecision::F16, ..Default::default() },
+    ))
+    .unwrap();
+    let seq = m.new_sequence().unwrap();
+    let got = pollster::block_on(m.forward_all_logits(seq, &[3, 14, 15, 92, 65, 35])).unwrap();
+    let scale = want.iter().fold(0.0f32, |a, &b| a.max(b.abs())).max(1.0);
+    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(worst <= 5e-3 * scale, "f16 storage moved logits by {worst} (scale {scale})");
+    assert!(worst > 0.0, "f16 rounding should be visible: was the F16 path taken?");
+    let f32_model = pollster::block_on(GpuModel::load(
+        common::gpu(),
+        &w,
+        ModelOptions { context: Some(16), weights: WeightPrecision::F32, ..Default::default() },
+    ))
+    .unwrap();
+    assert!(
+        (m.weight_bytes() as f64) < 0.6 * f32_model.weight_bytes() as f64,
+        "f16 storage should about halve the weight bytes: {} vs {}",
+        m.weight_bytes(),
+        f32_model.weight_bytes()
+    );
+}

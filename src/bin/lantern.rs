@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lantern::engine::generate::{generate, GenerateRequest};
 use lantern::engine::SamplingParams;
 use lantern::gpu::{DeviceOptions, GpuContext};
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::llama::{GpuModel, ModelOptions, WeightPrecision};
 use lantern::model::load::load_path;
 use lantern::model::tokenizer::ChatMessage;
 
@@ -83,11 +83,22 @@ struct RunArgs {
     /// Context window in tokens (prompt + output). Default: min(model's, 2048).
     #[arg(long)]
     context: Option<usize>,
+    /// Weight storage on the GPU: native (f16 stays f16, the rest f32: reference-exact),
+    /// f32, or f16 (half the bytes, faster; logits within ~1e-3 of the reference).
+    #[arg(long, value_enum, default_value_t = Weights::Native)]
+    weights: Weights,
     /// Print one JSON object instead of streaming.
     #[arg(long)]
     json: bool,
     #[command(flatten)]
     device: DeviceArgs,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Weights {
+    Native,
+    F32,
+    F16,
 }
 
 fn main() {
@@ -165,6 +176,11 @@ fn run(a: RunArgs) -> Result<()> {
         &loaded.weights,
         ModelOptions {
             context: a.context,
+            weights: match a.weights {
+                Weights::Native => WeightPrecision::Native,
+                Weights::F32 => WeightPrecision::F32,
+                Weights::F16 => WeightPrecision::F16,
+            },
             ..Default::default()
         },
     ))?;
@@ -233,6 +249,7 @@ fn run(a: RunArgs) -> Result<()> {
             "dispatches_per_decode_step": model.dispatches_per_decode_step(),
             "dispatches_per_prefill_step": model.dispatches_per_prefill_step(),
             "weight_bytes": model.weight_bytes(),
+            "weight_precision": model.options.weights,
             "kv_cache_bytes": model.kv.bytes(),
             "context": model.kv.alloc.config.context,
             "model": {

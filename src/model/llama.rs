@@ -39,8 +39,8 @@ pub struct ModelOptions {
     pub max_batch_tokens: usize,
     /// Most rows of logits read in one step.
     pub max_logit_rows: usize,
-    /// Keep f16 weights as f16 on the GPU (else expand to f32).
-    pub keep_f16: bool,
+    /// How matrices are stored on the GPU.
+    pub weights: WeightPrecision,
 }
 
 impl Default for ModelOptions {
@@ -51,9 +51,24 @@ impl Default for ModelOptions {
             page_size: 16,
             max_batch_tokens: 128,
             max_logit_rows: 64,
-            keep_f16: true,
+            weights: WeightPrecision::Native,
         }
     }
+}
+
+/// Storage of weight matrices on the GPU (norms and biases are always f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightPrecision {
+    /// f16 checkpoints stay f16; everything else (f32, bf16, GGUF blocks) is expanded to f32,
+    /// which reproduces the reference implementation's numbers.
+    #[default]
+    Native,
+    /// Everything f32.
+    F32,
+    /// Everything f16 (half the bytes and faster; quantized and bf16 weights are rounded to
+    /// f16, so logits differ from the f32 reference by about 1e-3).
+    F16,
 }
 
 struct Layer {
@@ -156,8 +171,19 @@ fn get<'a>(w: &'a ModelWeights, name: &str) -> Result<&'a HostTensor> {
 }
 
 /// Concatenate row blocks of matrices into one, keeping f16 when all parts are f16.
-fn matrix(parts: &[&HostTensor], keep_f16: bool) -> Owned {
-    if keep_f16 && parts.iter().all(|t| t.dtype == DType::F16) {
+fn matrix(parts: &[&HostTensor], precision: WeightPrecision) -> Owned {
+    if precision == WeightPrecision::F16 {
+        let mut v = Vec::new();
+        for t in parts {
+            if t.dtype == DType::F16 {
+                v.extend(t.data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])));
+            } else {
+                v.extend(t.to_f32().into_iter().map(|x| half::f16::from_f32(x).to_bits()));
+            }
+        }
+        return Owned::F16(v);
+    }
+    if precision == WeightPrecision::Native && parts.iter().all(|t| t.dtype == DType::F16) {
         let mut v = Vec::new();
         for t in parts {
             v.extend(t.data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])));
@@ -212,7 +238,7 @@ impl GpuModel {
         let q_dim = c.num_heads * hd;
         let kv_dim = c.num_kv_heads * hd;
         let f = c.intermediate_size;
-        let keep = options.keep_f16;
+        let keep = options.weights;
         let mut weight_bytes = 0u64;
         let mut layers = Vec::with_capacity(c.num_layers);
         let norm = |name: &str| -> Result<wgpu::Buffer> {
@@ -242,8 +268,8 @@ impl GpuModel {
             let (g_m, u_m) = match (&g_w, &u_w) {
                 (Owned::F16(_), Owned::F16(_)) | (Owned::F32(_), Owned::F32(_)) => (g_w, u_w),
                 _ => (
-                    matrix(&[get(weights, &format!("{p}.mlp.gate_proj.weight"))?], false),
-                    matrix(&[get(weights, &format!("{p}.mlp.up_proj.weight"))?], false),
+                    matrix(&[get(weights, &format!("{p}.mlp.gate_proj.weight"))?], WeightPrecision::F32),
+                    matrix(&[get(weights, &format!("{p}.mlp.up_proj.weight"))?], WeightPrecision::F32),
                 ),
             };
             let gate_up = GpuLinear::upload(&ctx, &format!("{p}.gate_up"), g_m.as_matrix(), Some(u_m.as_matrix()), None, f, d)
