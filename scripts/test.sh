@@ -24,5 +24,9 @@ if ! ./target/release/lantern devices --backend "$WGPU_BACKEND"; then
     exit 1
 fi
 
+# The library stays wasm-clean (no blocking, no filesystem, no threads in the core).
+rustup target add wasm32-unknown-unknown >/dev/null
+cargo check --lib --no-default-features --target wasm32-unknown-unknown
+
 # Benches are built above but only run with `cargo bench`, never as tests.
 cargo test --release "$@"

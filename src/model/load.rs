@@ -2,6 +2,7 @@
 
 use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelWeights;
+#[cfg(not(target_arch = "wasm32"))]
 use crate::{LanternError, Result};
 
 /// Weights plus the tokenizer that came with them (if the source has one).
