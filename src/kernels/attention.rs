@@ -22,6 +22,9 @@ pub struct AttentionParams {
 /// Largest head_dim the kernel supports (4 dims per lane x 64 lanes).
 pub const MAX_HEAD_DIM: u32 = 256;
 
+/// Query heads of one GQA group handled (sharing K/V loads) per workgroup; `HB` in the shader.
+const HEAD_BATCH: u32 = 4;
+
 /// The buffers of the attention op.
 pub struct AttentionIo<'a> {
     pub step: &'a wgpu::Buffer,
@@ -44,6 +47,7 @@ pub async fn build(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionParams) -
             ),
         });
     }
+    let group = p.n_heads / p.n_kv_heads;
     let key = PipelineKey::new(ShaderOp::Attention, 64);
     let pipe = pipeline(ctx, key).await?;
     let ubuf = create_uniform(ctx, "attention.params", &p);
@@ -67,6 +71,7 @@ pub async fn build(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionParams) -
         label: "attention".into(),
         pipeline: pipe,
         bind_group: bg,
-        grid: [Dim::Const(p.n_heads), Dim::Tokens, Dim::Const(1)],
+        // One workgroup per (KV head, batch of up to HEAD_BATCH query heads of its group).
+        grid: [Dim::Const(p.n_kv_heads * group.div_ceil(HEAD_BATCH)), Dim::Tokens, Dim::Const(1)],
     })
 }
