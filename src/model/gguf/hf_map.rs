@@ -1,0 +1,441 @@
+//! From a parsed GGUF to Lantern's model: [`ModelConfig`] from the metadata, llama.cpp tensor
+//! names mapped to Hugging Face ones, Q/K rows un-permuted on raw bytes, and the tensor set
+//! checked against the config ([`weights_from_gguf`]).
+
+use super::*;
+
+/// The Hugging Face name for a llama.cpp tensor name, or `None` for names with no HF
+/// counterpart (e.g. `rope_freqs.weight`).
+pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
+    match gguf_name {
+        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
+        "output_norm.weight" => return Some("model.norm.weight".into()),
+        "output.weight" => return Some("lm_head.weight".into()),
+        _ => {}
+    }
+    let rest = gguf_name.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, suffix) = rest.rsplit_once('.')?;
+    if suffix != "weight" && suffix != "bias" {
+        return None;
+    }
+    let hf = match module {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// Undo llama.cpp's Q/K row permutation on raw bytes.
+///
+/// `convert_hf_to_gguf.py` stores `w.reshape(n_head, 2, hd/2, in).swapaxes(1, 2)` so that
+/// RoPE rotates adjacent pairs; Hugging Face rotates halves. GGUF row `h*hd + 2*i + j`
+/// holds HF row `h*hd + j*(hd/2) + i`. Rows are moved whole (a row of a block-quantized
+/// tensor is a whole number of blocks), so no value is re-encoded. `n_rows` is the outer
+/// dimension (`n_head * hd`); 1-D biases work with one element per row. Returns `None` if
+/// the bytes do not split into `n_rows` equal rows or the head size is not even.
+pub fn unpermute_qk_rows(data: &[u8], n_rows: usize, n_head: usize) -> Option<Vec<u8>> {
+    if n_rows == 0 || n_head == 0 || !n_rows.is_multiple_of(n_head) || !data.len().is_multiple_of(n_rows) {
+        return None;
+    }
+    let hd = n_rows / n_head;
+    if !hd.is_multiple_of(2) {
+        return None;
+    }
+    let half = hd / 2;
+    let row = data.len() / n_rows;
+    let mut out = vec![0u8; data.len()];
+    for h in 0..n_head {
+        for i in 0..half {
+            for j in 0..2 {
+                let src = h * hd + 2 * i + j;
+                let dst = h * hd + j * half + i;
+                out[dst * row..(dst + 1) * row].copy_from_slice(&data[src * row..(src + 1) * row]);
+            }
+        }
+    }
+    Some(out)
+}
+
+fn config_err(field: &str, reason: impl Into<String>) -> LanternError {
+    LanternError::Config {
+        field: field.to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn nonzero(g: &GgufFile<'_>, key: &str) -> Result<usize, LanternError> {
+    let v = g.get_u32(key)? as usize;
+    if v == 0 {
+        return Err(config_err(key, "must be greater than zero"));
+    }
+    Ok(v)
+}
+
+/// Build the model configuration from GGUF metadata (`general.architecture` and the
+/// `{arch}.*` keys; vocab size from `tokenizer.ggml.tokens`).
+pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
+    let arch_name = g.get_str("general.architecture")?;
+    let arch = match arch_name {
+        "llama" => Arch::Llama,
+        "mistral" => Arch::Mistral,
+        "qwen2" => Arch::Qwen2,
+        other => {
+            return Err(LanternError::UnsupportedArchitecture {
+                arch: other.to_string(),
+            })
+        }
+    };
+    let k = |s: &str| format!("{arch_name}.{s}");
+    let num_layers = nonzero(g, &k("block_count"))?;
+    let hidden_size = nonzero(g, &k("embedding_length"))?;
+    let intermediate_size = nonzero(g, &k("feed_forward_length"))?;
+    let num_heads = nonzero(g, &k("attention.head_count"))?;
+    let num_kv_heads = match g.get_u32_opt(&k("attention.head_count_kv"))? {
+        None => num_heads,
+        Some(0) => return Err(config_err(&k("attention.head_count_kv"), "must be greater than zero")),
+        Some(v) => v as usize,
+    };
+    if num_heads % num_kv_heads != 0 {
+        return Err(config_err(
+            &k("attention.head_count_kv"),
+            format!("{num_kv_heads} does not divide the head count {num_heads}"),
+        ));
+    }
+    let head_dim = match g.get_u32_opt(&k("attention.key_length"))? {
+        Some(v) if v > 0 => v as usize,
+        Some(_) => return Err(config_err(&k("attention.key_length"), "must be greater than zero")),
+        None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+        None => {
+            return Err(config_err(
+                &k("embedding_length"),
+                format!("{hidden_size} is not a multiple of the head count {num_heads}"),
+            ))
+        }
+    };
+    if head_dim % 2 != 0 {
+        return Err(config_err(
+            &k("attention.key_length"),
+            format!("head size {head_dim} is odd"),
+        ));
+    }
+    if num_heads.checked_mul(head_dim).is_none() {
+        return Err(config_err(
+            &k("attention.head_count"),
+            format!("{num_heads} heads of {head_dim} overflow the address space"),
+        ));
+    }
+    if let Some(v) = g.get_u32_opt(&k("attention.value_length"))? {
+        if v as usize != head_dim {
+            return Err(config_err(
+                &k("attention.value_length"),
+                format!("{v} differs from the key length {head_dim} (unsupported)"),
+            ));
+        }
+    }
+    if let Some(v) = g.get_u32_opt(&k("rope.dimension_count"))? {
+        if v as usize != head_dim {
+            return Err(config_err(
+                &k("rope.dimension_count"),
+                format!("{v} differs from the head size {head_dim} (partial rotary is unsupported)"),
+            ));
+        }
+    }
+    let rms_norm_eps = g.get_f32(&k("attention.layer_norm_rms_epsilon"))?;
+    let rope_theta = g.get_f32_opt(&k("rope.freq_base"))?.unwrap_or(10000.0) as f64;
+    let rope_scaling = rope_scaling_from_gguf(g, arch_name, rope_theta, head_dim)?;
+    let max_position_embeddings = nonzero(g, &k("context_length"))?;
+
+    let vocab_size = match g.get_array_opt("tokenizer.ggml.tokens")? {
+        Some(a) => a.len(),
+        None => g
+            .get_u32_opt(&k("vocab_size"))?
+            .map(|v| v as usize)
+            .ok_or_else(|| g.missing("tokenizer.ggml.tokens"))?,
+    };
+    if vocab_size == 0 {
+        return Err(config_err("tokenizer.ggml.tokens", "is empty"));
+    }
+    if let Some(t) = g.tensor_info("token_embd.weight") {
+        let rows = t.dims.get(1).copied().unwrap_or(0);
+        if rows != vocab_size as u64 {
+            return Err(config_err(
+                "tokenizer.ggml.tokens",
+                format!("has {vocab_size} tokens but token_embd.weight has {rows} rows"),
+            ));
+        }
+    }
+    let bos_token_id = g.get_u32_opt("tokenizer.ggml.bos_token_id")?;
+    let mut eos_token_ids = Vec::new();
+    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+        if let Some(id) = g.get_u32_opt(key)? {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+    }
+    let qkv_bias = arch == Arch::Qwen2 || g.tensor_info("blk.0.attn_q.bias").is_some();
+    Ok(ModelConfig {
+        arch,
+        vocab_size,
+        hidden_size,
+        intermediate_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rms_norm_eps,
+        rope_theta,
+        rope_scaling,
+        max_position_embeddings,
+        tie_word_embeddings: g.tensor_info("output.weight").is_none(),
+        qkv_bias,
+        bos_token_id,
+        eos_token_ids,
+    })
+}
+
+/// RoPE scaling from `{arch}.rope.scaling.*` (linear, llama3) or, for Llama 3.x files that
+/// only carry the precomputed `rope_freqs.weight` factors, inferred from that tensor.
+fn rope_scaling_from_gguf(
+    g: &GgufFile<'_>,
+    arch: &str,
+    theta: f64,
+    head_dim: usize,
+) -> Result<Option<RopeScaling>, LanternError> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let ty = g.get_str_opt(&k("rope.scaling.type"))?;
+    let factor = g.get_f32_opt(&k("rope.scaling.factor"))?.map(f64::from);
+    let orig = g.get_u32_opt(&k("rope.scaling.original_context_length"))?;
+    let positive = |f: Option<f64>| -> Result<f64, LanternError> {
+        match f {
+            Some(f) if f > 0.0 && f.is_finite() => Ok(f),
+            Some(f) => Err(config_err(
+                &k("rope.scaling.factor"),
+                format!("{f} is not a positive number"),
+            )),
+            None => Err(config_err(&k("rope.scaling.factor"), "missing")),
+        }
+    };
+    match ty {
+        Some("linear") => {
+            return Ok(Some(RopeScaling::Linear {
+                factor: positive(factor)?,
+            }))
+        }
+        Some("llama3") => {
+            let low = g.get_f32_opt(&k("rope.scaling.low_freq_factor"))?.unwrap_or(1.0) as f64;
+            let high = g.get_f32_opt(&k("rope.scaling.high_freq_factor"))?.unwrap_or(4.0) as f64;
+            return Ok(Some(RopeScaling::Llama3 {
+                factor: positive(factor)?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: orig.unwrap_or(8192) as f64,
+            }));
+        }
+        Some("none") | None => {}
+        Some(other) => {
+            return Err(config_err(
+                &k("rope.scaling.type"),
+                format!("{other:?} is not supported (supported: none, linear, llama3)"),
+            ))
+        }
+    }
+    if ty.is_none() {
+        if let Some(f) = g.get_f32_opt(&k("rope.scale_linear"))? {
+            if f != 1.0 {
+                return Ok(Some(RopeScaling::Linear {
+                    factor: positive(Some(f as f64))?,
+                }));
+            }
+        }
+    }
+    let Some(t) = g.host_tensor("rope_freqs.weight")? else {
+        return Ok(None);
+    };
+    let ff = t.to_f32();
+    if ff.len() != head_dim / 2 {
+        return Err(config_err(
+            "rope_freqs.weight",
+            format!("has {} factors, expected head_dim / 2 = {}", ff.len(), head_dim / 2),
+        ));
+    }
+    let factor = ff.iter().copied().fold(1.0f32, f32::max) as f64;
+    if factor == 1.0 {
+        return Ok(None);
+    }
+    let scaling = RopeScaling::Llama3 {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: orig.unwrap_or(8192) as f64,
+    };
+    let expected = llama3_rope_factors(&scaling, theta, head_dim);
+    let worst = ff
+        .iter()
+        .zip(&expected)
+        .map(|(&a, &b)| ((a as f64 - b) / b).abs())
+        .fold(0.0, f64::max);
+    if worst > 1e-3 {
+        return Err(config_err(
+            "rope_freqs.weight",
+            format!("factors do not match Llama 3 scaling {scaling:?} (worst relative error {worst:.3e})"),
+        ));
+    }
+    Ok(Some(scaling))
+}
+
+/// The per-frequency divisors `convert_hf_to_gguf.py` writes into `rope_freqs.weight`.
+fn llama3_rope_factors(s: &RopeScaling, theta: f64, head_dim: usize) -> Vec<f64> {
+    let RopeScaling::Llama3 {
+        factor,
+        low_freq_factor: low,
+        high_freq_factor: high,
+        original_max_position_embeddings: old,
+    } = *s
+    else {
+        return vec![1.0; head_dim / 2];
+    };
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
+}
+
+/// Build [`ModelWeights`] from a parsed GGUF: config from metadata, tensors renamed to
+/// Hugging Face names, kept in their file dtype, with llama.cpp's Q/K row permutation undone
+/// for the llama/mistral architectures. `file_name` becomes [`ModelWeights::source`].
+pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWeights, LanternError> {
+    let config = config_from_gguf(gguf)?;
+    let permuted = matches!(config.arch, Arch::Llama | Arch::Mistral);
+    let mut tensors = HashMap::with_capacity(gguf.tensors().len());
+    for info in gguf.tensors() {
+        let Some(hf) = hf_tensor_name(&info.name) else {
+            if info.name != "rope_freqs.weight" {
+                log::warn!(
+                    "{file_name}: ignoring tensor `{}` (no Hugging Face counterpart)",
+                    info.name
+                );
+            }
+            continue;
+        };
+        let dtype = gguf.loadable_dtype(info)?;
+        let shape = info.shape();
+        let raw = gguf.tensor_data(info)?;
+        let heads = if hf.contains(".self_attn.q_proj.") {
+            Some(config.num_heads)
+        } else if hf.contains(".self_attn.k_proj.") {
+            Some(config.num_kv_heads)
+        } else {
+            None
+        };
+        let data = match heads {
+            Some(n_head) if permuted => {
+                let rows = shape.first().copied().unwrap_or(0);
+                if rows != n_head * config.head_dim {
+                    return Err(LoadError::WrongShape {
+                        file: file_name.to_string(),
+                        tensor: info.name.clone(),
+                        got: shape.clone(),
+                        expected: [vec![n_head * config.head_dim], shape[1..].to_vec()].concat(),
+                    }
+                    .into());
+                }
+                unpermute_qk_rows(raw, rows, n_head).ok_or_else(|| LoadError::Invalid {
+                    file: file_name.to_string(),
+                    reason: format!(
+                        "tensor `{}` cannot be split into {rows} rows of {n_head} heads",
+                        info.name
+                    ),
+                })?
+            }
+            _ => raw.to_vec(),
+        };
+        tensors.insert(
+            hf.clone(),
+            HostTensor {
+                name: hf,
+                shape,
+                dtype,
+                data,
+            },
+        );
+    }
+    check_tensor_set(&config, &tensors, file_name)?;
+    Ok(ModelWeights {
+        config,
+        tensors,
+        source: file_name.to_string(),
+    })
+}
+
+/// Every tensor the forward pass needs is present with the shape the config implies.
+/// Checked layer by layer, so a corrupt `block_count` fails at the first missing layer
+/// instead of building a huge list.
+fn check_tensor_set(c: &ModelConfig, tensors: &HashMap<String, HostTensor>, file: &str) -> Result<(), LanternError> {
+    let (h, q, kv, ff) = (
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+        c.intermediate_size,
+    );
+    let check = |name: String, shape: Vec<usize>| -> Result<(), LanternError> {
+        match tensors.get(&name) {
+            None => Err(LoadError::MissingTensor {
+                file: file.to_string(),
+                tensor: name,
+            }
+            .into()),
+            Some(t) if t.shape != shape => Err(LoadError::WrongShape {
+                file: file.to_string(),
+                tensor: name,
+                got: t.shape.clone(),
+                expected: shape,
+            }
+            .into()),
+            Some(_) => Ok(()),
+        }
+    };
+    check("model.embed_tokens.weight".into(), vec![c.vocab_size, h])?;
+    check("model.norm.weight".into(), vec![h])?;
+    if !c.tie_word_embeddings {
+        check("lm_head.weight".into(), vec![c.vocab_size, h])?;
+    }
+    for l in 0..c.num_layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        check(p("input_layernorm.weight"), vec![h])?;
+        check(p("post_attention_layernorm.weight"), vec![h])?;
+        check(p("self_attn.q_proj.weight"), vec![q, h])?;
+        check(p("self_attn.k_proj.weight"), vec![kv, h])?;
+        check(p("self_attn.v_proj.weight"), vec![kv, h])?;
+        check(p("self_attn.o_proj.weight"), vec![h, q])?;
+        check(p("mlp.gate_proj.weight"), vec![ff, h])?;
+        check(p("mlp.up_proj.weight"), vec![ff, h])?;
+        check(p("mlp.down_proj.weight"), vec![h, ff])?;
+        if c.qkv_bias {
+            check(p("self_attn.q_proj.bias"), vec![q])?;
+            check(p("self_attn.k_proj.bias"), vec![kv])?;
+            check(p("self_attn.v_proj.bias"), vec![kv])?;
+        }
+    }
+    Ok(())
+}
