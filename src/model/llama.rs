@@ -536,31 +536,9 @@ impl GpuModel {
         if tokens.is_empty() {
             return Err(LanternError::Other("forward called with no tokens".into()));
         }
-        self.check_ids(tokens)?;
-        let start = self.kv.alloc.len(seq).map_err(LanternError::Kv)?;
-        // Reserve all pages up front so a full cache is reported before any work.
-        self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
         let chunk = self.options.max_batch_tokens.max(1);
-        let mut out = StepOutput::default();
-        let n_chunks = tokens.len().div_ceil(chunk);
-        for (ci, part) in tokens.chunks(chunk).enumerate() {
-            let pos0 = start + ci * chunk;
-            let last = ci + 1 == n_chunks;
-            let rows = if last { vec![(part.len() - 1) as u32] } else { vec![] };
-            let r = self.step(seq, part, pos0, &rows, want, false).await;
-            match r {
-                Ok(o) => {
-                    if last {
-                        out = o;
-                    }
-                }
-                Err(e) => {
-                    let _ = self.kv.alloc.truncate(seq, start);
-                    return Err(e);
-                }
-            }
-        }
-        Ok(out)
+        let mut outs = self.run_chunks(seq, tokens, chunk, want, false).await?;
+        Ok(outs.pop().unwrap_or_default())
     }
 
     /// Append `tokens` to `seq` and return the logits of every position (`tokens x vocab`),
@@ -569,22 +547,69 @@ impl GpuModel {
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        self.check_ids(tokens)?;
-        let start = self.kv.alloc.len(seq).map_err(LanternError::Kv)?;
-        self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
         let chunk = self.options.max_logit_rows.min(self.options.max_batch_tokens).max(1);
-        let mut all = Vec::with_capacity(tokens.len() * self.config.vocab_size);
+        let outs = self.run_chunks(seq, tokens, chunk, Want::Logits, true).await?;
+        Ok(outs.into_iter().flat_map(|o| o.logits.unwrap_or_default()).collect())
+    }
+
+    /// Append `tokens` to `seq` in steps of at most `chunk` tokens. With `every_row` each
+    /// step returns all its rows' outputs, else only the last step returns its last row.
+    /// Pages are reserved up front (a full cache is reported before any work) and released
+    /// again if a step fails, so the sequence is left as it was.
+    async fn run_chunks(&mut self, seq: usize, tokens: &[u32], chunk: usize, want: Want, every_row: bool) -> Result<Vec<StepOutput>> {
+        self.check_ids(tokens)?;
+        let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
+        let n_chunks = tokens.len().div_ceil(chunk);
+        let mut outs = Vec::with_capacity(if every_row { n_chunks } else { 1 });
         for (ci, part) in tokens.chunks(chunk).enumerate() {
-            let rows: Vec<u32> = (0..part.len() as u32).collect();
-            match self.step(seq, part, start + ci * chunk, &rows, Want::Logits, true).await {
-                Ok(o) => all.extend(o.logits.unwrap_or_default()),
+            let rows: Vec<u32> = if every_row {
+                (0..part.len() as u32).collect()
+            } else if ci + 1 == n_chunks {
+                vec![(part.len() - 1) as u32]
+            } else {
+                vec![]
+            };
+            match self.step(seq, part, start + ci * chunk, &rows, want, every_row).await {
+                Ok(o) => {
+                    if !rows.is_empty() {
+                        outs.push(o);
+                    }
+                }
                 Err(e) => {
                     let _ = self.kv.alloc.truncate(seq, start);
                     return Err(e);
                 }
             }
         }
-        Ok(all)
+        Ok(outs)
+    }
+
+    /// Write one step's inputs: the step uniform, token ids, positions, sequence of each
+    /// token, the block table and the rows whose logits are wanted.
+    fn write_step_inputs(&self, seq: usize, part: &[u32], pos0: usize, rows: &[u32]) {
+        let q = &self.ctx.queue;
+        let n = part.len() as u32;
+        let positions: Vec<u32> = (0..n).map(|i| pos0 as u32 + i).collect();
+        let seqs = vec![seq as u32; part.len()];
+        let step = StepUniform { n_tokens: n, n_out: rows.len() as u32, _pad: [0; 2] };
+        q.write_buffer(&self.ws.step, 0, bytemuck::bytes_of(&step));
+        q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(part));
+        q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(&positions));
+        q.write_buffer(&self.ws.token_seq, 0, bytemuck::cast_slice(&seqs));
+        q.write_buffer(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
+        if !rows.is_empty() {
+            q.write_buffer(&self.ws.logit_rows, 0, bytemuck::cast_slice(rows));
+        }
+    }
+
+    /// The layer dispatches for a step of `n` tokens: matvec for decode-sized steps, matmul
+    /// otherwise.
+    fn layer_plan_for(&self, n: usize) -> &[Dispatch] {
+        if n <= self.matvec_max_tokens {
+            &self.plans.layers_matvec
+        } else {
+            &self.plans.layers_matmul
+        }
     }
 
     fn check_ids(&self, tokens: &[u32]) -> Result<()> {
@@ -603,17 +628,7 @@ impl GpuModel {
         let ctx = self.ctx.clone();
         let n = part.len() as u32;
         let n_out = rows.len() as u32;
-        let positions: Vec<u32> = (0..n).map(|i| pos0 as u32 + i).collect();
-        let seqs = vec![seq as u32; part.len()];
-        let q = &ctx.queue;
-        q.write_buffer(&self.ws.step, 0, bytemuck::bytes_of(&StepUniform { n_tokens: n, n_out, _pad: [0; 2] }));
-        q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(part));
-        q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(&positions));
-        q.write_buffer(&self.ws.token_seq, 0, bytemuck::cast_slice(&seqs));
-        q.write_buffer(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
-        if !rows.is_empty() {
-            q.write_buffer(&self.ws.logit_rows, 0, bytemuck::cast_slice(rows));
-        }
+        self.write_step_inputs(seq, part, pos0, rows);
         let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
         {
@@ -621,12 +636,7 @@ impl GpuModel {
                 label: Some("forward"),
                 timestamp_writes: None,
             });
-            let layers = if (n as usize) <= self.matvec_max_tokens {
-                &self.plans.layers_matvec
-            } else {
-                &self.plans.layers_matmul
-            };
-            for d in self.plans.embed.iter().chain(layers.iter()) {
+            for d in self.plans.embed.iter().chain(self.layer_plan_for(n as usize)) {
                 d.encode(&mut pass, n, n_out);
             }
             if n_out > 0 {
@@ -683,16 +693,9 @@ impl GpuModel {
         self.check_ids(tokens)?;
         let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
         let n = tokens.len() as u32;
-        let positions: Vec<u32> = (0..n).map(|i| start as u32 + i).collect();
+        self.write_step_inputs(seq, tokens, start, &[n - 1]);
         let ctx = self.ctx.clone();
-        let q = &ctx.queue;
-        q.write_buffer(&self.ws.step, 0, bytemuck::bytes_of(&StepUniform { n_tokens: n, n_out: 1, _pad: [0; 2] }));
-        q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(tokens));
-        q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(&positions));
-        q.write_buffer(&self.ws.token_seq, 0, bytemuck::cast_slice(&vec![seq as u32; tokens.len()]));
-        q.write_buffer(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
-        q.write_buffer(&self.ws.logit_rows, 0, bytemuck::cast_slice(&[n - 1]));
-        let layers = if (n as usize) <= self.matvec_max_tokens { &self.plans.layers_matvec } else { &self.plans.layers_matmul };
+        let layers = self.layer_plan_for(tokens.len());
         let all: Vec<&Dispatch> = self
             .plans
             .embed
