@@ -13,7 +13,7 @@ use lantern::model::llama::{GpuModel, ModelOptions, Want};
 use lantern::LanternError;
 
 fn tiny_model(context: usize) -> GpuModel {
-    let w = load_hf_folder(&common::fixtures_dir().join("tiny/llama-gqa")).unwrap();
+    let w = load_hf_folder(&common::tiny_dir().join("llama-gqa")).unwrap();
     pollster::block_on(GpuModel::load(
         common::gpu(),
         &w,
@@ -116,7 +116,7 @@ fn gl_backend_either_matches_the_reference_or_is_refused_clearly() {
             );
         }
         Ok(ctx) => {
-            let w = load_hf_folder(&common::fixtures_dir().join("tiny/llama-gqa")).unwrap();
+            let w = load_hf_folder(&common::tiny_dir().join("llama-gqa")).unwrap();
             match pollster::block_on(GpuModel::load(ctx, &w, ModelOptions { context: Some(64), ..Default::default() })) {
                 Err(e) => {
                     eprintln!("GL adapter refused the model: {e}");
@@ -124,11 +124,8 @@ fn gl_backend_either_matches_the_reference_or_is_refused_clearly() {
                 }
                 Ok(mut m) => {
                     eprintln!("GL adapter runs the model");
-                    let r: serde_json::Value = serde_json::from_str(
-                        &std::fs::read_to_string(common::fixtures_dir().join("tiny/llama-gqa/reference.json")).unwrap(),
-                    )
-                    .unwrap();
-                    let ids: Vec<u32> = r["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+                    let r = common::read_json(&common::tiny_dir().join("llama-gqa/reference.json"));
+                    let ids = common::ids(&r["input_ids"]);
                     let seq = m.new_sequence().unwrap();
                     let out = pollster::block_on(m.forward(seq, &ids, Want::Argmax)).unwrap();
                     assert_eq!(out.argmax[0] as u64, r["argmax"][ids.len() - 1].as_u64().unwrap());

@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::{assert_close, ids, read_f32};
+
 use std::path::PathBuf;
 
 use lantern::engine::sampler::argmax;
@@ -14,42 +16,15 @@ use lantern::model::ModelWeights;
 const TOL: f32 = 1e-4;
 
 fn tiny(name: &str) -> PathBuf {
-    common::fixtures_dir().join("tiny").join(name)
+    common::tiny_dir().join(name)
 }
 
-fn read_f32(path: &std::path::Path) -> Vec<f32> {
-    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-}
 
 fn reference(name: &str) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(tiny(name).join("reference.json")).unwrap()).unwrap()
+    common::read_json(&tiny(name).join("reference.json"))
 }
 
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
 
-/// Compare two logit arrays; on failure name the worst position, token and values.
-fn assert_close(what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let (mut worst, mut wi) = (0.0f32, 0usize);
-    for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        let d = (a - b).abs();
-        if d > worst || d.is_nan() {
-            worst = d;
-            wi = i;
-        }
-    }
-    assert!(
-        worst <= tol,
-        "{what}: max |diff| {worst:e} > {tol:e} at position {} token {} (got {}, want {})",
-        wi / vocab,
-        wi % vocab,
-        got[wi],
-        want[wi]
-    );
-}
 
 fn load_gpu(weights: &ModelWeights, opts: ModelOptions) -> GpuModel {
     let ctx = common::gpu();

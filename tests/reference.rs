@@ -2,7 +2,11 @@
 //! `fixtures/tiny`: logits at every position, argmax, greedy continuations, RoPE
 //! frequencies, the 200-token input, and the legacy `rope_theta` + `rope_scaling` config form.
 
+mod common;
+
 use std::path::{Path, PathBuf};
+
+use common::{assert_close, ids, read_f32, read_json, tiny_dir};
 
 use lantern::model::hf::load_hf_folder;
 use lantern::reference::ReferenceModel;
@@ -11,57 +15,10 @@ use serde_json::Value;
 /// Largest allowed |logit - reference| (logits have std about 0.16).
 const LOGIT_TOL: f32 = 1e-4;
 
-/// `$LANTERN_FIXTURES/tiny`, or `../shared/fixtures/tiny` beside the crate.
-fn tiny_dir() -> PathBuf {
-    let root = std::env::var_os("LANTERN_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"));
-    root.join("tiny")
-}
 
-fn read_json(path: &Path) -> Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
 
-fn read_f32(path: &Path) -> Vec<f32> {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
 
-/// Asserts `got` matches `want` within `tol`, printing the worst (position, vocab) index.
-fn assert_close(what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let (mut worst, mut worst_i) = (0.0f32, 0usize);
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let d = (g - w).abs();
-        // A NaN difference counts as the worst.
-        if d.is_nan() || d > worst {
-            worst = d;
-            worst_i = i;
-        }
-    }
-    assert!(
-        worst <= tol,
-        "{what}: max |diff| {worst:e} > {tol:e} at position {} token {} (got {}, want {})",
-        worst_i / vocab,
-        worst_i % vocab,
-        got[worst_i],
-        want[worst_i]
-    );
-    eprintln!("{what}: max |diff| {worst:e}");
-}
 
 fn argmax_rows(logits: &[f32], vocab: usize) -> Vec<u32> {
     logits

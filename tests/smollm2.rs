@@ -40,15 +40,7 @@ fn loaded() -> &'static Mutex<Loaded> {
 }
 
 fn cases() -> Vec<serde_json::Value> {
-    let v: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(common::fixtures_dir().join("smollm2/cases.json")).expect("cases.json"),
-    )
-    .unwrap();
-    v.as_array().unwrap().clone()
-}
-
-fn u32s(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    common::fixture_json("smollm2/cases.json").as_array().unwrap().clone()
 }
 
 #[test]
@@ -59,7 +51,7 @@ fn every_case_matches_transformers() {
     let mut failures = Vec::new();
     for case in cases() {
         let name = case["name"].as_str().unwrap().to_string();
-        let prompt = u32s(&case["input_ids"]);
+        let prompt = common::ids(&case["input_ids"]);
         // The tokenizer reproduces the fixture's ids from the text.
         let text = case["prompt_text"].as_str().unwrap();
         let ids = if case["chat"].as_bool().unwrap() {
@@ -70,13 +62,13 @@ fn every_case_matches_transformers() {
         if ids != prompt {
             failures.push(format!("{name}: tokenizer ids differ"));
         }
-        let greedy = u32s(&case["greedy_ids"]);
+        let greedy = common::ids(&case["greedy_ids"]);
         let seq = model.new_sequence().unwrap();
         // The prompt in one pass with every position's logits...
         let logits = pollster::block_on(model.forward_all_logits(seq, &prompt)).expect("forward");
         let am: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
         let l = prompt.len();
-        let want_prompt = u32s(&case["prompt_argmax"]);
+        let want_prompt = common::ids(&case["prompt_argmax"]);
         if am != want_prompt {
             let i = (0..l).find(|&i| am[i] != want_prompt[i]).unwrap();
             failures.push(format!("{name}: prompt argmax differs first at position {i}: {} vs {}", am[i], want_prompt[i]));

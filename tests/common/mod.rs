@@ -7,28 +7,13 @@ use std::path::PathBuf;
 /// File name of the SmolLM2 test model inside `<cache>/models/`.
 pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
-/// The cache folder: `$LANTERN_CACHE_DIR`, else `$XDG_CACHE_HOME/lantern`, else
-/// `~/.cache/lantern`.
-pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("LANTERN_CACHE_DIR") {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(d).join("lantern");
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    home.join(".cache").join("lantern")
-}
-
-/// Path of the SmolLM2-135M-Instruct Q4_1 GGUF: `$LANTERN_SMOLLM2_GGUF`, else
-/// `<cache>/models/SmolLM2-135M-Instruct.Q4_1.gguf`. Panics (the test fails, it does not
+/// Path of the SmolLM2-135M-Instruct Q4_1 GGUF: `$LANTERN_SMOLLM2_GGUF`, else where
+/// `lantern fetch` puts it (`lantern::fetch::default_model_path`). Panics (the test fails, it does not
 /// skip) when the file is missing.
 pub fn smollm2_gguf() -> PathBuf {
     let path = match std::env::var_os("LANTERN_SMOLLM2_GGUF") {
         Some(p) => PathBuf::from(p),
-        None => cache_dir().join("models").join(SMOLLM2_FILE),
+        None => lantern::fetch::default_model_path(),
     };
     if !path.is_file() {
         panic!(
@@ -46,6 +31,51 @@ pub fn fixtures_dir() -> PathBuf {
         Some(p) => PathBuf::from(p),
         None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"),
     }
+}
+
+/// `fixtures_dir()/tiny`: the tiny transformers checkpoints.
+pub fn tiny_dir() -> PathBuf {
+    fixtures_dir().join("tiny")
+}
+
+/// Read and parse a JSON file.
+pub fn read_json(path: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Read a raw little-endian f32 file.
+pub fn read_f32(path: &std::path::Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// A JSON list of token ids.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().expect("id list").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
+
+/// Asserts `got` matches `want` (rows of `vocab` logits) within `tol`, naming the worst
+/// position, token and values; a NaN difference counts as the worst.
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let (mut worst, mut worst_i) = (0.0f32, 0usize);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let d = (g - w).abs();
+        if d.is_nan() || d > worst {
+            worst = d;
+            worst_i = i;
+        }
+    }
+    assert!(
+        worst <= tol,
+        "{what}: max |diff| {worst:e} > {tol:e} at position {} token {} (got {}, want {})",
+        worst_i / vocab,
+        worst_i % vocab,
+        got[worst_i],
+        want[worst_i]
+    );
+    eprintln!("{what}: max |diff| {worst:e}");
 }
 
 /// Read and parse a JSON fixture under [`fixtures_dir`].
