@@ -55,17 +55,15 @@ fn main(
     }
     let wb = row * p.k;
     var acc = vec3<f32>(0.0);
+    var sum_sq = 0.0;
     for (var k = lid; k < p.k; k += WG) {
-        var xv = x[xb + k];
-#if NORM
-        acc.z += xv * xv;
-        xv = xv * g[k];
-#endif
+        let xv = load_x1(xb, k, &sum_sq);
         acc.x += w_load(wb + k) * xv;
 #if GATED
         acc.y += u_load(wb + k) * xv;
 #endif
     }
+    acc.z = sum_sq;
 #if SUBGROUPS
     acc = subgroupAdd(acc);
     if (sg_lane == 0u) {
@@ -115,11 +113,7 @@ fn main(
     let k2 = p.k & ~1u;
     var k = 0u;
     for (; k < k2; k += 2u) {
-        var xv = vec2<f32>(x[xb + k], x[xb + k + 1u]);
-#if NORM
-        s0 += dot(xv, xv);
-        xv = xv * vec2<f32>(g[k], g[k + 1u]);
-#endif
+        let xv = load_x2(xb, k, &s0);
         let w0 = w_load2(wb0 + k);
         let w1 = w_load2(wb1 + k);
         let w2 = w_load2(wb2 + k);
@@ -136,11 +130,7 @@ fn main(
 #endif
     }
     if (k < p.k) {
-        var xv = x[xb + k];
-#if NORM
-        s0 += xv * xv;
-        xv = xv * g[k];
-#endif
+        let xv = load_x1(xb, k, &s0);
         a += vec4<f32>(w_load(wb0 + k), w_load(wb1 + k), w_load(wb2 + k), w_load(wb3 + k)) * xv;
 #if GATED
         ua += vec4<f32>(u_load(wb0 + k), u_load(wb1 + k), u_load(wb2 + k), u_load(wb3 + k)) * xv;
@@ -168,11 +158,7 @@ fn main(
     let k2 = p.k & ~1u;
     var k = 0u;
     for (; k < k2; k += 2u) {
-        var xv = vec2<f32>(x[xb + k], x[xb + k + 1u]);
-#if NORM
-        s0 += dot(xv, xv);
-        xv = xv * vec2<f32>(g[k], g[k + 1u]);
-#endif
+        let xv = load_x2(xb, k, &s0);
         let wv = w_load2(wb + k);
         a0 += wv.x * xv.x;
         a1 += wv.y * xv.y;
@@ -183,11 +169,7 @@ fn main(
 #endif
     }
     if (k < p.k) {
-        var xv = x[xb + k];
-#if NORM
-        s0 += xv * xv;
-        xv = xv * g[k];
-#endif
+        let xv = load_x1(xb, k, &s0);
         a0 += w_load(wb + k) * xv;
 #if GATED
         u0 += u_load(wb + k) * xv;

@@ -48,6 +48,27 @@ fn silu(v: f32) -> f32 {
     return v / (1.0 + exp(-v));
 }
 
+// x'[k], x'[k + 1] of the input row starting at element `xb`: with NORM scaled by the norm
+// weight, their squares added to `*sum_sq` (which is left alone otherwise).
+fn load_x2(xb: u32, k: u32, sum_sq: ptr<function, f32>) -> vec2<f32> {
+    var v = vec2<f32>(x[xb + k], x[xb + k + 1u]);
+#if NORM
+    *sum_sq += dot(v, v);
+    v = v * vec2<f32>(g[k], g[k + 1u]);
+#endif
+    return v;
+}
+
+// x'[k] of the input row starting at element `xb` (see load_x2).
+fn load_x1(xb: u32, k: u32, sum_sq: ptr<function, f32>) -> f32 {
+    var v = x[xb + k];
+#if NORM
+    *sum_sq += v * v;
+    v = v * g[k];
+#endif
+    return v;
+}
+
 // 1/rms of an input row from its sum of squares (NORM).
 fn inv_rms(sum_sq: f32) -> f32 {
     return inverseSqrt(sum_sq / f32(p.k) + p.eps);
