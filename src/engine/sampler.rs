@@ -122,11 +122,16 @@ impl Sampler {
         if cand.is_empty() {
             return argmax(logits);
         }
-        // Descending by logit, ties by lower id (stable and deterministic).
-        cand.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0)));
+        // Descending by logit, ties by lower id (a total order, so deterministic). With top-k,
+        // select the k best in linear time and sort only those, not the whole vocabulary.
+        let order = |a: &(u32, f64), b: &(u32, f64)| {
+            b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0))
+        };
         if self.params.top_k > 0 && self.params.top_k < cand.len() {
+            cand.select_nth_unstable_by(self.params.top_k - 1, order);
             cand.truncate(self.params.top_k);
         }
+        cand.sort_by(order);
         let max = cand[0].1;
         let mut probs: Vec<f64> = cand.iter().map(|c| (c.1 - max).exp()).collect();
         let sum: f64 = probs.iter().sum();
