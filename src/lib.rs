@@ -8,6 +8,7 @@
 pub mod error;
 #[cfg(feature = "cli")] pub mod fetch;
 pub mod model;
+pub mod quant;
 pub mod reference;
 
 pub use error::{LanternError, Result};

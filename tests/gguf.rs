@@ -98,7 +98,7 @@ fn real_model_tensor_set() {
     assert_eq!(w.tensors["model.layers.3.mlp.down_proj.weight"].shape, vec![576, 1536]);
     assert_eq!(w.tensors["model.norm.weight"].dtype, DType::F32);
     for t in w.tensors.values() {
-        assert_eq!(Some(t.data.len()), t.dtype.bytes_for(t.numel()), "{}", t.name);
+        assert_eq!(Some(t.data.len()), t.dtype.bytes_for_shape(&t.shape), "{}", t.name);
     }
 }
 

@@ -6,6 +6,8 @@
 use std::collections::HashMap;
 
 use super::config::ModelConfig;
+use crate::quant::{PackedMatrix, QuantError, QuantKind};
+pub use crate::quant::QuantFormat;
 
 /// Storage dtype of a host tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -19,6 +21,9 @@ pub enum DType {
     Q4_0,
     /// GGUF Q4_1: blocks of 32, f16 scale d, f16 min m, 16 bytes of nibbles (20 bytes), value = q * d + m.
     Q4_1,
+    /// Lantern's GPU layout of packed integer weights (a 2-D `[rows, k]` tensor whose data is
+    /// `qs` words then `scales` words; see `crate::quant`), as stored by `lantern quantize`.
+    Packed(QuantFormat),
 }
 
 impl DType {
@@ -30,16 +35,44 @@ impl DType {
             DType::Q8_0 => (32, 34),
             DType::Q4_0 => (32, 18),
             DType::Q4_1 => (32, 20),
+            // Per-row scale padding makes the size depend on the shape: see `bytes_for_shape`.
+            DType::Packed(f) => (f.group as usize, 0),
         }
     }
 
-    /// Bytes needed for `n` elements; `None` if `n` is not a multiple of the block size.
-    pub fn bytes_for(&self, n: usize) -> Option<usize> {
+    /// Bytes needed for a tensor of `shape`; `None` if its last dimension does not fit the
+    /// block (or group) size, or a packed dtype is not 2-D.
+    pub fn bytes_for_shape(&self, shape: &[usize]) -> Option<usize> {
+        if let DType::Packed(f) = self {
+            let [rows, k] = shape else { return None };
+            f.check("", *k).ok()?;
+            return Some(f.bytes(*rows, *k));
+        }
+        let n: usize = shape.iter().product();
         let (be, bb) = self.block();
         if !n.is_multiple_of(be) {
             return None;
         }
         Some(n / be * bb)
+    }
+
+    /// Short lowercase name for reports (`f32`, `q4_1`, `q4g32`, ...).
+    pub fn name(&self) -> String {
+        match self {
+            DType::Packed(f) => f.to_string(),
+            other => format!("{other:?}").to_lowercase(),
+        }
+    }
+
+    /// The packed kind this dtype repacks into, for integer formats.
+    pub fn quant_kind(&self) -> Option<QuantKind> {
+        match self {
+            DType::Q8_0 => Some(QuantKind::Q8),
+            DType::Q4_0 => Some(QuantKind::Q4Sym),
+            DType::Q4_1 => Some(QuantKind::Q4),
+            DType::Packed(f) => Some(f.kind),
+            _ => None,
+        }
     }
 }
 
@@ -65,6 +98,25 @@ impl HostTensor {
             dtype: DType::F32,
             data: bytemuck::cast_slice(values).to_vec(),
         }
+    }
+
+    /// This 2-D tensor in the packed GPU layout, for integer dtypes (GGUF blocks are
+    /// repacked bit for bit); `None` for float dtypes.
+    pub fn packed(&self) -> Option<Result<PackedMatrix, QuantError>> {
+        let kind = self.dtype.quant_kind()?;
+        let (rows, k) = match self.shape.as_slice() {
+            [r, k] => (*r, *k),
+            _ => {
+                return Some(Err(QuantError::Invalid {
+                    tensor: self.name.clone(),
+                    reason: format!("packed weights must be 2-D, shape is {:?}", self.shape),
+                }))
+            }
+        };
+        Some(match self.dtype {
+            DType::Packed(f) => PackedMatrix::from_bytes(&self.name, f, rows, k, &self.data),
+            _ => PackedMatrix::from_gguf_blocks(&self.name, kind, &self.data, rows, k),
+        })
     }
 
     /// Dequantize / convert to f32 values.
@@ -98,6 +150,11 @@ impl HostTensor {
                 }
                 out
             }
+            DType::Packed(_) => match self.packed() {
+                Some(Ok(m)) => m.dequantize(),
+                // Validation rejects malformed packed tensors before anything converts them.
+                _ => vec![0.0; n],
+            },
             DType::Q4_1 => {
                 let mut out = vec![0.0; n];
                 for (bi, b) in d.chunks_exact(20).enumerate() {

@@ -86,7 +86,7 @@ pub fn validate(weights: &ModelWeights) -> Result<(), LanternError> {
     for name in names {
         let t = &weights.tensors[name];
         let numel: usize = t.shape.iter().product();
-        match t.dtype.bytes_for(numel) {
+        match t.dtype.bytes_for_shape(&t.shape) {
             Some(n) if n == t.data.len() => {}
             Some(n) => {
                 return Err(LoadError::Invalid {

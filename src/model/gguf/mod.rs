@@ -576,16 +576,18 @@ impl GgmlType {
         }
     }
 
-    /// The ggml type that stores a Lantern dtype.
-    pub fn from_dtype(dtype: DType) -> Self {
-        match dtype {
+    /// The ggml type that stores a Lantern dtype (`None` for Lantern's packed layout, which
+    /// only safetensors files carry).
+    pub fn from_dtype(dtype: DType) -> Option<Self> {
+        Some(match dtype {
             DType::F32 => GgmlType::F32,
             DType::F16 => GgmlType::F16,
             DType::BF16 => GgmlType::BF16,
             DType::Q8_0 => GgmlType::Q8_0,
             DType::Q4_0 => GgmlType::Q4_0,
             DType::Q4_1 => GgmlType::Q4_1,
-        }
+            DType::Packed(_) => return None,
+        })
     }
 }
 
