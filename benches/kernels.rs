@@ -1,8 +1,11 @@
 //! Kernel bandwidth bench (plain main, `harness = false`): `cargo bench --bench kernels`.
 //! Prints, in one run, medians of: the adapter's buffer-copy bandwidth (baseline), a plain
 //! WGSL contiguous-read kernel, every matvec layout for 4096x4096 and 576x1536 weights in
-//! f32 and f16, and every prefill matmul variant (tiled, blocked) at 64 tokens; GB/s of weight reads and the fraction
-//! of the copy bandwidth (GFLOP/s for matmul). Set `BENCH_REPS` (default 3).
+//! every weight dtype (f32, f16, q8, q4, q4s: packed ones dequantized in the kernel), and every
+//! prefill matmul variant (tiled, blocked) at 64 tokens; GB/s of weight bytes read (codes and
+//! scales for packed dtypes) and the fraction of the copy bandwidth (GFLOP/s for matmul).
+//! Set `BENCH_REPS` (default 3), `BENCH_FORMATS=q4,f32` and `BENCH_MATMUL=tiled,b88` to
+//! restrict.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,6 +14,7 @@ use lantern::gpu::shader::{flags, Features, WeightFormat};
 use lantern::gpu::{DeviceOptions, GpuContext, PipelineKey, ShaderOp};
 use lantern::kernels::linear::{build_with_key, GpuLinear, HostMatrix, LinearIo};
 use lantern::kernels::{step_buffer, submit};
+use lantern::quant::{PackedMatrix, QuantFormat, QuantKind};
 use wgpu::util::DeviceExt;
 
 fn wait(ctx: &GpuContext) {
@@ -84,13 +88,32 @@ struct Case {
     k: usize,
 }
 
+/// Every weight dtype the kernels read.
+const FORMATS: [WeightFormat; 5] = [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8, WeightFormat::Q4, WeightFormat::Q4Sym];
+
+fn quant_kind(fmt: WeightFormat) -> Option<QuantKind> {
+    match fmt {
+        WeightFormat::Q8 => Some(QuantKind::Q8),
+        WeightFormat::Q4 => Some(QuantKind::Q4),
+        WeightFormat::Q4Sym => Some(QuantKind::Q4Sym),
+        _ => None,
+    }
+}
+
+/// A weight in `fmt` and the f32 values it holds (rounded or dequantized).
 fn case(ctx: &Arc<GpuContext>, n: usize, k: usize, fmt: WeightFormat, tokens: usize) -> (Case, Vec<f32>, Vec<f32>) {
-    let w = data(n * k, 1);
+    let mut w = data(n * k, 1);
     let lin = match fmt {
         WeightFormat::F32 => GpuLinear::upload(ctx, "w", HostMatrix::F32(&w), None, None, n, k),
         WeightFormat::F16 => {
             let h: Vec<u16> = w.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+            w = h.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
             GpuLinear::upload(ctx, "w", HostMatrix::F16(&h), None, None, n, k)
+        }
+        f => {
+            let p = PackedMatrix::quantize("w", &w, n, k, QuantFormat::new(quant_kind(f).unwrap(), 32)).expect("quantize");
+            w = p.dequantize();
+            GpuLinear::upload(ctx, "w", HostMatrix::Packed(&p), None, None, n, k)
         }
     }
     .expect("upload");
@@ -120,8 +143,12 @@ fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext) -> Option<PipelineKey> {
     if l.subgroups && !ctx.caps.subgroups {
         return None;
     }
+    let packed = fmt.is_packed();
+    if packed && l.flags & (flags::ROWS4 | flags::ROW_PER_WORKGROUP) == 0 {
+        return None; // the packed matvec has the two tuned layouts only
+    }
     Some(
-        PipelineKey::new(ShaderOp::Matvec, l.wg)
+        PipelineKey::new(if packed { ShaderOp::MatvecQ } else { ShaderOp::Matvec }, l.wg)
             .with_flags(l.flags)
             .with_weights(fmt)
             .with_features(Features { f16: false, subgroups: l.subgroups }),
@@ -131,12 +158,8 @@ fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext) -> Option<PipelineKey> {
 /// Every layout against a CPU product on an odd K (tails) and a row count not a multiple
 /// of any workgroup.
 fn check(ctx: &Arc<GpuContext>) {
-    for (fmt, n, k) in [(WeightFormat::F32, 101, 77), (WeightFormat::F16, 37, 130)] {
+    for (fmt, n, k) in [(WeightFormat::F32, 101, 77), (WeightFormat::F16, 37, 130), (WeightFormat::Q8, 37, 96), (WeightFormat::Q4, 37, 96), (WeightFormat::Q4Sym, 37, 96)] {
         let (c, w, x) = case(ctx, n, k, fmt, 1);
-        let w: Vec<f32> = match fmt {
-            WeightFormat::F16 => w.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
-            WeightFormat::F32 => w,
-        };
         for l in LAYOUTS {
             let Some(key) = key(l, fmt, ctx) else { continue };
             submit(ctx, &c.step, 1, 1, &dispatches(ctx, &c, key));
@@ -216,15 +239,18 @@ fn main() {
     }
     drop((src, dst));
 
+    let only_fmt = std::env::var("BENCH_FORMATS").ok();
+    let formats: Vec<WeightFormat> =
+        FORMATS.into_iter().filter(|f| only_fmt.as_deref().is_none_or(|o| o.split(',').any(|x| x == f.name()))).collect();
     for (n, k) in [(4096usize, 4096usize), (576, 1536)] {
-        for fmt in [WeightFormat::F32, WeightFormat::F16] {
+        for &fmt in &formats {
             let (c, _, _) = case(&ctx, n, k, fmt, 1);
             let wbytes = c.lin.bytes() as f64;
             for l in LAYOUTS {
                 let Some(key) = key(l, fmt, &ctx) else { continue };
                 let d = dispatches(&ctx, &c, key);
                 let t = time(&ctx, reps, || submit(&ctx, &c.step, 1, 1, &d));
-                line(&format!("matvec {n}x{k} {fmt:?} {}", l.name), t, wbytes);
+                line(&format!("matvec {n}x{k} {} {}", fmt.name(), l.name), t, wbytes);
             }
         }
     }
@@ -238,20 +264,24 @@ fn main() {
         if n == 4096 && !big {
             continue;
         }
-        for fmt in [WeightFormat::F32, WeightFormat::F16] {
+        for &fmt in &formats {
             let tokens = 64;
             let (c, _, _) = case(&ctx, n, k, fmt, tokens);
             for m in MATMULS {
                 if only.as_deref().is_some_and(|o| !o.split(',').any(|x| x == m.name)) {
                     continue;
                 }
-                let key = PipelineKey::new(m.op, m.wg).with_flags(m.flags).with_weights(fmt);
+                let op = match (m.op, fmt.is_packed()) {
+                    (ShaderOp::MatmulBlocked, true) => ShaderOp::MatmulBlockedQ,
+                    (op, _) => op,
+                };
+                let key = PipelineKey::new(op, m.wg).with_flags(m.flags).with_weights(fmt);
                 let d = dispatches(&ctx, &c, key);
                 let t = time(&ctx, reps, || submit(&ctx, &c.step, tokens as u32, tokens as u32, &d));
                 let flops = 2.0 * (tokens * n * k) as f64;
                 println!(
                     "{:<44} {:9.2} ms {:7.2} GFLOP/s {:7.2} GB/s of weights ({:.1}% of copy)",
-                    format!("matmul {} {tokens} tok x {n}x{k} {fmt:?}", m.name),
+                    format!("matmul {} {tokens} tok x {n}x{k} {}", m.name, fmt.name()),
                     t * 1e3,
                     flops / t / 1e9,
                     c.lin.bytes() as f64 / t / 1e9,

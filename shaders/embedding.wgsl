@@ -1,4 +1,5 @@
-// Embedding gather: y[t, :] = table[ids[t], :] for the ids that fall in this chunk of rows.
+// Embedding gather: y[t, :] = table[ids[t], :] for the ids that fall in this chunk of rows
+// (packed tables are dequantized element by element, exactly as the CPU reference).
 #include "common/step.wgsl"
 
 struct Params {
@@ -8,7 +9,8 @@ struct Params {
     row_offset: u32,
     // Rows in this chunk.
     n_rows: u32,
-    _pad: u32,
+    // Elements per scale of packed tables (W_PACKED).
+    group: u32,
 }
 
 @group(0) @binding(0) var<uniform> step: Step;
@@ -17,7 +19,10 @@ struct Params {
 #if W_F32
 @group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
 #else
-@group(0) @binding(3) var<storage, read> w: array<u32>;            // (n_rows, k) as f16 pairs
+@group(0) @binding(3) var<storage, read> w: array<u32>;            // (n_rows, k) f16 pairs or codes
+#endif
+#if W_PACKED
+@group(0) @binding(5) var<storage, read> wsc: array<u32>;          // group scales
 #endif
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;      // (n_tokens, k)
 
@@ -34,5 +39,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     if (id < p.row_offset || id >= p.row_offset + p.n_rows) {
         return;
     }
+#if W_PACKED
+    y[t * p.k + c] = w_elem(id - p.row_offset, c);
+#else
     y[t * p.k + c] = w_load((id - p.row_offset) * p.k + c);
+#endif
 }

@@ -1,7 +1,10 @@
 // Prefill tiled matmul: Y[m, row_offset + n] = epilogue(sum_k X'[m, k] * W[n, k]) for a
 // BM x BN output tile per workgroup, staging BK-wide slices of X and W in workgroup memory.
 // Same fused prologue/epilogues as matvec.wgsl: NORM (RMSNorm folded: X' = X * g, result
-// scaled by each row's 1/rms), GATED (silu(W x') * (U x')), BIAS, RESIDUAL.
+// scaled by each row's 1/rms), GATED (silu(W x') * (U x')), BIAS, RESIDUAL. Packed integer
+// weights (W_PACKED) are dequantized while staging: each invocation turns the code words of
+// eight elements of one row into values in workgroup memory (kept as f16 with F16, which
+// halves the weight tiles).
 #include "common/linear.wgsl"
 
 const BM: u32 = 32u;   // tokens per tile
@@ -9,10 +12,15 @@ const BN: u32 = 32u;   // output rows per tile
 const BK: u32 = 16u;   // K slice staged per step
 const TILE: u32 = 512u; // BM * BK == BN * BK
 
+#if F16
+alias wtile = f16;
+#else
+alias wtile = f32;
+#endif
 var<workgroup> xs: array<f32, TILE>;   // [m][k]
-var<workgroup> ws: array<f32, TILE>;   // [n][k]
+var<workgroup> ws: array<wtile, TILE>; // [n][k]
 #if GATED
-var<workgroup> us: array<f32, TILE>;
+var<workgroup> us: array<wtile, TILE>;
 #endif
 #if NORM
 var<workgroup> part: array<f32, 64>;
@@ -54,6 +62,31 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var acc_u: array<f32, 16>;
 #endif
     for (var k0 = 0u; k0 < p.k; k0 += BK) {
+#if W_PACKED
+        {
+            // 32 rows x 16 k: invocation lid dequantizes k0 + (lid % 2) * 8 .. + 8 of row lid / 2
+            // (k is a multiple of the group size, itself a multiple of 8).
+            let r = lid / 2u;
+            let kk = (lid % 2u) * 8u;
+            let n = n0 + r;
+            var v = array<vec4<f32>, 2>(vec4<f32>(0.0), vec4<f32>(0.0));
+#if GATED
+            var vu = array<vec4<f32>, 2>(vec4<f32>(0.0), vec4<f32>(0.0));
+#endif
+            if (n < p.n_rows && k0 + kk < p.k) {
+                v = w_deq8(n, k0 + kk);
+#if GATED
+                vu = u_deq8(n, k0 + kk);
+#endif
+            }
+            for (var e = 0u; e < 8u; e++) {
+                ws[r * BK + kk + e] = wtile(v[e / 4u][e % 4u]);
+#if GATED
+                us[r * BK + kk + e] = wtile(vu[e / 4u][e % 4u]);
+#endif
+            }
+        }
+#endif
         for (var j = 0u; j < 8u; j++) {
             let idx = lid + j * 64u;
             let r = idx / BK;
@@ -68,6 +101,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 #endif
             }
             xs[idx] = xv;
+#ifndef W_PACKED
             let n = n0 + r;
             var wv = 0.0;
 #if GATED
@@ -83,6 +117,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 #if GATED
             us[idx] = uv;
 #endif
+#endif
         }
         workgroupBarrier();
         for (var kk = 0u; kk < BK; kk++) {
@@ -93,9 +128,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 #endif
             for (var i = 0u; i < 4u; i++) {
                 a[i] = xs[(ty + 8u * i) * BK + kk];
-                b[i] = ws[(tx + 8u * i) * BK + kk];
+                b[i] = f32(ws[(tx + 8u * i) * BK + kk]);
 #if GATED
-                c[i] = us[(tx + 8u * i) * BK + kk];
+                c[i] = f32(us[(tx + 8u * i) * BK + kk]);
 #endif
             }
             for (var i = 0u; i < 4u; i++) {

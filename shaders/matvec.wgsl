@@ -22,7 +22,7 @@ fn finish(t: u32, row: u32, acc: vec3<f32>) {
 }
 
 #if ROW_PER_WORKGROUP
-var<workgroup> red: array<vec3<f32>, WG>;
+#include "common/row_reduce.wgsl"
 #endif
 
 @compute @workgroup_size(WG)
@@ -65,31 +65,9 @@ fn main(
     }
     acc.z = sum_sq;
 #if SUBGROUPS
-    acc = subgroupAdd(acc);
-    if (sg_lane == 0u) {
-        red[lid / sg_size] = acc;
-    }
-    workgroupBarrier();
-    if (lid == 0u) {
-        var total = vec3<f32>(0.0);
-        // Partials of every subgroup (a subgroup wider than the workgroup gives one).
-        for (var i = 0u; i < (WG + sg_size - 1u) / sg_size; i++) {
-            total += red[i];
-        }
-        finish(t, row, total);
-    }
+    reduce_row(t, row, acc, lid, sg_lane, sg_size);
 #else
-    red[lid] = acc;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
-        if (lid < stride) {
-            red[lid] += red[lid + stride];
-        }
-        workgroupBarrier();
-    }
-    if (lid == 0u) {
-        finish(t, row, red[0]);
-    }
+    reduce_row(t, row, acc, lid, 0u, 0u);
 #endif
 #else
 #if ROWS4

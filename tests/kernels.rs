@@ -10,11 +10,12 @@ use std::sync::{Arc, OnceLock};
 use half::f16;
 use lantern::gpu::buffer::{create_storage, create_zeroed, read_buffer, read_f32};
 use lantern::gpu::shader::{flags, Features, WeightFormat};
-use lantern::gpu::{DeviceOptions, GpuContext, GpuError, GpuTensor, PipelineKey, ShaderOp};
+use lantern::gpu::{DeviceOptions, GpuContext, GpuError, PipelineKey, ShaderOp};
 use lantern::kernels::attention::{AttentionIo, AttentionParams};
 use lantern::kernels::linear::{self, GpuLinear, HostMatrix, LinearIo};
 use lantern::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
 use lantern::kernels::{self, step_buffer, submit};
+use lantern::quant::{PackedMatrix, QuantFormat, QuantKind};
 use lantern::reference::ops;
 use pollster::block_on;
 
@@ -34,6 +35,9 @@ const ROPE_TOL: f32 = 1e-5;
 const ATTENTION_TOL: f32 = 1e-5;
 /// Embedding and the KV-cache copy of v are gathers: bit exact.
 const EXACT: f32 = 0.0;
+/// Packed weights dequantized in half precision (F16 variants): each weight rounded to f16
+/// (relative 2^-11) before the f32 product.
+const F16_DEQUANT_TOL: f32 = 2e-3;
 
 /// RMSNorm epsilon used throughout.
 const EPS: f32 = 1e-5;
@@ -146,28 +150,45 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
 }
 
 /// A random weight matrix in `format`: the f32 values the oracle uses (already rounded for
-/// f16) and, for f16, the half bits the GPU gets.
+/// f16, dequantized for packed formats) and the half bits or packed codes the GPU gets.
 struct HostWeight {
     values: Vec<f32>,
     half: Option<Vec<u16>>,
+    packed: Option<PackedMatrix>,
+}
+
+fn quant_kind(format: WeightFormat) -> Option<QuantKind> {
+    match format {
+        WeightFormat::Q8 => Some(QuantKind::Q8),
+        WeightFormat::Q4 => Some(QuantKind::Q4),
+        WeightFormat::Q4Sym => Some(QuantKind::Q4Sym),
+        _ => None,
+    }
 }
 
 impl HostWeight {
-    fn random(rng: &mut Rng, n: usize, format: WeightFormat) -> HostWeight {
-        let v = rng.vec(n);
+    /// `group` is used by packed formats only.
+    fn random(rng: &mut Rng, rows: usize, k: usize, format: WeightFormat, group: u32) -> HostWeight {
+        let v = rng.vec(rows * k);
         match format {
-            WeightFormat::F32 => HostWeight { values: v, half: None },
+            WeightFormat::F32 => HostWeight { values: v, half: None, packed: None },
             WeightFormat::F16 => {
                 let (bits, values) = round_f16(&v);
-                HostWeight { values, half: Some(bits) }
+                HostWeight { values, half: Some(bits), packed: None }
+            }
+            f => {
+                let fmt = QuantFormat::new(quant_kind(f).unwrap(), group);
+                let p = PackedMatrix::quantize("test", &v, rows, k, fmt).expect("quantize");
+                HostWeight { values: p.dequantize(), half: None, packed: Some(p) }
             }
         }
     }
 
     fn matrix(&self) -> HostMatrix<'_> {
-        match &self.half {
-            Some(b) => HostMatrix::F16(b),
-            None => HostMatrix::F32(&self.values),
+        match (&self.half, &self.packed) {
+            (Some(b), _) => HostMatrix::F16(b),
+            (_, Some(p)) => HostMatrix::Packed(p),
+            _ => HostMatrix::F32(&self.values),
         }
     }
 }
@@ -212,6 +233,12 @@ enum Layout {
     Blocked48,
     /// Blocked matmul, 8 tokens x 8 rows.
     Blocked88,
+    /// Matvec, four rows per invocation, 8 per workgroup (CPU adapters).
+    Rows4,
+    /// Packed weights: a 64-wide workgroup per row, subgroups, dequantized in f16.
+    RowWg64F16,
+    /// Packed weights: tiled matmul with f16 weight tiles.
+    MatmulF16,
     /// Whatever `linear::build` picks for a matvec on this adapter.
     Auto,
     /// Whatever `linear::build` picks for a matmul (prefill) on this adapter.
@@ -231,19 +258,64 @@ impl Layout {
         Layout::Blocked88,
     ];
 
+    /// The layouts of the packed-weight kernels.
+    const PACKED: [Layout; 11] = [
+        Layout::Rows4,
+        Layout::RowWg64,
+        Layout::RowWg64Subgroups,
+        Layout::RowWg8Subgroups,
+        Layout::RowWg64F16,
+        Layout::Matmul,
+        Layout::MatmulF16,
+        Layout::Blocked44,
+        Layout::Blocked84,
+        Layout::Blocked48,
+        Layout::Blocked88,
+    ];
+
     /// A prefill (matmul) layout: no gathered rows.
     fn is_matmul(self) -> bool {
-        matches!(self, Layout::Matmul | Layout::Blocked44 | Layout::Blocked84 | Layout::Blocked48 | Layout::Blocked88)
+        matches!(
+            self,
+            Layout::Matmul | Layout::MatmulF16 | Layout::Blocked44 | Layout::Blocked84 | Layout::Blocked48 | Layout::Blocked88
+        )
     }
 
     fn needs_subgroups(self) -> bool {
-        matches!(self, Layout::RowWg64Subgroups | Layout::RowWg8Subgroups)
+        matches!(self, Layout::RowWg64Subgroups | Layout::RowWg8Subgroups | Layout::RowWg64F16)
+    }
+
+    fn needs_f16(self) -> bool {
+        matches!(self, Layout::RowWg64F16 | Layout::MatmulF16)
     }
 
     /// The explicit variant; `None` for `Auto`.
     fn key(self, fl: u32, weights: WeightFormat) -> Option<PipelineKey> {
         let sg = Features { f16: false, subgroups: true };
         let rpw = flags::ROW_PER_WORKGROUP;
+        if weights.is_packed() {
+            let mv = ShaderOp::MatvecQ;
+            let bq = ShaderOp::MatmulBlockedQ;
+            let f16 = Features { f16: true, subgroups: false };
+            let key = match self {
+                Layout::Rows4 => PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4),
+                Layout::RowWg64 => PipelineKey::new(mv, 64).with_flags(fl | rpw),
+                Layout::RowWg64Subgroups => PipelineKey::new(mv, 64).with_flags(fl | rpw).with_features(sg),
+                Layout::RowWg8Subgroups => PipelineKey::new(mv, 8).with_flags(fl | rpw).with_features(sg),
+                Layout::RowWg64F16 => {
+                    PipelineKey::new(mv, 64).with_flags(fl | rpw).with_features(Features { f16: true, subgroups: true })
+                }
+                Layout::Matmul => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl),
+                Layout::MatmulF16 => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl).with_features(f16),
+                Layout::Blocked44 => PipelineKey::new(bq, 8).with_flags(fl),
+                Layout::Blocked84 => PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_M8),
+                Layout::Blocked48 => PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_N8),
+                Layout::Blocked88 => PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8),
+                Layout::Auto | Layout::AutoMatmul => return None,
+                Layout::Thread64 => panic!("no row-per-invocation layout for packed weights"),
+            };
+            return Some(key.with_weights(weights));
+        }
         let key = match self {
             Layout::Thread64 => PipelineKey::new(ShaderOp::Matvec, 64).with_flags(fl),
             Layout::RowWg64 => PipelineKey::new(ShaderOp::Matvec, 64).with_flags(fl | rpw),
@@ -256,6 +328,8 @@ impl Layout {
             Layout::Blocked88 => {
                 PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8)
             }
+            Layout::Rows4 => PipelineKey::new(ShaderOp::Matvec, 8).with_flags(fl | flags::ROWS4),
+            Layout::RowWg64F16 | Layout::MatmulF16 => panic!("{self:?} is a packed-weight layout"),
             Layout::Auto | Layout::AutoMatmul => return None,
         };
         Some(key.with_weights(weights))
@@ -264,11 +338,15 @@ impl Layout {
     /// The layouts this device can run: subgroup ones need the subgroup feature, and the
     /// 8-wide one subgroups of at most 8 (the kernel needs whole subgroups per workgroup).
     fn available(ctx: &GpuContext) -> Vec<Layout> {
+        Self::available_of(ctx, &Layout::ALL)
+    }
+
+    fn available_of(ctx: &GpuContext, set: &[Layout]) -> Vec<Layout> {
         let runs = |l: &Layout| match l {
             Layout::RowWg8Subgroups => ctx.caps.subgroups && ctx.caps.subgroup_max_size <= 8,
-            l => !l.needs_subgroups() || ctx.caps.subgroups,
+            l => (!l.needs_subgroups() || ctx.caps.subgroups) && (!l.needs_f16() || ctx.caps.shader_f16),
         };
-        let (yes, no): (Vec<Layout>, Vec<Layout>) = Layout::ALL.into_iter().partition(runs);
+        let (yes, no): (Vec<Layout>, Vec<Layout>) = set.iter().copied().partition(runs);
         if !no.is_empty() {
             eprintln!("note: adapter {} ({:?}) cannot run layouts {no:?}", ctx.info.name, ctx.caps);
         }
@@ -288,6 +366,8 @@ struct LinearCase {
     /// Input rows wider than K, output written at a column offset into wider rows.
     wide: bool,
     seed: u64,
+    /// Elements per scale (packed weights).
+    group: u32,
 }
 
 /// Run one fused linear on the GPU and compare it with the ops composition it stands for.
@@ -296,12 +376,13 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
     let has = |f: u32| fl & f != 0;
     assert!(!(has(flags::GATED) && has(flags::BIAS)), "the runtime never fuses a bias into the gated product");
     let mut rng = Rng::new(c.seed);
-    let x_stride = if c.wide { k + 2 } else { k };
+    // Packed kernels read x as vec4: keep wide strides a multiple of 4 for them.
+    let x_stride = if c.wide { k + if c.weights.is_packed() { 4 } else { 2 } } else { k };
     let (out_offset, out_stride) = if c.wide { (3, rows + 5) } else { (0, rows) };
     let x = rng.vec(tokens * x_stride);
     let g: Vec<f32> = (0..k).map(|_| 1.0 + 0.5 * rng.uniform()).collect();
-    let w = HostWeight::random(&mut rng, rows * k, c.weights);
-    let u = has(flags::GATED).then(|| HostWeight::random(&mut rng, rows * k, c.weights));
+    let w = HostWeight::random(&mut rng, rows, k, c.weights, c.group);
+    let u = has(flags::GATED).then(|| HostWeight::random(&mut rng, rows, k, c.weights, c.group));
     let bias = has(flags::BIAS).then(|| rng.vec(rows));
     // Gathered rows: a few input rows in scrambled order, always including the last one.
     let gather: Vec<u32> = if has(flags::GATHER) {
@@ -366,7 +447,8 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
         let new = if has(flags::RESIDUAL) { ops::add(dst, src) } else { src.to_vec() };
         dst.copy_from_slice(&new);
     }
-    assert_close(&what, &got, &want, LINEAR_TOL);
+    let tol = if key.is_some_and(|k| k.weights.is_packed() && k.features.f16) { F16_DEQUANT_TOL } else { LINEAR_TOL };
+    assert_close(&what, &got, &want, tol);
 }
 
 /// Every layout and weight format over every shape for one fused combination.
@@ -379,7 +461,7 @@ fn linear_suite(fl: u32, seed: u64) {
         for weights in [WeightFormat::F32, WeightFormat::F16] {
             let odd: &[(usize, usize, usize)] = match weights {
                 WeightFormat::F32 => &LINEAR_SHAPES_ODD_K,
-                WeightFormat::F16 => &[],
+                _ => &[],
             };
             for (i, &(rows, k, tokens)) in LINEAR_SHAPES.iter().chain(odd).enumerate() {
                 check_linear(
@@ -393,6 +475,7 @@ fn linear_suite(fl: u32, seed: u64) {
                         tokens,
                         wide: i % 2 == 1,
                         seed: seed ^ ((i as u64) << 8) ^ ((layout as u64) << 16) ^ ((weights as u64) << 24),
+                        group: 0,
                     },
                 );
             }
@@ -442,7 +525,7 @@ fn linear_weights_split_across_bindings_match_reference() {
                 continue;
             }
             for weights in [WeightFormat::F32, WeightFormat::F16] {
-                let c = LinearCase { fl, layout, weights, rows, k, tokens, wide: true, seed: 77 ^ fl as u64 };
+                let c = LinearCase { fl, layout, weights, rows, k, tokens, wide: true, seed: 77 ^ fl as u64, group: 0 };
                 let bytes = rows * k * if weights == WeightFormat::F32 { 4 } else { 2 };
                 assert!(bytes as u64 > 4 * SMALL_BINDING, "shape too small to split into several chunks");
                 check_linear(&ctx, c);
@@ -458,17 +541,124 @@ fn linear_auto_layout_matches_reference() {
     eprintln!("adapter {}: matvec layout {:?}, caps {:?}", ctx.info.name, linear::matvec_layout(&ctx), ctx.caps);
     for fl in [NORM_BIAS, NORM_GATHER] {
         for (i, &(rows, k, tokens)) in LINEAR_SHAPES.iter().enumerate() {
-            let c = LinearCase { fl, layout: Layout::Auto, weights: WeightFormat::F16, rows, k, tokens, wide: false, seed: 900 + i as u64 };
+            let c = LinearCase { fl, layout: Layout::Auto, weights: WeightFormat::F16, rows, k, tokens, wide: false, seed: 900 + i as u64, group: 0 };
             check_linear(&ctx, c);
         }
     }
     eprintln!("adapter {}: matmul layout {:?}", ctx.info.name, linear::matmul_layout(&ctx));
     for fl in [NORM_BIAS, NORM_GATED, RESIDUAL] {
         for (i, &(rows, k, tokens)) in LINEAR_SHAPES.iter().enumerate() {
-            let c = LinearCase { fl, layout: Layout::AutoMatmul, weights: WeightFormat::F16, rows, k, tokens, wide: i % 2 == 1, seed: 950 + i as u64 };
+            let c = LinearCase { fl, layout: Layout::AutoMatmul, weights: WeightFormat::F16, rows, k, tokens, wide: i % 2 == 1, seed: 950 + i as u64, group: 0 };
             check_linear(&ctx, c);
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packed integer weights (Q8, Q4, Q4Sym): every layout of the packed matvec and matmuls against
+// dequantize-then-multiply on the CPU.
+// ---------------------------------------------------------------------------------------------
+
+const PACKED_FORMATS: [WeightFormat; 3] = [WeightFormat::Q8, WeightFormat::Q4, WeightFormat::Q4Sym];
+
+/// (rows, K, tokens, group): rows not a multiple of any workgroup or block, K from one group to
+/// many, groups of 8 to 128 (odd group counts for the paired f16 scales).
+const PACKED_SHAPES: [(usize, usize, usize, u32); 6] =
+    [(1, 32, 1, 32), (7, 72, 3, 8), (65, 96, 33, 32), (333, 192, 3, 64), (9, 384, 9, 128), (701, 576, 2, 32)];
+
+fn packed_suite(fl: u32, seed: u64) {
+    let ctx = gpu();
+    for layout in Layout::available_of(&ctx, &Layout::PACKED) {
+        if layout.is_matmul() && fl & flags::GATHER != 0 {
+            continue;
+        }
+        for weights in PACKED_FORMATS {
+            for (i, &(rows, k, tokens, group)) in PACKED_SHAPES.iter().enumerate() {
+                let c = LinearCase {
+                    fl,
+                    layout,
+                    weights,
+                    rows,
+                    k,
+                    tokens,
+                    wide: i % 2 == 1,
+                    seed: seed ^ ((i as u64) << 8) ^ ((layout as u64) << 16) ^ ((weights as u64) << 24),
+                    group,
+                };
+                check_linear(&ctx, c);
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_linear_plain_and_residual_match_reference() {
+    packed_suite(PLAIN, 31);
+    packed_suite(RESIDUAL, 32);
+}
+
+#[test]
+fn packed_linear_norm_and_bias_match_reference() {
+    packed_suite(NORM, 33);
+    packed_suite(NORM_BIAS, 34);
+}
+
+#[test]
+fn packed_linear_norm_gated_matches_reference() {
+    packed_suite(NORM_GATED, 35);
+}
+
+#[test]
+fn packed_linear_norm_gather_matches_reference() {
+    packed_suite(NORM_GATHER, 36);
+}
+
+/// Codes and scales split across bindings at the same rows, and the layout the runtime picks.
+#[test]
+fn packed_linear_split_across_bindings_and_auto_layout_match_reference() {
+    let small = gpu_small();
+    let (rows, k, tokens) = (65, 192, 3);
+    for fl in COMBOS {
+        for weights in PACKED_FORMATS {
+            for layout in Layout::available_of(&small, &Layout::PACKED) {
+                if layout.is_matmul() && fl & flags::GATHER != 0 {
+                    continue;
+                }
+                let c = LinearCase { fl, layout, weights, rows, k, tokens, wide: true, seed: 78 ^ fl as u64, group: 64 };
+                check_linear(&small, c);
+            }
+        }
+    }
+    let ctx = gpu();
+    for weights in PACKED_FORMATS {
+        for (i, &(rows, k, tokens, group)) in PACKED_SHAPES.iter().enumerate() {
+            for (layout, fl) in [(Layout::Auto, NORM_GATHER), (Layout::AutoMatmul, NORM_GATED), (Layout::Auto, NORM_GATED)] {
+                let c = LinearCase { fl, layout, weights, rows, k, tokens, wide: false, seed: 990 + i as u64, group };
+                check_linear(&ctx, c);
+            }
+        }
+    }
+}
+
+/// Bad shapes are refused with errors naming the tensor, never a panic or a wrong result.
+#[test]
+fn packed_linear_rejects_mismatched_shapes() {
+    let ctx = gpu();
+    let mut rng = Rng::new(5);
+    let w = HostWeight::random(&mut rng, 8, 64, WeightFormat::Q4, 32);
+    let err = GpuLinear::upload(&ctx, "bad.rows", w.matrix(), None, None, 9, 64).err().expect("rows mismatch");
+    assert!(err.to_string().contains("bad.rows"), "{err}");
+    let other = HostWeight::random(&mut rng, 8, 64, WeightFormat::Q8, 32);
+    let err = GpuLinear::upload(&ctx, "bad.gate", w.matrix(), Some(other.matrix()), None, 8, 64).err().expect("mixed formats");
+    assert!(err.to_string().contains("share one storage format"), "{err}");
+    // x rows that are not a whole number of vec4.
+    let lin = GpuLinear::upload(&ctx, "odd.stride", w.matrix(), None, None, 8, 64).unwrap();
+    let step = step_buffer(&ctx);
+    let xb = buf_f32(&ctx, "x", &[0.0; 66 * 2]);
+    let yb = buf_f32(&ctx, "y", &[0.0; 16]);
+    let io = LinearIo { step: &step, x: &xb, x_stride: 66, norm: None, eps: EPS, y: &yb, out_stride: 8, out_offset: 0, residual: false, rows: None };
+    let err = block_on(linear::build(&ctx, &lin, &io, linear::Shape::Matvec)).err().expect("odd stride");
+    assert!(err.to_string().contains("multiples of 4"), "{err}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -479,12 +669,10 @@ fn linear_auto_layout_matches_reference() {
 /// boundary) from a random table and compare with `ops::embedding`; returns the chunk count.
 fn check_embedding(ctx: &Arc<GpuContext>, format: WeightFormat, vocab: usize, dim: usize, tokens: usize, seed: u64) -> usize {
     let mut rng = Rng::new(seed);
-    let w = HostWeight::random(&mut rng, vocab * dim, format);
-    let table = match &w.half {
-        Some(b) => GpuTensor::upload_rows(ctx, "embed", bytemuck::cast_slice(b), vocab, dim * 2),
-        None => GpuTensor::upload_rows(ctx, "embed", bytemuck::cast_slice(&w.values), vocab, dim * 4),
-    }
-    .expect("upload table");
+    let group = if dim % 32 == 0 { 32 } else { 8 };
+    let w = HostWeight::random(&mut rng, vocab, dim, format, group);
+    let lin = GpuLinear::upload(ctx, "embed", w.matrix(), None, None, vocab, dim).expect("upload table");
+    let table = &lin.w;
     let mut ids: Vec<u32> = vec![0, vocab as u32 - 1];
     for c in table.chunks.iter().skip(1) {
         ids.extend([c.row_offset as u32 - 1, c.row_offset as u32]);
@@ -498,7 +686,7 @@ fn check_embedding(ctx: &Arc<GpuContext>, format: WeightFormat, vocab: usize, di
     let step = step_buffer(ctx);
     let idb = buf_u32(ctx, "ids", &ids);
     let y = create_zeroed(ctx, "y", (t * dim * 4) as u64).unwrap();
-    let d = block_on(kernels::embedding::build(ctx, &step, &idb, &table, format, dim, &y)).expect("build embedding");
+    let d = block_on(kernels::embedding::build(ctx, &step, &idb, &lin, &y)).expect("build embedding");
     submit(ctx, &step, t as u32, t as u32, &d);
     let got = read_f32s(ctx, &y, t * dim);
     assert_close(&what, &got, &ops::embedding(&w.values, vocab, dim, &ids), EXACT);
@@ -513,6 +701,10 @@ fn embedding_matches_reference() {
     check_embedding(&ctx, WeightFormat::F32, 9, 7, 1, 13);
     check_embedding(&ctx, WeightFormat::F16, 50, 6, 33, 14);
     check_embedding(&ctx, WeightFormat::F16, 20, 130, 3, 15);
+    for (i, f) in PACKED_FORMATS.into_iter().enumerate() {
+        check_embedding(&ctx, f, 50, 64, 33, 16 + i as u64);
+        check_embedding(&ctx, f, 9, 40, 3, 19 + i as u64);
+    }
 }
 
 #[test]
@@ -524,6 +716,9 @@ fn embedding_table_split_across_bindings_matches_reference() {
         (WeightFormat::F32, 77, 58, 21),
         (WeightFormat::F16, 77, 58, 22),
         (WeightFormat::F16, 900, 5, 23),
+        (WeightFormat::Q8, 300, 64, 24),
+        (WeightFormat::Q4, 300, 64, 25),
+        (WeightFormat::Q4Sym, 600, 32, 26),
     ] {
         let chunks = check_embedding(&ctx, format, vocab, dim, 15, seed);
         assert!(chunks >= 3, "{format:?} {vocab}x{dim}: only {chunks} chunks");

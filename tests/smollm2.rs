@@ -1,7 +1,9 @@
-//! SmolLM2-135M-Instruct from the real GGUF (Q4_1 weights, expanded to f32 here) against the
-//! Hugging Face transformers fixtures in `shared/fixtures/smollm2`: argmax at every prompt
+//! SmolLM2-135M-Instruct from the real GGUF, loaded natively (Q4_1 layers and the Q8_0
+//! embedding/LM head stay packed on the GPU and are dequantized inside the kernels), against
+//! the Hugging Face transformers fixtures in `shared/fixtures/smollm2`: argmax at every prompt
 //! position, last-position top-20 logits within 1e-3, and every greedy continuation token
-//! for token, decoded one token per step through the paged KV cache.
+//! for token, decoded one token per step through the paged KV cache. Also: the GPU memory of
+//! the load, allocation by allocation, holds no float copy of any quantized weight.
 
 mod common;
 
@@ -17,6 +19,8 @@ const TOP20_TOL: f32 = 1e-3;
 struct Loaded {
     model: GpuModel,
     tokenizer: Tokenizer,
+    /// File bytes of the quantized tensors by dtype, and of the f32 ones.
+    file_bytes: std::collections::BTreeMap<String, u64>,
 }
 
 fn loaded() -> &'static Mutex<Loaded> {
@@ -32,9 +36,14 @@ fn loaded() -> &'static Mutex<Loaded> {
             },
         ))
         .expect("upload SmolLM2");
+        let mut file_bytes = std::collections::BTreeMap::new();
+        for t in l.weights.tensors.values() {
+            *file_bytes.entry(t.dtype.name()).or_insert(0) += t.data.len() as u64;
+        }
         Mutex::new(Loaded {
             model,
             tokenizer: l.tokenizer.expect("GGUF tokenizer"),
+            file_bytes,
         })
     })
 }
@@ -46,7 +55,7 @@ fn cases() -> Vec<serde_json::Value> {
 #[test]
 fn every_case_matches_transformers() {
     let mut guard = loaded().lock().unwrap_or_else(|e| e.into_inner());
-    let Loaded { model, tokenizer } = &mut *guard;
+    let Loaded { model, tokenizer, .. } = &mut *guard;
     let vocab = model.config.vocab_size;
     let mut failures = Vec::new();
     for case in cases() {
@@ -97,4 +106,26 @@ fn every_case_matches_transformers() {
         eprintln!("{name}: {l} prompt + {} greedy tokens, top-20 max |diff| {worst:e}", greedy.len());
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Every GPU allocation of the native load is explained (ledger bytes = weights + KV +
+/// workspace + uniforms + readback), and the weights occupy exactly the GGUF's packed bytes:
+/// Q4_1 layers as q4 (codes + f16 scale/min per 32), the Q8_0 table as q8 (codes + f16 scale
+/// per 32), f32 norms. A float copy of any quantized weight would break both equalities.
+#[test]
+fn native_load_keeps_quantized_weights_packed() {
+    let guard = loaded().lock().unwrap_or_else(|e| e.into_inner());
+    let m = guard.model.memory();
+    eprintln!("{}", serde_json::to_string_pretty(m).unwrap());
+    assert_eq!(m.ledger_bytes, m.total(), "allocations the report does not explain");
+    let q4 = &m.weights["q4g32"];
+    let q8 = &m.weights["q8g32"];
+    // q|k|v fused into one matrix, gate and up two: 5 uploads holding 7 GGUF tensors a layer.
+    assert_eq!(q4.tensors, 30 * 5, "every attention and MLP matrix packed as q4");
+    assert_eq!(q4.bytes + q4.scale_bytes, guard.file_bytes["q4_1"]);
+    assert_eq!(q8.bytes + q8.scale_bytes, guard.file_bytes["q8_0"], "tied embedding / LM head packed as q8");
+    assert_eq!(m.weights["f32"].bytes, guard.file_bytes["f32"], "norms");
+    assert_eq!(m.weights.len(), 3, "no other weight dtype: {:?}", m.weights.keys());
+    // No allocation is as large as an f32 copy of the LM head (49152 x 576 x 4 bytes).
+    assert!(m.largest.1 < 49152 * 576 * 4, "largest allocation {:?}", m.largest);
 }

@@ -16,12 +16,17 @@ struct Params {
     // Workgroups along x (matvec: row group index = wid.y * grid_x + wid.x).
     grid_x: u32,
     eps: f32,
-    _pad: u32,
+    // Elements per scale of packed weights (W_PACKED).
+    group: u32,
 }
 
 @group(0) @binding(0) var<uniform> step: Step;
 @group(0) @binding(1) var<uniform> p: Params;
+#if X_VEC4
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;      // (rows of x, x_stride / 4)
+#else
 @group(0) @binding(2) var<storage, read> x: array<f32>;            // (rows of x, x_stride)
+#endif
 #if W_F32
 @group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
 #else
@@ -35,12 +40,22 @@ struct Params {
 #endif
 #endif
 #if NORM
+#if X_VEC4
+@group(0) @binding(5) var<storage, read> g: array<vec4<f32>>;      // (k / 4) norm weight
+#else
 @group(0) @binding(5) var<storage, read> g: array<f32>;            // (k) norm weight
+#endif
 #endif
 #if BIAS
 @group(0) @binding(6) var<storage, read> bias: array<f32>;         // (n_rows)
 #endif
 @group(0) @binding(7) var<storage, read_write> y: array<f32>;      // (n_tok, out_stride)
+#if W_PACKED
+@group(0) @binding(9) var<storage, read> wsc: array<u32>;          // group scales of w
+#if GATED
+@group(0) @binding(10) var<storage, read> usc: array<u32>;         // group scales of u
+#endif
+#endif
 
 #include "common/weights.wgsl"
 
@@ -48,6 +63,18 @@ fn silu(v: f32) -> f32 {
     return v / (1.0 + exp(-v));
 }
 
+#if X_VEC4
+// x'[4 i .. 4 i + 4] of the input row starting at vec4 `xb4`: with NORM scaled by the norm
+// weight, their squares added to `*sum_sq` (which is left alone otherwise).
+fn load_x4(xb4: u32, i: u32, sum_sq: ptr<function, f32>) -> vec4<f32> {
+    var v = x[xb4 + i];
+#if NORM
+    *sum_sq += dot(v, v);
+    v = v * g[i];
+#endif
+    return v;
+}
+#else
 // x'[k], x'[k + 1] of the input row starting at element `xb`: with NORM scaled by the norm
 // weight, their squares added to `*sum_sq` (which is left alone otherwise).
 fn load_x2(xb: u32, k: u32, sum_sq: ptr<function, f32>) -> vec2<f32> {
@@ -68,6 +95,7 @@ fn load_x1(xb: u32, k: u32, sum_sq: ptr<function, f32>) -> f32 {
 #endif
     return v;
 }
+#endif
 
 // 1/rms of an input row from its sum of squares (NORM).
 fn inv_rms(sum_sq: f32) -> f32 {

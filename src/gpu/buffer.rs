@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use wgpu::util::DeviceExt;
 
-use super::{GpuContext, GpuError};
+use super::{AllocUsage, GpuContext, GpuError};
 
 /// One binding-sized piece of a row-split tensor.
 #[derive(Debug)]
@@ -69,6 +69,39 @@ impl GpuTensor {
         })
     }
 
+    /// Upload `data` (rows x row_bytes) split at the same row boundaries as `like` (the
+    /// scales of a packed weight follow the chunks of its codes, so each dispatch binds a
+    /// matching pair).
+    pub fn upload_rows_like(
+        ctx: &GpuContext,
+        name: &str,
+        data: &[u8],
+        row_bytes: usize,
+        like: &GpuTensor,
+    ) -> Result<GpuTensor, GpuError> {
+        if data.len() != like.rows * row_bytes {
+            return Err(GpuError::Validation {
+                context: name.into(),
+                message: format!("{} bytes, expected {} rows of {row_bytes}", data.len(), like.rows),
+            });
+        }
+        let mut chunks = Vec::new();
+        for c in &like.chunks {
+            let bytes = &data[c.row_offset * row_bytes..(c.row_offset + c.rows) * row_bytes];
+            chunks.push(Chunk {
+                buffer: create_storage(ctx, &format!("{name}[{}..{}]", c.row_offset, c.row_offset + c.rows), bytes)?,
+                row_offset: c.row_offset,
+                rows: c.rows,
+            });
+        }
+        Ok(GpuTensor {
+            name: name.into(),
+            rows: like.rows,
+            row_bytes,
+            chunks,
+        })
+    }
+
     /// Bytes held on the GPU.
     pub fn bytes(&self) -> u64 {
         (self.rows * self.row_bytes) as u64
@@ -108,6 +141,7 @@ pub fn create_storage(ctx: &GpuContext, label: &str, bytes: &[u8]) -> Result<wgp
     } else {
         bytes
     };
+    ctx.ledger.record(label, contents.len() as u64, AllocUsage::Storage);
     Ok(ctx.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
         label: Some(label),
         contents,
@@ -125,9 +159,11 @@ pub fn create_zeroed(ctx: &GpuContext, label: &str, size: u64) -> Result<wgpu::B
             limit,
         });
     }
+    let size = (size.div_ceil(4) * 4).max(4);
+    ctx.ledger.record(label, size, AllocUsage::Storage);
     Ok(ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some(label),
-        size: (size.div_ceil(4) * 4).max(4),
+        size,
         usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
         mapped_at_creation: false,
     }))
@@ -135,6 +171,7 @@ pub fn create_zeroed(ctx: &GpuContext, label: &str, size: u64) -> Result<wgpu::B
 
 /// A uniform buffer initialised with a `Pod` value.
 pub fn create_uniform<T: bytemuck::Pod>(ctx: &GpuContext, label: &str, value: &T) -> wgpu::Buffer {
+    ctx.ledger.record(label, std::mem::size_of::<T>() as u64, AllocUsage::Uniform);
     ctx.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
         label: Some(label),
         contents: bytemuck::bytes_of(value),
@@ -151,6 +188,7 @@ pub struct Readback {
 impl Readback {
     pub fn new(ctx: &GpuContext, label: &str, size: u64) -> Readback {
         let size = (size.div_ceil(4) * 4).max(4);
+        ctx.ledger.record(label, size, AllocUsage::Readback);
         Readback {
             buffer: ctx.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some(label),

@@ -228,6 +228,54 @@ pub struct GpuContext {
     pub limits: wgpu::Limits,
     pub caps: Capabilities,
     pub pipelines: PipelineCache,
+    /// Every buffer this context created (see [`Ledger`]).
+    pub ledger: Ledger,
+}
+
+/// What a buffer is for, as the allocation functions of `buffer.rs` know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllocUsage {
+    /// Storage buffer (weights, KV cache, activations).
+    Storage,
+    /// Uniform buffer (kernel parameters).
+    Uniform,
+    /// Host-readable staging buffer for readback.
+    Readback,
+}
+
+/// One buffer allocation.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Allocation {
+    pub label: String,
+    pub bytes: u64,
+    pub usage: AllocUsage,
+}
+
+/// The record of every GPU buffer a context allocated: all allocations go through
+/// `gpu::buffer`, which writes here, so a model can show where each byte went and tests can
+/// check that nothing unaccounted (such as a float copy of a quantized weight) was made.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    entries: std::sync::Mutex<Vec<Allocation>>,
+}
+
+impl Ledger {
+    pub fn record(&self, label: &str, bytes: u64, usage: AllocUsage) {
+        if let Ok(mut e) = self.entries.lock() {
+            e.push(Allocation { label: label.into(), bytes, usage });
+        }
+    }
+
+    /// A position to list allocations from.
+    pub fn mark(&self) -> usize {
+        self.entries.lock().map_or(0, |e| e.len())
+    }
+
+    /// Allocations made since `mark`.
+    pub fn since(&self, mark: usize) -> Vec<Allocation> {
+        self.entries.lock().map_or_else(|_| Vec::new(), |e| e.get(mark..).unwrap_or(&[]).to_vec())
+    }
 }
 
 impl std::fmt::Debug for GpuContext {
@@ -343,6 +391,7 @@ impl GpuContext {
             limits,
             caps,
             pipelines: PipelineCache::default(),
+            ledger: Ledger::default(),
         }))
     }
 

@@ -11,11 +11,14 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("common/step.wgsl", include_str!("../../shaders/common/step.wgsl")),
     ("common/weights.wgsl", include_str!("../../shaders/common/weights.wgsl")),
     ("common/linear.wgsl", include_str!("../../shaders/common/linear.wgsl")),
+    ("common/row_reduce.wgsl", include_str!("../../shaders/common/row_reduce.wgsl")),
     ("embedding.wgsl", include_str!("../../shaders/embedding.wgsl")),
     ("rmsnorm.wgsl", include_str!("../../shaders/rmsnorm.wgsl")),
     ("matvec.wgsl", include_str!("../../shaders/matvec.wgsl")),
     ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
     ("matmul_blocked.wgsl", include_str!("../../shaders/matmul_blocked.wgsl")),
+    ("matvec_q.wgsl", include_str!("../../shaders/matvec_q.wgsl")),
+    ("matmul_blocked_q.wgsl", include_str!("../../shaders/matmul_blocked_q.wgsl")),
     ("rope_kv.wgsl", include_str!("../../shaders/rope_kv.wgsl")),
     ("attention.wgsl", include_str!("../../shaders/attention.wgsl")),
     ("argmax.wgsl", include_str!("../../shaders/argmax.wgsl")),
@@ -40,6 +43,10 @@ pub enum ShaderOp {
     /// Prefill matmul for CPU adapters: register blocks of tokens x rows per invocation read
     /// straight from global memory (no workgroup memory, no barriers); same semantics.
     MatmulBlocked,
+    /// Decode matvec over packed integer weights (Q8, Q4, Q4Sym), dequantized in registers.
+    MatvecQ,
+    /// `MatmulBlocked` over packed integer weights (CPU adapters' prefill).
+    MatmulBlockedQ,
     /// RoPE on q and k, and the write of k and v into the paged KV cache.
     RopeKv,
     /// Causal grouped-query attention over the paged KV cache.
@@ -57,6 +64,8 @@ impl ShaderOp {
             ShaderOp::Matvec => "matvec.wgsl",
             ShaderOp::Matmul => "matmul.wgsl",
             ShaderOp::MatmulBlocked => "matmul_blocked.wgsl",
+            ShaderOp::MatvecQ => "matvec_q.wgsl",
+            ShaderOp::MatmulBlockedQ => "matmul_blocked_q.wgsl",
             ShaderOp::RopeKv => "rope_kv.wgsl",
             ShaderOp::Attention => "attention.wgsl",
             ShaderOp::Argmax => "argmax.wgsl",
@@ -82,6 +91,50 @@ pub enum WeightFormat {
     F32,
     /// Two f16 packed in each u32, unpacked with `unpack2x16float` (needs no shader-f16).
     F16,
+    /// Packed 8-bit codes with an f16 scale per group (`crate::quant::QuantKind::Q8`).
+    Q8,
+    /// Packed 4-bit codes with f16 scale and minimum per group (`QuantKind::Q4`, GGUF Q4_1).
+    Q4,
+    /// Packed 4-bit codes with an f16 scale per group, offset 8 (`QuantKind::Q4Sym`, GGUF Q4_0).
+    Q4Sym,
+}
+
+impl WeightFormat {
+    /// Packed integer codes with group scales beside them.
+    pub fn is_packed(&self) -> bool {
+        matches!(self, WeightFormat::Q8 | WeightFormat::Q4 | WeightFormat::Q4Sym)
+    }
+
+    /// The kernel format of a packed kind.
+    pub fn from_quant(kind: crate::quant::QuantKind) -> Self {
+        match kind {
+            crate::quant::QuantKind::Q8 => WeightFormat::Q8,
+            crate::quant::QuantKind::Q4 => WeightFormat::Q4,
+            crate::quant::QuantKind::Q4Sym => WeightFormat::Q4Sym,
+        }
+    }
+
+    /// Short name (labels, reports).
+    pub fn name(&self) -> &'static str {
+        match self {
+            WeightFormat::F32 => "f32",
+            WeightFormat::F16 => "f16",
+            WeightFormat::Q8 => "q8",
+            WeightFormat::Q4 => "q4",
+            WeightFormat::Q4Sym => "q4s",
+        }
+    }
+
+    /// Preprocessor defines of this format.
+    fn defines(&self) -> &'static [&'static str] {
+        match self {
+            WeightFormat::F32 => &["W_F32"],
+            WeightFormat::F16 => &["W_F16"],
+            WeightFormat::Q8 => &["W_PACKED", "W_Q8"],
+            WeightFormat::Q4 => &["W_PACKED", "W_Q4"],
+            WeightFormat::Q4Sym => &["W_PACKED", "W_Q4S"],
+        }
+    }
 }
 
 /// Fused prologue/epilogue flags of the matvec and matmul kernels.
@@ -167,13 +220,13 @@ impl PipelineKey {
                 d.insert(name.to_string());
             }
         }
-        d.insert(
-            match self.weights {
-                WeightFormat::F32 => "W_F32",
-                WeightFormat::F16 => "W_F16",
-            }
-            .to_string(),
-        );
+        for name in self.weights.defines() {
+            d.insert(name.to_string());
+        }
+        if matches!(self.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) {
+            // These read activations (and norm weights) as vec4.
+            d.insert("X_VEC4".into());
+        }
         if self.features.f16 {
             d.insert("F16".into());
         }
@@ -192,10 +245,8 @@ impl PipelineKey {
                 s.push_str(&name.to_lowercase());
             }
         }
-        s.push_str(match self.weights {
-            WeightFormat::F32 => "_wf32",
-            WeightFormat::F16 => "_wf16",
-        });
+        s.push_str("_w");
+        s.push_str(self.weights.name());
         if self.features.f16 {
             s.push_str("_f16");
         }
@@ -227,7 +278,7 @@ impl PipelineKey {
     /// naga capabilities this variant needs.
     pub fn naga_capabilities(&self) -> naga::valid::Capabilities {
         let mut c = naga::valid::Capabilities::empty();
-        if self.weights == WeightFormat::F16 {
+        if self.weights != WeightFormat::F32 {
             // unpack2x16float: core WebGPU, absent only on old GL (DownlevelFlags::SHADER_F16_IN_F32).
             c |= naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32;
         }
@@ -281,6 +332,37 @@ impl PipelineKey {
                 }
             }
         }
+        // Packed integer weights: the CPU-adapter and GPU matvec layouts, the blocked and
+        // tiled matmuls, with and without shader-f16 where the variant uses it, and the
+        // embedding gather (a tied table is also the LM head).
+        let f16 = Features { f16: features.f16, subgroups: false };
+        let f16_sg = Features { f16: features.f16, subgroups: features.subgroups };
+        for w in [WeightFormat::Q8, WeightFormat::Q4, WeightFormat::Q4Sym] {
+            v.push(PipelineKey::new(ShaderOp::Embedding, 64).with_weights(w));
+            for &c in &combos {
+                v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4).with_weights(w));
+                for feat in [sg, f16_sg] {
+                    v.push(
+                        PipelineKey::new(ShaderOp::MatvecQ, 64)
+                            .with_flags(c | ROW_PER_WORKGROUP)
+                            .with_weights(w)
+                            .with_features(feat),
+                    );
+                }
+                if c & GATHER == 0 {
+                    for feat in [Features::default(), f16] {
+                        v.push(PipelineKey::new(ShaderOp::Matmul, 64).with_flags(c).with_weights(w).with_features(feat));
+                    }
+                    v.push(
+                        PipelineKey::new(ShaderOp::MatmulBlockedQ, 8)
+                            .with_flags(c | BLOCK_M8 | BLOCK_N8)
+                            .with_weights(w),
+                    );
+                }
+            }
+        }
+        v.sort();
+        v.dedup();
         v
     }
 }

@@ -1,8 +1,9 @@
 //! Embedding gather (`shaders/embedding.wgsl`): one dispatch per row chunk of the table.
 
 use crate::gpu::buffer::create_uniform;
-use crate::gpu::shader::WeightFormat;
-use crate::gpu::{GpuContext, GpuError, GpuTensor, PipelineKey, ShaderOp};
+use crate::gpu::{GpuContext, GpuError, PipelineKey, ShaderOp};
+
+use super::linear::GpuLinear;
 
 use super::{bind, pipeline, Dim, Dispatch};
 
@@ -13,31 +14,36 @@ pub struct EmbeddingParams {
     pub k: u32,
     pub row_offset: u32,
     pub n_rows: u32,
-    pub _pad: u32,
+    /// Elements per scale of packed tables (0 otherwise).
+    pub group: u32,
 }
 
-/// `y[t] = table[ids[t]]` for a table of `k`-wide rows in `format`.
+/// `y[t] = table[ids[t]]` for a table (vocab x k, any weight format) held as a linear layer,
+/// so a tied table is the LM head's own buffers.
 pub async fn build(
     ctx: &GpuContext,
     step: &wgpu::Buffer,
     ids: &wgpu::Buffer,
-    table: &GpuTensor,
-    format: WeightFormat,
-    k: usize,
+    table: &GpuLinear,
     y: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>, GpuError> {
-    let key = PipelineKey::new(ShaderOp::Embedding, 64).with_weights(format);
+    let k = table.k;
+    let key = PipelineKey::new(ShaderOp::Embedding, 64).with_weights(table.format);
     let pipe = pipeline(ctx, key).await?;
     let mut out = Vec::new();
-    for c in &table.chunks {
+    for (ci, c) in table.w.chunks.iter().enumerate() {
         let params = EmbeddingParams {
             k: k as u32,
             row_offset: c.row_offset as u32,
             n_rows: c.rows as u32,
-            _pad: 0,
+            group: table.quant.map_or(0, |q| q.group),
         };
         let ubuf = create_uniform(ctx, "embedding.params", &params);
-        let bg = bind(ctx, "embedding", &pipe, &[(0, step), (1, &ubuf), (2, ids), (3, &c.buffer), (4, y)]);
+        let mut entries = vec![(0, step), (1, &ubuf), (2, ids), (3, &c.buffer), (4, y)];
+        if let Some(s) = &table.w_scales {
+            entries.push((5, &s.chunks[ci].buffer));
+        }
+        let bg = bind(ctx, "embedding", &pipe, &entries);
         out.push(Dispatch {
             label: format!("embedding [{}]", key.label()),
             pipeline: pipe.clone(),

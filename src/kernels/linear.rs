@@ -5,6 +5,7 @@
 use crate::gpu::buffer::{create_storage, create_uniform};
 use crate::gpu::shader::{flags, WeightFormat};
 use crate::gpu::{GpuContext, GpuError, GpuTensor, PipelineKey, ShaderOp};
+use crate::quant::{PackedMatrix, QuantFormat};
 
 use super::{bind, pipeline, Dim, Dispatch};
 
@@ -19,7 +20,8 @@ pub struct LinearParams {
     pub x_stride: u32,
     pub grid_x: u32,
     pub eps: f32,
-    pub _pad: u32,
+    /// Elements per scale of packed weights (0 otherwise).
+    pub group: u32,
 }
 
 /// Host data of one weight matrix in a format the kernels read.
@@ -27,6 +29,8 @@ pub enum HostMatrix<'a> {
     F32(&'a [f32]),
     /// IEEE half bits.
     F16(&'a [u16]),
+    /// Packed integer codes and group scales (`crate::quant`), uploaded as they are.
+    Packed(&'a PackedMatrix),
 }
 
 /// A linear layer on the GPU: weight (n_rows x k), optional second weight for the gated
@@ -39,11 +43,33 @@ pub struct GpuLinear {
     pub format: WeightFormat,
     pub w: GpuTensor,
     pub u: Option<GpuTensor>,
+    /// Packed formats: the group size, and the scales of `w` (and `u`), chunked like them.
+    pub quant: Option<QuantFormat>,
+    pub w_scales: Option<GpuTensor>,
+    pub u_scales: Option<GpuTensor>,
     /// One bias buffer per chunk.
     pub bias: Option<Vec<wgpu::Buffer>>,
 }
 
-fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usize) -> Result<GpuTensor, GpuError> {
+/// Upload one matrix: the weights (codes for packed formats) and, for packed formats, the
+/// scales split at the same rows.
+fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usize) -> Result<(GpuTensor, Option<GpuTensor>), GpuError> {
+    if let HostMatrix::Packed(p) = m {
+        if p.rows != n || p.k != k {
+            return Err(GpuError::Validation {
+                context: name.into(),
+                message: format!("packed weight is {} x {}, expected {n} x {k}", p.rows, p.k),
+            });
+        }
+        p.format.check(name, k).map_err(|e| GpuError::Validation { context: name.into(), message: e.to_string() })?;
+        let qs = GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(&p.qs), n, p.format.qs_words(k) * 4)?;
+        let sc = GpuTensor::upload_rows_like(ctx, &format!("{name}.scales"), bytemuck::cast_slice(&p.scales), p.format.scale_words(k) * 4, &qs)?;
+        return Ok((qs, Some(sc)));
+    }
+    Ok((upload_float(ctx, name, m, n, k)?, None))
+}
+
+fn upload_float(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usize) -> Result<GpuTensor, GpuError> {
     match m {
         HostMatrix::F32(v) => {
             if v.len() != n * k {
@@ -55,14 +81,16 @@ fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usiz
             GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(v), n, k * 4)
         }
         HostMatrix::F16(v) => {
-            if v.len() != n * k || !k.is_multiple_of(2) {
+            // Odd k is fine for gathers (embedding tables); the products check it in `build`.
+            if v.len() != n * k {
                 return Err(GpuError::Validation {
                     context: name.into(),
-                    message: format!("f16 weight has {} values, expected {n} x {k} with k even", v.len()),
+                    message: format!("f16 weight has {} values, expected {n} x {k}", v.len()),
                 });
             }
             GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(v), n, k * 2)
         }
+        HostMatrix::Packed(_) => unreachable!("packed matrices are uploaded by upload_matrix"),
     }
 }
 
@@ -77,14 +105,36 @@ impl GpuLinear {
         n_rows: usize,
         k: usize,
     ) -> Result<GpuLinear, GpuError> {
-        let format = match w {
-            HostMatrix::F32(_) => WeightFormat::F32,
-            HostMatrix::F16(_) => WeightFormat::F16,
+        let (format, quant) = match w {
+            HostMatrix::F32(_) => (WeightFormat::F32, None),
+            HostMatrix::F16(_) => (WeightFormat::F16, None),
+            HostMatrix::Packed(p) => (WeightFormat::from_quant(p.format.kind), Some(p.format)),
         };
-        let wt = upload_matrix(ctx, name, &w, n_rows, k)?;
-        let ut = match &u {
-            Some(m) => Some(upload_matrix(ctx, &format!("{name}.up"), m, n_rows, k)?),
+        let u_format = match &u {
             None => None,
+            Some(HostMatrix::F32(_)) => Some(None),
+            Some(HostMatrix::F16(_)) => Some(Some(WeightFormat::F16)),
+            Some(HostMatrix::Packed(p)) => Some(Some(WeightFormat::from_quant(p.format.kind))),
+        };
+        let same = match (&u, u_format) {
+            (None, _) => true,
+            (Some(HostMatrix::Packed(p)), _) => quant == Some(p.format),
+            (Some(_), Some(f)) => f.unwrap_or(WeightFormat::F32) == format,
+            _ => false,
+        };
+        if !same {
+            return Err(GpuError::Validation {
+                context: name.into(),
+                message: "gate and up weights must share one storage format".into(),
+            });
+        }
+        let (wt, w_scales) = upload_matrix(ctx, name, &w, n_rows, k)?;
+        let (ut, u_scales) = match &u {
+            Some(m) => {
+                let (t, s) = upload_matrix(ctx, &format!("{name}.up"), m, n_rows, k)?;
+                (Some(t), s)
+            }
+            None => (None, None),
         };
         let bias = match bias {
             Some(b) => {
@@ -113,13 +163,28 @@ impl GpuLinear {
             format,
             w: wt,
             u: ut,
+            quant,
+            w_scales,
+            u_scales,
             bias,
         })
     }
 
-    /// Bytes of weights held on the GPU.
+    /// Bytes of weights held on the GPU (codes and scales).
     pub fn bytes(&self) -> u64 {
-        self.w.bytes() + self.u.as_ref().map_or(0, |u| u.bytes())
+        let t = |x: &Option<GpuTensor>| x.as_ref().map_or(0, |t| t.bytes());
+        self.w.bytes() + t(&self.u) + t(&self.w_scales) + t(&self.u_scales)
+    }
+
+    /// Bytes of scale metadata alone (packed formats).
+    pub fn scale_bytes(&self) -> u64 {
+        let t = |x: &Option<GpuTensor>| x.as_ref().map_or(0, |t| t.bytes());
+        t(&self.w_scales) + t(&self.u_scales)
+    }
+
+    /// Bytes of bias held on the GPU.
+    pub fn bias_bytes(&self) -> u64 {
+        self.bias.as_ref().map_or(0, |_| self.n_rows as u64 * 4)
     }
 }
 
@@ -181,17 +246,32 @@ pub async fn build(
         fl |= flags::GATHER;
     }
     let mut features = crate::gpu::Features::default();
+    let packed = lin.format.is_packed();
     let (op, wg) = match shape {
         Shape::Matvec => {
             let (f, w) = matvec_layout(ctx);
+            let (f, w) = if packed && f & flags::ROWS4 == 0 && f & flags::ROW_PER_WORKGROUP == 0 {
+                // The packed matvec has the two tuned layouts only.
+                (flags::ROWS4, 8)
+            } else {
+                (f, w)
+            };
             fl |= f;
             features.subgroups = fl & flags::ROW_PER_WORKGROUP != 0 && ctx.caps.subgroups;
-            (ShaderOp::Matvec, w)
+            features.f16 = packed && fl & flags::ROW_PER_WORKGROUP != 0 && packed_f16(ctx);
+            (if packed { ShaderOp::MatvecQ } else { ShaderOp::Matvec }, w)
         }
         Shape::Matmul => {
             let (op, f, w) = matmul_layout(ctx);
             fl |= f;
-            (op, w)
+            match (op, packed) {
+                (ShaderOp::MatmulBlocked, true) => (ShaderOp::MatmulBlockedQ, w),
+                (op, true) => {
+                    features.f16 = packed_f16(ctx);
+                    (op, w)
+                }
+                (op, false) => (op, w),
+            }
         }
     };
     let key = PipelineKey::new(op, wg)
@@ -224,6 +304,14 @@ pub fn matvec_layout(ctx: &GpuContext) -> (u32, u32) {
     } else {
         (flags::ROW_PER_WORKGROUP, 64)
     }
+}
+
+/// Whether the packed-weight GPU kernels dequantize in half precision: on GPUs offering
+/// shader-f16 (packed f16 math, half-size weight tiles). CPU adapters always take the f32
+/// kernels, whose results equal dequantize-then-multiply in f32. `LANTERN_F16_DEQUANT=0`
+/// turns it off.
+pub fn packed_f16(ctx: &GpuContext) -> bool {
+    ctx.caps.shader_f16 && !ctx.caps.cpu_like && std::env::var("LANTERN_F16_DEQUANT").as_deref() != Ok("0")
 }
 
 /// Prefill matmul variant by adapter: `(op, flags, workgroup size)`.
@@ -267,6 +355,24 @@ pub async fn build_with_key(
     io: &LinearIo<'_>,
     key: PipelineKey,
 ) -> Result<Vec<Dispatch>, GpuError> {
+    if key.weights != lin.format {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!("kernel {} does not read {} weights", key.label(), lin.format.name()),
+        });
+    }
+    if lin.format == WeightFormat::F16 && !lin.k.is_multiple_of(2) {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!("f16 products read weight pairs: k = {} must be even", lin.k),
+        });
+    }
+    if matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) && (!io.x_stride.is_multiple_of(4) || !lin.k.is_multiple_of(4)) {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!("packed kernels read x as vec4: x stride {} and k {} must be multiples of 4", io.x_stride, lin.k),
+        });
+    }
     let pipe = pipeline(ctx, key).await?;
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension.max(1);
     let mut out = Vec::new();
@@ -274,7 +380,7 @@ pub async fn build_with_key(
         let rows = chunk.rows as u32;
         let (grid, grid_x) = match key.op {
             ShaderOp::Matmul => ([Dim::Const(rows.div_ceil(32)), Dim::TokensDiv(32), Dim::Const(1)], 0),
-            ShaderOp::MatmulBlocked => {
+            ShaderOp::MatmulBlocked | ShaderOp::MatmulBlockedQ => {
                 let (tm, tn) = blocked_tile(key.flags);
                 ([Dim::Const(rows.div_ceil(tn * key.workgroup)), Dim::TokensDiv(tm), Dim::Const(1)], 0)
             }
@@ -300,7 +406,7 @@ pub async fn build_with_key(
             x_stride: io.x_stride as u32,
             grid_x,
             eps: io.eps,
-            _pad: 0,
+            group: lin.quant.map_or(0, |q| q.group),
         };
         let ubuf = create_uniform(ctx, &format!("{}.params", lin.name), &params);
         let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(0, io.step), (1, &ubuf), (2, io.x), (3, &chunk.buffer), (7, io.y)];
@@ -319,6 +425,16 @@ pub async fn build_with_key(
         }
         if let Some(r) = io.rows {
             entries.push((8, r));
+        }
+        if key.weights.is_packed() {
+            let missing = || GpuError::Validation {
+                context: lin.name.clone(),
+                message: "packed kernel without scales".into(),
+            };
+            entries.push((9, &lin.w_scales.as_ref().ok_or_else(missing)?.chunks[ci].buffer));
+            if key.flags & flags::GATED != 0 {
+                entries.push((10, &lin.u_scales.as_ref().ok_or_else(missing)?.chunks[ci].buffer));
+            }
         }
         let bg = bind(ctx, &lin.name, &pipe, &entries);
         out.push(Dispatch {

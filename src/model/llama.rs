@@ -17,13 +17,14 @@
 use std::sync::Arc;
 
 use crate::gpu::buffer::{create_storage, create_zeroed, Readback};
-use crate::gpu::{GpuContext, GpuError, GpuTensor};
+use crate::gpu::{GpuContext, GpuError};
 use crate::kernels::attention::{AttentionIo, AttentionParams};
 use crate::kernels::linear::{GpuLinear, HostMatrix, LinearIo, Shape};
 use crate::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
 use crate::kernels::{self, Dispatch, StepUniform};
 use crate::kv::{KvCache, KvConfig, KvError};
 use crate::model::{DType, HostTensor, ModelConfig, ModelWeights};
+use crate::quant::PackedMatrix;
 use crate::{LanternError, Result};
 
 /// Load-time choices.
@@ -60,8 +61,9 @@ impl Default for ModelOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightPrecision {
-    /// f16 checkpoints stay f16; everything else (f32, bf16, GGUF blocks) is expanded to f32,
-    /// which reproduces the reference implementation's numbers.
+    /// Quantized weights (GGUF Q8_0/Q4_0/Q4_1, Lantern-quantized safetensors) stay packed and
+    /// are dequantized inside the kernels; f16 checkpoints stay f16; f32 and bf16 become f32.
+    /// On CPU adapters every kernel computes in f32, so results equal the f32 reference.
     #[default]
     Native,
     /// Everything f32.
@@ -124,6 +126,70 @@ pub struct StepOutput {
     pub logits: Option<Vec<f32>>,
 }
 
+/// Bytes of one weight dtype on the GPU.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct DtypeBytes {
+    /// Weight matrices (or norm/bias vectors) stored in this dtype.
+    pub tensors: usize,
+    /// Bytes of values or integer codes.
+    pub bytes: u64,
+    /// Bytes of group scales (packed dtypes).
+    pub scale_bytes: u64,
+}
+
+/// Where a loaded model's GPU memory went. Built from the model's own buffers and checked
+/// against the context's allocation ledger: `ledger_bytes` is every byte allocated during
+/// the load (storage, uniform and readback buffers), `total()` what the categories explain.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct MemoryReport {
+    /// Weights by dtype (`q4g32`, `q8g32`, `f16`, `f32`; norms and biases are `f32`).
+    pub weights: std::collections::BTreeMap<String, DtypeBytes>,
+    pub kv_cache: u64,
+    /// Activations, step inputs, logits and the RoPE table.
+    pub workspace: u64,
+    /// Kernel parameter uniforms (one per dispatch).
+    pub uniforms: u64,
+    /// Host-mapped staging for logits readback.
+    pub readback: u64,
+    /// Every byte the ledger saw allocated during the load.
+    pub ledger_bytes: u64,
+    /// Allocations during the load.
+    pub allocations: usize,
+    /// The largest single allocation: (label, bytes).
+    pub largest: (String, u64),
+}
+
+impl MemoryReport {
+    pub fn weight_bytes(&self) -> u64 {
+        self.weights.values().map(|d| d.bytes + d.scale_bytes).sum()
+    }
+
+    /// Bytes the categories explain (equals `ledger_bytes` when every allocation is known).
+    pub fn total(&self) -> u64 {
+        self.weight_bytes() + self.kv_cache + self.workspace + self.uniforms + self.readback
+    }
+
+    fn add_linear(&mut self, lin: &GpuLinear) {
+        let key = match lin.quant {
+            Some(q) => q.to_string(),
+            None => lin.format.name().to_string(),
+        };
+        let e = self.weights.entry(key).or_default();
+        e.tensors += 1 + lin.u.is_some() as usize;
+        e.bytes += lin.bytes() - lin.scale_bytes();
+        e.scale_bytes += lin.scale_bytes();
+        if lin.bias.is_some() {
+            self.add_f32_vector(lin.n_rows);
+        }
+    }
+
+    fn add_f32_vector(&mut self, n: usize) {
+        let e = self.weights.entry("f32".into()).or_default();
+        e.tensors += 1;
+        e.bytes += n as u64 * 4;
+    }
+}
+
 /// A model resident on the GPU with its KV cache.
 pub struct GpuModel {
     pub ctx: Arc<GpuContext>,
@@ -136,13 +202,13 @@ pub struct GpuModel {
     #[allow(dead_code)]
     lm_head: GpuLinear,
     #[allow(dead_code)]
-    embed_own: Option<GpuTensor>,
+    embed_own: Option<GpuLinear>,
     #[allow(dead_code)]
     final_norm: wgpu::Buffer,
     ws: Workspace,
     plans: Plans,
     readback: Readback,
-    weight_bytes: u64,
+    memory: MemoryReport,
     /// Steps where the matvec path runs (n_tokens at or below this).
     pub matvec_max_tokens: usize,
 }
@@ -150,6 +216,7 @@ pub struct GpuModel {
 enum Owned {
     F32(Vec<f32>),
     F16(Vec<u16>),
+    Packed(PackedMatrix),
 }
 
 impl Owned {
@@ -157,6 +224,16 @@ impl Owned {
         match self {
             Owned::F32(v) => HostMatrix::F32(v),
             Owned::F16(v) => HostMatrix::F16(v),
+            Owned::Packed(p) => HostMatrix::Packed(p),
+        }
+    }
+
+    /// Whether two matrices are stored alike (gate and up share one kernel).
+    fn same_storage(&self, other: &Owned) -> bool {
+        match (self, other) {
+            (Owned::F32(_), Owned::F32(_)) | (Owned::F16(_), Owned::F16(_)) => true,
+            (Owned::Packed(a), Owned::Packed(b)) => a.format == b.format,
+            _ => false,
         }
     }
 }
@@ -170,8 +247,28 @@ fn get<'a>(w: &'a ModelWeights, name: &str) -> Result<&'a HostTensor> {
     })
 }
 
-/// Concatenate row blocks of matrices into one, keeping f16 when all parts are f16.
-fn matrix(parts: &[&HostTensor], precision: WeightPrecision) -> Owned {
+/// Concatenate row blocks of matrices into one: with `Native`, packed when every part is
+/// quantized in one format (GGUF blocks repacked bit for bit), f16 when all parts are f16.
+fn matrix(parts: &[&HostTensor], precision: WeightPrecision) -> Result<Owned> {
+    if precision == WeightPrecision::Native && parts.iter().all(|t| t.dtype.quant_kind().is_some()) {
+        let mut packed = Vec::with_capacity(parts.len());
+        for t in parts {
+            match t.packed() {
+                Some(Ok(p)) => packed.push(p),
+                Some(Err(e)) => return Err(LanternError::Other(e.to_string())),
+                None => unreachable!("quant_kind() is Some"),
+            }
+        }
+        if packed.iter().all(|p| p.format == packed[0].format) {
+            return PackedMatrix::concat_rows(&packed)
+                .map(Owned::Packed)
+                .map_err(|e| LanternError::Other(e.to_string()));
+        }
+    }
+    Ok(matrix_float(parts, precision))
+}
+
+fn matrix_float(parts: &[&HostTensor], precision: WeightPrecision) -> Owned {
     if precision == WeightPrecision::F16 {
         let mut v = Vec::new();
         for t in parts {
@@ -239,7 +336,7 @@ impl GpuModel {
         let kv_dim = c.num_kv_heads * hd;
         let f = c.intermediate_size;
         let keep = options.weights;
-        let mut weight_bytes = 0u64;
+        let mark = ctx.ledger.mark();
         let mut layers = Vec::with_capacity(c.num_layers);
         let norm = |name: &str| -> Result<wgpu::Buffer> {
             let t = get(weights, name)?;
@@ -250,7 +347,7 @@ impl GpuModel {
             let q = get(weights, &format!("{p}.self_attn.q_proj.weight"))?;
             let k = get(weights, &format!("{p}.self_attn.k_proj.weight"))?;
             let v = get(weights, &format!("{p}.self_attn.v_proj.weight"))?;
-            let qkv_w = matrix(&[q, k, v], keep);
+            let qkv_w = matrix(&[q, k, v], keep)?;
             let bias = if c.qkv_bias {
                 let mut b = get(weights, &format!("{p}.self_attn.q_proj.bias"))?.to_f32();
                 b.extend(get(weights, &format!("{p}.self_attn.k_proj.bias"))?.to_f32());
@@ -261,22 +358,22 @@ impl GpuModel {
             };
             let qkv = GpuLinear::upload(&ctx, &format!("{p}.qkv"), qkv_w.as_matrix(), None, bias.as_deref(), qkv_dim, d)
                 .map_err(gpu_err)?;
-            let o_w = matrix(&[get(weights, &format!("{p}.self_attn.o_proj.weight"))?], keep);
+            let o_w = matrix(&[get(weights, &format!("{p}.self_attn.o_proj.weight"))?], keep)?;
             let o = GpuLinear::upload(&ctx, &format!("{p}.o_proj"), o_w.as_matrix(), None, None, d, q_dim).map_err(gpu_err)?;
-            let g_w = matrix(&[get(weights, &format!("{p}.mlp.gate_proj.weight"))?], keep);
-            let u_w = matrix(&[get(weights, &format!("{p}.mlp.up_proj.weight"))?], keep);
-            let (g_m, u_m) = match (&g_w, &u_w) {
-                (Owned::F16(_), Owned::F16(_)) | (Owned::F32(_), Owned::F32(_)) => (g_w, u_w),
-                _ => (
-                    matrix(&[get(weights, &format!("{p}.mlp.gate_proj.weight"))?], WeightPrecision::F32),
-                    matrix(&[get(weights, &format!("{p}.mlp.up_proj.weight"))?], WeightPrecision::F32),
-                ),
+            let g_t = get(weights, &format!("{p}.mlp.gate_proj.weight"))?;
+            let u_t = get(weights, &format!("{p}.mlp.up_proj.weight"))?;
+            let g_w = matrix(&[g_t], keep)?;
+            let u_w = matrix(&[u_t], keep)?;
+            // One gated kernel reads both: if they are stored differently, both go to f32.
+            let (g_m, u_m) = if g_w.same_storage(&u_w) {
+                (g_w, u_w)
+            } else {
+                (matrix_float(&[g_t], WeightPrecision::F32), matrix_float(&[u_t], WeightPrecision::F32))
             };
             let gate_up = GpuLinear::upload(&ctx, &format!("{p}.gate_up"), g_m.as_matrix(), Some(u_m.as_matrix()), None, f, d)
                 .map_err(gpu_err)?;
-            let dn_w = matrix(&[get(weights, &format!("{p}.mlp.down_proj.weight"))?], keep);
+            let dn_w = matrix(&[get(weights, &format!("{p}.mlp.down_proj.weight"))?], keep)?;
             let down = GpuLinear::upload(&ctx, &format!("{p}.down_proj"), dn_w.as_matrix(), None, None, d, f).map_err(gpu_err)?;
-            weight_bytes += qkv.bytes() + o.bytes() + gate_up.bytes() + down.bytes() + 2 * d as u64 * 4;
             layers.push(Layer {
                 qkv,
                 o,
@@ -292,23 +389,16 @@ impl GpuModel {
         } else {
             get(weights, "lm_head.weight")?
         };
-        let head_m = matrix(&[head_t], keep);
+        let head_m = matrix(&[head_t], keep)?;
         let lm_head = GpuLinear::upload(&ctx, "lm_head", head_m.as_matrix(), None, None, c.vocab_size, d).map_err(gpu_err)?;
-        weight_bytes += lm_head.bytes();
         let embed_own = if c.tie_word_embeddings {
             None
         } else {
-            let m = matrix(&[embed_t], keep);
-            let t = match &m {
-                Owned::F32(v) => GpuTensor::upload_rows(&ctx, "embed_tokens", bytemuck::cast_slice(v), c.vocab_size, d * 4),
-                Owned::F16(v) => GpuTensor::upload_rows(&ctx, "embed_tokens", bytemuck::cast_slice(v), c.vocab_size, d * 2),
-            }
-            .map_err(gpu_err)?;
-            weight_bytes += t.bytes();
+            let m = matrix(&[embed_t], keep)?;
+            let t = GpuLinear::upload(&ctx, "embed_tokens", m.as_matrix(), None, None, c.vocab_size, d).map_err(gpu_err)?;
             Some(t)
         };
         let final_norm = norm("model.norm.weight")?;
-        weight_bytes += d as u64 * 4;
 
         // KV cache.
         let context = options
@@ -346,8 +436,8 @@ impl GpuModel {
         let _ = kv_dim;
 
         // Plans.
-        let embed_src = embed_own.as_ref().unwrap_or(&lm_head.w);
-        let embed = kernels::embedding::build(&ctx, &ws.step, &ws.ids, embed_src, lm_head.format, d, &ws.hidden)
+        let embed_src = embed_own.as_ref().unwrap_or(&lm_head);
+        let embed = kernels::embedding::build(&ctx, &ws.step, &ws.ids, embed_src, &ws.hidden)
             .await
             .map_err(gpu_err)?;
         let mut layers_matvec = Vec::new();
@@ -382,6 +472,38 @@ impl GpuModel {
         // CPU adapters: the blocked matmul already beats one matvec per token at 2 tokens
         // (SmolLM2-135M on lavapipe, layer linears: 1.67 s blocked vs 2 x 1.04 s matvec).
         let matvec_max_tokens = if ctx.caps.cpu_like { 1 } else { 4 };
+
+        // Where the memory went, checked against every allocation made above.
+        let mut memory = MemoryReport::default();
+        for layer in &layers {
+            for lin in [&layer.qkv, &layer.o, &layer.gate_up, &layer.down] {
+                memory.add_linear(lin);
+            }
+            memory.add_f32_vector(d);
+            memory.add_f32_vector(d);
+        }
+        memory.add_linear(&lm_head);
+        if let Some(e) = &embed_own {
+            memory.add_linear(e);
+        }
+        memory.add_f32_vector(d);
+        memory.kv_cache = kv.bytes();
+        memory.workspace = [
+            &ws.ids, &ws.positions, &ws.token_seq, &ws.block_table, &ws.logit_rows, &ws.hidden, &ws.qkv, &ws.attn,
+            &ws.act, &ws.logits, &ws.argmax, &ws.rope,
+        ]
+        .iter()
+        .map(|b| b.size())
+        .sum();
+        let allocs = ctx.ledger.since(mark);
+        let usage_bytes = |u: crate::gpu::AllocUsage| allocs.iter().filter(|a| a.usage == u).map(|a| a.bytes).sum::<u64>();
+        memory.uniforms = usage_bytes(crate::gpu::AllocUsage::Uniform);
+        memory.readback = usage_bytes(crate::gpu::AllocUsage::Readback);
+        memory.ledger_bytes = allocs.iter().map(|a| a.bytes).sum();
+        memory.allocations = allocs.len();
+        if let Some(a) = allocs.iter().max_by_key(|a| a.bytes) {
+            memory.largest = (a.label.clone(), a.bytes);
+        }
         Ok(GpuModel {
             ctx,
             config: c,
@@ -394,7 +516,7 @@ impl GpuModel {
             ws,
             plans,
             readback,
-            weight_bytes,
+            memory,
             matvec_max_tokens,
         })
     }
@@ -500,9 +622,15 @@ impl GpuModel {
         Ok(v)
     }
 
-    /// Bytes of weights on the GPU.
+    /// Where the GPU memory of this model went (weights by dtype with scales, KV cache,
+    /// workspace, uniforms, readback), and what the allocation ledger saw.
+    pub fn memory(&self) -> &MemoryReport {
+        &self.memory
+    }
+
+    /// Bytes of weights on the GPU (values or codes, scales, norms, biases).
     pub fn weight_bytes(&self) -> u64 {
-        self.weight_bytes
+        self.memory.weight_bytes()
     }
 
     /// Dispatches recorded for one decode step (one token of one sequence).

@@ -1,0 +1,277 @@
+// Prefill matmul over packed integer weights for CPU adapters (lavapipe, SwiftShader): the
+// register-blocked kernel of matmul_blocked.wgsl with the weights read as code words and
+// dequantized in registers (q d + m, the group's scale read once per group and row).
+// Y[m, row_offset + n] = epilogue(sum_k X'[m, k] * W[n, k]); each invocation computes TM
+// tokens x TN rows (TM = 8 with BLOCK_M8, else 4; TN = 8 with BLOCK_N8, else 4) straight from
+// global memory, four elements of K at a time: one vec4 x load feeds TN rows and one code
+// word (4 or 8 weights) feeds TM tokens. Same fused prologue/epilogues as the other linear
+// kernels: NORM, GATED, BIAS, RESIDUAL. Tokens and rows past the ends are read clamped and
+// never stored, so control flow stays uniform.
+#include "common/linear.wgsl"
+
+#if BLOCK_M8
+const TM: u32 = 8u;
+#else
+const TM: u32 = 4u;
+#endif
+#if BLOCK_N8
+const TN: u32 = 8u;
+#else
+const TN: u32 = 4u;
+#endif
+
+// Scales (d, m) of four rows, and four consecutive dequantized values of four rows.
+struct S4 {
+    s0: vec2<f32>,
+    s1: vec2<f32>,
+    s2: vec2<f32>,
+    s3: vec2<f32>,
+}
+
+struct R4 {
+    r0: vec4<f32>,
+    r1: vec4<f32>,
+    r2: vec4<f32>,
+    r3: vec4<f32>,
+}
+
+// The weights of one 4-wide K step of the row block: rows 0-3 (a, ua) and 4-7 (b, ub).
+struct Wk {
+    a: R4,
+#if BLOCK_N8
+    b: R4,
+#endif
+#if GATED
+    ua: R4,
+#if BLOCK_N8
+    ub: R4,
+#endif
+#endif
+}
+
+// The scales of one group of the row block.
+struct Sk {
+    a: S4,
+#if BLOCK_N8
+    b: S4,
+#endif
+#if GATED
+    ua: S4,
+#if BLOCK_N8
+    ub: S4,
+#endif
+#endif
+}
+
+// The code words of one K word of the row block.
+struct Qk {
+    a: vec4<u32>,
+#if BLOCK_N8
+    b: vec4<u32>,
+#endif
+#if GATED
+    ua: vec4<u32>,
+#if BLOCK_N8
+    ub: vec4<u32>,
+#endif
+#endif
+}
+
+// One token's accumulators: W x' (a) and U x' (c) for rows 0-3 / 4-7, and sum(x^2).
+struct Acc {
+    a0: vec4<f32>,
+#if BLOCK_N8
+    a1: vec4<f32>,
+#endif
+#if GATED
+    c0: vec4<f32>,
+#if BLOCK_N8
+    c1: vec4<f32>,
+#endif
+#endif
+    s: f32,
+}
+
+var<private> t0: Acc;
+var<private> t1: Acc;
+var<private> t2: Acc;
+var<private> t3: Acc;
+#if BLOCK_M8
+var<private> t4: Acc;
+var<private> t5: Acc;
+var<private> t6: Acc;
+var<private> t7: Acc;
+#endif
+// Token row bases in vec4s of x (tokens past the end read the last token).
+var<private> xb: array<u32, TM>;
+
+fn w_scales(r: vec4<u32>, gi: u32) -> S4 {
+    return S4(w_scale(r.x, gi), w_scale(r.y, gi), w_scale(r.z, gi), w_scale(r.w, gi));
+}
+
+fn w_words(r: vec4<u32>, kw: u32) -> vec4<u32> {
+    return vec4<u32>(w[r.x + kw], w[r.y + kw], w[r.z + kw], w[r.w + kw]);
+}
+
+#if GATED
+fn u_scales(r: vec4<u32>, gi: u32) -> S4 {
+    return S4(u_scale(r.x, gi), u_scale(r.y, gi), u_scale(r.z, gi), u_scale(r.w, gi));
+}
+
+fn u_words(r: vec4<u32>, kw: u32) -> vec4<u32> {
+    return vec4<u32>(u[r.x + kw], u[r.y + kw], u[r.z + kw], u[r.w + kw]);
+}
+#endif
+
+// Values of four rows: elements 0-3 (hi = false) or 4-7 (hi = true, 4-bit only) of a word.
+fn deq4(q: vec4<u32>, s: S4, hi: bool) -> R4 {
+    if (hi) {
+        return R4(deq(codes_hi(q.x), s.s0), deq(codes_hi(q.y), s.s1), deq(codes_hi(q.z), s.s2), deq(codes_hi(q.w), s.s3));
+    }
+    return R4(deq(codes_lo(q.x), s.s0), deq(codes_lo(q.y), s.s1), deq(codes_lo(q.z), s.s2), deq(codes_lo(q.w), s.s3));
+}
+
+fn dot4(r: R4, xv: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(dot(r.r0, xv), dot(r.r1, xv), dot(r.r2, xv), dot(r.r3, xv));
+}
+
+fn tok4(t: ptr<private, Acc>, xi4: u32, gv: vec4<f32>, wk: Wk) {
+    var xv = x[xi4];
+#if NORM
+    (*t).s += dot(xv, xv);
+    xv = xv * gv;
+#endif
+    (*t).a0 += dot4(wk.a, xv);
+#if BLOCK_N8
+    (*t).a1 += dot4(wk.b, xv);
+#endif
+#if GATED
+    (*t).c0 += dot4(wk.ua, xv);
+#if BLOCK_N8
+    (*t).c1 += dot4(wk.ub, xv);
+#endif
+#endif
+}
+
+// One 4-wide K step (x vec4 index `kx` within a row) for every token of the block.
+fn step4(kx: u32, q: Qk, s: Sk, hi: bool) {
+    var wk: Wk;
+    wk.a = deq4(q.a, s.a, hi);
+#if BLOCK_N8
+    wk.b = deq4(q.b, s.b, hi);
+#endif
+#if GATED
+    wk.ua = deq4(q.ua, s.ua, hi);
+#if BLOCK_N8
+    wk.ub = deq4(q.ub, s.ub, hi);
+#endif
+#endif
+#if NORM
+    let gv = g[kx];
+#else
+    let gv = vec4<f32>(1.0);
+#endif
+    tok4(&t0, xb[0] + kx, gv, wk);
+    tok4(&t1, xb[1] + kx, gv, wk);
+    tok4(&t2, xb[2] + kx, gv, wk);
+    tok4(&t3, xb[3] + kx, gv, wk);
+#if BLOCK_M8
+    tok4(&t4, xb[4] + kx, gv, wk);
+    tok4(&t5, xb[5] + kx, gv, wk);
+    tok4(&t6, xb[6] + kx, gv, wk);
+    tok4(&t7, xb[7] + kx, gv, wk);
+#endif
+}
+
+// Epilogue and store of one token's row block.
+fn finish(t: Acc, m: u32, n0: u32) {
+    if (m >= step.n_tokens) {
+        return;
+    }
+#if NORM
+    let r = inv_rms(t.s);
+#else
+    let r = 1.0;
+#endif
+    for (var j = 0u; j < TN; j++) {
+        let n = n0 + j;
+        if (n >= p.n_rows) {
+            break;
+        }
+        var v = t.a0[j & 3u];
+        var b = 0.0;
+#if GATED
+        b = t.c0[j & 3u];
+#endif
+#if BLOCK_N8
+        if (j >= 4u) {
+            v = t.a1[j & 3u];
+#if GATED
+            b = t.c1[j & 3u];
+#endif
+        }
+#endif
+        store_out(m, n, v, b, r);
+    }
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let n_tok = step.n_tokens;
+    let m0 = wid.y * TM;
+    let n0 = (wid.x * WG + lid) * TN;
+    let wpr = p.k / EPW;
+    let xpw = EPW / 4u;
+    let last = p.n_rows - 1u;
+    // Rows of the block (rows past the end read the last row) and their word bases.
+    let ra = min(vec4<u32>(n0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
+#if BLOCK_N8
+    let rb = min(vec4<u32>(n0) + vec4<u32>(4u, 5u, 6u, 7u), vec4<u32>(last));
+#endif
+    let lt = max(n_tok, 1u) - 1u;
+    for (var i = 0u; i < TM; i++) {
+        xb[i] = min(m0 + i, lt) * (p.x_stride / 4u);
+    }
+    let wpg = p.group / EPW;
+    for (var gi = 0u; gi < p.k / p.group; gi++) {
+        var s: Sk;
+        s.a = w_scales(ra, gi);
+#if BLOCK_N8
+        s.b = w_scales(rb, gi);
+#endif
+#if GATED
+        s.ua = u_scales(ra, gi);
+#if BLOCK_N8
+        s.ub = u_scales(rb, gi);
+#endif
+#endif
+        for (var j = 0u; j < wpg; j++) {
+            let kw = gi * wpg + j;
+            var q: Qk;
+            q.a = w_words(ra * wpr, kw);
+#if BLOCK_N8
+            q.b = w_words(rb * wpr, kw);
+#endif
+#if GATED
+            q.ua = u_words(ra * wpr, kw);
+#if BLOCK_N8
+            q.ub = u_words(rb * wpr, kw);
+#endif
+#endif
+            step4(kw * xpw, q, s, false);
+#ifndef W_Q8
+            step4(kw * xpw + 1u, q, s, true);
+#endif
+        }
+    }
+    finish(t0, m0, n0);
+    finish(t1, m0 + 1u, n0);
+    finish(t2, m0 + 2u, n0);
+    finish(t3, m0 + 3u, n0);
+#if BLOCK_M8
+    finish(t4, m0 + 4u, n0);
+    finish(t5, m0 + 5u, n0);
+    finish(t6, m0 + 6u, n0);
+    finish(t7, m0 + 7u, n0);
+#endif
+}
