@@ -76,6 +76,7 @@ struct Layout {
 const LAYOUTS: &[Layout] = &[
     Layout { name: "thread (row/invocation, wg64)", flags: 0, wg: 64, subgroups: false },
     Layout { name: "rows4 (4 rows/invocation, wg8)", flags: flags::ROWS4, wg: 8, subgroups: false },
+    Layout { name: "rows4 + x broadcast (packed, wg8 = subgroup)", flags: flags::ROWS4 | flags::XBCAST, wg: 8, subgroups: true },
     Layout { name: "wg8 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 8, subgroups: true },
     Layout { name: "wg64 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 64, subgroups: true },
 ];
@@ -146,6 +147,9 @@ fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext) -> Option<PipelineKey> {
     let packed = fmt.is_packed();
     if packed && l.flags & (flags::ROWS4 | flags::ROW_PER_WORKGROUP) == 0 {
         return None; // the packed matvec has the two tuned layouts only
+    }
+    if l.flags & flags::XBCAST != 0 && !(packed && lantern::kernels::linear::xbcast_fits(ctx)) {
+        return None;
     }
     Some(
         PipelineKey::new(if packed { ShaderOp::MatvecQ } else { ShaderOp::Matvec }, l.wg)
@@ -275,7 +279,14 @@ fn main() {
                     (ShaderOp::MatmulBlocked, true) => ShaderOp::MatmulBlockedQ,
                     (op, _) => op,
                 };
-                let key = PipelineKey::new(op, m.wg).with_flags(m.flags).with_weights(fmt);
+                let xb = m.flags & flags::XBCAST != 0;
+                if xb && !(fmt.is_packed() && lantern::kernels::linear::xbcast_fits(&ctx)) {
+                    continue;
+                }
+                let key = PipelineKey::new(op, m.wg)
+                    .with_flags(m.flags)
+                    .with_weights(fmt)
+                    .with_features(Features { f16: false, subgroups: xb });
                 let d = dispatches(&ctx, &c, key);
                 let t = time(&ctx, reps, || submit(&ctx, &c.step, tokens as u32, tokens as u32, &d));
                 let flops = 2.0 * (tokens * n * k) as f64;
@@ -305,4 +316,6 @@ const MATMULS: &[MatmulVariant] = &[
     MatmulVariant { name: "b84", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8, wg: 8 },
     MatmulVariant { name: "b48", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_N8, wg: 8 },
     MatmulVariant { name: "b88", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::BLOCK_N8, wg: 8 },
+    MatmulVariant { name: "b84x", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::XBCAST, wg: 8 },
+    MatmulVariant { name: "b88x", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST, wg: 8 },
 ];

@@ -6,7 +6,9 @@
 // global memory, four elements of K at a time: one vec4 x load feeds TN rows and one code
 // word (4 or 8 weights) feeds TM tokens. Same fused prologue/epilogues as the other linear
 // kernels: NORM, GATED, BIAS, RESIDUAL. Tokens and rows past the ends are read clamped and
-// never stored, so control flow stays uniform.
+// never stored, so control flow stays uniform. XBCAST (the workgroup of 8 is one subgroup):
+// each lane loads one element of x per token and subgroupBroadcast hands it to the others,
+// one load per element instead of one per element per lane.
 #include "common/linear.wgsl"
 
 #if BLOCK_M8
@@ -102,8 +104,12 @@ var<private> t5: Acc;
 var<private> t6: Acc;
 var<private> t7: Acc;
 #endif
-// Token row bases in vec4s of x (tokens past the end read the last token).
+// Token row bases in x (tokens past the end read the last token): vec4 index, or element
+// index with XBCAST.
 var<private> xb: array<u32, TM>;
+#if XBCAST
+var<private> lane: u32;
+#endif
 
 fn w_scales(r: vec4<u32>, gi: u32) -> S4 {
     return S4(w_scale(r.x, gi), w_scale(r.y, gi), w_scale(r.z, gi), w_scale(r.w, gi));
@@ -135,6 +141,7 @@ fn dot4(r: R4, xv: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(dot(r.r0, xv), dot(r.r1, xv), dot(r.r2, xv), dot(r.r3, xv));
 }
 
+#ifndef XBCAST
 fn tok4(t: ptr<private, Acc>, xi4: u32, gv: vec4<f32>, wk: Wk) {
     var xv = x[xi4];
 #if NORM
@@ -182,6 +189,71 @@ fn step4(kx: u32, q: Qk, s: Sk, hi: bool) {
     tok4(&t7, xb[7] + kx, gv, wk);
 #endif
 }
+#endif
+
+#if XBCAST
+// x'[k] of token i for this lane's element k (its square added to the token's sum).
+fn x_lane(i: u32, k: u32, gl: f32, t: ptr<private, Acc>) -> f32 {
+    var v = x[xb[i] + k];
+#if NORM
+    (*t).s += v * v;
+    v = v * gl;
+#endif
+    return v;
+}
+
+// One token, one 8-element step: the lanes' elements broadcast, times rows' values lo
+// (elements 0-3) and hi (4-7).
+fn tok8(t: ptr<private, Acc>, xl: f32, lo: Wk, hi: Wk) {
+    let xa = vec4<f32>(subgroupBroadcast(xl, 0u), subgroupBroadcast(xl, 1u), subgroupBroadcast(xl, 2u), subgroupBroadcast(xl, 3u));
+    let xh = vec4<f32>(subgroupBroadcast(xl, 4u), subgroupBroadcast(xl, 5u), subgroupBroadcast(xl, 6u), subgroupBroadcast(xl, 7u));
+    (*t).a0 += dot4(lo.a, xa) + dot4(hi.a, xh);
+#if BLOCK_N8
+    (*t).a1 += dot4(lo.b, xa) + dot4(hi.b, xh);
+#endif
+#if GATED
+    (*t).c0 += dot4(lo.ua, xa) + dot4(hi.ua, xh);
+#if BLOCK_N8
+    (*t).c1 += dot4(lo.ub, xa) + dot4(hi.ub, xh);
+#endif
+#endif
+}
+
+fn deq_wk(q: Qk, s: Sk, hi: bool) -> Wk {
+    var wk: Wk;
+    wk.a = deq4(q.a, s.a, hi);
+#if BLOCK_N8
+    wk.b = deq4(q.b, s.b, hi);
+#endif
+#if GATED
+    wk.ua = deq4(q.ua, s.ua, hi);
+#if BLOCK_N8
+    wk.ub = deq4(q.ub, s.ub, hi);
+#endif
+#endif
+    return wk;
+}
+
+// Elements k8 .. k8 + 8 for every token of the block.
+fn step8(k8: u32, lo: Wk, hi: Wk) {
+    let k = k8 + lane;
+#if NORM
+    let gl = g[k];
+#else
+    let gl = 1.0;
+#endif
+    tok8(&t0, x_lane(0u, k, gl, &t0), lo, hi);
+    tok8(&t1, x_lane(1u, k, gl, &t1), lo, hi);
+    tok8(&t2, x_lane(2u, k, gl, &t2), lo, hi);
+    tok8(&t3, x_lane(3u, k, gl, &t3), lo, hi);
+#if BLOCK_M8
+    tok8(&t4, x_lane(4u, k, gl, &t4), lo, hi);
+    tok8(&t5, x_lane(5u, k, gl, &t5), lo, hi);
+    tok8(&t6, x_lane(6u, k, gl, &t6), lo, hi);
+    tok8(&t7, x_lane(7u, k, gl, &t7), lo, hi);
+#endif
+}
+#endif
 
 // Epilogue and store of one token's row block.
 fn finish(t: Acc, m: u32, n0: u32) {
@@ -229,9 +301,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let rb = min(vec4<u32>(n0) + vec4<u32>(4u, 5u, 6u, 7u), vec4<u32>(last));
 #endif
     let lt = max(n_tok, 1u) - 1u;
+#if XBCAST
+    lane = lid;
+    for (var i = 0u; i < TM; i++) {
+        xb[i] = min(m0 + i, lt) * p.x_stride;
+    }
+#else
     for (var i = 0u; i < TM; i++) {
         xb[i] = min(m0 + i, lt) * (p.x_stride / 4u);
     }
+#endif
     let wpg = p.group / EPW;
     for (var gi = 0u; gi < p.k / p.group; gi++) {
         var s: Sk;
@@ -258,12 +337,49 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             q.ub = u_words(rb * wpr, kw);
 #endif
 #endif
+#if XBCAST
+#if W_Q8
+            // Q8 steps take two words (8 elements) at a time.
+            if (j % 2u == 0u) {
+                var q2: Qk;
+                q2.a = w_words(ra * wpr, kw + 1u);
+#if BLOCK_N8
+                q2.b = w_words(rb * wpr, kw + 1u);
+#endif
+#if GATED
+                q2.ua = u_words(ra * wpr, kw + 1u);
+#if BLOCK_N8
+                q2.ub = u_words(rb * wpr, kw + 1u);
+#endif
+#endif
+                step8(kw * EPW, deq_wk(q, s, false), deq_wk(q2, s, false));
+            }
+#else
+            step8(kw * EPW, deq_wk(q, s, false), deq_wk(q, s, true));
+#endif
+#else
             step4(kw * xpw, q, s, false);
 #ifndef W_Q8
             step4(kw * xpw + 1u, q, s, true);
 #endif
+#endif
         }
     }
+#if XBCAST
+#if NORM
+    // Each lane summed the squares of its own elements of each token.
+    t0.s = subgroupAdd(t0.s);
+    t1.s = subgroupAdd(t1.s);
+    t2.s = subgroupAdd(t2.s);
+    t3.s = subgroupAdd(t3.s);
+#if BLOCK_M8
+    t4.s = subgroupAdd(t4.s);
+    t5.s = subgroupAdd(t5.s);
+    t6.s = subgroupAdd(t6.s);
+    t7.s = subgroupAdd(t7.s);
+#endif
+#endif
+#endif
     finish(t0, m0, n0);
     finish(t1, m0 + 1u, n0);
     finish(t2, m0 + 2u, n0);

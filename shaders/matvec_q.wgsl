@@ -8,6 +8,9 @@
 // Layouts: ROWS4 (CPU adapters): each invocation computes four adjacent rows, walking the
 // row's groups and words, so one x load serves four rows and one word load serves eight
 // (4-bit) or four (Q8) weights: loads, not bytes, are what CPU adapters pay for.
+// XBCAST (with ROWS4, on CPU adapters whose workgroup of 8 is one subgroup): x is loaded one
+// element per lane and handed to every lane with subgroupBroadcast, so each element costs
+// one load instead of one per lane (lavapipe runs divergent loads lane by lane).
 // ROW_PER_WORKGROUP (GPUs): a workgroup per row, invocations striding over the row's code
 // words (coalesced), reduced with subgroups when SUBGROUPS is set. F16 dequantizes in half
 // precision.
@@ -56,12 +59,17 @@ fn main(
         return;
     }
 #if GATHER
-    let xb4 = rows[t] * (p.x_stride / 4u);
+    let xrow = rows[t];
 #else
-    let xb4 = t * (p.x_stride / 4u);
+    let xrow = t;
 #endif
-    // Words per row; vec4s of x per word.
+    // Words per row.
     let wpr = p.k / EPW;
+#if XBCAST
+    rows4_bcast(t, xrow * p.x_stride, wpr, wid, lid);
+#else
+    let xb4 = xrow * (p.x_stride / 4u);
+    // vec4s of x per word.
     let xpw = EPW / 4u;
 #if ROW_PER_WORKGROUP
     let row = wid.y * p.grid_x + wid.x;
@@ -154,4 +162,82 @@ fn main(
         }
     }
 #endif
+#endif
 }
+
+#if XBCAST
+// Four rows' dot products with one 4-wide slice of x given per lane... see rows4_bcast.
+fn dot_rows(q: vec4<u32>, s0: vec2<f32>, s1: vec2<f32>, s2: vec2<f32>, s3: vec2<f32>, xa: vec4<f32>, xh: vec4<f32>) -> vec4<f32> {
+#if W_Q8
+    return vec4<f32>(
+        dot(deq(codes_lo(q.x), s0), xa),
+        dot(deq(codes_lo(q.y), s1), xa),
+        dot(deq(codes_lo(q.z), s2), xa),
+        dot(deq(codes_lo(q.w), s3), xa));
+#else
+    return vec4<f32>(
+        dot(deq(codes_lo(q.x), s0), xa) + dot(deq(codes_hi(q.x), s0), xh),
+        dot(deq(codes_lo(q.y), s1), xa) + dot(deq(codes_hi(q.y), s1), xh),
+        dot(deq(codes_lo(q.z), s2), xa) + dot(deq(codes_hi(q.z), s2), xh),
+        dot(deq(codes_lo(q.w), s3), xa) + dot(deq(codes_hi(q.w), s3), xh));
+#endif
+}
+
+// ROWS4 with x shared by subgroupBroadcast: the workgroup (WG = 8 lanes) is one subgroup, so
+// control flow stays uniform to the end (rows past n_rows are read clamped, never stored).
+// Each step covers 8 elements of x: one load per lane, then eight broadcasts.
+fn rows4_bcast(t: u32, xb: u32, wpr: u32, wid: vec3<u32>, lid: u32) {
+    let row0 = ((wid.y * p.grid_x + wid.x) * WG + lid) * 4u;
+    let last = p.n_rows - 1u;
+    let r = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
+    let wb = r * wpr;
+    var a = vec4<f32>(0.0);
+    var ua = vec4<f32>(0.0);
+    var ss = 0.0;
+    // Words per 8 elements, 8-element steps per group.
+    let w8 = 8u / EPW;
+    let spg = p.group / 8u;
+    for (var gi = 0u; gi < p.k / p.group; gi++) {
+        let s_0 = w_scale(r.x, gi);
+        let s_1 = w_scale(r.y, gi);
+        let s_2 = w_scale(r.z, gi);
+        let s_3 = w_scale(r.w, gi);
+#if GATED
+        let t_0 = u_scale(r.x, gi);
+        let t_1 = u_scale(r.y, gi);
+        let t_2 = u_scale(r.z, gi);
+        let t_3 = u_scale(r.w, gi);
+#endif
+        for (var j = 0u; j < spg; j++) {
+            let k8 = (gi * spg + j) * 8u;
+            let xl = load_x1(xb, k8 + lid, &ss);
+            let xa = vec4<f32>(subgroupBroadcast(xl, 0u), subgroupBroadcast(xl, 1u), subgroupBroadcast(xl, 2u), subgroupBroadcast(xl, 3u));
+            let xh = vec4<f32>(subgroupBroadcast(xl, 4u), subgroupBroadcast(xl, 5u), subgroupBroadcast(xl, 6u), subgroupBroadcast(xl, 7u));
+            let kw = k8 / EPW;
+            let q = vec4<u32>(w[wb.x + kw], w[wb.y + kw], w[wb.z + kw], w[wb.w + kw]);
+#if W_Q8
+            let q2 = vec4<u32>(w[wb.x + kw + 1u], w[wb.y + kw + 1u], w[wb.z + kw + 1u], w[wb.w + kw + 1u]);
+            a += dot_rows(q, s_0, s_1, s_2, s_3, xa, xh) + dot_rows(q2, s_0, s_1, s_2, s_3, xh, xh);
+#else
+            a += dot_rows(q, s_0, s_1, s_2, s_3, xa, xh);
+#endif
+#if GATED
+            let qu = vec4<u32>(u[wb.x + kw], u[wb.y + kw], u[wb.z + kw], u[wb.w + kw]);
+#if W_Q8
+            let qu2 = vec4<u32>(u[wb.x + kw + 1u], u[wb.y + kw + 1u], u[wb.z + kw + 1u], u[wb.w + kw + 1u]);
+            ua += dot_rows(qu, t_0, t_1, t_2, t_3, xa, xh) + dot_rows(qu2, t_0, t_1, t_2, t_3, xh, xh);
+#else
+            ua += dot_rows(qu, t_0, t_1, t_2, t_3, xa, xh);
+#endif
+#endif
+        }
+    }
+    // Each lane summed the squares of its own elements.
+    let s0 = subgroupAdd(ss);
+    for (var i = 0u; i < 4u; i++) {
+        if (row0 + i < p.n_rows) {
+            finish(t, row0 + i, vec3<f32>(a[i], ua[i], s0));
+        }
+    }
+}
+#endif

@@ -159,6 +159,11 @@ pub mod flags {
     pub const BLOCK_M8: u32 = 128;
     /// Blocked matmul: 8 rows per invocation (else 4).
     pub const BLOCK_N8: u32 = 256;
+    /// Packed kernels on CPU adapters whose workgroup is exactly one 8-wide subgroup: each
+    /// lane loads one element of x and `subgroupBroadcast` hands it to the others, so x
+    /// costs one load per 8 elements instead of one per element per lane (lavapipe runs
+    /// every divergent load as a per-lane scalar loop). Needs SUBGROUPS.
+    pub const XBCAST: u32 = 512;
     /// Every flag with its define name, in a stable order.
     pub const ALL: &[(u32, &str)] = &[
         (NORM, "NORM"),
@@ -170,6 +175,7 @@ pub mod flags {
         (ROWS4, "ROWS4"),
         (BLOCK_M8, "BLOCK_M8"),
         (BLOCK_N8, "BLOCK_N8"),
+        (XBCAST, "XBCAST"),
     ];
 }
 
@@ -223,7 +229,7 @@ impl PipelineKey {
         for name in self.weights.defines() {
             d.insert(name.to_string());
         }
-        if matches!(self.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) {
+        if matches!(self.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) && self.flags & flags::XBCAST == 0 {
             // These read activations (and norm weights) as vec4.
             d.insert("X_VEC4".into());
         }
@@ -341,6 +347,14 @@ impl PipelineKey {
             v.push(PipelineKey::new(ShaderOp::Embedding, 64).with_weights(w));
             for &c in &combos {
                 v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4).with_weights(w));
+                if features.subgroups {
+                    v.push(
+                        PipelineKey::new(ShaderOp::MatvecQ, 8)
+                            .with_flags(c | ROWS4 | XBCAST)
+                            .with_weights(w)
+                            .with_features(sg),
+                    );
+                }
                 for feat in [sg, f16_sg] {
                     v.push(
                         PipelineKey::new(ShaderOp::MatvecQ, 64)
@@ -358,6 +372,14 @@ impl PipelineKey {
                             .with_flags(c | BLOCK_M8 | BLOCK_N8)
                             .with_weights(w),
                     );
+                    if features.subgroups {
+                        v.push(
+                            PipelineKey::new(ShaderOp::MatmulBlockedQ, 8)
+                                .with_flags(c | BLOCK_M8 | BLOCK_N8 | XBCAST)
+                                .with_weights(w)
+                                .with_features(sg),
+                        );
+                    }
                 }
             }
         }

@@ -258,6 +258,10 @@ pub async fn build(
             };
             fl |= f;
             features.subgroups = fl & flags::ROW_PER_WORKGROUP != 0 && ctx.caps.subgroups;
+            if packed && fl & flags::ROWS4 != 0 && w == 8 && xbcast_fits(ctx) {
+                fl |= flags::XBCAST;
+                features.subgroups = true;
+            }
             features.f16 = packed && fl & flags::ROW_PER_WORKGROUP != 0 && packed_f16(ctx);
             (if packed { ShaderOp::MatvecQ } else { ShaderOp::Matvec }, w)
         }
@@ -265,7 +269,13 @@ pub async fn build(
             let (op, f, w) = matmul_layout(ctx);
             fl |= f;
             match (op, packed) {
-                (ShaderOp::MatmulBlocked, true) => (ShaderOp::MatmulBlockedQ, w),
+                (ShaderOp::MatmulBlocked, true) => {
+                    if xbcast_fits(ctx) {
+                        fl |= flags::XBCAST;
+                        features.subgroups = true;
+                    }
+                    (ShaderOp::MatmulBlockedQ, w)
+                }
                 (op, true) => {
                     features.f16 = packed_f16(ctx);
                     (op, w)
@@ -304,6 +314,15 @@ pub fn matvec_layout(ctx: &GpuContext) -> (u32, u32) {
     } else {
         (flags::ROW_PER_WORKGROUP, 64)
     }
+}
+
+/// Whether the XBCAST layouts run here: the workgroup of 8 must be exactly one subgroup
+/// (lavapipe: always 8 lanes). `LANTERN_XBCAST=0` turns them off (benchmarks).
+pub fn xbcast_fits(ctx: &GpuContext) -> bool {
+    ctx.caps.subgroups
+        && ctx.caps.subgroup_min_size == 8
+        && ctx.caps.subgroup_max_size == 8
+        && std::env::var("LANTERN_XBCAST").as_deref() != Ok("0")
 }
 
 /// Whether the packed-weight GPU kernels dequantize in half precision: on GPUs offering
@@ -365,6 +384,12 @@ pub async fn build_with_key(
         return Err(GpuError::Validation {
             context: lin.name.clone(),
             message: format!("f16 products read weight pairs: k = {} must be even", lin.k),
+        });
+    }
+    if key.flags & flags::XBCAST != 0 && (key.workgroup != 8 || !xbcast_fits(ctx)) {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!("{} needs workgroups of exactly one 8-lane subgroup", key.label()),
         });
     }
     if matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) && (!io.x_stride.is_multiple_of(4) || !lin.k.is_multiple_of(4)) {
