@@ -1097,9 +1097,18 @@ fn check_attention(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Ra
         out: &out_b,
     };
     let p = attention_params(heads, &paged, stride, out_stride);
-    let d = block_on(kernels::attention::build(&ctx, &io, p)).unwrap_or_else(|e| panic!("{what}: build: {e}"));
-    submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
-    let got = read_f32s(&ctx, &out_b, out0.len());
+    // Both kernels: the workgroup one, and the subgroup one where it runs.
+    let mut variants = vec![false];
+    if linear::xbcast_fits(&ctx) && head_dim.is_multiple_of(8) {
+        variants.push(true);
+    }
+    let mut outs = Vec::new();
+    for sub in variants {
+        ctx.queue.write_buffer(&out_b, 0, bytemuck::cast_slice(&out0));
+        let d = block_on(kernels::attention::build_variant(&ctx, &io, p, sub)).unwrap_or_else(|e| panic!("{what}: build: {e}"));
+        submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
+        outs.push((d.label.clone(), read_f32s(&ctx, &out_b, out0.len())));
+    }
 
     let mut want = out0.clone();
     for (ti, &(s, pos)) in tokens.iter().enumerate() {
@@ -1108,7 +1117,9 @@ fn check_attention(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Ra
         let o = ops::attention(q, &k, &v, &[pos], n_heads, n_kv_heads, head_dim, p.scale);
         want[ti * out_stride..][..heads.q_dim()].copy_from_slice(&o);
     }
-    assert_close(&what, &got, &want, ATTENTION_TOL);
+    for (label, got) in outs {
+        assert_close(&format!("{what} {label}"), &got, &want, ATTENTION_TOL);
+    }
 }
 
 /// A fresh prefill, a chunk continuing 70 cached tokens (more than one 64-key chunk) and a
@@ -1118,6 +1129,14 @@ const ATTENTION_SPANS: [(usize, std::ops::Range<usize>); 3] = [(0, 0..3), (1, 70
 #[test]
 fn attention_gqa_matches_reference() {
     check_attention(Heads { n_heads: 8, n_kv_heads: 2, head_dim: 8 }, 3, &ATTENTION_SPANS, 600);
+}
+
+/// SmolLM2's layout (3 query heads per KV head) and a group of 6 (two head batches, the
+/// second one partial).
+#[test]
+fn attention_gqa_groups_of_3_and_6_match_reference() {
+    check_attention(Heads { n_heads: 9, n_kv_heads: 3, head_dim: 64 }, 16, &ATTENTION_SPANS, 605);
+    check_attention(Heads { n_heads: 12, n_kv_heads: 2, head_dim: 16 }, 7, &ATTENTION_SPANS, 606);
 }
 
 #[test]

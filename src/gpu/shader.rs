@@ -307,6 +307,9 @@ impl PipelineKey {
         v.push(PipelineKey::new(ShaderOp::RmsNorm, 64));
         v.push(PipelineKey::new(ShaderOp::RopeKv, 64));
         v.push(PipelineKey::new(ShaderOp::Attention, 64));
+        if features.subgroups {
+            v.push(PipelineKey::new(ShaderOp::Attention, 8).with_flags(flags::XBCAST).with_features(sg));
+        }
         v.push(PipelineKey::new(ShaderOp::Argmax, 256));
         let combos = [
             NORM | BIAS,

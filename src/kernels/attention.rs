@@ -37,7 +37,21 @@ pub struct AttentionIo<'a> {
     pub out: &'a wgpu::Buffer,
 }
 
+/// The variant for this adapter: on CPU adapters with 8-lane subgroups the barrier-free
+/// subgroup kernel (`XBCAST`), elsewhere the workgroup kernel.
 pub async fn build(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionParams) -> Result<Dispatch, GpuError> {
+    let sub = ctx.caps.cpu_like && super::linear::xbcast_fits(ctx) && p.head_dim.is_multiple_of(8);
+    build_variant(ctx, io, p, sub).await
+}
+
+/// `subgroup`: the XBCAST kernel (one 8-lane subgroup per workgroup, head_dim a multiple of 8).
+pub async fn build_variant(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionParams, subgroup: bool) -> Result<Dispatch, GpuError> {
+    if subgroup && (!super::linear::xbcast_fits(ctx) || !p.head_dim.is_multiple_of(8)) {
+        return Err(GpuError::Validation {
+            context: "attention".into(),
+            message: format!("the subgroup attention kernel needs 8-lane subgroups and head_dim a multiple of 8 (got {})", p.head_dim),
+        });
+    }
     if p.head_dim > MAX_HEAD_DIM || p.n_kv_heads == 0 || !p.n_heads.is_multiple_of(p.n_kv_heads) {
         return Err(GpuError::Validation {
             context: "attention".into(),
@@ -48,7 +62,13 @@ pub async fn build(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionParams) -
         });
     }
     let group = p.n_heads / p.n_kv_heads;
-    let key = PipelineKey::new(ShaderOp::Attention, 64);
+    let key = if subgroup {
+        PipelineKey::new(ShaderOp::Attention, 8)
+            .with_flags(crate::gpu::shader::flags::XBCAST)
+            .with_features(crate::gpu::Features { f16: false, subgroups: true })
+    } else {
+        PipelineKey::new(ShaderOp::Attention, 64)
+    };
     let pipe = pipeline(ctx, key).await?;
     let ubuf = create_uniform(ctx, "attention.params", &p);
     let bg = bind(
@@ -68,7 +88,7 @@ pub async fn build(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionParams) -
         ],
     );
     Ok(Dispatch {
-        label: "attention".into(),
+        label: format!("attention [{}]", key.label()),
         pipeline: pipe,
         bind_group: bg,
         // One workgroup per (KV head, batch of up to HEAD_BATCH query heads of its group).
