@@ -18,6 +18,19 @@
 #if GATHER
 @group(0) @binding(8) var<storage, read> rows: array<u32>;         // (n_out) rows of x
 #endif
+#if TEX
+// TEX (CPU adapters, with XBCAST): the codes and scales as rgba32uint textures, row r's
+// texels at r * texels_per_row + i (linear index i -> (i % TEXW, i / TEXW)), each row padded
+// to whole texels. lavapipe fetches a texel (16 bytes) for a fraction of what a 4-byte
+// storage load costs, so each lane computes eight rows from whole-texel reads.
+@group(0) @binding(11) var wtex: texture_2d<u32>;
+@group(0) @binding(12) var wstex: texture_2d<u32>;
+#if GATED
+@group(0) @binding(13) var utex: texture_2d<u32>;
+@group(0) @binding(14) var ustex: texture_2d<u32>;
+#endif
+const TEXW: u32 = 8192u;
+#endif
 
 fn finish(t: u32, row: u32, acc: vec3<f32>) {
 #if NORM
@@ -65,6 +78,9 @@ fn main(
 #endif
     // Words per row.
     let wpr = p.k / EPW;
+#if TEX
+    rows8_tex(t, xrow * p.x_stride, wid, lid);
+#else
 #if XBCAST
     rows4_bcast(t, xrow * p.x_stride, wpr, wid, lid);
 #else
@@ -163,6 +179,7 @@ fn main(
     }
 #endif
 #endif
+#endif
 }
 
 #if XBCAST
@@ -237,6 +254,149 @@ fn rows4_bcast(t: u32, xb: u32, wpr: u32, wid: vec3<u32>, lid: u32) {
     for (var i = 0u; i < 4u; i++) {
         if (row0 + i < p.n_rows) {
             finish(t, row0 + i, vec3<f32>(a[i], ua[i], s0));
+        }
+    }
+}
+#endif
+
+#if TEX
+fn texel(tex: texture_2d<u32>, i: u32) -> vec4<u32> {
+    return textureLoad(tex, vec2<u32>(i % TEXW, i / TEXW), 0);
+}
+
+// (d, m) of group gg of a scale texel.
+fn tex_scale(sc: vec4<u32>, gg: u32) -> vec2<f32> {
+#if W_Q4
+    return scale_of(sc[gg], 0u);
+#else
+    return scale_of(sc[gg >> 1u], gg & 1u);
+#endif
+}
+
+// Eight rows per lane from texture-held codes and scales; x shared by subgroupBroadcast.
+fn rows8_tex(t: u32, xb: u32, wid: vec3<u32>, lid: u32) {
+    let row0 = ((wid.y * p.grid_x + wid.x) * WG + lid) * 8u;
+    let last = p.n_rows - 1u;
+    let ra = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
+    let rb = min(vec4<u32>(row0) + vec4<u32>(4u, 5u, 6u, 7u), vec4<u32>(last));
+    let groups = p.k / p.group;
+    // Texels per row of codes and of scales; groups per scale texel; code texels per group.
+    let tpr = (p.k / EPW + 3u) / 4u;
+#if W_Q4
+    let spr = (groups + 3u) / 4u;
+    let gpt = 4u;
+#else
+    let spr = ((groups + 1u) / 2u + 3u) / 4u;
+    let gpt = 8u;
+#endif
+    let tpg = p.group / (4u * EPW);
+    let ca = ra * tpr;
+    let cb = rb * tpr;
+    let sa = ra * spr;
+    let sb = rb * spr;
+    var a = vec4<f32>(0.0);
+    var b = vec4<f32>(0.0);
+    var ua = vec4<f32>(0.0);
+    var ub = vec4<f32>(0.0);
+    var ss = 0.0;
+    for (var st = 0u; st < spr; st++) {
+        let S0 = texel(wstex, sa.x + st);
+        let S1 = texel(wstex, sa.y + st);
+        let S2 = texel(wstex, sa.z + st);
+        let S3 = texel(wstex, sa.w + st);
+        let S4 = texel(wstex, sb.x + st);
+        let S5 = texel(wstex, sb.y + st);
+        let S6 = texel(wstex, sb.z + st);
+        let S7 = texel(wstex, sb.w + st);
+#if GATED
+        let U0 = texel(ustex, sa.x + st);
+        let U1 = texel(ustex, sa.y + st);
+        let U2 = texel(ustex, sa.z + st);
+        let U3 = texel(ustex, sa.w + st);
+        let U4 = texel(ustex, sb.x + st);
+        let U5 = texel(ustex, sb.y + st);
+        let U6 = texel(ustex, sb.z + st);
+        let U7 = texel(ustex, sb.w + st);
+#endif
+        for (var gg = 0u; gg < gpt; gg++) {
+            let gi = st * gpt + gg;
+            if (gi >= groups) {
+                break;
+            }
+            let s0 = tex_scale(S0, gg);
+            let s1 = tex_scale(S1, gg);
+            let s2 = tex_scale(S2, gg);
+            let s3 = tex_scale(S3, gg);
+            let s4 = tex_scale(S4, gg);
+            let s5 = tex_scale(S5, gg);
+            let s6 = tex_scale(S6, gg);
+            let s7 = tex_scale(S7, gg);
+#if GATED
+            let v0 = tex_scale(U0, gg);
+            let v1 = tex_scale(U1, gg);
+            let v2 = tex_scale(U2, gg);
+            let v3 = tex_scale(U3, gg);
+            let v4 = tex_scale(U4, gg);
+            let v5 = tex_scale(U5, gg);
+            let v6 = tex_scale(U6, gg);
+            let v7 = tex_scale(U7, gg);
+#endif
+            for (var tt = 0u; tt < tpg; tt++) {
+                let ti = gi * tpg + tt;
+                let C0 = texel(wtex, ca.x + ti);
+                let C1 = texel(wtex, ca.y + ti);
+                let C2 = texel(wtex, ca.z + ti);
+                let C3 = texel(wtex, ca.w + ti);
+                let C4 = texel(wtex, cb.x + ti);
+                let C5 = texel(wtex, cb.y + ti);
+                let C6 = texel(wtex, cb.z + ti);
+                let C7 = texel(wtex, cb.w + ti);
+#if GATED
+                let D0 = texel(utex, ca.x + ti);
+                let D1 = texel(utex, ca.y + ti);
+                let D2 = texel(utex, ca.z + ti);
+                let D3 = texel(utex, ca.w + ti);
+                let D4 = texel(utex, cb.x + ti);
+                let D5 = texel(utex, cb.y + ti);
+                let D6 = texel(utex, cb.z + ti);
+                let D7 = texel(utex, cb.w + ti);
+#endif
+                // 8 elements (one 4-bit word, two Q8 words) per x broadcast.
+                for (var h = 0u; h < 4u; h += 8u / EPW) {
+                    let k8 = ti * 4u * EPW + h * EPW;
+                    let xl = load_x1(xb, k8 + lid, &ss);
+                    let xa = vec4<f32>(subgroupBroadcast(xl, 0u), subgroupBroadcast(xl, 1u), subgroupBroadcast(xl, 2u), subgroupBroadcast(xl, 3u));
+                    let xh = vec4<f32>(subgroupBroadcast(xl, 4u), subgroupBroadcast(xl, 5u), subgroupBroadcast(xl, 6u), subgroupBroadcast(xl, 7u));
+#if W_Q8
+                    a += dot_rows(vec4<u32>(C0[h], C1[h], C2[h], C3[h]), s0, s1, s2, s3, xa, xh)
+                        + dot_rows(vec4<u32>(C0[h + 1u], C1[h + 1u], C2[h + 1u], C3[h + 1u]), s0, s1, s2, s3, xh, xh);
+                    b += dot_rows(vec4<u32>(C4[h], C5[h], C6[h], C7[h]), s4, s5, s6, s7, xa, xh)
+                        + dot_rows(vec4<u32>(C4[h + 1u], C5[h + 1u], C6[h + 1u], C7[h + 1u]), s4, s5, s6, s7, xh, xh);
+#if GATED
+                    ua += dot_rows(vec4<u32>(D0[h], D1[h], D2[h], D3[h]), v0, v1, v2, v3, xa, xh)
+                        + dot_rows(vec4<u32>(D0[h + 1u], D1[h + 1u], D2[h + 1u], D3[h + 1u]), v0, v1, v2, v3, xh, xh);
+                    ub += dot_rows(vec4<u32>(D4[h], D5[h], D6[h], D7[h]), v4, v5, v6, v7, xa, xh)
+                        + dot_rows(vec4<u32>(D4[h + 1u], D5[h + 1u], D6[h + 1u], D7[h + 1u]), v4, v5, v6, v7, xh, xh);
+#endif
+#else
+                    a += dot_rows(vec4<u32>(C0[h], C1[h], C2[h], C3[h]), s0, s1, s2, s3, xa, xh);
+                    b += dot_rows(vec4<u32>(C4[h], C5[h], C6[h], C7[h]), s4, s5, s6, s7, xa, xh);
+#if GATED
+                    ua += dot_rows(vec4<u32>(D0[h], D1[h], D2[h], D3[h]), v0, v1, v2, v3, xa, xh);
+                    ub += dot_rows(vec4<u32>(D4[h], D5[h], D6[h], D7[h]), v4, v5, v6, v7, xa, xh);
+#endif
+#endif
+                }
+            }
+        }
+    }
+    let s_all = subgroupAdd(ss);
+    for (var i = 0u; i < 4u; i++) {
+        if (row0 + i < p.n_rows) {
+            finish(t, row0 + i, vec3<f32>(a[i], ua[i], s_all));
+        }
+        if (row0 + 4u + i < p.n_rows) {
+            finish(t, row0 + 4u + i, vec3<f32>(b[i], ub[i], s_all));
         }
     }
 }

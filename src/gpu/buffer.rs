@@ -253,3 +253,39 @@ pub async fn read_f32(ctx: &Arc<GpuContext>, src: &wgpu::Buffer, n: usize) -> Re
     let b = read_buffer(ctx, src, (n * 4) as u64).await?;
     Ok(bytemuck::cast_slice(&b[..n * 4]).to_vec())
 }
+
+/// Texels per row of the rgba32uint textures that hold packed weights (`TEXW` in
+/// matvec_q.wgsl): a linear texel index i lives at (i % TEX_WIDTH, i / TEX_WIDTH).
+pub const TEX_WIDTH: u32 = 8192;
+
+/// An rgba32uint texture holding `words` (padded with zeros to whole rows of TEX_WIDTH
+/// texels), or `None` when the adapter's texture limits cannot hold it.
+pub fn create_u32_texture(ctx: &GpuContext, label: &str, words: &[u32]) -> Option<(wgpu::Texture, wgpu::TextureView)> {
+    use wgpu::util::DeviceExt;
+    let max = ctx.limits.max_texture_dimension_2d;
+    let texels = words.len().div_ceil(4).max(1) as u64;
+    let height = texels.div_ceil(TEX_WIDTH as u64);
+    if TEX_WIDTH > max || height > max as u64 {
+        return None;
+    }
+    let mut data = words.to_vec();
+    data.resize((height * TEX_WIDTH as u64 * 4) as usize, 0);
+    ctx.ledger.record(label, data.len() as u64 * 4, AllocUsage::Texture);
+    let tex = ctx.device.create_texture_with_data(
+        &ctx.queue,
+        &wgpu::TextureDescriptor {
+            label: Some(label),
+            size: wgpu::Extent3d { width: TEX_WIDTH, height: height as u32, depth_or_array_layers: 1 },
+            mip_level_count: 1,
+            sample_count: 1,
+            dimension: wgpu::TextureDimension::D2,
+            format: wgpu::TextureFormat::Rgba32Uint,
+            usage: wgpu::TextureUsages::TEXTURE_BINDING,
+            view_formats: &[],
+        },
+        wgpu::util::TextureDataOrder::LayerMajor,
+        bytemuck::cast_slice(&data),
+    );
+    let view = tex.create_view(&Default::default());
+    Some((tex, view))
+}

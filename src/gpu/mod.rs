@@ -242,6 +242,8 @@ pub enum AllocUsage {
     Uniform,
     /// Host-readable staging buffer for readback.
     Readback,
+    /// Texture (packed weights read through texel fetches on CPU adapters).
+    Texture,
 }
 
 /// One buffer allocation.

@@ -164,6 +164,10 @@ pub mod flags {
     /// costs one load per 8 elements instead of one per element per lane (lavapipe runs
     /// every divergent load as a per-lane scalar loop). Needs SUBGROUPS.
     pub const XBCAST: u32 = 512;
+    /// Packed matvec on CPU adapters (with XBCAST): codes and scales read from rgba32uint
+    /// textures, eight rows per invocation (lavapipe fetches a 16-byte texel for a fraction
+    /// of the cost of a 4-byte storage load).
+    pub const TEX: u32 = 1024;
     /// Every flag with its define name, in a stable order.
     pub const ALL: &[(u32, &str)] = &[
         (NORM, "NORM"),
@@ -176,6 +180,7 @@ pub mod flags {
         (BLOCK_M8, "BLOCK_M8"),
         (BLOCK_N8, "BLOCK_N8"),
         (XBCAST, "XBCAST"),
+        (TEX, "TEX"),
     ];
 }
 
@@ -354,6 +359,12 @@ impl PipelineKey {
                     v.push(
                         PipelineKey::new(ShaderOp::MatvecQ, 8)
                             .with_flags(c | ROWS4 | XBCAST)
+                            .with_weights(w)
+                            .with_features(sg),
+                    );
+                    v.push(
+                        PipelineKey::new(ShaderOp::MatvecQ, 8)
+                            .with_flags(c | ROWS4 | XBCAST | TEX)
                             .with_weights(w)
                             .with_features(sg),
                     );

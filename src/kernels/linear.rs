@@ -49,6 +49,72 @@ pub struct GpuLinear {
     pub u_scales: Option<GpuTensor>,
     /// One bias buffer per chunk.
     pub bias: Option<Vec<wgpu::Buffer>>,
+    /// CPU adapters: the packed codes and scales again as textures for the TEX matvec.
+    pub tex: Option<TexCopy>,
+}
+
+/// The textures of one weight chunk (codes and scales of w, and of u when gated), each row
+/// padded to whole texels.
+pub struct TexChunk {
+    pub w: wgpu::TextureView,
+    pub ws: wgpu::TextureView,
+    pub u: Option<wgpu::TextureView>,
+    pub us: Option<wgpu::TextureView>,
+    _textures: Vec<wgpu::Texture>,
+}
+
+/// Texture copies of a packed weight (see `flags::TEX`).
+pub struct TexCopy {
+    pub chunks: Vec<TexChunk>,
+    /// Bytes of all the textures.
+    pub bytes: u64,
+}
+
+/// Whether packed weights in `format` also get texture copies here: CPU adapters with
+/// 8-lane subgroups and texel-aligned groups (a texel holds 32 4-bit or 16 8-bit codes).
+/// `LANTERN_TEX=0` turns it off.
+pub fn tex_fits(ctx: &GpuContext, format: QuantFormat) -> bool {
+    let ept = 4 * format.kind.per_word() as u32;
+    ctx.caps.cpu_like
+        && xbcast_fits(ctx)
+        && format.group.is_multiple_of(ept)
+        && ctx.limits.max_texture_dimension_2d >= crate::gpu::buffer::TEX_WIDTH
+        && std::env::var("LANTERN_TEX").as_deref() != Ok("0")
+}
+
+/// Rows `r0..r0 + n` of `words` (`per_row` words each), each padded to a multiple of 4.
+fn padded_rows(words: &[u32], per_row: usize, r0: usize, n: usize) -> Vec<u32> {
+    let padded = per_row.div_ceil(4) * 4;
+    let mut v = Vec::with_capacity(n * padded);
+    for r in r0..r0 + n {
+        v.extend_from_slice(&words[r * per_row..(r + 1) * per_row]);
+        v.resize(v.len() + padded - per_row, 0);
+    }
+    v
+}
+
+fn texture_copy(ctx: &GpuContext, name: &str, w: &PackedMatrix, u: Option<&PackedMatrix>, chunks: &[crate::gpu::buffer::Chunk]) -> Option<TexCopy> {
+    use crate::gpu::buffer::create_u32_texture;
+    let (qw, sw) = (w.format.qs_words(w.k), w.format.scale_words(w.k));
+    let mut out = Vec::new();
+    let mut bytes = 0u64;
+    for c in chunks {
+        let mut keep = Vec::new();
+        let mut mk = |label: String, words: &[u32], per_row: usize| -> Option<wgpu::TextureView> {
+            let (t, v) = create_u32_texture(ctx, &label, &padded_rows(words, per_row, c.row_offset, c.rows))?;
+            bytes += (t.width() * t.height()) as u64 * 16;
+            keep.push(t);
+            Some(v)
+        };
+        let wv = mk(format!("{name}.tex"), &w.qs, qw)?;
+        let wsv = mk(format!("{name}.scales.tex"), &w.scales, sw)?;
+        let (uv, usv) = match u {
+            Some(u) => (Some(mk(format!("{name}.up.tex"), &u.qs, qw)?), Some(mk(format!("{name}.up.scales.tex"), &u.scales, sw)?)),
+            None => (None, None),
+        };
+        out.push(TexChunk { w: wv, ws: wsv, u: uv, us: usv, _textures: keep });
+    }
+    Some(TexCopy { chunks: out, bytes })
 }
 
 /// Upload one matrix: the weights (codes for packed formats) and, for packed formats, the
@@ -156,6 +222,16 @@ impl GpuLinear {
             }
             None => None,
         };
+        let tex = match (&w, &u, quant) {
+            (HostMatrix::Packed(pw), u, Some(q)) if tex_fits(ctx, q) => {
+                let pu = match u {
+                    Some(HostMatrix::Packed(p)) => Some(*p),
+                    _ => None,
+                };
+                texture_copy(ctx, name, pw, pu, &wt.chunks)
+            }
+            _ => None,
+        };
         Ok(GpuLinear {
             name: name.into(),
             n_rows,
@@ -167,6 +243,7 @@ impl GpuLinear {
             w_scales,
             u_scales,
             bias,
+            tex,
         })
     }
 
@@ -261,6 +338,9 @@ pub async fn build(
             if packed && fl & flags::ROWS4 != 0 && w == 8 && xbcast_fits(ctx) {
                 fl |= flags::XBCAST;
                 features.subgroups = true;
+                if lin.tex.is_some() {
+                    fl |= flags::TEX;
+                }
             }
             features.f16 = packed && fl & flags::ROW_PER_WORKGROUP != 0 && packed_f16(ctx);
             (if packed { ShaderOp::MatvecQ } else { ShaderOp::Matvec }, w)
@@ -412,6 +492,8 @@ pub async fn build_with_key(
             _ => {
                 let groups = if key.flags & flags::ROW_PER_WORKGROUP != 0 {
                     rows
+                } else if key.flags & flags::TEX != 0 {
+                    rows.div_ceil(8 * key.workgroup)
                 } else if key.flags & flags::ROWS4 != 0 {
                     rows.div_ceil(4 * key.workgroup)
                 } else {
@@ -451,7 +533,18 @@ pub async fn build_with_key(
         if let Some(r) = io.rows {
             entries.push((8, r));
         }
-        if key.weights.is_packed() {
+        let tex = if key.flags & flags::TEX != 0 {
+            let t = lin.tex.as_ref().ok_or_else(|| GpuError::Validation {
+                context: lin.name.clone(),
+                message: format!("{} needs the texture copy of the weights", key.label()),
+            })?;
+            // The texture kernel reads no weight storage buffers.
+            entries.retain(|(b, _)| !matches!(b, 3 | 4));
+            Some(&t.chunks[ci])
+        } else {
+            None
+        };
+        if key.weights.is_packed() && tex.is_none() {
             let missing = || GpuError::Validation {
                 context: lin.name.clone(),
                 message: "packed kernel without scales".into(),
@@ -461,7 +554,26 @@ pub async fn build_with_key(
                 entries.push((10, &lin.u_scales.as_ref().ok_or_else(missing)?.chunks[ci].buffer));
             }
         }
-        let bg = bind(ctx, &lin.name, &pipe, &entries);
+        let bg = match tex {
+            None => bind(ctx, &lin.name, &pipe, &entries),
+            Some(tc) => {
+                let mut all: Vec<wgpu::BindGroupEntry> = entries
+                    .iter()
+                    .map(|(b, buf)| wgpu::BindGroupEntry { binding: *b, resource: buf.as_entire_binding() })
+                    .collect();
+                let views = [(11, Some(&tc.w)), (12, Some(&tc.ws)), (13, tc.u.as_ref()), (14, tc.us.as_ref())];
+                for (b, v) in views {
+                    if let Some(v) = v.filter(|_| b < 13 || key.flags & flags::GATED != 0) {
+                        all.push(wgpu::BindGroupEntry { binding: b, resource: wgpu::BindingResource::TextureView(v) });
+                    }
+                }
+                ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some(&lin.name),
+                    layout: &pipe.get_bind_group_layout(0),
+                    entries: &all,
+                })
+            }
+        };
         out.push(Dispatch {
             label: format!("{} [{}]", lin.name, key.label()),
             pipeline: pipe.clone(),

@@ -144,6 +144,9 @@ pub struct DtypeBytes {
 pub struct MemoryReport {
     /// Weights by dtype (`q4g32`, `q8g32`, `f16`, `f32`; norms and biases are `f32`).
     pub weights: std::collections::BTreeMap<String, DtypeBytes>,
+    /// CPU adapters: packed codes and scales held a second time as textures for the texel
+    /// matvec (`flags::TEX`).
+    pub weight_textures: u64,
     pub kv_cache: u64,
     /// Activations, step inputs, logits and the RoPE table.
     pub workspace: u64,
@@ -166,7 +169,7 @@ impl MemoryReport {
 
     /// Bytes the categories explain (equals `ledger_bytes` when every allocation is known).
     pub fn total(&self) -> u64 {
-        self.weight_bytes() + self.kv_cache + self.workspace + self.uniforms + self.readback
+        self.weight_bytes() + self.weight_textures + self.kv_cache + self.workspace + self.uniforms + self.readback
     }
 
     fn add_linear(&mut self, lin: &GpuLinear) {
@@ -181,6 +184,7 @@ impl MemoryReport {
         if lin.bias.is_some() {
             self.add_f32_vector(lin.n_rows);
         }
+        self.weight_textures += lin.tex.as_ref().map_or(0, |t| t.bytes);
     }
 
     fn add_f32_vector(&mut self, n: usize) {
