@@ -36,6 +36,10 @@ pub enum LanternError {
     Gpu(#[from] crate::gpu::GpuError),
     #[error(transparent)]
     Kv(#[from] crate::kv::KvError),
+    #[error(transparent)]
+    Quant(#[from] crate::quant::QuantError),
+    #[error(transparent)]
+    Eval(#[from] crate::eval::EvalError),
     #[error("{0}")]
     Other(String),
 }

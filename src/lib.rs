@@ -1,6 +1,7 @@
 //! Lantern: portable LLM inference on WebGPU.
 //!
-//! Layers, top to bottom (see ARCHITECTURE.md): `engine` (generation, sampling, metrics),
+//! Layers, top to bottom (see ARCHITECTURE.md): `eval` (perplexity, model comparison),
+//! `engine` (generation, sampling, metrics),
 //! `model` (config, loaders, tokenizer, forward pass), `kv` (paged KV cache), `kernels`
 //! (one file per GPU op), `gpu` (the only code that touches wgpu), and `reference`
 //! (plain-loop CPU oracle for every op and for the whole forward pass).
@@ -16,3 +17,4 @@ pub mod gpu;
 pub mod kernels;
 pub mod kv;
 pub mod engine;
+pub mod eval;

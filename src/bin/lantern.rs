@@ -15,6 +15,12 @@ use lantern::model::llama::{GpuModel, ModelOptions, WeightPrecision};
 use lantern::model::load::load_path;
 use lantern::model::tokenizer::ChatMessage;
 
+// Subcommand modules live in src/bin/lantern/: every file directly in src/bin is a binary.
+#[path = "lantern/eval_cmd.rs"]
+mod eval_cmd;
+#[path = "lantern/quantize_cmd.rs"]
+mod quantize_cmd;
+
 #[derive(Parser)]
 #[command(name = "lantern", version, about = "Portable LLM inference on WebGPU (wgpu)")]
 struct Cli {
@@ -37,6 +43,12 @@ enum Cmd {
     },
     /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) into the cache.
     Fetch,
+    /// Quantize a model (GGUF or Hugging Face folder) to packed q4 / q4sym / q8 weights,
+    /// round-to-nearest or AWQ with --calibration, into a safetensors folder.
+    Quantize(quantize_cmd::QuantizeArgs),
+    /// Evaluate: perplexity on a text (`eval ppl`), or compare two models (`eval compare`).
+    #[command(subcommand)]
+    Eval(eval_cmd::EvalCmd),
 }
 
 #[derive(Args)]
@@ -83,8 +95,9 @@ struct RunArgs {
     /// Context window in tokens (prompt + output). Default: min(model's, 2048).
     #[arg(long)]
     context: Option<usize>,
-    /// Weight storage on the GPU: native (f16 stays f16, the rest f32: reference-exact),
-    /// f32, or f16 (half the bytes, faster; logits within ~1e-3 of the reference).
+    /// Weight storage on the GPU: native (quantized weights stay packed and are dequantized
+    /// in the kernels, f16 stays f16, the rest f32), f32 (everything expanded), or f16
+    /// (everything rounded to half precision).
     #[arg(long, value_enum, default_value_t = Weights::Native)]
     weights: Weights,
     /// Print one JSON object instead of streaming.
@@ -106,6 +119,8 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Devices { backend, json } => devices(backend, json),
+        Cmd::Quantize(a) => quantize_cmd::quantize(a),
+        Cmd::Eval(c) => eval_cmd::eval(c),
         Cmd::Fetch => lantern::fetch::ensure_default_model(true).map(|p| {
             println!("{}", p.display());
         }),
@@ -251,6 +266,7 @@ fn run(a: RunArgs) -> Result<()> {
             "weight_bytes": model.weight_bytes(),
             "weight_precision": model.options.weights,
             "kv_cache_bytes": model.kv.bytes(),
+            "memory": model.memory(),
             "context": model.kv.alloc.config.context,
             "model": {
                 "path": model_path.display().to_string(),
@@ -274,6 +290,32 @@ fn run(a: RunArgs) -> Result<()> {
             f(m.tokens_per_s),
             model.dispatches_per_decode_step(),
             load_ms
+        );
+        let mem = model.memory();
+        let mb = |b: u64| b as f64 / 1e6;
+        let by_dtype: Vec<String> = mem
+            .weights
+            .iter()
+            .map(|(k, d)| {
+                if d.scale_bytes > 0 {
+                    format!("{k} {:.1} MB ({} tensors, {:.1} MB of it scales)", mb(d.bytes + d.scale_bytes), d.tensors, mb(d.scale_bytes))
+                } else {
+                    format!("{k} {:.1} MB ({} tensors)", mb(d.bytes), d.tensors)
+                }
+            })
+            .collect();
+        let tex = if mem.weight_textures > 0 {
+            format!(" | texture copies for the CPU-adapter matvec {:.1} MB", mb(mem.weight_textures))
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "[GPU memory {:.1} MB: weights {:.1} MB = {}{tex} | KV cache {:.1} MB | workspace {:.1} MB]",
+            mb(mem.ledger_bytes),
+            mb(mem.weight_bytes()),
+            by_dtype.join(", "),
+            mb(mem.kv_cache),
+            mb(mem.workspace)
         );
     }
     Ok(())

@@ -577,3 +577,89 @@ impl ModelConfig {
         hf_json::parse(text, file)
     }
 }
+
+impl ModelConfig {
+    /// This config as Hugging Face `config.json` text that [`ModelConfig::from_hf_json`]
+    /// reads back into an equal config (RoPE in both the `rope_parameters` and the legacy
+    /// `rope_theta` + `rope_scaling` forms).
+    ///
+    /// Errors with [`LanternError::Config`](crate::LanternError::Config) for what
+    /// `config.json` cannot say: q/k/v biases on a Llama or Mistral model.
+    pub fn to_hf_json(&self) -> Result<String, crate::LanternError> {
+        use serde_json::{json, Value};
+        if self.qkv_bias && self.arch != Arch::Qwen2 {
+            return Err(crate::LanternError::Config {
+                field: "qkv_bias".into(),
+                reason: format!(
+                    "a {:?} model with q/k/v biases (and no o_proj bias) has no Hugging Face config.json form",
+                    self.arch
+                ),
+            });
+        }
+        let (model_type, class) = match self.arch {
+            Arch::Llama => ("llama", "LlamaForCausalLM"),
+            Arch::Mistral => ("mistral", "MistralForCausalLM"),
+            Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+        };
+        // The shortest decimal that reads back as the same f32 (1e-5, not 9.99999974e-6).
+        let eps: f64 = format!("{}", self.rms_norm_eps)
+            .parse()
+            .unwrap_or(self.rms_norm_eps as f64);
+        let mut rope = json!({"rope_theta": self.rope_theta, "rope_type": "default"});
+        let scaling = match self.rope_scaling {
+            None => Value::Null,
+            Some(RopeScaling::Linear { factor }) => {
+                json!({"rope_type": "linear", "factor": factor})
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+            }),
+        };
+        if let (Value::Object(r), Value::Object(s)) = (&mut rope, &scaling) {
+            for (k, v) in s {
+                r.insert(k.clone(), v.clone());
+            }
+        }
+        let mut o = json!({
+            "architectures": [class],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": scaling,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "mlp_bias": false,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": match self.eos_token_ids.as_slice() {
+                [] => Value::Null,
+                [one] => json!(one),
+                many => json!(many),
+            },
+        });
+        match self.arch {
+            Arch::Llama => o["attention_bias"] = json!(false),
+            Arch::Mistral => o["sliding_window"] = Value::Null,
+            Arch::Qwen2 => o["use_sliding_window"] = json!(false),
+        }
+        serde_json::to_string_pretty(&o)
+            .map_err(|e| crate::LanternError::Other(format!("config.json: {e}")))
+    }
+}

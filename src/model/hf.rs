@@ -1,7 +1,9 @@
 //! Hugging Face folder loader: `config.json` plus `model.safetensors`, or sharded
 //! `model-0000k-of-0000n.safetensors` files listed by `model.safetensors.index.json`.
 //!
-//! Tensors keep their file dtype (F32, F16 or BF16) and their Hugging Face names and shapes.
+//! Tensors keep their file dtype (F32, F16 or BF16) and their Hugging Face names and shapes;
+//! the packed weights of a `lantern quantize` folder (`<name>.qweight` + `<name>.scales`
+//! described by `lantern.quantization` metadata) load as one [`DType::Packed`] tensor each.
 //! Natively the files are memory-mapped ([`load_hf_folder`]); in the browser the caller
 //! fetches the files and hands over the bytes ([`load_hf_buffers`]). Both validate the
 //! result against the config ([`crate::model::validate::validate`]).
@@ -56,27 +58,39 @@ fn describe(err: SafeTensorError, len: usize) -> String {
 /// Parses one safetensors file's bytes and adds its tensors to `out`, copied in their file
 /// dtype. `file` names the file in errors.
 ///
+/// Packed tensors of a quantized checkpoint (`lantern quantize`: `U32` `<name>.qweight` and
+/// `<name>.scales` entries described by the `lantern.quantization` metadata, see
+/// [`crate::quant::safetensors`]) become one [`DType::Packed`] tensor `<name>` with its
+/// logical shape `[rows, k]`.
+///
 /// Errors: [`LoadError::Safetensors`] for a corrupt or truncated file,
-/// [`LoadError::UnsupportedDType`] for a dtype other than F32/F16/BF16, and
-/// [`LoadError::Invalid`] for a tensor name already present in `out`.
+/// [`LoadError::UnsupportedDType`] for a dtype other than F32/F16/BF16 (or U32 outside a
+/// packed pair), [`LoadError::Quantized`] for packed tensors with bad or missing metadata or
+/// mismatched sizes, and [`LoadError::Invalid`] for a tensor name already present in `out`.
 pub fn read_safetensors(
     file: &str,
     bytes: &[u8],
     out: &mut HashMap<String, HostTensor>,
 ) -> Result<(), LanternError> {
+    use crate::quant::safetensors::{
+        packed_from_views, parse_metadata, METADATA_KEY, QWEIGHT_SUFFIX, SCALES_SUFFIX,
+    };
     let st = SafeTensors::deserialize(bytes).map_err(|e| LoadError::Safetensors {
         file: file.to_string(),
         reason: describe(e, bytes.len()),
     })?;
+    // `deserialize` succeeded, so the header parses again.
+    let quant = match SafeTensors::read_metadata(bytes) {
+        Ok((_, md)) => match md.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)) {
+            Some(text) => Some(parse_metadata(text, file)?),
+            None => None,
+        },
+        Err(_) => None,
+    };
     // Sorted so that the first error reported does not depend on hash order.
     let mut views = st.tensors();
     views.sort_by(|a, b| a.0.cmp(&b.0));
-    for (name, view) in views {
-        let dtype = map_dtype(view.dtype()).ok_or_else(|| LoadError::UnsupportedDType {
-            file: file.to_string(),
-            tensor: name.clone(),
-            dtype: format!("{} (supported: F32, F16, BF16)", view.dtype()),
-        })?;
+    let mut insert = |name: String, t: HostTensor| -> Result<(), LanternError> {
         if out.contains_key(&name) {
             return Err(LoadError::Invalid {
                 file: file.to_string(),
@@ -84,15 +98,47 @@ pub fn read_safetensors(
             }
             .into());
         }
-        out.insert(
+        out.insert(name, t);
+        Ok(())
+    };
+    // Packed pairs by logical name: (qweight, scales).
+    type Pair<'v, 'd> = (
+        Option<&'v safetensors::tensor::TensorView<'d>>,
+        Option<&'v safetensors::tensor::TensorView<'d>>,
+    );
+    let mut packed: BTreeMap<String, Pair> = BTreeMap::new();
+    for (name, view) in &views {
+        if view.dtype() == StDtype::U32 {
+            if let Some(base) = name.strip_suffix(QWEIGHT_SUFFIX) {
+                packed.entry(base.to_string()).or_default().0 = Some(view);
+                continue;
+            }
+            if let Some(base) = name.strip_suffix(SCALES_SUFFIX) {
+                packed.entry(base.to_string()).or_default().1 = Some(view);
+                continue;
+            }
+        }
+        let dtype = map_dtype(view.dtype()).ok_or_else(|| LoadError::UnsupportedDType {
+            file: file.to_string(),
+            tensor: name.clone(),
+            dtype: format!(
+                "{} (supported: F32, F16, BF16, and U32 {QWEIGHT_SUFFIX}/{SCALES_SUFFIX} pairs of a quantized checkpoint)",
+                view.dtype()
+            ),
+        })?;
+        insert(
             name.clone(),
             HostTensor {
-                name,
+                name: name.clone(),
                 shape: view.shape().to_vec(),
                 dtype,
                 data: view.data().to_vec(),
             },
-        );
+        )?;
+    }
+    for (base, (q, s)) in packed {
+        let t = packed_from_views(file, quant.as_ref(), &base, q, s)?;
+        insert(base, t)?;
     }
     Ok(())
 }
@@ -146,8 +192,14 @@ fn check_index(
     weight_map: &BTreeMap<String, String>,
     found_in: &HashMap<String, String>,
 ) -> Result<(), LanternError> {
+    use crate::quant::safetensors::{QWEIGHT_SUFFIX, SCALES_SUFFIX};
     for (tensor, shard) in weight_map {
-        match found_in.get(tensor) {
+        // The `.qweight` / `.scales` entries of a packed tensor load as one tensor.
+        let logical = tensor
+            .strip_suffix(QWEIGHT_SUFFIX)
+            .or_else(|| tensor.strip_suffix(SCALES_SUFFIX))
+            .filter(|base| !found_in.contains_key(tensor.as_str()) && found_in.contains_key(*base));
+        match found_in.get(logical.unwrap_or(tensor)) {
             Some(f) if f == shard => {}
             Some(f) => {
                 return Err(LoadError::Invalid {

@@ -37,4 +37,12 @@ pub enum LoadError {
     Safetensors { file: String, reason: String },
     #[error("{file}: {reason}")]
     Invalid { file: String, reason: String },
+    /// A quantized checkpoint (written by `lantern quantize`) whose packed tensors or
+    /// `lantern.quantization` metadata are missing, malformed or inconsistent.
+    #[error("{file}: quantized tensor `{tensor}`: {reason}")]
+    Quantized {
+        file: String,
+        tensor: String,
+        reason: String,
+    },
 }

@@ -17,6 +17,12 @@
 
 use half::f16;
 
+pub mod awq;
+pub mod quantize;
+pub mod safetensors;
+
+pub use quantize::{quantize_model, EmbeddingPolicy, Method, QuantizeOptions, QuantizedModel};
+
 /// Bit layout of a packed weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -138,6 +144,125 @@ pub struct PackedMatrix {
 
 fn f16_bits(b: &[u8]) -> u32 {
     u16::from_le_bytes([b[0], b[1]]) as u32
+}
+
+/// Largest |v| of a group of finite values, exactly (on the bits, so the loop vectorizes).
+#[inline(always)]
+fn abs_max_bits(x: &[f32]) -> u32 {
+    x.iter().map(|v| v.to_bits() & 0x7fff_ffff).fold(0, u32::max)
+}
+
+/// An `i32` whose order is the order of the finite f32 `v` (negative values have every bit
+/// but the sign flipped); its own inverse.
+#[inline(always)]
+fn order_key(bits: i32) -> i32 {
+    bits ^ (((bits >> 31) as u32) >> 1) as i32
+}
+
+/// Scale word bits, `d` and `m` of one group under round-to-nearest (the stored f16 scale and
+/// minimum, as f32). Shared by [`PackedMatrix::quantize`] and [`fake_quantize`]. The values
+/// must be finite.
+#[inline]
+fn group_params(kind: QuantKind, x: &[f32]) -> (u32, f32, f32) {
+    match kind {
+        QuantKind::Q8 => {
+            let amax = f32::from_bits(abs_max_bits(x));
+            let d = f16::from_f32(amax / 127.0);
+            (d.to_bits() as u32, d.to_f32(), 0.0)
+        }
+        QuantKind::Q4Sym => {
+            // As llama.cpp's Q4_0: the value of largest magnitude (the first one, on ties)
+            // maps to -8, so its sign gets the extra code.
+            let a = abs_max_bits(x);
+            let vmax = if a == 0 { 0.0 } else { x.iter().copied().find(|v| v.to_bits() & 0x7fff_ffff == a).unwrap_or(0.0) };
+            let d = f16::from_f32(vmax / -8.0);
+            (d.to_bits() as u32, d.to_f32(), -8.0 * d.to_f32())
+        }
+        QuantKind::Q4 => {
+            let (lo, hi) = x
+                .iter()
+                .map(|v| order_key(v.to_bits() as i32))
+                .fold((i32::MAX, i32::MIN), |(lo, hi), k| (lo.min(k), hi.max(k)));
+            let (lo, hi) = (f32::from_bits(order_key(lo) as u32), f32::from_bits(order_key(hi) as u32));
+            let m = f16::from_f32(lo);
+            // Scale from the stored minimum so the top of the range is reachable.
+            let d = f16::from_f32((hi - m.to_f32()).max(0.0) / 15.0);
+            (d.to_bits() as u32 | (m.to_bits() as u32) << 16, d.to_f32(), m.to_f32())
+        }
+    }
+}
+
+/// `x.clamp(lo, hi).round()` (half away from zero) for integers `lo < hi`, without a libm
+/// call or a branch, so that loops over it vectorize on targets lacking a rounding
+/// instruction: clamp (a NaN becomes `lo`), truncate by conversion, then step by the exact
+/// remainder. Clamping first gives the same result as rounding first, as the bounds are
+/// integers.
+#[inline(always)]
+fn round_clamped(x: f32, lo: f32, hi: f32) -> f32 {
+    let c = x.max(lo).min(hi);
+    // SAFETY: `c` is finite and within [lo, hi] ⊂ [-127, 127] (`max` returns `lo` for NaN).
+    let t = unsafe { c.to_int_unchecked::<i32>() } as f32;
+    let r = c - t;
+    t + if r >= 0.5 { 1.0 } else { 0.0 } - if r <= -0.5 { 1.0 } else { 0.0 }
+}
+
+/// The code of `v` (as a float) in a group with inverse scale `inv` and minimum `m`.
+#[inline(always)]
+fn round_code_f(kind: QuantKind, v: f32, inv: f32, m: f32) -> f32 {
+    match kind {
+        QuantKind::Q8 => round_clamped(v * inv, -127.0, 127.0),
+        QuantKind::Q4Sym | QuantKind::Q4 => round_clamped((v - m) * inv, 0.0, 15.0),
+    }
+}
+
+/// The integer code of `v` in a group with inverse scale `inv` and minimum `m`.
+#[inline(always)]
+fn round_code(kind: QuantKind, v: f32, inv: f32, m: f32) -> i32 {
+    round_code_f(kind, v, inv, m) as i32
+}
+
+fn non_finite_scale(tensor: &str, r: usize, g: usize, x: &[f32], format: QuantFormat) -> QuantError {
+    QuantError::Invalid {
+        tensor: tensor.into(),
+        reason: format!(
+            "row {r}, group {g}: values up to {:e} do not fit an f16 scale ({})",
+            x.iter().fold(0f32, |a, v| a.max(v.abs())),
+            format
+        ),
+    }
+}
+
+/// Round-to-nearest then dequantize, in place, without packing: every element of `values`
+/// (`rows x k`, row-major) becomes exactly what
+/// `PackedMatrix::quantize(..).dequantize()` gives for it (same codes, same f32 `q d + m`).
+/// For searches that score many candidate quantizations (AWQ).
+pub fn fake_quantize(tensor: &str, values: &mut [f32], k: usize, format: QuantFormat) -> Result<(), QuantError> {
+    format.check(tensor, k)?;
+    let group = format.group as usize;
+    for (r, row) in values.chunks_exact_mut(k).enumerate() {
+        for (g, x) in row.chunks_exact_mut(group).enumerate() {
+            // Branch-free finiteness test (exponent all ones = inf or NaN), then find it.
+            if x.iter().fold(false, |a, v| a | (v.to_bits() & 0x7f80_0000 == 0x7f80_0000)) {
+                let i = x.iter().position(|v| !v.is_finite()).unwrap_or(0);
+                return Err(QuantError::Invalid {
+                    tensor: tensor.into(),
+                    reason: format!("non-finite value {} in row {r}, group {g}, element {i}", x[i]),
+                });
+            }
+            let (_, d, m) = group_params(format.kind, x);
+            if !(d.is_finite() && m.is_finite()) {
+                return Err(non_finite_scale(tensor, r, g, x, format));
+            }
+            let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+            // One loop per kind so the per-element match disappears.
+            match format.kind {
+                QuantKind::Q8 => x.iter_mut().for_each(|v| *v = round_code_f(QuantKind::Q8, *v, inv, m) * d + m),
+                QuantKind::Q4 => x.iter_mut().for_each(|v| *v = round_code_f(QuantKind::Q4, *v, inv, m) * d + m),
+                QuantKind::Q4Sym => x.iter_mut().for_each(|v| *v = round_code_f(QuantKind::Q4Sym, *v, inv, m) * d + m),
+            }
+        }
+    }
+    Ok(())
 }
 
 impl PackedMatrix {
@@ -306,34 +431,13 @@ impl PackedMatrix {
         for r in 0..rows {
             for g in 0..groups {
                 let x = &values[r * k + g * group..r * k + (g + 1) * group];
-                let (sc, d, m) = match format.kind {
-                    QuantKind::Q8 => {
-                        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-                        let d = f16::from_f32(amax / 127.0);
-                        (d.to_bits() as u32, d.to_f32(), 0.0)
-                    }
-                    QuantKind::Q4Sym => {
-                        // As llama.cpp's Q4_0: the value of largest magnitude maps to -8, so
-                        // its sign gets the extra code.
-                        let vmax = x.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
-                        let d = f16::from_f32(vmax / -8.0);
-                        (d.to_bits() as u32, d.to_f32(), -8.0 * d.to_f32())
-                    }
-                    QuantKind::Q4 => {
-                        let lo = x.iter().fold(f32::INFINITY, |a, &v| a.min(v));
-                        let hi = x.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
-                        let m = f16::from_f32(lo);
-                        // Scale from the stored minimum so the top of the range is reachable.
-                        let d = f16::from_f32((hi - m.to_f32()).max(0.0) / 15.0);
-                        (d.to_bits() as u32 | (m.to_bits() as u32) << 16, d.to_f32(), m.to_f32())
-                    }
-                };
+                let (sc, d, m) = group_params(format.kind, x);
+                if !(d.is_finite() && m.is_finite()) {
+                    return Err(non_finite_scale(tensor, r, g, x, format));
+                }
                 let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
                 for (c, &v) in codes.iter_mut().zip(x) {
-                    *c = match format.kind {
-                        QuantKind::Q8 => (v * inv).round().clamp(-127.0, 127.0) as i32,
-                        QuantKind::Q4Sym | QuantKind::Q4 => ((v - m) * inv).round().clamp(0.0, 15.0) as i32,
-                    };
+                    *c = round_code(format.kind, v, inv, m);
                 }
                 match format.kind {
                     QuantKind::Q4 => scales[r * sw + g] = sc,

@@ -1,0 +1,196 @@
+//! `lantern quantize`: a GGUF file or Hugging Face folder in, a quantized safetensors folder out.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use lantern::model::load::load_path;
+use lantern::quant::awq::AwqOptions;
+use lantern::quant::quantize::{
+    quantize_model, EmbeddingPolicy, Method, Progress, QuantizeOptions,
+};
+use lantern::quant::safetensors::write_model_folder;
+use lantern::quant::QuantKind;
+
+#[derive(Args)]
+pub struct QuantizeArgs {
+    /// A GGUF file or a Hugging Face folder. Default: SmolLM2-135M-Instruct, fetched once.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Format of the linear layers: q4 (4-bit, scale + minimum), q4sym (4-bit symmetric),
+    /// q8 (8-bit symmetric).
+    #[arg(long = "to", value_parser = ["q4", "q4sym", "q8"])]
+    to: String,
+    /// Elements per scale: a positive multiple of 8 that divides every row length
+    /// (32, 64 or 128 usually).
+    #[arg(long, default_value_t = 32)]
+    group: u32,
+    /// Text file for AWQ calibration (activation-aware scales); without it, round to nearest.
+    #[arg(long)]
+    calibration: Option<PathBuf>,
+    /// Most calibration tokens used (the text is cut after these).
+    #[arg(long, default_value_t = 256)]
+    calibration_tokens: usize,
+    /// Token embedding and LM head: f32, f16, q8 (8-bit, group 32) or same (the --to format).
+    #[arg(long, default_value = "q8", value_parser = ["f32", "f16", "q8", "same"])]
+    embeddings: String,
+    /// Output folder (config.json, model.safetensors, tokenizer files).
+    #[arg(long)]
+    out: PathBuf,
+    /// Print the summary as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn mib(b: usize) -> String {
+    format!("{:.2} MiB", b as f64 / (1024.0 * 1024.0))
+}
+
+pub fn quantize(a: QuantizeArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let model_path = match &a.model {
+        Some(p) => p.clone(),
+        None => lantern::fetch::ensure_default_model(true).context("fetching the default model")?,
+    };
+    let kind = QuantKind::parse(&a.to).with_context(|| format!("unknown --to {}", a.to))?;
+    let embeddings = EmbeddingPolicy::parse(&a.embeddings)
+        .with_context(|| format!("unknown --embeddings {}", a.embeddings))?;
+    if a.group == 0 || !a.group.is_multiple_of(8) {
+        bail!(
+            "--group {} must be a positive multiple of 8 (32, 64 or 128 usually)",
+            a.group
+        );
+    }
+    if a.out.exists() && !a.out.is_dir() {
+        bail!("--out {} exists and is not a folder", a.out.display());
+    }
+    eprintln!("loading {}", model_path.display());
+    let loaded =
+        load_path(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
+    // Fail before the work if the config has no config.json form.
+    loaded.weights.config.to_hf_json()?;
+    let mut opts = QuantizeOptions::new(kind);
+    opts.group = a.group;
+    opts.embeddings = embeddings;
+    opts.awq = AwqOptions {
+        max_tokens: a.calibration_tokens.max(1),
+        ..AwqOptions::default()
+    };
+    let calibration = match &a.calibration {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading calibration text {}", p.display()))?;
+            let tok = loaded.tokenizer.as_ref().with_context(|| {
+                format!(
+                    "{} has no tokenizer to encode the calibration text with",
+                    model_path.display()
+                )
+            })?;
+            let ids = tok.encode(&text)?;
+            if ids.is_empty() {
+                bail!("calibration text {} is empty", p.display());
+            }
+            opts.method = Method::Awq;
+            Some(ids)
+        }
+        None => None,
+    };
+    let pb = ProgressBar::new(0);
+    pb.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    let mut progress = |p: Progress<'_>| match p {
+        Progress::Calibrate { layer, layers } => {
+            pb.set_message("calibrating (f32 forward)");
+            pb.set_length(layers as u64);
+            pb.set_position(layer as u64);
+        }
+        Progress::Search { layer, layers } => {
+            pb.set_message("AWQ scale search");
+            pb.set_length(layers as u64);
+            pb.set_position(layer as u64);
+        }
+        Progress::Quantize { done, total, .. } => {
+            pb.set_message("quantizing");
+            pb.set_length(total as u64);
+            pb.set_position(done as u64);
+        }
+    };
+    let q = quantize_model(
+        &loaded.weights,
+        &opts,
+        calibration.as_deref(),
+        &mut progress,
+    )?;
+    pb.finish_and_clear();
+    drop(loaded.weights);
+    let mut meta = q.metadata.clone();
+    meta.source = Some(model_path.display().to_string());
+    if let (Some(cal), Some(p)) = (meta.calibration.as_mut(), &a.calibration) {
+        cal["file"] = p.display().to_string().into();
+    }
+    eprintln!("writing {}", a.out.display());
+    let written = write_model_folder(&a.out, &q.weights, &meta, loaded.tokenizer.as_ref())?;
+    let r = &q.report;
+    let before: usize = r.bytes_before.values().sum();
+    let after: usize = r.bytes_after.values().sum();
+    if a.json {
+        let v = serde_json::json!({
+            "model": model_path.display().to_string(),
+            "out": a.out.display().to_string(),
+            "format": opts.format().to_string(),
+            "method": opts.method,
+            "embeddings": opts.embeddings,
+            "report": r,
+            "files": written.files.iter().map(|(p, n)| serde_json::json!({"path": p.display().to_string(), "bytes": n})).collect::<Vec<_>>(),
+            "seconds": t0.elapsed().as_secs_f64(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    eprintln!("bytes before: {} total", mib(before));
+    for (d, b) in &r.bytes_before {
+        eprintln!("  {d:>8}: {}", mib(*b));
+    }
+    eprintln!(
+        "bytes after: {} total ({:.1}% of before)",
+        mib(after),
+        100.0 * after as f64 / before.max(1) as f64
+    );
+    for (d, b) in &r.bytes_after {
+        eprintln!("  {d:>8}: {}", mib(*b));
+    }
+    let methods: Vec<String> = r.methods.iter().map(|(m, n)| format!("{m} {n}")).collect();
+    eprintln!("tensors by method: {}", methods.join(", "));
+    if opts.method == Method::Awq {
+        let n = r.awq.len().max(1);
+        let mean_alpha = r.awq.iter().map(|s| s.alpha as f64).sum::<f64>() / n as f64;
+        let (rtn, awq) = r
+            .awq
+            .iter()
+            .fold((0.0, 0.0), |(a, b), s| (a + s.err_rtn, b + s.err_awq));
+        let unscaled = r.awq.iter().filter(|s| s.alpha == 0.0).count();
+        let gain = if rtn > 0.0 {
+            format!("{:.1}% lower", 100.0 * (1.0 - awq / rtn))
+        } else {
+            "RTN is already exact: the source holds this format".to_string()
+        };
+        eprintln!(
+            "AWQ: {} calibration tokens, mean alpha {mean_alpha:.2} ({unscaled} of {} sites kept alpha 0), sampled output error {awq:.4e} vs RTN {rtn:.4e} ({gain}); calibration {:.1} s, search {:.1} s",
+            r.calibration_tokens,
+            r.awq.len(),
+            r.calibration_seconds,
+            r.search_seconds
+        );
+    }
+    for (p, n) in &written.files {
+        eprintln!("  wrote {} ({})", p.display(), mib(*n as usize));
+    }
+    eprintln!("done in {:.1} s", t0.elapsed().as_secs_f64());
+    Ok(())
+}

@@ -1,0 +1,547 @@
+//! Whole-model quantization: every linear weight of the decoder layers (q/k/v/o, gate/up/down
+//! projections) becomes a packed [`DType::Packed`] tensor, the embedding and LM head follow
+//! an [`EmbeddingPolicy`], and everything else (norms, biases) is stored as f32.
+//!
+//! Methods: round-to-nearest per group ([`PackedMatrix::quantize`]), or AWQ-style
+//! activation-aware scaling first ([`super::awq`]), which needs calibration tokens. A source
+//! tensor already stored in the target format (a GGUF Q8_0 / Q4_0 / Q4_1 block tensor with
+//! group 32, or a packed tensor of the same format) is repacked bit for bit under RTN
+//! instead of being dequantized and rounded again.
+//!
+//! Every packed tensor's recipe (kind, group, method, AWQ alpha and folds) goes into the
+//! returned [`QuantMetadata`], which [`super::safetensors`] stores with the weights.
+
+use std::collections::{BTreeMap, HashMap};
+
+use web_time::Instant;
+
+use super::awq::{self, AwqOptions, FloatWeights, LayerScales, Site, SiteResult};
+use super::safetensors::{QuantMetadata, TensorInfo};
+use super::{PackedMatrix, QuantError, QuantFormat, QuantKind};
+use crate::error::LanternError;
+use crate::model::validate::validate;
+use crate::model::{DType, HostTensor, ModelWeights};
+
+/// How the linear layers are quantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    /// Round to nearest, group by group.
+    Rtn,
+    /// Activation-aware per-channel scales searched on calibration text, folded into the
+    /// preceding op, then round to nearest.
+    Awq,
+}
+
+/// What happens to the token embedding and the LM head (the same matrix when
+/// `tie_word_embeddings`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EmbeddingPolicy {
+    /// Keep as f32.
+    F32,
+    /// Store as f16.
+    F16,
+    /// 8-bit, group 32 (as llama.cpp's Q8_0). The default.
+    Q8,
+    /// The same format as the linear layers (round to nearest).
+    Same,
+}
+
+impl EmbeddingPolicy {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "f32" => Some(EmbeddingPolicy::F32),
+            "f16" => Some(EmbeddingPolicy::F16),
+            "q8" => Some(EmbeddingPolicy::Q8),
+            "same" => Some(EmbeddingPolicy::Same),
+            _ => None,
+        }
+    }
+}
+
+/// Settings of [`quantize_model`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantizeOptions {
+    /// Bit layout of the linear layers.
+    pub kind: QuantKind,
+    /// Elements per scale (a positive multiple of 8 dividing every row length; 32, 64, 128
+    /// are the usual choices).
+    pub group: u32,
+    pub method: Method,
+    pub embeddings: EmbeddingPolicy,
+    /// AWQ search settings (used with [`Method::Awq`]).
+    pub awq: AwqOptions,
+}
+
+impl QuantizeOptions {
+    /// RTN, group 32, embeddings q8.
+    pub fn new(kind: QuantKind) -> Self {
+        QuantizeOptions {
+            kind,
+            group: 32,
+            method: Method::Rtn,
+            embeddings: EmbeddingPolicy::Q8,
+            awq: AwqOptions::default(),
+        }
+    }
+
+    /// The linear layers' format.
+    pub fn format(&self) -> QuantFormat {
+        QuantFormat::new(self.kind, self.group)
+    }
+
+    /// The embedding / LM head format, `None` for float policies.
+    pub fn embedding_format(&self) -> Option<QuantFormat> {
+        match self.embeddings {
+            EmbeddingPolicy::F32 | EmbeddingPolicy::F16 => None,
+            EmbeddingPolicy::Q8 => Some(QuantFormat::new(QuantKind::Q8, 32)),
+            EmbeddingPolicy::Same => Some(self.format()),
+        }
+    }
+}
+
+/// One AWQ search outcome, for reports.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AwqSiteReport {
+    pub layer: usize,
+    pub site: &'static str,
+    pub alpha: f32,
+    /// Output error of plain RTN on the sampled calibration tokens.
+    pub err_rtn: f64,
+    /// Output error with the chosen scales (`<= err_rtn`).
+    pub err_awq: f64,
+}
+
+/// What [`quantize_model`] did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct QuantReport {
+    /// Bytes of the source tensors by dtype name (`f32`, `q4_1`, ...).
+    pub bytes_before: BTreeMap<String, usize>,
+    /// Bytes of the output tensors by dtype name (`f32`, `q4g32`, ...).
+    pub bytes_after: BTreeMap<String, usize>,
+    /// Tensors per method: `rtn`, `awq`, `repack` (packed), `f32`, `f16`, `bf16` (float).
+    pub methods: BTreeMap<String, usize>,
+    /// AWQ search results per layer and site.
+    pub awq: Vec<AwqSiteReport>,
+    /// Calibration tokens used (0 without AWQ).
+    pub calibration_tokens: usize,
+    pub calibration_seconds: f64,
+    pub search_seconds: f64,
+    pub quantize_seconds: f64,
+}
+
+/// Progress callbacks of [`quantize_model`].
+#[derive(Debug, Clone, Copy)]
+pub enum Progress<'a> {
+    /// The calibration forward pass finished `layer` of `layers`.
+    Calibrate { layer: usize, layers: usize },
+    /// The AWQ search finished `layer` of `layers`.
+    Search { layer: usize, layers: usize },
+    /// Tensor `done` of `total` (`name`) is being written.
+    Quantize {
+        name: &'a str,
+        done: usize,
+        total: usize,
+    },
+}
+
+/// The quantized model: weights (packed linear layers), the metadata to store with them,
+/// and a report.
+#[derive(Debug, Clone)]
+pub struct QuantizedModel {
+    pub weights: ModelWeights,
+    pub metadata: QuantMetadata,
+    pub report: QuantReport,
+}
+
+/// What a tensor is, by its Hugging Face name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// A decoder-layer projection weight (quantized with the layer format).
+    Linear,
+    /// `model.embed_tokens.weight` or `lm_head.weight`.
+    Embedding,
+    /// Norms, biases, anything else: stored as f32.
+    Other,
+}
+
+fn role(name: &str) -> Role {
+    const LINEAR: [&str; 7] = [
+        ".self_attn.q_proj.weight",
+        ".self_attn.k_proj.weight",
+        ".self_attn.v_proj.weight",
+        ".self_attn.o_proj.weight",
+        ".mlp.gate_proj.weight",
+        ".mlp.up_proj.weight",
+        ".mlp.down_proj.weight",
+    ];
+    if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+        Role::Embedding
+    } else if name.starts_with("model.layers.") && LINEAR.iter().any(|s| name.ends_with(s)) {
+        Role::Linear
+    } else {
+        Role::Other
+    }
+}
+
+fn rows_k(t: &HostTensor) -> Result<(usize, usize), QuantError> {
+    match t.shape.as_slice() {
+        [r, k] => Ok((*r, *k)),
+        s => Err(QuantError::Invalid {
+            tensor: t.name.clone(),
+            reason: format!("expected a 2-D weight, shape is {s:?}"),
+        }),
+    }
+}
+
+/// Round to nearest on all cores (row blocks quantized in parallel, then stacked).
+pub fn quantize_parallel(
+    tensor: &str,
+    values: &[f32],
+    rows: usize,
+    k: usize,
+    format: QuantFormat,
+) -> Result<PackedMatrix, QuantError> {
+    format.check(tensor, k)?;
+    let threads = if cfg!(target_arch = "wasm32") {
+        1
+    } else {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    };
+    if threads <= 1 || rows < 64 {
+        return PackedMatrix::quantize(tensor, values, rows, k, format);
+    }
+    let chunk = rows.div_ceil(threads);
+    let parts: Vec<Result<PackedMatrix, QuantError>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..rows)
+            .step_by(chunk)
+            .map(|r0| {
+                let r1 = (r0 + chunk).min(rows);
+                sc.spawn(move || {
+                    PackedMatrix::quantize(tensor, &values[r0 * k..r1 * k], r1 - r0, k, format)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    });
+    let parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
+    PackedMatrix::concat_rows(&parts)
+}
+
+/// The source tensor in `format` without rounding again, when it already is (GGUF blocks of
+/// the same kind with group 32, or packed in exactly this format).
+fn repack(t: &HostTensor, format: QuantFormat) -> Option<Result<PackedMatrix, QuantError>> {
+    let same = match t.dtype {
+        DType::Packed(f) => f == format,
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            t.dtype.quant_kind() == Some(format.kind) && format.group == 32
+        }
+        _ => false,
+    };
+    if same && t.shape.len() == 2 {
+        t.packed()
+    } else {
+        None
+    }
+}
+
+fn packed_tensor(name: &str, m: &PackedMatrix) -> HostTensor {
+    HostTensor {
+        name: name.to_string(),
+        shape: vec![m.rows, m.k],
+        dtype: DType::Packed(m.format),
+        data: m.to_bytes(),
+    }
+}
+
+/// The calibration tokens actually used: at most `max_tokens`, and no more than the
+/// model's context.
+pub fn calibration_slice<'a>(
+    tokens: &'a [u32],
+    opts: &AwqOptions,
+    max_position_embeddings: usize,
+) -> &'a [u32] {
+    let n = tokens
+        .len()
+        .min(opts.max_tokens.max(1))
+        .min(max_position_embeddings);
+    &tokens[..n]
+}
+
+/// Quantizes `weights` (any loaded model: float safetensors, or GGUF, whose block tensors
+/// are dequantized with [`HostTensor::to_f32`] or repacked when the format matches).
+///
+/// With [`Method::Awq`], `calibration` holds the token ids of the calibration text (cut to
+/// `opts.awq.max_tokens`); it is ignored for RTN. Errors: [`QuantError::GroupMismatch`]
+/// naming the first tensor whose row length the group does not divide,
+/// [`QuantError::Invalid`] for non-finite weights, and validation errors of the input.
+pub fn quantize_model(
+    weights: &ModelWeights,
+    opts: &QuantizeOptions,
+    calibration: Option<&[u32]>,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<QuantizedModel, LanternError> {
+    validate(weights)?;
+    let c = &weights.config;
+    let format = opts.format();
+    let emb_format = opts.embedding_format();
+    let mut names: Vec<&String> = weights.tensors.keys().collect();
+    names.sort();
+    // Check every shape first, so a bad group fails before any work, naming the tensor.
+    for name in &names {
+        let t = &weights.tensors[*name];
+        let f = match role(name) {
+            Role::Linear => Some(format),
+            Role::Embedding => emb_format,
+            Role::Other => None,
+        };
+        if let Some(f) = f {
+            let (_, k) = rows_k(t)?;
+            f.check(name, k)?;
+        }
+    }
+    let mut report = QuantReport::default();
+    for t in weights.tensors.values() {
+        *report.bytes_before.entry(t.dtype.name()).or_default() += t.data.len();
+    }
+    let mut meta = QuantMetadata {
+        source: Some(weights.source.clone()),
+        ..QuantMetadata::default()
+    };
+
+    // AWQ: calibrate on the float model, search, fold into float copies of the weights.
+    let mut floats: FloatWeights = HashMap::new();
+    let mut results: Vec<[SiteResult; 4]> = Vec::new();
+    if opts.method == Method::Awq {
+        let tokens = calibration
+            .ok_or_else(|| LanternError::Other("AWQ needs calibration tokens".into()))?;
+        let tokens = calibration_slice(tokens, &opts.awq, c.max_position_embeddings);
+        if tokens.is_empty() {
+            return Err(LanternError::Other(
+                "AWQ: the calibration text has no tokens".into(),
+            ));
+        }
+        for name in &names {
+            if role(name) != Role::Embedding || name.as_str() == "model.embed_tokens.weight" {
+                floats.insert((*name).clone(), weights.tensors[*name].to_f32());
+            }
+        }
+        let t0 = Instant::now();
+        let stats = awq::capture(
+            c,
+            &floats,
+            tokens,
+            opts.awq.sample_tokens,
+            &mut |layer, layers| progress(Progress::Calibrate { layer, layers }),
+        )?;
+        report.calibration_tokens = tokens.len();
+        report.calibration_seconds = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let alphas = opts.awq.alphas();
+        for (l, st) in stats.iter().enumerate() {
+            let mut one = Vec::with_capacity(4);
+            for site in Site::ALL {
+                let wn = site.weights(l);
+                let ws: Vec<&[f32]> = wn.iter().map(|n| floats[n].as_slice()).collect();
+                let r = awq::search_site(c, site, &wn, &ws, st.get(site), format, &alphas)?;
+                report.awq.push(AwqSiteReport {
+                    layer: l,
+                    site: site.name(),
+                    alpha: r.alpha,
+                    err_rtn: r.err_rtn,
+                    err_awq: r.err_best,
+                });
+                one.push(r);
+            }
+            progress(Progress::Search {
+                layer: l + 1,
+                layers: c.num_layers,
+            });
+            let [a, b, cc, d]: [SiteResult; 4] = one.try_into().expect("four sites");
+            results.push([a, b, cc, d]);
+        }
+        for (l, r) in results.iter().enumerate() {
+            let pick = |r: &SiteResult| (r.alpha > 0.0).then(|| r.scales.clone());
+            let s = LayerScales {
+                qkv: pick(&r[0]),
+                o: pick(&r[1]),
+                gate_up: pick(&r[2]),
+                down: pick(&r[3]),
+            };
+            awq::fold_layer(c, &mut floats, l, &s)?;
+        }
+        report.search_seconds = t1.elapsed().as_secs_f64();
+        meta.calibration = Some(serde_json::json!({
+            "tokens": tokens.len(),
+            "sample_tokens": awq::sample_indices(tokens.len(), opts.awq.sample_tokens).len(),
+            "alpha_grid": alphas,
+            "objective": "sum over sampled tokens of ||(W - deq(Q(W diag(s))) / s) x||^2 per group of layers sharing an input",
+        }));
+        if c.num_heads != c.num_kv_heads {
+            meta.notes.push(format!(
+                "o_proj scales are tied across the {} query heads of each KV head, so that 1/s folds exactly into the v_proj rows",
+                c.group_size()
+            ));
+        }
+    }
+
+    // The output tensors.
+    let t2 = Instant::now();
+    let mut out = HashMap::new();
+    let total = names.len();
+    for (i, name) in names.iter().enumerate() {
+        progress(Progress::Quantize {
+            name,
+            done: i,
+            total,
+        });
+        let t = &weights.tensors[*name];
+        let float =
+            |floats: &FloatWeights| floats.get(*name).cloned().unwrap_or_else(|| t.to_f32());
+        let float_tensor = |dtype: DType, values: Vec<f32>| HostTensor {
+            name: (*name).clone(),
+            shape: t.shape.clone(),
+            dtype,
+            data: match dtype {
+                DType::F16 if t.dtype == DType::F16 => t.data.clone(),
+                DType::F16 => values
+                    .iter()
+                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                    .collect(),
+                _ => bytemuck::cast_slice(&values).to_vec(),
+            },
+        };
+        match role(name) {
+            Role::Other => {
+                out.insert((*name).clone(), float_tensor(DType::F32, float(&floats)));
+            }
+            Role::Embedding => match (opts.embeddings, emb_format) {
+                (EmbeddingPolicy::F32, _) => {
+                    out.insert((*name).clone(), float_tensor(DType::F32, t.to_f32()));
+                }
+                (EmbeddingPolicy::F16, _) => {
+                    let v = if t.dtype == DType::F16 {
+                        Vec::new()
+                    } else {
+                        t.to_f32()
+                    };
+                    out.insert((*name).clone(), float_tensor(DType::F16, v));
+                }
+                (_, Some(f)) => {
+                    let (rows, k) = rows_k(t)?;
+                    let (m, method) = match repack(t, f) {
+                        Some(r) => (r?, "repack"),
+                        None => (quantize_parallel(name, &t.to_f32(), rows, k, f)?, "rtn"),
+                    };
+                    meta.tensors
+                        .insert((*name).clone(), TensorInfo::new(f, method));
+                    out.insert((*name).clone(), packed_tensor(name, &m));
+                }
+                (_, None) => unreachable!("quantized embedding policies have a format"),
+            },
+            Role::Linear => {
+                let (rows, k) = rows_k(t)?;
+                let (m, mut info) = if opts.method == Method::Awq {
+                    let m = quantize_parallel(name, &floats[*name], rows, k, format)?;
+                    (m, TensorInfo::new(format, "awq"))
+                } else {
+                    match repack(t, format) {
+                        Some(r) => (r?, TensorInfo::new(format, "repack")),
+                        None => (
+                            quantize_parallel(name, &t.to_f32(), rows, k, format)?,
+                            TensorInfo::new(format, "rtn"),
+                        ),
+                    }
+                };
+                if opts.method == Method::Awq {
+                    awq_info(&mut info, name, &results);
+                }
+                meta.tensors.insert((*name).clone(), info);
+                out.insert((*name).clone(), packed_tensor(name, &m));
+            }
+        }
+    }
+    progress(Progress::Quantize {
+        name: "",
+        done: total,
+        total,
+    });
+    report.quantize_seconds = t2.elapsed().as_secs_f64();
+    for t in out.values() {
+        *report.bytes_after.entry(t.dtype.name()).or_default() += t.data.len();
+    }
+    for (n, t) in &out {
+        let method = match meta.tensors.get(n) {
+            Some(info) => info.method.clone(),
+            None => {
+                meta.float_tensors.insert(n.clone(), t.dtype.name());
+                t.dtype.name()
+            }
+        };
+        *report.methods.entry(method).or_default() += 1;
+    }
+    let weights = ModelWeights {
+        config: c.clone(),
+        tensors: out,
+        source: format!("{} quantized to {}", weights.source, format),
+    };
+    validate(&weights)?;
+    Ok(QuantizedModel {
+        weights,
+        metadata: meta,
+        report,
+    })
+}
+
+/// Fills the AWQ fields of a linear weight's metadata: its input-scale alpha and fold, and
+/// for v_proj / up_proj the row scaling from the next projection.
+fn awq_info(info: &mut TensorInfo, name: &str, results: &[[SiteResult; 4]]) {
+    let Some(rest) = name.strip_prefix("model.layers.") else {
+        return;
+    };
+    let Some(l) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok()) else {
+        return;
+    };
+    let Some(r) = results.get(l) else { return };
+    let site_of = |n: &str| -> Option<usize> {
+        if n.ends_with("q_proj.weight")
+            || n.ends_with("k_proj.weight")
+            || n.ends_with("v_proj.weight")
+        {
+            Some(0)
+        } else if n.ends_with("o_proj.weight") {
+            Some(1)
+        } else if n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
+            Some(2)
+        } else if n.ends_with("down_proj.weight") {
+            Some(3)
+        } else {
+            None
+        }
+    };
+    let Some(si) = site_of(name) else { return };
+    let res = &r[si];
+    info.alpha = Some(res.alpha);
+    if res.alpha > 0.0 {
+        info.fold_into = Some(res.site.fold_target(l));
+    }
+    let next = if name.ends_with("v_proj.weight") {
+        Some(&r[1])
+    } else if name.ends_with("up_proj.weight") {
+        Some(&r[3])
+    } else {
+        None
+    };
+    if let Some(n) = next {
+        if n.alpha > 0.0 {
+            info.row_scales_from = Some(n.site.weights(l)[0].clone());
+            info.row_alpha = Some(n.alpha);
+        }
+    }
+}

@@ -1,0 +1,465 @@
+//! Quantized Hugging Face-style model folders, as `lantern quantize` writes them and
+//! [`crate::model::hf`] reads them.
+//!
+//! A folder holds `config.json` (Hugging Face form), `model.safetensors`, and, when the
+//! source had a tokenizer, `tokenizer.json` + `tokenizer_config.json`. In `model.safetensors`:
+//!
+//! - a packed `[rows, k]` weight `<name>` (see [`crate::quant`] for the layout) is two `U32`
+//!   entries: `<name>.qweight` (`[rows, qs_words]`: the codes) and `<name>.scales`
+//!   (`[rows, scale_words]`: the f16 scales, and minimums for `q4`);
+//! - other tensors are stored as `F32`, `F16` or `BF16` under their own names;
+//! - `__metadata__["lantern.quantization"]` is JSON ([`QuantMetadata`]):
+//!   `{"format_version": 1, "tensors": {"<name>": {"kind": "q4", "group": 32,
+//!   "method": "awq", "alpha": 0.5, ...}}, "source": ..., ...}`. `kind` and `group` are
+//!   what a loader needs (`k = qs_words * elements per word`); the rest records how each
+//!   tensor was made.
+
+use std::collections::{BTreeMap, HashMap};
+
+use safetensors::tensor::{Dtype as StDtype, TensorView};
+use serde::{Deserialize, Serialize};
+
+use super::{QuantFormat, QuantKind};
+use crate::error::LanternError;
+use crate::model::tokenizer::Tokenizer;
+use crate::model::{DType, HostTensor, LoadError, ModelConfig, ModelWeights};
+
+/// `__metadata__` key holding the quantization JSON.
+pub const METADATA_KEY: &str = "lantern.quantization";
+/// The metadata version this code writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Suffix of the codes entry of a packed tensor.
+pub const QWEIGHT_SUFFIX: &str = ".qweight";
+/// Suffix of the scales entry of a packed tensor.
+pub const SCALES_SUFFIX: &str = ".scales";
+
+/// How one packed tensor was made.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorInfo {
+    /// Bit layout (`q8`, `q4`, `q4sym`).
+    pub kind: QuantKind,
+    /// Elements per scale.
+    pub group: u32,
+    /// `rtn` (round to nearest), `awq` (activation-aware scales, then round to nearest) or
+    /// `repack` (GGUF blocks moved bit for bit).
+    pub method: String,
+    /// AWQ: the exponent of the input-channel scales `mean|x|^alpha` (0 = none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alpha: Option<f32>,
+    /// AWQ: where `1 / s` of the input scales was folded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fold_into: Option<String>,
+    /// AWQ: rows divided by the input scales of the next projection (v_proj by o_proj's,
+    /// up_proj by down_proj's), and that projection's alpha.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub row_scales_from: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub row_alpha: Option<f32>,
+}
+
+impl TensorInfo {
+    pub fn new(format: QuantFormat, method: &str) -> Self {
+        TensorInfo {
+            kind: format.kind,
+            group: format.group,
+            method: method.to_string(),
+            alpha: None,
+            fold_into: None,
+            row_scales_from: None,
+            row_alpha: None,
+        }
+    }
+
+    pub fn format(&self) -> QuantFormat {
+        QuantFormat::new(self.kind, self.group)
+    }
+}
+
+/// The `lantern.quantization` metadata of a quantized checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuantMetadata {
+    pub format_version: u32,
+    /// Every packed tensor, by its logical name (without `.qweight` / `.scales`).
+    pub tensors: BTreeMap<String, TensorInfo>,
+    /// What was quantized (file or folder).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// The writer (`lantern <version>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    /// Storage of the tensors that are not packed, by name (`f32`, `f16`, `bf16`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub float_tensors: BTreeMap<String, String>,
+    /// AWQ calibration settings, when AWQ was used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<serde_json::Value>,
+    /// Free-form remarks (e.g. how GQA o_proj scales were tied).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
+}
+
+impl Default for QuantMetadata {
+    fn default() -> Self {
+        QuantMetadata {
+            format_version: FORMAT_VERSION,
+            tensors: BTreeMap::new(),
+            source: None,
+            tool: Some(format!("lantern {}", env!("CARGO_PKG_VERSION"))),
+            float_tensors: BTreeMap::new(),
+            calibration: None,
+            notes: Vec::new(),
+        }
+    }
+}
+
+fn meta_err(file: &str, tensor: &str, reason: impl Into<String>) -> LoadError {
+    LoadError::Quantized {
+        file: file.to_string(),
+        tensor: tensor.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Parses the `lantern.quantization` JSON of `file`; every entry is checked (known kind,
+/// valid group) and errors name the tensor.
+pub fn parse_metadata(text: &str, file: &str) -> Result<QuantMetadata, LoadError> {
+    let where_ = format!("__metadata__[\"{METADATA_KEY}\"]");
+    let root: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| meta_err(file, &where_, format!("not valid JSON: {e}")))?;
+    let version = root
+        .get("format_version")
+        .and_then(serde_json::Value::as_u64);
+    if version != Some(FORMAT_VERSION as u64) {
+        return Err(meta_err(
+            file,
+            &where_,
+            format!(
+                "format_version is {}, this build reads {FORMAT_VERSION}",
+                root.get("format_version")
+                    .map_or("missing".to_string(), |v| v.to_string())
+            ),
+        ));
+    }
+    let Some(entries) = root.get("tensors").and_then(serde_json::Value::as_object) else {
+        return Err(meta_err(file, &where_, "no `tensors` object"));
+    };
+    let mut tensors = BTreeMap::new();
+    for (name, v) in entries {
+        if let Some(kind) = v.get("kind") {
+            if kind.as_str().and_then(QuantKind::parse).is_none() {
+                return Err(meta_err(
+                    file,
+                    name,
+                    format!("unknown kind {kind} (known: q8, q4, q4sym)"),
+                ));
+            }
+        }
+        let info: TensorInfo = serde_json::from_value(v.clone())
+            .map_err(|e| meta_err(file, name, format!("bad metadata entry: {e}")))?;
+        if info.group == 0 || !info.group.is_multiple_of(8) {
+            return Err(meta_err(
+                file,
+                name,
+                format!("group {} is not a positive multiple of 8", info.group),
+            ));
+        }
+        tensors.insert(name.clone(), info);
+    }
+    let mut rest = root.clone();
+    if let Some(o) = rest.as_object_mut() {
+        o.insert("tensors".into(), serde_json::json!({}));
+    }
+    let mut meta: QuantMetadata = serde_json::from_value(rest)
+        .map_err(|e| meta_err(file, &where_, format!("bad metadata: {e}")))?;
+    meta.tensors = tensors;
+    Ok(meta)
+}
+
+/// Rebuilds the packed tensor `base` of `file` from its `.qweight` and `.scales` entries,
+/// checking both against the metadata and each other.
+pub fn packed_from_views(
+    file: &str,
+    meta: Option<&QuantMetadata>,
+    base: &str,
+    qweight: Option<&TensorView<'_>>,
+    scales: Option<&TensorView<'_>>,
+) -> Result<HostTensor, LoadError> {
+    let err = |reason: String| meta_err(file, base, reason);
+    let meta = meta.ok_or_else(|| {
+        err(format!(
+            "stored as U32 {QWEIGHT_SUFFIX}/{SCALES_SUFFIX} but the file has no `{METADATA_KEY}` metadata"
+        ))
+    })?;
+    let info = meta
+        .tensors
+        .get(base)
+        .ok_or_else(|| err(format!("no entry in the `{METADATA_KEY}` metadata")))?;
+    let q = qweight.ok_or_else(|| {
+        err(format!(
+            "`{base}{SCALES_SUFFIX}` has no `{base}{QWEIGHT_SUFFIX}`"
+        ))
+    })?;
+    let s = scales.ok_or_else(|| {
+        err(format!(
+            "`{base}{QWEIGHT_SUFFIX}` has no `{base}{SCALES_SUFFIX}`"
+        ))
+    })?;
+    for (suffix, v) in [(QWEIGHT_SUFFIX, q), (SCALES_SUFFIX, s)] {
+        if v.dtype() != StDtype::U32 {
+            return Err(err(format!(
+                "`{base}{suffix}` is {}, expected U32",
+                v.dtype()
+            )));
+        }
+        if v.shape().len() != 2 {
+            return Err(err(format!(
+                "`{base}{suffix}` has shape {:?}, expected 2-D",
+                v.shape()
+            )));
+        }
+    }
+    let format = info.format();
+    let (rows, qw) = (q.shape()[0], q.shape()[1]);
+    let k = qw * format.kind.per_word();
+    format.check(base, k).map_err(|e| err(format!("{e}")))?;
+    let want = [rows, format.scale_words(k)];
+    if s.shape() != want {
+        return Err(err(format!(
+            "`{base}{SCALES_SUFFIX}` has shape {:?}, expected {want:?} for {rows} x {k} in {format}",
+            s.shape()
+        )));
+    }
+    let mut data = Vec::with_capacity(q.data().len() + s.data().len());
+    data.extend_from_slice(q.data());
+    data.extend_from_slice(s.data());
+    Ok(HostTensor {
+        name: base.to_string(),
+        shape: vec![rows, k],
+        dtype: DType::Packed(format),
+        data,
+    })
+}
+
+/// One safetensors entry to write: name, dtype, shape and borrowed bytes.
+struct Entry<'a> {
+    name: String,
+    dtype: StDtype,
+    shape: Vec<usize>,
+    data: std::borrow::Cow<'a, [u8]>,
+}
+
+/// Plans the entries of `weights`: packed tensors split in two, GGUF blocks repacked, floats
+/// as they are. Fills `meta.tensors` for packed tensors it has no entry for, and
+/// `meta.float_tensors`.
+fn entries<'a>(
+    weights: &'a ModelWeights,
+    meta: &mut QuantMetadata,
+) -> Result<Vec<Entry<'a>>, LanternError> {
+    let mut names: Vec<&String> = weights.tensors.keys().collect();
+    names.sort();
+    let mut out = Vec::new();
+    meta.float_tensors.clear();
+    for name in names {
+        let t = &weights.tensors[name];
+        let packed_entry = |out: &mut Vec<Entry<'a>>,
+                            format: QuantFormat,
+                            rows: usize,
+                            k: usize,
+                            data: std::borrow::Cow<'a, [u8]>| {
+            let nq = rows * format.qs_words(k) * 4;
+            let (q, s) = match data {
+                std::borrow::Cow::Borrowed(b) => (b[..nq].into(), b[nq..].into()),
+                std::borrow::Cow::Owned(v) => (v[..nq].to_vec().into(), v[nq..].to_vec().into()),
+            };
+            out.push(Entry {
+                name: format!("{name}{QWEIGHT_SUFFIX}"),
+                dtype: StDtype::U32,
+                shape: vec![rows, format.qs_words(k)],
+                data: q,
+            });
+            out.push(Entry {
+                name: format!("{name}{SCALES_SUFFIX}"),
+                dtype: StDtype::U32,
+                shape: vec![rows, format.scale_words(k)],
+                data: s,
+            });
+        };
+        match t.dtype {
+            DType::F32 | DType::F16 | DType::BF16 => {
+                let dtype = match t.dtype {
+                    DType::F32 => StDtype::F32,
+                    DType::F16 => StDtype::F16,
+                    _ => StDtype::BF16,
+                };
+                meta.float_tensors.insert(name.clone(), t.dtype.name());
+                out.push(Entry {
+                    name: name.clone(),
+                    dtype,
+                    shape: t.shape.clone(),
+                    data: t.data.as_slice().into(),
+                });
+            }
+            DType::Packed(f) => {
+                let m = match t.packed() {
+                    Some(Ok(m)) => m,
+                    Some(Err(e)) => return Err(e.into()),
+                    None => unreachable!("packed dtype"),
+                };
+                let info = meta
+                    .tensors
+                    .entry(name.clone())
+                    .or_insert_with(|| TensorInfo::new(f, "unknown"));
+                if info.format() != f {
+                    return Err(LanternError::Other(format!(
+                        "tensor `{name}` is {f} but its metadata says {}",
+                        info.format()
+                    )));
+                }
+                packed_entry(&mut out, f, m.rows, m.k, t.data.as_slice().into());
+            }
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => match (t.packed(), t.shape.len()) {
+                (Some(Ok(m)), 2) => {
+                    meta.tensors
+                        .entry(name.clone())
+                        .or_insert_with(|| TensorInfo::new(m.format, "repack"));
+                    packed_entry(&mut out, m.format, m.rows, m.k, m.to_bytes().into());
+                }
+                (Some(Err(e)), _) => return Err(e.into()),
+                _ => {
+                    meta.float_tensors.insert(name.clone(), "f32".into());
+                    out.push(Entry {
+                        name: name.clone(),
+                        dtype: StDtype::F32,
+                        shape: t.shape.clone(),
+                        data: bytemuck::cast_slice(&t.to_f32()).to_vec().into(),
+                    });
+                }
+            },
+        }
+    }
+    meta.tensors.retain(|n, _| {
+        weights
+            .tensors
+            .get(n)
+            .is_some_and(|t| t.dtype.quant_kind().is_some())
+    });
+    Ok(out)
+}
+
+fn st_err(e: safetensors::SafeTensorError) -> LanternError {
+    LanternError::Other(format!("cannot serialize safetensors: {e}"))
+}
+
+fn views<'a>(entries: &'a [Entry<'a>]) -> Result<Vec<(String, TensorView<'a>)>, LanternError> {
+    entries
+        .iter()
+        .map(|e| {
+            TensorView::new(e.dtype, e.shape.clone(), &e.data)
+                .map(|v| (e.name.clone(), v))
+                .map_err(st_err)
+        })
+        .collect()
+}
+
+fn header(meta: &QuantMetadata) -> Result<HashMap<String, String>, LanternError> {
+    let json = serde_json::to_string(meta)
+        .map_err(|e| LanternError::Other(format!("metadata JSON: {e}")))?;
+    Ok(HashMap::from([
+        (METADATA_KEY.to_string(), json),
+        ("format".to_string(), "pt".to_string()),
+    ]))
+}
+
+/// `weights` as the bytes of a quantized `model.safetensors` (see the module docs), with
+/// `meta` (completed for every packed tensor) in `__metadata__`.
+pub fn to_safetensors_bytes(
+    weights: &ModelWeights,
+    meta: &QuantMetadata,
+) -> Result<Vec<u8>, LanternError> {
+    let mut meta = meta.clone();
+    let entries = entries(weights, &mut meta)?;
+    safetensors::tensor::serialize(views(&entries)?, Some(header(&meta)?)).map_err(st_err)
+}
+
+/// `tokenizer.json` and `tokenizer_config.json` texts that
+/// [`Tokenizer::from_hf_files`] reads back into an identical tokenizer (same ids, special
+/// tokens, BOS behaviour and chat template).
+pub fn tokenizer_files(
+    tok: &Tokenizer,
+    config: &ModelConfig,
+) -> Result<(String, String), LanternError> {
+    let json = tok
+        .inner()
+        .to_string(false)
+        .map_err(|e| LanternError::Other(format!("cannot serialize the tokenizer: {e}")))?;
+    let mut cfg = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": tok.add_bos(),
+        "add_eos_token": false,
+        "clean_up_tokenization_spaces": false,
+        "model_max_length": config.max_position_embeddings,
+    });
+    if let Some(b) = tok.bos_token() {
+        cfg["bos_token"] = b.into();
+    }
+    if let Some(e) = tok.eos_token() {
+        cfg["eos_token"] = e.into();
+    }
+    if let Some(t) = tok.chat_template_source() {
+        cfg["chat_template"] = t.into();
+    }
+    let cfg = serde_json::to_string_pretty(&cfg).map_err(|e| LanternError::Other(e.to_string()))?;
+    Ok((json, cfg))
+}
+
+/// Files of a written folder and their sizes.
+#[derive(Debug, Clone, Default)]
+pub struct WrittenFolder {
+    pub files: Vec<(std::path::PathBuf, u64)>,
+}
+
+/// Writes a quantized model folder: `config.json`, `model.safetensors` (with `meta`) and,
+/// with a tokenizer, `tokenizer.json` + `tokenizer_config.json`. Creates `dir` if needed;
+/// existing files of those names are replaced. The folder loads with
+/// [`crate::model::load::load_path`].
+#[cfg(not(target_arch = "wasm32"))]
+pub fn write_model_folder(
+    dir: &std::path::Path,
+    weights: &ModelWeights,
+    meta: &QuantMetadata,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<WrittenFolder, LanternError> {
+    use crate::model::hf::{CONFIG_FILE, SINGLE_FILE};
+    std::fs::create_dir_all(dir).map_err(|e| LanternError::io(dir, e))?;
+    let mut written = WrittenFolder::default();
+    let mut put = |name: &str, text: &str| -> Result<(), LanternError> {
+        let p = dir.join(name);
+        std::fs::write(&p, text).map_err(|e| LanternError::io(&p, e))?;
+        written.files.push((p, text.len() as u64));
+        Ok(())
+    };
+    put(CONFIG_FILE, &weights.config.to_hf_json()?)?;
+    if let Some(tok) = tokenizer {
+        let (tj, tc) = tokenizer_files(tok, &weights.config)?;
+        put("tokenizer.json", &tj)?;
+        put("tokenizer_config.json", &tc)?;
+    }
+    let mut meta = meta.clone();
+    let entries = entries(weights, &mut meta)?;
+    let path = dir.join(SINGLE_FILE);
+    // Written under a temporary name and renamed, so a failed run leaves no half file that
+    // looks complete.
+    let tmp = dir.join(format!("{SINGLE_FILE}.partial"));
+    safetensors::tensor::serialize_to_file(views(&entries)?, Some(header(&meta)?), &tmp).map_err(
+        |e| match e {
+            safetensors::SafeTensorError::IoError(io) => LanternError::io(&tmp, io),
+            other => st_err(other),
+        },
+    )?;
+    std::fs::rename(&tmp, &path).map_err(|e| LanternError::io(&path, e))?;
+    let len = std::fs::metadata(&path)
+        .map_err(|e| LanternError::io(&path, e))?
+        .len();
+    written.files.push((path, len));
+    Ok(written)
+}
