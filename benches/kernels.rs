@@ -4,8 +4,9 @@
 //! every weight dtype (f32, f16, q8, q4, q4s: packed ones dequantized in the kernel), and every
 //! prefill matmul variant (tiled, blocked) at 64 tokens; GB/s of weight bytes read (codes and
 //! scales for packed dtypes) and the fraction of the copy bandwidth (GFLOP/s for matmul).
-//! Set `BENCH_REPS` (default 3), `BENCH_FORMATS=q4,f32` and `BENCH_MATMUL=tiled,b88` to
-//! restrict.
+//! Then SmolLM2 prefill and decode tokens/s per weight dtype (see `model_bench`).
+//! Set `BENCH_REPS` (default 3), `BENCH_FORMATS=q4,f32`, `BENCH_MATMUL=tiled,b88` and
+//! `BENCH_MODEL=0` to restrict.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -262,6 +263,10 @@ fn main() {
     // Prefill matmul at 64 tokens in every variant: the tiled one (workgroup memory) and the
     // blocked ones (tokens x rows per invocation, CPU adapters). The 4096x4096 case is too
     // slow for CPU adapters. `BENCH_MATMUL=tiled,b88` restricts the variants.
+    if std::env::var("BENCH_MODEL").as_deref() != Ok("0") {
+        model_bench(&ctx);
+    }
+
     let big = !ctx.caps.cpu_like;
     let only = std::env::var("BENCH_MATMUL").ok();
     for (n, k) in [(576usize, 1536usize), (1536, 576), (4096, 4096)] {
@@ -300,6 +305,57 @@ fn main() {
                 );
             }
         }
+    }
+}
+
+/// SmolLM2 end to end per weight dtype: the GGUF as shipped (q4 layers + q8 LM head, packed),
+/// requantized to q8 (RTN, group 32), and expanded to f16 and f32. Skipped when the model is
+/// not on disk (`LANTERN_SMOLLM2_GGUF` or the default cache path; `lantern fetch` puts it
+/// there). Decode: median over `BENCH_DECODE` (default 16) single-token steps after a
+/// 32-token prefill, tokens/s = 1000 / median ms.
+fn model_bench(ctx: &Arc<GpuContext>) {
+    use lantern::model::llama::{GpuModel, ModelOptions, Want, WeightPrecision};
+    use lantern::quant::quantize::{quantize_model, QuantizeOptions};
+    let path = std::env::var_os("LANTERN_SMOLLM2_GGUF")
+        .map(std::path::PathBuf::from)
+        .or_else(|| Some(lantern::fetch::default_model_path()))
+        .filter(|p| p.exists());
+    let Some(path) = path else {
+        println!("SmolLM2 decode per dtype: skipped (no model on disk; run `lantern fetch`)");
+        return;
+    };
+    let steps: usize = std::env::var("BENCH_DECODE").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
+    let loaded = lantern::model::load::load_path(&path).expect("load SmolLM2");
+    let q8 = quantize_model(&loaded.weights, &QuantizeOptions::new(QuantKind::Q8), None, &mut |_| {}).expect("quantize q8");
+    let variants = [
+        ("q4_1 GGUF (q4 layers, q8 head)", &loaded.weights, WeightPrecision::Native),
+        ("q8 (RTN g32 requantized)", &q8.weights, WeightPrecision::Native),
+        ("f16", &loaded.weights, WeightPrecision::F16),
+        ("f32", &loaded.weights, WeightPrecision::F32),
+    ];
+    let prompt: Vec<u32> = (0..32u32).map(|i| 100 + 7 * i).collect();
+    for (name, w, precision) in variants {
+        let opts = ModelOptions { context: Some(256), weights: precision, ..Default::default() };
+        let mut m = pollster::block_on(GpuModel::load(ctx.clone(), w, opts)).expect("upload");
+        let seq = m.new_sequence().expect("sequence");
+        let t0 = Instant::now();
+        let mut tok = pollster::block_on(m.forward(seq, &prompt, Want::Argmax)).expect("prefill").argmax[0];
+        let prefill = t0.elapsed().as_secs_f64();
+        let mut times = Vec::new();
+        for _ in 0..steps {
+            let t = Instant::now();
+            tok = pollster::block_on(m.forward(seq, &[tok], Want::Argmax)).expect("decode").argmax[0];
+            times.push(t.elapsed().as_secs_f64());
+        }
+        let med = median(times);
+        println!(
+            "SmolLM2 {:<34} weights {:7.1} MB  prefill {:6.1} tok/s  decode {:7.1} ms/token = {:5.2} tok/s",
+            name,
+            m.weight_bytes() as f64 / 1e6,
+            prompt.len() as f64 / prefill,
+            med * 1e3,
+            1.0 / med
+        );
     }
 }
 

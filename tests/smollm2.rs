@@ -19,8 +19,6 @@ const TOP20_TOL: f32 = 1e-3;
 struct Loaded {
     model: GpuModel,
     tokenizer: Tokenizer,
-    /// File bytes of the quantized tensors by dtype, and of the f32 ones.
-    file_bytes: std::collections::BTreeMap<String, u64>,
 }
 
 fn loaded() -> &'static Mutex<Loaded> {
@@ -36,14 +34,9 @@ fn loaded() -> &'static Mutex<Loaded> {
             },
         ))
         .expect("upload SmolLM2");
-        let mut file_bytes = std::collections::BTreeMap::new();
-        for t in l.weights.tensors.values() {
-            *file_bytes.entry(t.dtype.name()).or_insert(0) += t.data.len() as u64;
-        }
         Mutex::new(Loaded {
             model,
             tokenizer: l.tokenizer.expect("GGUF tokenizer"),
-            file_bytes,
         })
     })
 }
@@ -114,18 +107,62 @@ fn every_case_matches_transformers() {
 /// per 32), f32 norms. A float copy of any quantized weight would break both equalities.
 #[test]
 fn native_load_keeps_quantized_weights_packed() {
-    let guard = loaded().lock().unwrap_or_else(|e| e.into_inner());
-    let m = guard.model.memory();
+    let l = load_path(&common::smollm2_gguf()).expect("load SmolLM2 GGUF");
+    // File bytes of the quantized tensors by dtype, and of the f32 ones.
+    let mut file_bytes = std::collections::BTreeMap::new();
+    for t in l.weights.tensors.values() {
+        *file_bytes.entry(t.dtype.name()).or_insert(0u64) += t.data.len() as u64;
+    }
+    // A device of its own: the ledger window of the load then holds only this model's
+    // allocations, not those of tests running beside it.
+    let ctx = common::gpu_with(&Default::default());
+    let opts = ModelOptions { context: Some(256), ..Default::default() };
+    let model = pollster::block_on(GpuModel::load(ctx, &l.weights, opts)).expect("upload SmolLM2");
+    let m = model.memory();
     eprintln!("{}", serde_json::to_string_pretty(m).unwrap());
     assert_eq!(m.ledger_bytes, m.total(), "allocations the report does not explain");
     let q4 = &m.weights["q4g32"];
     let q8 = &m.weights["q8g32"];
     // q|k|v fused into one matrix, gate and up two: 5 uploads holding 7 GGUF tensors a layer.
     assert_eq!(q4.tensors, 30 * 5, "every attention and MLP matrix packed as q4");
-    assert_eq!(q4.bytes + q4.scale_bytes, guard.file_bytes["q4_1"]);
-    assert_eq!(q8.bytes + q8.scale_bytes, guard.file_bytes["q8_0"], "tied embedding / LM head packed as q8");
-    assert_eq!(m.weights["f32"].bytes, guard.file_bytes["f32"], "norms");
+    assert_eq!(q4.bytes + q4.scale_bytes, file_bytes["q4_1"]);
+    assert_eq!(q8.bytes + q8.scale_bytes, file_bytes["q8_0"], "tied embedding / LM head packed as q8");
+    assert_eq!(m.weights["f32"].bytes, file_bytes["f32"], "norms");
     assert_eq!(m.weights.len(), 3, "no other weight dtype: {:?}", m.weights.keys());
     // No allocation is as large as an f32 copy of the LM head (49152 x 576 x 4 bytes).
     assert!(m.largest.1 < 49152 * 576 * 4, "largest allocation {:?}", m.largest);
+}
+
+/// The dequantized SmolLM2 requantized to q8 (round to nearest, groups of 32, LM head q8)
+/// keeps more than 95% of the fixture's greedy tokens, position by position, each case
+/// decoded through the KV cache for as many tokens as transformers produced.
+#[test]
+fn requantized_q8_keeps_greedy_agreement() {
+    use lantern::quant::quantize::{quantize_model, QuantizeOptions};
+    use lantern::quant::QuantKind;
+    let l = load_path(&common::smollm2_gguf()).expect("load SmolLM2 GGUF");
+    let q8 = quantize_model(&l.weights, &QuantizeOptions::new(QuantKind::Q8), None, &mut |_| {}).expect("quantize q8");
+    drop(l);
+    let opts = ModelOptions { context: Some(256), ..Default::default() };
+    let mut m = pollster::block_on(GpuModel::load(common::gpu(), &q8.weights, opts)).expect("upload q8 SmolLM2");
+    assert!(m.memory().weights.contains_key("q8g32"), "{:?}", m.memory().weights.keys());
+    let (mut same, mut total) = (0usize, 0usize);
+    for case in cases() {
+        let prompt = common::ids(&case["input_ids"]);
+        let greedy = common::ids(&case["greedy_ids"]);
+        let seq = m.new_sequence().unwrap();
+        let mut out = vec![pollster::block_on(m.forward(seq, &prompt, Want::Argmax)).expect("prefill").argmax[0]];
+        while out.len() < greedy.len() {
+            let t = *out.last().unwrap();
+            out.push(pollster::block_on(m.forward(seq, &[t], Want::Argmax)).expect("decode").argmax[0]);
+        }
+        m.release_sequence(seq);
+        let s = out.iter().zip(&greedy).filter(|(a, b)| a == b).count();
+        eprintln!("{}: q8 agrees on {s}/{} greedy tokens", case["name"].as_str().unwrap(), greedy.len());
+        same += s;
+        total += greedy.len();
+    }
+    let agreement = same as f64 / total as f64;
+    eprintln!("q8 RTN g32: {same}/{total} = {:.1}% of greedy tokens agree with transformers", 100.0 * agreement);
+    assert!(agreement > 0.95, "q8 greedy agreement {agreement:.3}");
 }

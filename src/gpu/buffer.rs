@@ -259,7 +259,8 @@ pub async fn read_f32(ctx: &Arc<GpuContext>, src: &wgpu::Buffer, n: usize) -> Re
 pub const TEX_WIDTH: u32 = 8192;
 
 /// An rgba32uint texture holding `words` (padded with zeros to whole rows of TEX_WIDTH
-/// texels), or `None` when the adapter's texture limits cannot hold it.
+/// texels, or one row exactly as wide as needed), or `None` when the adapter's texture
+/// limits cannot hold it.
 pub fn create_u32_texture(ctx: &GpuContext, label: &str, words: &[u32]) -> Option<(wgpu::Texture, wgpu::TextureView)> {
     use wgpu::util::DeviceExt;
     let max = ctx.limits.max_texture_dimension_2d;
@@ -268,14 +269,16 @@ pub fn create_u32_texture(ctx: &GpuContext, label: &str, words: &[u32]) -> Optio
     if TEX_WIDTH > max || height > max as u64 {
         return None;
     }
+    // A single row can be narrower: index i < width still maps to (i % TEX_WIDTH, 0).
+    let width = if height == 1 { texels as u32 } else { TEX_WIDTH };
     let mut data = words.to_vec();
-    data.resize((height * TEX_WIDTH as u64 * 4) as usize, 0);
+    data.resize((height * width as u64 * 4) as usize, 0);
     ctx.ledger.record(label, data.len() as u64 * 4, AllocUsage::Texture);
     let tex = ctx.device.create_texture_with_data(
         &ctx.queue,
         &wgpu::TextureDescriptor {
             label: Some(label),
-            size: wgpu::Extent3d { width: TEX_WIDTH, height: height as u32, depth_or_array_layers: 1 },
+            size: wgpu::Extent3d { width, height: height as u32, depth_or_array_layers: 1 },
             mip_level_count: 1,
             sample_count: 1,
             dimension: wgpu::TextureDimension::D2,

@@ -154,7 +154,9 @@ pub struct MemoryReport {
     pub uniforms: u64,
     /// Host-mapped staging for logits readback.
     pub readback: u64,
-    /// Every byte the ledger saw allocated during the load.
+    /// Every byte the context's ledger saw allocated during the load (allocations made on the
+    /// same context by other threads meanwhile count too: load one model at a time to
+    /// compare this with `total()`).
     pub ledger_bytes: u64,
     /// Allocations during the load.
     pub allocations: usize,
