@@ -78,6 +78,7 @@ const LAYOUTS: &[Layout] = &[
     Layout { name: "thread (row/invocation, wg64)", flags: 0, wg: 64, subgroups: false },
     Layout { name: "rows4 (4 rows/invocation, wg8)", flags: flags::ROWS4, wg: 8, subgroups: false },
     Layout { name: "rows4 + x broadcast (packed, wg8 = subgroup)", flags: flags::ROWS4 | flags::XBCAST, wg: 8, subgroups: true },
+    Layout { name: "rows8 texture codes + x broadcast (packed)", flags: flags::ROWS4 | flags::XBCAST | flags::TEX, wg: 8, subgroups: true },
     Layout { name: "wg8 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 8, subgroups: true },
     Layout { name: "wg64 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 64, subgroups: true },
 ];
@@ -150,6 +151,9 @@ fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext) -> Option<PipelineKey> {
         return None; // the packed matvec has the two tuned layouts only
     }
     if l.flags & flags::XBCAST != 0 && !(packed && lantern::kernels::linear::xbcast_fits(ctx)) {
+        return None;
+    }
+    if l.flags & flags::TEX != 0 && !lantern::kernels::linear::tex_fits(ctx, QuantFormat::new(quant_kind(fmt)?, 32)) {
         return None;
     }
     Some(
