@@ -30,6 +30,29 @@ fn run_json_reports_ids_text_and_metrics() {
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["adapter"]["name"].as_str().is_some());
     assert_eq!(v["dispatches_per_decode_step"], 183);
+    // Weights by dtype with their scales, and every allocation explained.
+    let m = &v["memory"];
+    let q4 = &m["weights"]["q4g32"];
+    assert_eq!(q4["bytes"].as_u64().unwrap() + q4["scale_bytes"].as_u64().unwrap(), 66_355_200);
+    assert_eq!(m["weights"]["q8g32"]["scale_bytes"].as_u64().unwrap(), 49152 * 18 * 2);
+    let total: u64 = ["weight_textures", "kv_cache", "workspace", "uniforms", "readback"]
+        .iter()
+        .map(|k| m[k].as_u64().unwrap())
+        .sum::<u64>()
+        + m["weights"].as_object().unwrap().values().map(|d| d["bytes"].as_u64().unwrap() + d["scale_bytes"].as_u64().unwrap()).sum::<u64>();
+    assert_eq!(m["ledger_bytes"].as_u64().unwrap(), total);
+}
+
+/// `info` needs no GPU: parameters and bytes by dtype in the file and after a native load.
+#[test]
+fn info_reports_bytes_by_dtype_without_a_gpu() {
+    let out = lantern().args(["info", "--json", "--model"]).arg(common::smollm2_gguf()).output().unwrap();
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
+    assert_eq!(v["parameters"], 134_515_008u64);
+    assert_eq!(v["file_bytes_by_dtype"]["q4_1"]["tensors"], 210);
+    assert_eq!(v["gpu_weight_bytes"], 96_576_768u64);
+    assert_eq!(v["gpu_weight_bytes_by_dtype"]["q4g32"]["scale_bytes"].as_u64().unwrap(), 13_271_040);
 }
 
 #[test]

@@ -20,6 +20,8 @@ use lantern::model::tokenizer::ChatMessage;
 mod eval_cmd;
 #[path = "lantern/quantize_cmd.rs"]
 mod quantize_cmd;
+#[path = "lantern/info_cmd.rs"]
+mod info_cmd;
 
 #[derive(Parser)]
 #[command(name = "lantern", version, about = "Portable LLM inference on WebGPU (wgpu)")]
@@ -46,6 +48,9 @@ enum Cmd {
     /// Quantize a model (GGUF or Hugging Face folder) to packed q4 / q4sym / q8 weights,
     /// round-to-nearest or AWQ with --calibration, into a safetensors folder.
     Quantize(quantize_cmd::QuantizeArgs),
+    /// What a model holds: config, parameters, bytes by dtype in the file and on the GPU
+    /// after a native load (scales apart). Needs no GPU.
+    Info(info_cmd::InfoArgs),
     /// Evaluate: perplexity on a text (`eval ppl`), or compare two models (`eval compare`).
     #[command(subcommand)]
     Eval(eval_cmd::EvalCmd),
@@ -120,6 +125,7 @@ fn main() {
         Cmd::Run(a) => run(a),
         Cmd::Devices { backend, json } => devices(backend, json),
         Cmd::Quantize(a) => quantize_cmd::quantize(a),
+        Cmd::Info(a) => info_cmd::info(a),
         Cmd::Eval(c) => eval_cmd::eval(c),
         Cmd::Fetch => lantern::fetch::ensure_default_model(true).map(|p| {
             println!("{}", p.display());
