@@ -22,6 +22,8 @@ mod eval_cmd;
 mod quantize_cmd;
 #[path = "lantern/info_cmd.rs"]
 mod info_cmd;
+#[path = "lantern/plan_cmd.rs"]
+mod plan_cmd;
 
 #[derive(Parser)]
 #[command(name = "lantern", version, about = "Portable LLM inference on WebGPU (wgpu)")]
@@ -51,6 +53,9 @@ enum Cmd {
     /// What a model holds: config, parameters, bytes by dtype in the file and on the GPU
     /// after a native load (scales apart). Needs no GPU.
     Info(info_cmd::InfoArgs),
+    /// Memory plan: weights, KV bytes per token and for B sequences of T tokens, workspace,
+    /// and what fits a --memory-budget. Works from a config.json alone. Needs no GPU.
+    Plan(plan_cmd::PlanArgs),
     /// Evaluate: perplexity on a text (`eval ppl`), or compare two models (`eval compare`).
     #[command(subcommand)]
     Eval(eval_cmd::EvalCmd),
@@ -126,6 +131,7 @@ fn main() {
         Cmd::Devices { backend, json } => devices(backend, json),
         Cmd::Quantize(a) => quantize_cmd::quantize(a),
         Cmd::Info(a) => info_cmd::info(a),
+        Cmd::Plan(a) => plan_cmd::run(a),
         Cmd::Eval(c) => eval_cmd::eval(c),
         Cmd::Fetch => lantern::fetch::ensure_default_model(true).map(|p| {
             println!("{}", p.display());

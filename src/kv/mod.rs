@@ -6,6 +6,8 @@
 //! `p % page_size`. The allocator here is a plain free list; sharing of prefix pages with
 //! reference counts builds on the same tables.
 
+pub mod plan;
+
 use crate::gpu::buffer::create_zeroed;
 use crate::gpu::{GpuContext, GpuError};
 

@@ -22,20 +22,15 @@ pub struct InfoArgs {
 
 /// Tensors and bytes of one dtype.
 #[derive(Default, serde::Serialize)]
-struct Row {
-    tensors: usize,
-    parameters: u64,
-    bytes: u64,
-    scale_bytes: u64,
+pub struct Row {
+    pub tensors: usize,
+    pub parameters: u64,
+    pub bytes: u64,
+    pub scale_bytes: u64,
 }
 
-pub fn info(a: InfoArgs) -> Result<()> {
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => lantern::fetch::ensure_default_model(!a.json).context("fetching the default model")?,
-    };
-    let loaded = load_path(&path)?;
-    let w = &loaded.weights;
+/// Tensors, parameters and bytes by dtype: in the file, and on the GPU after a native load.
+pub fn by_dtype(w: &lantern::model::ModelWeights, path: &std::path::Path) -> Result<(BTreeMap<String, Row>, BTreeMap<String, Row>)> {
     let mut file: BTreeMap<String, Row> = BTreeMap::new();
     let mut gpu: BTreeMap<String, Row> = BTreeMap::new();
     for t in w.tensors.values() {
@@ -60,6 +55,17 @@ pub fn info(a: InfoArgs) -> Result<()> {
         g.bytes += bytes;
         g.scale_bytes += scales;
     }
+    Ok((file, gpu))
+}
+
+pub fn info(a: InfoArgs) -> Result<()> {
+    let path = match &a.model {
+        Some(p) => p.clone(),
+        None => lantern::fetch::ensure_default_model(!a.json).context("fetching the default model")?,
+    };
+    let loaded = load_path(&path)?;
+    let w = &loaded.weights;
+    let (file, gpu) = by_dtype(w, &path)?;
     // A tied embedding is also the LM head: counted once, as the file stores it.
     let params: u64 = file.values().map(|r| r.parameters).sum();
     let gpu_total: u64 = gpu.values().map(|r| r.bytes + r.scale_bytes).sum();

@@ -1,0 +1,167 @@
+//! The memory plan arithmetic: KV bytes per token for each KV dtype, parameter counts from a
+//! config, and how many tokens of KV cache fit a budget after weights, workspace and a
+//! reserve. Pure functions of the config (no weights, no GPU), so a model can be sized
+//! before it is downloaded. The formula: KV bytes = 2 x B x T x L x H_kv x d_h x b.
+
+use crate::model::ModelConfig;
+
+/// Storage of cached K and V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    F32,
+    F16,
+    /// int8 with one f16 scale per token and KV head (for each of K and V).
+    Q8,
+    /// 2-byte bfloat16 (for sizing checkpoints that cache in bf16).
+    Bf16,
+}
+
+impl KvDtype {
+    pub fn parse(s: &str) -> Option<KvDtype> {
+        match s {
+            "f32" => Some(KvDtype::F32),
+            "f16" => Some(KvDtype::F16),
+            "bf16" => Some(KvDtype::Bf16),
+            "q8" => Some(KvDtype::Q8),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one head's K (or V) of one token.
+    pub fn head_bytes(&self, head_dim: usize) -> u64 {
+        match self {
+            KvDtype::F32 => 4 * head_dim as u64,
+            KvDtype::F16 | KvDtype::Bf16 => 2 * head_dim as u64,
+            KvDtype::Q8 => head_dim as u64 + 2,
+        }
+    }
+}
+
+/// KV bytes of one token across all layers: 2 (K and V) x L x H_kv x (d_h x b).
+pub fn kv_bytes_per_token(layers: usize, kv_heads: usize, head_dim: usize, dtype: KvDtype) -> u64 {
+    2 * layers as u64 * kv_heads as u64 * dtype.head_bytes(head_dim)
+}
+
+/// KV bytes of `batch` sequences of `tokens` tokens.
+pub fn kv_bytes(layers: usize, kv_heads: usize, head_dim: usize, dtype: KvDtype, batch: usize, tokens: usize) -> u64 {
+    kv_bytes_per_token(layers, kv_heads, head_dim, dtype) * batch as u64 * tokens as u64
+}
+
+/// Parameters of a Llama-family model, from its config: embedding, per layer q/k/v/o
+/// (+ q/k/v biases), gate/up/down, two norms; final norm; an LM head unless tied.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct ParamCount {
+    pub embedding: u64,
+    pub per_layer: u64,
+    pub layers: u64,
+    pub lm_head: u64,
+    pub total: u64,
+    /// 12 d^2: the textbook size of a transformer block (4 d^2 attention + 8 d^2 MLP with
+    /// a 4d FFN), a sanity line next to `per_layer`.
+    pub block_12d2: u64,
+}
+
+pub fn param_count(c: &ModelConfig) -> ParamCount {
+    let d = c.hidden_size as u64;
+    let q = (c.num_heads * c.head_dim) as u64;
+    let kv = (c.num_kv_heads * c.head_dim) as u64;
+    let f = c.intermediate_size as u64;
+    let bias = if c.qkv_bias { q + 2 * kv } else { 0 };
+    let per_layer = d * q + 2 * d * kv + q * d + bias + 3 * d * f + 2 * d;
+    let embedding = c.vocab_size as u64 * d;
+    let lm_head = if c.tie_word_embeddings { 0 } else { embedding };
+    let layers = c.num_layers as u64 * per_layer;
+    ParamCount {
+        embedding,
+        per_layer,
+        layers,
+        lm_head,
+        total: embedding + layers + d + lm_head,
+        block_12d2: 12 * d * d,
+    }
+}
+
+/// Activation bytes of one forward step of `max_batch_tokens` tokens with `logit_rows` rows
+/// of logits, as `GpuModel::load` allocates them (f32 hidden, q|k|v, attention output, MLP
+/// activation, logits, step inputs, RoPE table of `context` positions; the block table's
+/// few bytes per sequence are left out).
+pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usize, context: usize) -> u64 {
+    let t = max_batch_tokens.max(1) as u64;
+    let r = logit_rows.max(1).min(max_batch_tokens.max(1)) as u64;
+    let d = c.hidden_size as u64;
+    let act = t * (d + c.qkv_dim() as u64 + (c.num_heads * c.head_dim) as u64 + c.intermediate_size as u64) * 4;
+    let logits = r * c.vocab_size as u64 * 4;
+    let inputs = t * 4 * 4 + r * 4;
+    let rope = context as u64 * c.head_dim as u64 * 4;
+    act + logits + inputs + rope
+}
+
+/// What fits: inputs and results of [`plan`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Plan {
+    pub kv_dtype: KvDtype,
+    pub kv_bytes_per_token: u64,
+    /// KV bytes of `batch` sequences of `context` tokens.
+    pub kv_bytes_requested: u64,
+    pub batch: usize,
+    pub context: usize,
+    pub weight_bytes: u64,
+    pub workspace_bytes: u64,
+    pub reserve_bytes: u64,
+    pub budget_bytes: u64,
+    /// Where the budget came from.
+    pub budget_source: String,
+    /// Bytes left for the KV cache (0 when weights + workspace + reserve exceed the budget).
+    pub kv_budget_bytes: u64,
+    pub page_size: usize,
+    pub pages: u64,
+    /// Longest single sequence the pages hold (capped by the model's context).
+    pub max_context_one_sequence: u64,
+    /// Sequences of `context` tokens that fit at once.
+    pub max_sequences_at_context: u64,
+    /// Whether `batch` sequences of `context` tokens fit.
+    pub fits: bool,
+}
+
+/// Size the KV cache for a budget.
+#[allow(clippy::too_many_arguments)]
+pub fn plan(
+    c: &ModelConfig,
+    weight_bytes: u64,
+    kv_dtype: KvDtype,
+    batch: usize,
+    context: usize,
+    page_size: usize,
+    workspace_bytes: u64,
+    reserve_bytes: u64,
+    budget_bytes: u64,
+    budget_source: String,
+) -> Plan {
+    let per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype);
+    let page_size = page_size.max(1);
+    let used = weight_bytes + workspace_bytes + reserve_bytes;
+    let kv_budget = budget_bytes.saturating_sub(used);
+    let page_bytes = per_token * page_size as u64;
+    let pages = if page_bytes == 0 { 0 } else { kv_budget / page_bytes };
+    let pages_per_seq = context.max(1).div_ceil(page_size) as u64;
+    let max_seqs = pages / pages_per_seq;
+    Plan {
+        kv_dtype,
+        kv_bytes_per_token: per_token,
+        kv_bytes_requested: per_token * batch as u64 * context as u64,
+        batch,
+        context,
+        weight_bytes,
+        workspace_bytes,
+        reserve_bytes,
+        budget_bytes,
+        budget_source,
+        kv_budget_bytes: kv_budget,
+        page_size,
+        pages,
+        max_context_one_sequence: (pages * page_size as u64).min(c.max_position_embeddings as u64),
+        max_sequences_at_context: max_seqs,
+        fits: max_seqs >= batch as u64,
+    }
+}
