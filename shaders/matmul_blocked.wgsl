@@ -43,20 +43,7 @@ struct Wk {
 #endif
 }
 
-// The accumulators of one token: W x' (a) and U x' (c) for rows 0-3 / 4-7, and sum(x^2).
-struct Acc {
-    a0: vec4<f32>,
-#if BLOCK_N8
-    a1: vec4<f32>,
-#endif
-#if GATED
-    c0: vec4<f32>,
-#if BLOCK_N8
-    c1: vec4<f32>,
-#endif
-#endif
-    s: f32,
-}
+#include "common/blocked_acc.wgsl"
 
 fn w_pair(b: vec4<u32>, k: u32) -> Pair {
     let r0 = w_load2(b.x + k);
@@ -120,38 +107,6 @@ fn tok1(t: ptr<function, Acc>, xi: u32, gk: f32, wk: Wk) {
     (*t).c1 += wk.u1.lo * xv;
 #endif
 #endif
-}
-
-// Epilogue and store of one token's row block.
-fn finish(t: Acc, m: u32, n0: u32) {
-    if (m >= step.n_tokens) {
-        return;
-    }
-#if NORM
-    let r = inv_rms(t.s);
-#else
-    let r = 1.0;
-#endif
-    for (var j = 0u; j < TN; j++) {
-        let n = n0 + j;
-        if (n >= p.n_rows) {
-            break;
-        }
-        var v = t.a0[j & 3u];
-        var b = 0.0;
-#if GATED
-        b = t.c0[j & 3u];
-#endif
-#if BLOCK_N8
-        if (j >= 4u) {
-            v = t.a1[j & 3u];
-#if GATED
-            b = t.c1[j & 3u];
-#endif
-        }
-#endif
-        store_out(m, n, v, b, r);
-    }
 }
 
 @compute @workgroup_size(WG)

@@ -79,20 +79,7 @@ struct Qk {
 #endif
 }
 
-// One token's accumulators: W x' (a) and U x' (c) for rows 0-3 / 4-7, and sum(x^2).
-struct Acc {
-    a0: vec4<f32>,
-#if BLOCK_N8
-    a1: vec4<f32>,
-#endif
-#if GATED
-    c0: vec4<f32>,
-#if BLOCK_N8
-    c1: vec4<f32>,
-#endif
-#endif
-    s: f32,
-}
+#include "common/blocked_acc.wgsl"
 
 var<private> t0: Acc;
 var<private> t1: Acc;
@@ -205,8 +192,9 @@ fn x_lane(i: u32, k: u32, gl: f32, t: ptr<private, Acc>) -> f32 {
 // One token, one 8-element step: the lanes' elements broadcast, times rows' values lo
 // (elements 0-3) and hi (4-7).
 fn tok8(t: ptr<private, Acc>, xl: f32, lo: Wk, hi: Wk) {
-    let xa = vec4<f32>(subgroupBroadcast(xl, 0u), subgroupBroadcast(xl, 1u), subgroupBroadcast(xl, 2u), subgroupBroadcast(xl, 3u));
-    let xh = vec4<f32>(subgroupBroadcast(xl, 4u), subgroupBroadcast(xl, 5u), subgroupBroadcast(xl, 6u), subgroupBroadcast(xl, 7u));
+    let xv = bcast8(xl);
+    let xa = xv[0];
+    let xh = xv[1];
     (*t).a0 += dot4(lo.a, xa) + dot4(hi.a, xh);
 #if BLOCK_N8
     (*t).a1 += dot4(lo.b, xa) + dot4(hi.b, xh);
@@ -254,38 +242,6 @@ fn step8(k8: u32, lo: Wk, hi: Wk) {
 #endif
 }
 #endif
-
-// Epilogue and store of one token's row block.
-fn finish(t: Acc, m: u32, n0: u32) {
-    if (m >= step.n_tokens) {
-        return;
-    }
-#if NORM
-    let r = inv_rms(t.s);
-#else
-    let r = 1.0;
-#endif
-    for (var j = 0u; j < TN; j++) {
-        let n = n0 + j;
-        if (n >= p.n_rows) {
-            break;
-        }
-        var v = t.a0[j & 3u];
-        var b = 0.0;
-#if GATED
-        b = t.c0[j & 3u];
-#endif
-#if BLOCK_N8
-        if (j >= 4u) {
-            v = t.a1[j & 3u];
-#if GATED
-            b = t.c1[j & 3u];
-#endif
-        }
-#endif
-        store_out(m, n, v, b, r);
-    }
-}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {

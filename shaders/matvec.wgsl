@@ -12,18 +12,7 @@
 @group(0) @binding(8) var<storage, read> rows: array<u32>;         // (n_out) rows of x
 #endif
 
-// Apply the epilogue to the raw sums (w.x, u.x, sum of squares) and store.
-fn finish(t: u32, row: u32, acc: vec3<f32>) {
-#if NORM
-    store_out(t, row, acc.x, acc.y, inv_rms(acc.z));
-#else
-    store_out(t, row, acc.x, acc.y, 1.0);
-#endif
-}
-
-#if ROW_PER_WORKGROUP
-#include "common/row_reduce.wgsl"
-#endif
+#include "common/matvec_end.wgsl"
 
 @compute @workgroup_size(WG)
 fn main(

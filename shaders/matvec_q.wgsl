@@ -32,17 +32,7 @@
 const TEXW: u32 = 8192u;
 #endif
 
-fn finish(t: u32, row: u32, acc: vec3<f32>) {
-#if NORM
-    store_out(t, row, acc.x, acc.y, inv_rms(acc.z));
-#else
-    store_out(t, row, acc.x, acc.y, 1.0);
-#endif
-}
-
-#if ROW_PER_WORKGROUP
-#include "common/row_reduce.wgsl"
-#endif
+#include "common/matvec_end.wgsl"
 
 // w . x' over the eight elements of one 4-bit word (or four of a Q8 word: `xb_` unused).
 fn dot_word(v: array<vec4<f32>, 2>, xa: vec4<f32>, xb_: vec4<f32>) -> f32 {
@@ -50,6 +40,24 @@ fn dot_word(v: array<vec4<f32>, 2>, xa: vec4<f32>, xb_: vec4<f32>) -> f32 {
     return dot(v[0], xa);
 #else
     return dot(v[0], xa) + dot(v[1], xb_);
+#endif
+}
+
+// Four rows' products w . x' over one code word each (`q`: the rows' words, s0-s3 their
+// group scales): elements 0-3 against xa, and for 4-bit words 4-7 against xh.
+fn dot_rows(q: vec4<u32>, s0: vec2<f32>, s1: vec2<f32>, s2: vec2<f32>, s3: vec2<f32>, xa: vec4<f32>, xh: vec4<f32>) -> vec4<f32> {
+#if W_Q8
+    return vec4<f32>(
+        dot(deq(codes_lo(q.x), s0), xa),
+        dot(deq(codes_lo(q.y), s1), xa),
+        dot(deq(codes_lo(q.z), s2), xa),
+        dot(deq(codes_lo(q.w), s3), xa));
+#else
+    return vec4<f32>(
+        dot(deq(codes_lo(q.x), s0), xa) + dot(deq(codes_hi(q.x), s0), xh),
+        dot(deq(codes_lo(q.y), s1), xa) + dot(deq(codes_hi(q.y), s1), xh),
+        dot(deq(codes_lo(q.z), s2), xa) + dot(deq(codes_hi(q.z), s2), xh),
+        dot(deq(codes_lo(q.w), s3), xa) + dot(deq(codes_hi(q.w), s3), xh));
 #endif
 }
 
@@ -141,34 +149,14 @@ fn main(
             let xa = load_x4(xb4, kw * xpw, &s0);
             let q = vec4<u32>(w[wb.x + kw], w[wb.y + kw], w[wb.z + kw], w[wb.w + kw]);
 #if W_Q8
-            a += vec4<f32>(
-                dot(deq(codes_lo(q.x), s_0), xa),
-                dot(deq(codes_lo(q.y), s_1), xa),
-                dot(deq(codes_lo(q.z), s_2), xa),
-                dot(deq(codes_lo(q.w), s_3), xa));
+            let xh = xa;
 #else
             let xh = load_x4(xb4, kw * xpw + 1u, &s0);
-            a += vec4<f32>(
-                dot(deq(codes_lo(q.x), s_0), xa) + dot(deq(codes_hi(q.x), s_0), xh),
-                dot(deq(codes_lo(q.y), s_1), xa) + dot(deq(codes_hi(q.y), s_1), xh),
-                dot(deq(codes_lo(q.z), s_2), xa) + dot(deq(codes_hi(q.z), s_2), xh),
-                dot(deq(codes_lo(q.w), s_3), xa) + dot(deq(codes_hi(q.w), s_3), xh));
 #endif
+            a += dot_rows(q, s_0, s_1, s_2, s_3, xa, xh);
 #if GATED
             let qu = vec4<u32>(u[wb.x + kw], u[wb.y + kw], u[wb.z + kw], u[wb.w + kw]);
-#if W_Q8
-            ua += vec4<f32>(
-                dot(deq(codes_lo(qu.x), t_0), xa),
-                dot(deq(codes_lo(qu.y), t_1), xa),
-                dot(deq(codes_lo(qu.z), t_2), xa),
-                dot(deq(codes_lo(qu.w), t_3), xa));
-#else
-            ua += vec4<f32>(
-                dot(deq(codes_lo(qu.x), t_0), xa) + dot(deq(codes_hi(qu.x), t_0), xh),
-                dot(deq(codes_lo(qu.y), t_1), xa) + dot(deq(codes_hi(qu.y), t_1), xh),
-                dot(deq(codes_lo(qu.z), t_2), xa) + dot(deq(codes_hi(qu.z), t_2), xh),
-                dot(deq(codes_lo(qu.w), t_3), xa) + dot(deq(codes_hi(qu.w), t_3), xh));
-#endif
+            ua += dot_rows(qu, t_0, t_1, t_2, t_3, xa, xh);
 #endif
         }
     }
@@ -183,22 +171,6 @@ fn main(
 }
 
 #if XBCAST
-// Four rows' dot products with one 4-wide slice of x given per lane... see rows4_bcast.
-fn dot_rows(q: vec4<u32>, s0: vec2<f32>, s1: vec2<f32>, s2: vec2<f32>, s3: vec2<f32>, xa: vec4<f32>, xh: vec4<f32>) -> vec4<f32> {
-#if W_Q8
-    return vec4<f32>(
-        dot(deq(codes_lo(q.x), s0), xa),
-        dot(deq(codes_lo(q.y), s1), xa),
-        dot(deq(codes_lo(q.z), s2), xa),
-        dot(deq(codes_lo(q.w), s3), xa));
-#else
-    return vec4<f32>(
-        dot(deq(codes_lo(q.x), s0), xa) + dot(deq(codes_hi(q.x), s0), xh),
-        dot(deq(codes_lo(q.y), s1), xa) + dot(deq(codes_hi(q.y), s1), xh),
-        dot(deq(codes_lo(q.z), s2), xa) + dot(deq(codes_hi(q.z), s2), xh),
-        dot(deq(codes_lo(q.w), s3), xa) + dot(deq(codes_hi(q.w), s3), xh));
-#endif
-}
 
 // ROWS4 with x shared by subgroupBroadcast: the workgroup (WG = 8 lanes) is one subgroup, so
 // control flow stays uniform to the end (rows past n_rows are read clamped, never stored).
@@ -228,8 +200,9 @@ fn rows4_bcast(t: u32, xb: u32, wpr: u32, wid: vec3<u32>, lid: u32) {
         for (var j = 0u; j < spg; j++) {
             let k8 = (gi * spg + j) * 8u;
             let xl = load_x1(xb, k8 + lid, &ss);
-            let xa = vec4<f32>(subgroupBroadcast(xl, 0u), subgroupBroadcast(xl, 1u), subgroupBroadcast(xl, 2u), subgroupBroadcast(xl, 3u));
-            let xh = vec4<f32>(subgroupBroadcast(xl, 4u), subgroupBroadcast(xl, 5u), subgroupBroadcast(xl, 6u), subgroupBroadcast(xl, 7u));
+            let xv = bcast8(xl);
+            let xa = xv[0];
+            let xh = xv[1];
             let kw = k8 / EPW;
             let q = vec4<u32>(w[wb.x + kw], w[wb.y + kw], w[wb.z + kw], w[wb.w + kw]);
 #if W_Q8
@@ -365,8 +338,9 @@ fn rows8_tex(t: u32, xb: u32, wid: vec3<u32>, lid: u32) {
                 for (var h = 0u; h < 4u; h += 8u / EPW) {
                     let k8 = ti * 4u * EPW + h * EPW;
                     let xl = load_x1(xb, k8 + lid, &ss);
-                    let xa = vec4<f32>(subgroupBroadcast(xl, 0u), subgroupBroadcast(xl, 1u), subgroupBroadcast(xl, 2u), subgroupBroadcast(xl, 3u));
-                    let xh = vec4<f32>(subgroupBroadcast(xl, 4u), subgroupBroadcast(xl, 5u), subgroupBroadcast(xl, 6u), subgroupBroadcast(xl, 7u));
+                    let xv = bcast8(xl);
+                    let xa = xv[0];
+                    let xh = xv[1];
 #if W_Q8
                     a += dot_rows(vec4<u32>(C0[h], C1[h], C2[h], C3[h]), s0, s1, s2, s3, xa, xh)
                         + dot_rows(vec4<u32>(C0[h + 1u], C1[h + 1u], C2[h + 1u], C3[h + 1u]), s0, s1, s2, s3, xh, xh);

@@ -97,6 +97,16 @@ fn load_x1(xb: u32, k: u32, sum_sq: ptr<function, f32>) -> f32 {
 }
 #endif
 
+#if XBCAST
+// Eight elements held one per lane of an 8-lane subgroup (lane i holds element i), handed to
+// every lane as two vec4 (elements 0-3, 4-7).
+fn bcast8(xl: f32) -> array<vec4<f32>, 2> {
+    return array<vec4<f32>, 2>(
+        vec4<f32>(subgroupBroadcast(xl, 0u), subgroupBroadcast(xl, 1u), subgroupBroadcast(xl, 2u), subgroupBroadcast(xl, 3u)),
+        vec4<f32>(subgroupBroadcast(xl, 4u), subgroupBroadcast(xl, 5u), subgroupBroadcast(xl, 6u), subgroupBroadcast(xl, 7u)));
+}
+#endif
+
 // 1/rms of an input row from its sum of squares (NORM).
 fn inv_rms(sum_sq: f32) -> f32 {
     return inverseSqrt(sum_sq / f32(p.k) + p.eps);

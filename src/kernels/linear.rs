@@ -120,43 +120,30 @@ fn texture_copy(ctx: &GpuContext, name: &str, w: &PackedMatrix, u: Option<&Packe
 /// Upload one matrix: the weights (codes for packed formats) and, for packed formats, the
 /// scales split at the same rows.
 fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usize) -> Result<(GpuTensor, Option<GpuTensor>), GpuError> {
-    if let HostMatrix::Packed(p) = m {
-        if p.rows != n || p.k != k {
-            return Err(GpuError::Validation {
-                context: name.into(),
-                message: format!("packed weight is {} x {}, expected {n} x {k}", p.rows, p.k),
-            });
-        }
-        p.format.check(name, k).map_err(|e| GpuError::Validation { context: name.into(), message: e.to_string() })?;
-        let qs = GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(&p.qs), n, p.format.qs_words(k) * 4)?;
-        let sc = GpuTensor::upload_rows_like(ctx, &format!("{name}.scales"), bytemuck::cast_slice(&p.scales), p.format.scale_words(k) * 4, &qs)?;
-        return Ok((qs, Some(sc)));
-    }
-    Ok((upload_float(ctx, name, m, n, k)?, None))
-}
-
-fn upload_float(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usize) -> Result<GpuTensor, GpuError> {
+    let bad = |message: String| GpuError::Validation { context: name.into(), message };
     match m {
+        HostMatrix::Packed(p) => {
+            if p.rows != n || p.k != k {
+                return Err(bad(format!("packed weight is {} x {}, expected {n} x {k}", p.rows, p.k)));
+            }
+            p.format.check(name, k).map_err(|e| bad(e.to_string()))?;
+            let qs = GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(&p.qs), n, p.format.qs_words(k) * 4)?;
+            let sc = GpuTensor::upload_rows_like(ctx, &format!("{name}.scales"), bytemuck::cast_slice(&p.scales), p.format.scale_words(k) * 4, &qs)?;
+            Ok((qs, Some(sc)))
+        }
         HostMatrix::F32(v) => {
             if v.len() != n * k {
-                return Err(GpuError::Validation {
-                    context: name.into(),
-                    message: format!("weight has {} values, expected {n} x {k}", v.len()),
-                });
+                return Err(bad(format!("weight has {} values, expected {n} x {k}", v.len())));
             }
-            GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(v), n, k * 4)
+            Ok((GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(v), n, k * 4)?, None))
         }
         HostMatrix::F16(v) => {
             // Odd k is fine for gathers (embedding tables); the products check it in `build`.
             if v.len() != n * k {
-                return Err(GpuError::Validation {
-                    context: name.into(),
-                    message: format!("f16 weight has {} values, expected {n} x {k}", v.len()),
-                });
+                return Err(bad(format!("f16 weight has {} values, expected {n} x {k}", v.len())));
             }
-            GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(v), n, k * 2)
+            Ok((GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(v), n, k * 2)?, None))
         }
-        HostMatrix::Packed(_) => unreachable!("packed matrices are uploaded by upload_matrix"),
     }
 }
 

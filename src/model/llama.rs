@@ -256,19 +256,14 @@ fn get<'a>(w: &'a ModelWeights, name: &str) -> Result<&'a HostTensor> {
 /// Concatenate row blocks of matrices into one: with `Native`, packed when every part is
 /// quantized in one format (GGUF blocks repacked bit for bit), f16 when all parts are f16.
 fn matrix(parts: &[&HostTensor], precision: WeightPrecision) -> Result<Owned> {
-    if precision == WeightPrecision::Native && parts.iter().all(|t| t.dtype.quant_kind().is_some()) {
-        let mut packed = Vec::with_capacity(parts.len());
-        for t in parts {
-            match t.packed() {
-                Some(Ok(p)) => packed.push(p),
-                Some(Err(e)) => return Err(LanternError::Other(e.to_string())),
-                None => unreachable!("quant_kind() is Some"),
+    if precision == WeightPrecision::Native {
+        // Every part packed (`packed()` is None for float dtypes), in one format.
+        let packed = parts.iter().map(|t| t.packed()).collect::<Option<std::result::Result<Vec<_>, _>>>();
+        if let Some(packed) = packed {
+            let packed = packed?;
+            if packed.iter().all(|p| p.format == packed[0].format) {
+                return Ok(Owned::Packed(PackedMatrix::concat_rows(&packed)?));
             }
-        }
-        if packed.iter().all(|p| p.format == packed[0].format) {
-            return PackedMatrix::concat_rows(&packed)
-                .map(Owned::Packed)
-                .map_err(|e| LanternError::Other(e.to_string()));
         }
     }
     Ok(matrix_float(parts, precision))

@@ -1,7 +1,19 @@
-// The end of a ROW_PER_WORKGROUP matvec (matvec.wgsl, matvec_q.wgsl): every invocation of
-// the workgroup holds partial sums (w.x, u.x, sum of squares) of one output row; add them
-// (subgroupAdd then one partial per subgroup with SUBGROUPS, else a tree in workgroup
-// memory) and let invocation 0 apply the epilogue through the includer's `finish`.
+// The end of a matvec (matvec.wgsl, matvec_q.wgsl): `finish` applies the epilogue to one
+// row's raw sums; with ROW_PER_WORKGROUP every invocation of the workgroup holds partial sums
+// (w.x, u.x, sum of squares) of one output row, which `reduce_row` adds (subgroupAdd then one
+// partial per subgroup with SUBGROUPS, else a tree in workgroup memory) before invocation 0
+// finishes the row.
+
+// Apply the epilogue to the raw sums (w.x, u.x, sum of squares) and store.
+fn finish(t: u32, row: u32, acc: vec3<f32>) {
+#if NORM
+    store_out(t, row, acc.x, acc.y, inv_rms(acc.z));
+#else
+    store_out(t, row, acc.x, acc.y, 1.0);
+#endif
+}
+
+#if ROW_PER_WORKGROUP
 var<workgroup> red: array<vec3<f32>, WG>;
 
 // `sg_lane` and `sg_size` are the subgroup builtins with SUBGROUPS (ignored otherwise).
@@ -34,3 +46,4 @@ fn reduce_row(t: u32, row: u32, acc_in: vec3<f32>, lid: u32, sg_lane: u32, sg_si
     }
 #endif
 }
+#endif
