@@ -1,16 +1,23 @@
 // Causal grouped-query attention over the paged KV cache. One workgroup per (KV head, batch
-// of up to HB = 4 query heads of its group, token): query head h reads KV head
+// of up to HB = 4 query heads of its group, token, split): query head h reads KV head
 // h / (n_heads / n_kv_heads), and the heads of a batch share every K and V load (their
-// values are packed in the components of a vec4). Keys 0..=pos of the token's sequence are
-// visited in chunks of WG with an online softmax. Each invocation scores one key of a chunk
-// for all heads of the batch and owns output dimensions lid, lid + WG, ... (head_dim <= 4 * WG).
+// values are packed in the components of a vec4). Keys are visited in chunks with an online
+// softmax.
+//
+// Flash-decoding: the keys 0..=pos of a token are cut into step.n_splits ranges, one per
+// workgroup along z, and with several KV shards (buffers) each dispatch sees only the keys
+// whose page lies in its shard. When n_shards * n_splits > 1 every workgroup writes a
+// partial result (unnormalised output, running max m, sum l) and attention_reduce.wgsl
+// combines them; otherwise it writes the output directly.
 //
 // XBCAST (CPU adapters; the workgroup is one 8-lane subgroup): no workgroup memory and no
 // barriers. Each lane scores its own key of a chunk of 8, getting q by subgroupBroadcast
 // from the lane that loaded it; the chunk max and sum come from subgroupMax/subgroupAdd;
-// for the values every lane owns dims lid, lid + 8, ... and takes each key's probability
-// and address by broadcast. On lavapipe every divergent load and every barrier is costly,
-// and this touches each K and V element once per lane that needs it.
+// for the values every lane owns head_dim / 8 adjacent dims and takes each key's
+// probability and address by broadcast. On lavapipe every divergent load and every barrier
+// is costly, and this touches each K and V word once per lane that needs it.
+// The default kernel (GPUs) uses WG invocations: each scores one key of a chunk of WG, then
+// owns output dims lid, lid + WG, ... (head_dim <= 4 * WG).
 #include "common/step.wgsl"
 
 struct Params {
@@ -24,7 +31,15 @@ struct Params {
     out_stride: u32,
     // 1 / sqrt(head_dim) (or the model's attention scale).
     scale: f32,
+    pages_per_shard: u32,
+    // The shard this dispatch reads, and how many there are.
+    shard: u32,
+    n_shards: u32,
+    // KV_Q8: first word of the scales in a shard buffer.
+    scale_base: u32,
 }
+
+#include "common/kv.wgsl"
 
 const MAX_HEAD_DIM: u32 = 256u;
 const DIMS_PER_LANE: u32 = 4u;
@@ -38,15 +53,54 @@ const NEG: f32 = -3.4028235e38;
 @group(0) @binding(3) var<storage, read> positions: array<u32>;    // (n_tokens)
 @group(0) @binding(4) var<storage, read> token_seq: array<u32>;    // (n_tokens)
 @group(0) @binding(5) var<storage, read> block_table: array<u32>;  // (n_seqs, max_pages)
-@group(0) @binding(6) var<storage, read> k_cache: array<f32>;      // (pages, page_size, n_kv_heads, head_dim)
-@group(0) @binding(7) var<storage, read> v_cache: array<f32>;
+@group(0) @binding(6) var<storage, read> k_cache: array<KvWord>;   // this shard's pages
+@group(0) @binding(7) var<storage, read> v_cache: array<KvWord>;
 @group(0) @binding(8) var<storage, read_write> out: array<f32>;    // (n_tokens, out_stride)
+// (n_tokens, n_heads, n_shards * n_splits, head_dim + 2): output, m, l per part.
+@group(0) @binding(9) var<storage, read_write> partials: array<f32>;
+
+// Parts (shard x split) of each token's keys, and this workgroup's key range [k0, k1).
+fn n_parts() -> u32 {
+    return p.n_shards * max(step.n_splits, 1u);
+}
+
+fn key_range(n_keys: u32, split: u32, align: u32) -> vec2<u32> {
+    let splits = max(step.n_splits, 1u);
+    let per = ((n_keys + splits - 1u) / splits + align - 1u) / align * align;
+    let k0 = min(split * per, n_keys);
+    return vec2<u32>(k0, min(k0 + per, n_keys));
+}
+
+// Where head h0 + g's part of token t goes in `partials`.
+fn part_base(t: u32, h: u32, split: u32) -> u32 {
+    let parts = n_parts();
+    return ((t * p.n_heads + h) * parts + p.shard * max(step.n_splits, 1u) + split) * (p.head_dim + 2u);
+}
+
+// The cache slot of key j of sequence `seq`: its token-head index in this shard, or
+// 0xffffffff when the key's page is in another shard.
+fn key_th(seq: u32, j: u32, kvh: u32) -> u32 {
+    let page = block_table[seq * p.max_pages + j / p.page_size];
+    if (page / p.pages_per_shard != p.shard) {
+        return 0xffffffffu;
+    }
+    return ((page % p.pages_per_shard) * p.page_size + j % p.page_size) * p.n_kv_heads + kvh;
+}
 
 #if XBCAST
-// Dims lid + 8 i of q (scaled) for the heads of the batch, and the output accumulators of the
-// same dims.
+// Dims lid + 8 i of q (scaled) for the heads of the batch, and the output accumulators of
+// dims lid * dpl + i.
 var<private> qr: array<vec4<f32>, 32>;
 var<private> acc8: array<vec4<f32>, 32>;
+
+// acc8[i..i+4] += pr * V[e..e+4].
+fn vacc(i: u32, pr: vec4<f32>, e: u32) {
+    let v = v4(e);
+    acc8[i] += pr * v.x;
+    acc8[i + 1u] += pr * v.y;
+    acc8[i + 2u] += pr * v.z;
+    acc8[i + 3u] += pr * v.w;
+}
 
 @compute @workgroup_size(8)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -61,7 +115,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let h0 = kvh * group + b * HB;
     let nh = min(HB, group - b * HB);
     let hd = p.head_dim;
-    // Dims per lane (head_dim is a multiple of 8 for this variant; the host checks).
+    // Dims per lane (head_dim is a multiple of 32 for this variant; the host checks).
     let dpl = hd / 8u;
     let qb = t * p.qkv_stride + h0 * hd;
     for (var i = 0u; i < dpl; i++) {
@@ -72,65 +126,90 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         qr[i] = qv;
         acc8[i] = vec4<f32>(0.0);
     }
-    let pos = positions[t];
-    let n_keys = pos + 1u;
+    let n_keys = positions[t] + 1u;
     let seq = token_seq[t];
+    let range = key_range(n_keys, wid.z, 8u);
     var m = vec4<f32>(NEG);
     var l = vec4<f32>(0.0);
-    for (var start = 0u; start < n_keys; start += 8u) {
+    for (var start = range.x; start < range.y; start += 8u) {
         let j = start + lid;
-        let live = j < n_keys;
-        let jj = min(j, n_keys - 1u);
-        let page = block_table[seq * p.max_pages + jj / p.page_size];
-        let addr = ((page * p.page_size + jj % p.page_size) * p.n_kv_heads + kvh) * hd;
+        let th0 = key_th(seq, min(j, range.y - 1u), kvh);
+        let live = j < range.y && th0 != 0xffffffffu;
+        let th = select(0u, th0, live);
+        let addr = th * hd;
         var dot = vec4<f32>(0.0);
         for (var i = 0u; i < dpl; i++) {
             let q = qr[i];
-            let kb = addr + i * 8u;
-            dot += subgroupBroadcast(q, 0u) * k_cache[kb];
-            dot += subgroupBroadcast(q, 1u) * k_cache[kb + 1u];
-            dot += subgroupBroadcast(q, 2u) * k_cache[kb + 2u];
-            dot += subgroupBroadcast(q, 3u) * k_cache[kb + 3u];
-            dot += subgroupBroadcast(q, 4u) * k_cache[kb + 4u];
-            dot += subgroupBroadcast(q, 5u) * k_cache[kb + 5u];
-            dot += subgroupBroadcast(q, 6u) * k_cache[kb + 6u];
-            dot += subgroupBroadcast(q, 7u) * k_cache[kb + 7u];
+            let ka = k4(addr + i * 8u);
+            let kb = k4(addr + i * 8u + 4u);
+            dot += subgroupBroadcast(q, 0u) * ka.x;
+            dot += subgroupBroadcast(q, 1u) * ka.y;
+            dot += subgroupBroadcast(q, 2u) * ka.z;
+            dot += subgroupBroadcast(q, 3u) * ka.w;
+            dot += subgroupBroadcast(q, 4u) * kb.x;
+            dot += subgroupBroadcast(q, 5u) * kb.y;
+            dot += subgroupBroadcast(q, 6u) * kb.z;
+            dot += subgroupBroadcast(q, 7u) * kb.w;
         }
-        let s = select(vec4<f32>(NEG), dot, live);
+        let s = select(vec4<f32>(NEG), dot * k_scale(th), live);
         let cmax = max(m, subgroupMax(s));
         let corr = exp(m - cmax);
         m = cmax;
         let pr = select(vec4<f32>(0.0), exp(s - m), live);
         l = l * corr + subgroupAdd(pr);
-        // Key by key: its probability and address from the lane that scored it.
-        let p0 = subgroupBroadcast(pr, 0u);
-        let p1 = subgroupBroadcast(pr, 1u);
-        let p2 = subgroupBroadcast(pr, 2u);
-        let p3 = subgroupBroadcast(pr, 3u);
-        let p4 = subgroupBroadcast(pr, 4u);
-        let p5 = subgroupBroadcast(pr, 5u);
-        let p6 = subgroupBroadcast(pr, 6u);
-        let p7 = subgroupBroadcast(pr, 7u);
-        let a0 = subgroupBroadcast(addr, 0u) + lid;
-        let a1 = subgroupBroadcast(addr, 1u) + lid;
-        let a2 = subgroupBroadcast(addr, 2u) + lid;
-        let a3 = subgroupBroadcast(addr, 3u) + lid;
-        let a4 = subgroupBroadcast(addr, 4u) + lid;
-        let a5 = subgroupBroadcast(addr, 5u) + lid;
-        let a6 = subgroupBroadcast(addr, 6u) + lid;
-        let a7 = subgroupBroadcast(addr, 7u) + lid;
-        for (var i = 0u; i < dpl; i++) {
-            let o = i * 8u;
-            acc8[i] = acc8[i] * corr + p0 * v_cache[a0 + o] + p1 * v_cache[a1 + o] + p2 * v_cache[a2 + o]
-                + p3 * v_cache[a3 + o] + p4 * v_cache[a4 + o] + p5 * v_cache[a5 + o] + p6 * v_cache[a6 + o]
-                + p7 * v_cache[a7 + o];
+        // Key by key: its probability (times its V scale) and address from the lane that
+        // scored it.
+        let pv = pr * v_scale(th);
+        let p0 = subgroupBroadcast(pv, 0u);
+        let p1 = subgroupBroadcast(pv, 1u);
+        let p2 = subgroupBroadcast(pv, 2u);
+        let p3 = subgroupBroadcast(pv, 3u);
+        let p4 = subgroupBroadcast(pv, 4u);
+        let p5 = subgroupBroadcast(pv, 5u);
+        let p6 = subgroupBroadcast(pv, 6u);
+        let p7 = subgroupBroadcast(pv, 7u);
+        let own = lid * dpl;
+        let a0 = subgroupBroadcast(addr, 0u) + own;
+        let a1 = subgroupBroadcast(addr, 1u) + own;
+        let a2 = subgroupBroadcast(addr, 2u) + own;
+        let a3 = subgroupBroadcast(addr, 3u) + own;
+        let a4 = subgroupBroadcast(addr, 4u) + own;
+        let a5 = subgroupBroadcast(addr, 5u) + own;
+        let a6 = subgroupBroadcast(addr, 6u) + own;
+        let a7 = subgroupBroadcast(addr, 7u) + own;
+        for (var i = 0u; i < dpl; i += 4u) {
+            acc8[i] *= corr;
+            acc8[i + 1u] *= corr;
+            acc8[i + 2u] *= corr;
+            acc8[i + 3u] *= corr;
+            vacc(i, p0, a0 + i);
+            vacc(i, p1, a1 + i);
+            vacc(i, p2, a2 + i);
+            vacc(i, p3, a3 + i);
+            vacc(i, p4, a4 + i);
+            vacc(i, p5, a5 + i);
+            vacc(i, p6, a6 + i);
+            vacc(i, p7, a7 + i);
         }
     }
-    let ob = t * p.out_stride + h0 * hd;
-    for (var i = 0u; i < dpl; i++) {
-        let o = acc8[i] / l;
-        for (var g = 0u; g < nh; g++) {
-            out[ob + g * hd + i * 8u + lid] = o[g];
+    if (n_parts() == 1u) {
+        let ob = t * p.out_stride + h0 * hd + lid * dpl;
+        for (var i = 0u; i < dpl; i++) {
+            let o = acc8[i] / l;
+            for (var g = 0u; g < nh; g++) {
+                out[ob + g * hd + i] = o[g];
+            }
+        }
+        return;
+    }
+    for (var g = 0u; g < nh; g++) {
+        let pb = part_base(t, h0 + g, wid.z);
+        for (var i = 0u; i < dpl; i++) {
+            partials[pb + lid * dpl + i] = acc8[i][g];
+        }
+        if (lid == 0u) {
+            partials[pb + hd] = m[g];
+            partials[pb + hd + 1u] = l[g];
         }
     }
 }
@@ -139,6 +218,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 var<workgroup> qs: array<vec4<f32>, MAX_HEAD_DIM>;
 var<workgroup> scores: array<vec4<f32>, WG>;
 var<workgroup> probs: array<vec4<f32>, WG>;
+var<workgroup> prob_sum: array<vec4<f32>, WG>;
 var<workgroup> key_addr: array<u32, WG>;
 
 @compute @workgroup_size(WG)
@@ -163,30 +243,43 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         qs[d] = qv;
     }
     workgroupBarrier();
-    let pos = positions[t];
-    let n_keys = pos + 1u;
+    let n_keys = positions[t] + 1u;
     let seq = token_seq[t];
+    let range = key_range(n_keys, wid.z, WG);
     var m = vec4<f32>(NEG);
     var l = vec4<f32>(0.0);
     var acc: array<vec4<f32>, DIMS_PER_LANE>;
-    for (var start = 0u; start < n_keys; start += WG) {
+    for (var start = range.x; start < range.y; start += WG) {
         let j = start + lid;
         var s = vec4<f32>(NEG);
         var addr = 0u;
-        if (j < n_keys) {
-            let page = block_table[seq * p.max_pages + j / p.page_size];
-            addr = ((page * p.page_size + j % p.page_size) * p.n_kv_heads + kvh) * hd;
-            var dot = vec4<f32>(0.0);
-            for (var d = 0u; d < hd; d++) {
-                dot += qs[d] * k_cache[addr + d];
+        var vs = 0.0;
+        var live = false;
+        if (j < range.y) {
+            let th = key_th(seq, j, kvh);
+            if (th != 0xffffffffu) {
+                live = true;
+                addr = th * hd;
+                vs = v_scale(th);
+                var dot = vec4<f32>(0.0);
+#if KV_F32
+                for (var d = 0u; d < hd; d++) {
+                    dot += qs[d] * k_cache[addr + d];
+                }
+#else
+                for (var d = 0u; d < hd; d += 4u) {
+                    let k = k4(addr + d);
+                    dot += qs[d] * k.x + qs[d + 1u] * k.y + qs[d + 2u] * k.z + qs[d + 3u] * k.w;
+                }
+#endif
+                s = dot * k_scale(th);
             }
-            s = dot;
         }
         scores[lid] = s;
         key_addr[lid] = addr;
         workgroupBarrier();
-        let n_chunk = min(WG, n_keys - start);
-        // Tree max over the chunk (lanes past it hold NEG).
+        let n_chunk = min(WG, range.y - start);
+        // Tree max over the chunk (lanes past it and keys of other shards hold NEG).
         for (var w = WG / 2u; w > 0u; w >>= 1u) {
             if (lid < w) {
                 scores[lid] = max(scores[lid], scores[lid + w]);
@@ -196,41 +289,52 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let cmax = max(m, scores[0]);
         let corr = exp(m - cmax);
         m = cmax;
-        if (lid < n_chunk) {
-            probs[lid] = exp(s - m);
-        }
+        let pr = select(vec4<f32>(0.0), exp(s - m), live);
+        // The row sum uses the unscaled probability; the values take it times the V scale.
+        prob_sum[lid] = pr;
+        probs[lid] = pr * vs;
         workgroupBarrier();
-        // Dimension lid (clamped for lanes past head_dim) also sums the chunk's probabilities.
         var psum = vec4<f32>(0.0);
-        let d0 = min(lid, hd - 1u);
-        var a0 = acc[0] * corr;
         for (var i = 0u; i < n_chunk; i++) {
-            let pr = probs[i];
-            psum += pr;
-            a0 += pr * v_cache[key_addr[i] + d0];
+            psum += prob_sum[i];
         }
-        acc[0] = a0;
         l = l * corr + psum;
-        for (var e = 1u; e < DIMS_PER_LANE; e++) {
+        for (var e = 0u; e < DIMS_PER_LANE; e++) {
             let d = lid + e * WG;
             if (d < hd) {
                 var a = acc[e] * corr;
                 for (var i = 0u; i < n_chunk; i++) {
-                    a += probs[i] * v_cache[key_addr[i] + d];
+                    a += probs[i] * v1(key_addr[i] + d);
                 }
                 acc[e] = a;
             }
         }
         workgroupBarrier();
     }
-    let ob = t * p.out_stride + h0 * hd;
-    for (var e = 0u; e < DIMS_PER_LANE; e++) {
-        let d = lid + e * WG;
-        if (d < hd) {
-            let o = acc[e] / l;
-            for (var g = 0u; g < nh; g++) {
-                out[ob + g * hd + d] = o[g];
+    if (n_parts() == 1u) {
+        let ob = t * p.out_stride + h0 * hd;
+        for (var e = 0u; e < DIMS_PER_LANE; e++) {
+            let d = lid + e * WG;
+            if (d < hd) {
+                let o = acc[e] / l;
+                for (var g = 0u; g < nh; g++) {
+                    out[ob + g * hd + d] = o[g];
+                }
             }
+        }
+        return;
+    }
+    for (var g = 0u; g < nh; g++) {
+        let pb = part_base(t, h0 + g, wid.z);
+        for (var e = 0u; e < DIMS_PER_LANE; e++) {
+            let d = lid + e * WG;
+            if (d < hd) {
+                partials[pb + d] = acc[e][g];
+            }
+        }
+        if (lid == 0u) {
+            partials[pb + hd] = m[g];
+            partials[pb + hd + 1u] = l[g];
         }
     }
 }

@@ -1,7 +1,13 @@
-// RoPE (rotate_half layout: dimension i pairs with i + head_dim/2) on the q and k heads of
-// each token's fused q|k|v row, then k and v are written into the paged KV cache at the
-// token's position: page = block_table[seq, pos / page_size], slot = pos % page_size.
-// q is rotated in place. cos/sin come from a host-computed table (exact like transformers).
+// RoPE (rotate_half layout: dimension i pairs with i + head_dim/2) on the q heads of each
+// token's fused q|k|v row, in place, and the write of the token's rotated k and its v into the
+// paged KV cache at its position: page = block_table[seq, pos / page_size], slot
+// pos % page_size, in the cache's dtype (common/kv.wgsl). cos/sin come from a host-computed
+// table (exact like transformers).
+//
+// Invocations: one per (q head, rotation pair), then one per KV head that writes the whole
+// head (so a Q8 head can find its amax and an F16 word gets both its halves from one
+// invocation). With several KV shards there is one dispatch per shard: each writes only
+// the tokens whose page lies in its shard, and only shard 0 rotates q.
 #include "common/step.wgsl"
 
 struct Params {
@@ -15,8 +21,16 @@ struct Params {
     max_pages: u32,
     // Positions the cos/sin table covers.
     n_positions: u32,
-    _pad: u32,
+    pages_per_shard: u32,
+    // The shard this dispatch writes.
+    shard: u32,
+    // KV_Q8: first word of the scales in a shard buffer.
+    scale_base: u32,
+    _pad0: u32,
+    _pad1: u32,
 }
+
+#include "common/kv.wgsl"
 
 @group(0) @binding(0) var<uniform> step: Step;
 @group(0) @binding(1) var<uniform> p: Params;
@@ -25,41 +39,83 @@ struct Params {
 @group(0) @binding(4) var<storage, read> positions: array<u32>;    // (n_tokens)
 @group(0) @binding(5) var<storage, read> token_seq: array<u32>;    // (n_tokens)
 @group(0) @binding(6) var<storage, read> block_table: array<u32>;  // (n_seqs, max_pages)
-@group(0) @binding(7) var<storage, read_write> k_cache: array<f32>; // (pages, page_size, n_kv_heads, head_dim)
-@group(0) @binding(8) var<storage, read_write> v_cache: array<f32>; // same
+@group(0) @binding(7) var<storage, read_write> k_cache: array<KvWord>;
+@group(0) @binding(8) var<storage, read_write> v_cache: array<KvWord>;
+
+// Element i of the rotated head whose row starts at `base`, at table row `pos`.
+fn rotated(base: u32, pos: u32, i: u32) -> f32 {
+    let half = p.head_dim / 2u;
+    let r = pos * p.head_dim;
+    if (i < half) {
+        return qkv[base + i] * rope[r + i] - qkv[base + i + half] * rope[r + half + i];
+    }
+    let j = i - half;
+    return qkv[base + i] * rope[r + j] + qkv[base + j] * rope[r + half + j];
+}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let t = gid.y;
-    let half = p.head_dim / 2u;
-    let per_token = (p.n_heads + p.n_kv_heads) * half;
+    let hd = p.head_dim;
+    let half = hd / 2u;
+    let q_pairs = p.n_heads * half;
     let i_flat = gid.x;
-    if (t >= step.n_tokens || i_flat >= per_token) {
+    if (t >= step.n_tokens || i_flat >= q_pairs + p.n_kv_heads) {
         return;
     }
-    let head = i_flat / half;
-    let i = i_flat % half;
     let pos = min(positions[t], p.n_positions - 1u);
-    let c = rope[pos * p.head_dim + i];
-    let s = rope[pos * p.head_dim + half + i];
-    let base = t * p.qkv_stride + head * p.head_dim;
-    let x1 = qkv[base + i];
-    let x2 = qkv[base + i + half];
-    let o1 = x1 * c - x2 * s;
-    let o2 = x2 * c + x1 * s;
-    if (head < p.n_heads) {
-        qkv[base + i] = o1;
-        qkv[base + i + half] = o2;
+    if (i_flat < q_pairs) {
+        if (p.shard != 0u) {
+            return;
+        }
+        let head = i_flat / half;
+        let i = i_flat % half;
+        let c = rope[pos * hd + i];
+        let s = rope[pos * hd + half + i];
+        let base = t * p.qkv_stride + head * hd;
+        let x1 = qkv[base + i];
+        let x2 = qkv[base + i + half];
+        qkv[base + i] = x1 * c - x2 * s;
+        qkv[base + i + half] = x2 * c + x1 * s;
         return;
     }
-    let kvh = head - p.n_heads;
-    let seq = token_seq[t];
-    let page = block_table[seq * p.max_pages + pos / p.page_size];
-    let slot = pos % p.page_size;
-    let dst = ((page * p.page_size + slot) * p.n_kv_heads + kvh) * p.head_dim;
-    k_cache[dst + i] = o1;
-    k_cache[dst + i + half] = o2;
-    let vb = t * p.qkv_stride + (p.n_heads + p.n_kv_heads) * p.head_dim + kvh * p.head_dim;
-    v_cache[dst + i] = qkv[vb + i];
-    v_cache[dst + i + half] = qkv[vb + i + half];
+    let kvh = i_flat - q_pairs;
+    let page = block_table[token_seq[t] * p.max_pages + positions[t] / p.page_size];
+    if (page / p.pages_per_shard != p.shard) {
+        return;
+    }
+    let th = ((page % p.pages_per_shard) * p.page_size + positions[t] % p.page_size) * p.n_kv_heads + kvh;
+    let dst = th * hd;
+    let kb = t * p.qkv_stride + (p.n_heads + kvh) * hd;
+    let vb = t * p.qkv_stride + (p.n_heads + p.n_kv_heads + kvh) * hd;
+#if KV_F32
+    for (var i = 0u; i < hd; i++) {
+        k_cache[dst + i] = rotated(kb, pos, i);
+        v_cache[dst + i] = qkv[vb + i];
+    }
+#endif
+#if KV_F16
+    for (var i = 0u; i < hd; i += 2u) {
+        k_cache[(dst + i) >> 1u] = pack2x16float(vec2<f32>(rotated(kb, pos, i), rotated(kb, pos, i + 1u)));
+        v_cache[(dst + i) >> 1u] = pack2x16float(vec2<f32>(qkv[vb + i], qkv[vb + i + 1u]));
+    }
+#endif
+#if KV_Q8
+    var ka = 0.0;
+    var va = 0.0;
+    for (var i = 0u; i < hd; i++) {
+        ka = max(ka, abs(rotated(kb, pos, i)));
+        va = max(va, abs(qkv[vb + i]));
+    }
+    let kinv = select(0.0, 1.0 / ka, ka > 0.0);
+    let vinv = select(0.0, 1.0 / va, va > 0.0);
+    for (var i = 0u; i < hd; i += 4u) {
+        let kx = vec4<f32>(rotated(kb, pos, i), rotated(kb, pos, i + 1u), rotated(kb, pos, i + 2u), rotated(kb, pos, i + 3u));
+        let vx = vec4<f32>(qkv[vb + i], qkv[vb + i + 1u], qkv[vb + i + 2u], qkv[vb + i + 3u]);
+        k_cache[(dst + i) >> 2u] = pack4x8snorm(kx * kinv);
+        v_cache[(dst + i) >> 2u] = pack4x8snorm(vx * vinv);
+    }
+    k_cache[p.scale_base + th] = bitcast<u32>(ka);
+    v_cache[p.scale_base + th] = bitcast<u32>(va);
+#endif
 }

@@ -32,6 +32,17 @@ pub enum LanternError {
         max_new: usize,
         context: usize,
     },
+    #[error("the memory budget of {budget} bytes ({source_of_budget}) leaves {kv_room} bytes for the KV cache after {weights} of weights, {workspace} of workspace and {reserve} of reserve, but {what} needs {needed}; lower --context or --max-seqs, pick a smaller --kv-dtype, or raise --memory-budget")]
+    MemoryBudget {
+        budget: u64,
+        source_of_budget: String,
+        weights: u64,
+        workspace: u64,
+        reserve: u64,
+        kv_room: u64,
+        what: String,
+        needed: u64,
+    },
     #[error(transparent)]
     Gpu(#[from] crate::gpu::GpuError),
     #[error(transparent)]

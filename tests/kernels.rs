@@ -11,10 +11,12 @@ use half::f16;
 use lantern::gpu::buffer::{create_storage, create_zeroed, read_buffer, read_f32};
 use lantern::gpu::shader::{flags, Features, WeightFormat};
 use lantern::gpu::{DeviceOptions, GpuContext, GpuError, PipelineKey, ShaderOp};
-use lantern::kernels::attention::{AttentionIo, AttentionParams};
+use lantern::kernels::attention::{AttentionIo, AttentionParams, KvBinding};
 use lantern::kernels::linear::{self, GpuLinear, HostMatrix, LinearIo};
 use lantern::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
-use lantern::kernels::{self, step_buffer, submit};
+use lantern::kernels::{self, step_buffer, submit, submit_step, StepUniform};
+use lantern::kv::cache::{quantize_head_q8, round_trip, KvLayout};
+use lantern::kv::plan::KvDtype;
 use lantern::quant::{PackedMatrix, QuantFormat, QuantKind};
 use lantern::reference::ops;
 use pollster::block_on;
@@ -908,26 +910,53 @@ impl Heads {
     }
 }
 
-/// A random block table over a shuffled pool (with spare pages nobody owns) and host copies
-/// of the K and V caches, `(pages, page_size, n_kv_heads, head_dim)`.
+/// How the cache is stored in a check: dtype and how many pages a shard (buffer) holds
+/// (`None`: one shard).
+#[derive(Debug, Clone, Copy)]
+struct Storage {
+    dtype: KvDtype,
+    pages_per_shard: Option<usize>,
+}
+
+const F32_ONE_SHARD: Storage = Storage { dtype: KvDtype::F32, pages_per_shard: None };
+
+/// A random block table over a shuffled pool (with spare pages nobody owns; sequence 1 shares
+/// the first `shared` pages of sequence 0, like a common prompt prefix) and host copies of the
+/// K and V caches as the values they hold, `(pages, page_size, n_kv_heads, head_dim)`.
 struct Paged {
     heads: Heads,
     page_size: usize,
     max_pages: usize,
+    layout: KvLayout,
     block_table: Vec<u32>,
     k: Vec<f32>,
     v: Vec<f32>,
 }
 
 impl Paged {
-    fn random(rng: &mut Rng, heads: Heads, n_seqs: usize, max_len: usize, page_size: usize) -> Paged {
+    fn random(rng: &mut Rng, heads: Heads, n_seqs: usize, max_len: usize, page_size: usize, storage: Storage, shared: usize) -> Paged {
         let max_pages = max_len.div_ceil(page_size);
         let n_pages = n_seqs * max_pages + 2;
         let mut pool: Vec<u32> = (0..n_pages as u32).collect();
         rng.shuffle(&mut pool);
-        let block_table = pool[..n_seqs * max_pages].to_vec();
+        let mut block_table = pool[..n_seqs * max_pages].to_vec();
+        if n_seqs > 1 {
+            for i in 0..shared.min(max_pages) {
+                block_table[max_pages + i] = block_table[i];
+            }
+        }
         let cells = n_pages * page_size * heads.kv_dim();
-        Paged { heads, page_size, max_pages, block_table, k: rng.vec(cells), v: rng.vec(cells) }
+        let page_bytes = page_size as u64 * heads.n_kv_heads as u64 * storage.dtype.head_bytes(heads.head_dim);
+        let binding = storage.pages_per_shard.map_or(u64::MAX >> 8, |p| p as u64 * page_bytes);
+        let layout = KvLayout::new(storage.dtype, page_size, heads.n_kv_heads, heads.head_dim, n_pages, binding).expect("layout");
+        if let Some(p) = storage.pages_per_shard {
+            assert_eq!(layout.pages_per_shard, p);
+        }
+        let hd = heads.head_dim;
+        // The values the cache can hold exactly in its dtype.
+        let store = |v: Vec<f32>| -> Vec<f32> { v.chunks(hd).flat_map(|h| round_trip(storage.dtype, h)).collect() };
+        let (k, v) = (store(rng.vec(cells)), store(rng.vec(cells)));
+        Paged { heads, page_size, max_pages, layout, block_table, k, v }
     }
 
     /// Offset of (seq, pos, kv head) in the caches.
@@ -947,6 +976,88 @@ impl Paged {
             }
         }
         (k, v)
+    }
+
+    /// The shard buffers' words for host values `x` (one layout, every dtype).
+    fn encode(&self, x: &[f32]) -> Vec<Vec<u32>> {
+        let l = &self.layout;
+        let hd = l.head_dim;
+        let words = (l.shard_bytes() / 4) as usize;
+        let mut shards = vec![vec![0u32; words]; l.n_shards];
+        let heads = x.len() / hd;
+        for g in 0..heads {
+            let page = g / (l.page_size * l.n_kv_heads);
+            let slot = g / l.n_kv_heads % l.page_size;
+            let (s, th) = l.locate(page, slot, g % l.n_kv_heads);
+            let h = &x[g * hd..][..hd];
+            let w = &mut shards[s];
+            match l.dtype {
+                KvDtype::F32 => {
+                    for (i, v) in h.iter().enumerate() {
+                        w[th * hd + i] = v.to_bits();
+                    }
+                }
+                KvDtype::F16 => {
+                    for i in (0..hd).step_by(2) {
+                        let lo = f16::from_f32(h[i]).to_bits() as u32;
+                        let hi = f16::from_f32(h[i + 1]).to_bits() as u32;
+                        w[(th * hd + i) / 2] = lo | (hi << 16);
+                    }
+                }
+                KvDtype::Q8 => {
+                    let (codes, amax) = quantize_head_q8(h);
+                    for i in (0..hd).step_by(4) {
+                        let b = |j: usize| (codes[i + j] as u8) as u32;
+                        w[(th * hd + i) / 4] = b(0) | b(1) << 8 | b(2) << 16 | b(3) << 24;
+                    }
+                    w[l.scale_base() + th] = amax.to_bits();
+                }
+                KvDtype::Bf16 => unreachable!("not a runtime dtype"),
+            }
+        }
+        shards
+    }
+
+    /// Host values (`pages * page_size * kv_dim`) from the shard buffers' words.
+    fn decode(&self, shards: &[Vec<u32>]) -> Vec<f32> {
+        let l = &self.layout;
+        let hd = l.head_dim;
+        let heads = self.k.len() / hd;
+        let mut x = vec![0.0f32; self.k.len()];
+        for g in 0..heads {
+            let page = g / (l.page_size * l.n_kv_heads);
+            let slot = g / l.n_kv_heads % l.page_size;
+            let (s, th) = l.locate(page, slot, g % l.n_kv_heads);
+            let w = &shards[s];
+            for i in 0..hd {
+                let e = th * hd + i;
+                x[g * hd + i] = match l.dtype {
+                    KvDtype::F32 => f32::from_bits(w[e]),
+                    KvDtype::F16 => f16::from_bits((w[e / 2] >> (16 * (e % 2))) as u16).to_f32(),
+                    KvDtype::Q8 => {
+                        let code = (w[e / 4] >> (8 * (e % 4))) as u8 as i8;
+                        lantern::kv::cache::dequantize_q8(code, f32::from_bits(w[l.scale_base() + th]))
+                    }
+                    KvDtype::Bf16 => unreachable!("not a runtime dtype"),
+                };
+            }
+        }
+        x
+    }
+
+    /// K and V shard buffers holding the host values.
+    fn upload(&self, ctx: &GpuContext) -> (Vec<wgpu::Buffer>, Vec<wgpu::Buffer>) {
+        let up = |name: &str, x: &[f32]| -> Vec<wgpu::Buffer> {
+            self.encode(x).iter().enumerate().map(|(i, w)| buf_u32(ctx, &format!("{name}.{i}"), w)).collect()
+        };
+        (up("k_cache", &self.k), up("v_cache", &self.v))
+    }
+
+    /// Host values of shard buffers read back.
+    fn read(&self, ctx: &Arc<GpuContext>, bufs: &[wgpu::Buffer]) -> Vec<f32> {
+        let words = (self.layout.shard_bytes() / 4) as usize;
+        let shards: Vec<Vec<u32>> = bufs.iter().map(|b| read_u32s(ctx, b, words)).collect();
+        self.decode(&shards)
     }
 }
 
@@ -974,13 +1085,13 @@ fn columns(x: &[f32], stride: usize, from: usize, width: usize) -> Vec<f32> {
 // RoPE + KV-cache write.
 // ---------------------------------------------------------------------------------------------
 
-fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Range<usize>)], seed: u64) {
+fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Range<usize>)], storage: Storage, seed: u64) {
     let ctx = gpu();
     let mut rng = Rng::new(seed);
     let Heads { n_heads, n_kv_heads, head_dim } = heads;
     let n_seqs = spans.iter().map(|s| s.0 + 1).max().unwrap();
     let n_positions = spans.iter().map(|s| s.1.end).max().unwrap() + 3;
-    let mut paged = Paged::random(&mut rng, heads, n_seqs, n_positions, page_size);
+    let mut paged = Paged::random(&mut rng, heads, n_seqs, n_positions, page_size, storage, 0);
     let tokens = mixed_tokens(&mut rng, spans);
     let t = tokens.len();
     let stride = heads.qkv_dim() + 3; // padding the kernel must leave alone
@@ -988,7 +1099,10 @@ fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Rang
     let positions: Vec<u32> = tokens.iter().map(|&(_, p)| p as u32).collect();
     let seqs: Vec<u32> = tokens.iter().map(|&(s, _)| s as u32).collect();
     let freq = inv_freq(head_dim);
-    let what = format!("rope_kv {n_heads}/{n_kv_heads} heads, head_dim {head_dim}, page {page_size}, {t} tokens");
+    let what = format!(
+        "rope_kv {n_heads}/{n_kv_heads} heads, head_dim {head_dim}, page {page_size}, {t} tokens, {:?} KV in {} shard(s)",
+        storage.dtype, paged.layout.n_shards
+    );
 
     let step = step_buffer(&ctx);
     let qkv_b = buf_f32(&ctx, "qkv", &qkv);
@@ -996,8 +1110,7 @@ fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Rang
     let pos_b = buf_u32(&ctx, "positions", &positions);
     let seq_b = buf_u32(&ctx, "token_seq", &seqs);
     let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
-    let k_b = buf_f32(&ctx, "k_cache", &paged.k);
-    let v_b = buf_f32(&ctx, "v_cache", &paged.v);
+    let (k_b, v_b) = paged.upload(&ctx);
     let io = RopeKvIo {
         step: &step,
         qkv: &qkv_b,
@@ -1005,56 +1118,81 @@ fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Rang
         positions: &pos_b,
         token_seq: &seq_b,
         block_table: &bt_b,
-        k_cache: &k_b,
-        v_cache: &v_b,
+        kv: KvBinding { layout: &paged.layout, k: &k_b, v: &v_b },
     };
     let p = RopeKvParams {
         n_heads: n_heads as u32,
         n_kv_heads: n_kv_heads as u32,
         head_dim: head_dim as u32,
         qkv_stride: stride as u32,
-        page_size: page_size as u32,
         max_pages: paged.max_pages as u32,
         n_positions: n_positions as u32,
-        _pad: 0,
     };
     let d = block_on(kernels::rope_kv::build(&ctx, &io, p)).expect("build rope_kv");
-    submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
+    assert_eq!(d.len(), paged.layout.n_shards, "{what}: one dispatch per shard");
+    submit(&ctx, &step, t as u32, t as u32, &d);
     let got_qkv = read_f32s(&ctx, &qkv_b, qkv.len());
-    let got_k = read_f32s(&ctx, &k_b, paged.k.len());
-    let got_v = read_f32s(&ctx, &v_b, paged.v.len());
+    let got_k = paged.read(&ctx, &k_b);
+    let got_v = paged.read(&ctx, &v_b);
 
     let pos_usize: Vec<usize> = tokens.iter().map(|&(_, p)| p).collect();
     let q_rot = ops::rope(&columns(&qkv, stride, 0, heads.q_dim()), &pos_usize, n_heads, head_dim, &freq);
     let k_rot = ops::rope(&columns(&qkv, stride, heads.q_dim(), heads.kv_dim()), &pos_usize, n_kv_heads, head_dim, &freq);
-    // q rotated in place; k, v and the padding of the row untouched.
+    // q rotated in place (once, whatever the shard count); k, v and the padding untouched.
     let mut want_qkv = qkv.clone();
     for ti in 0..t {
         want_qkv[ti * stride..][..heads.q_dim()].copy_from_slice(&q_rot[ti * heads.q_dim()..][..heads.q_dim()]);
     }
     assert_close(&format!("{what}: qkv (q rotated in place)"), &got_qkv, &want_qkv, ROPE_TOL);
-    // k rotated and v copied into (page, slot) of each token; every other cell untouched.
+    // k rotated and v copied into (page, slot) of each token in the cache's dtype; every
+    // other cell untouched.
     for (ti, &(s, pos)) in tokens.iter().enumerate() {
         for kvh in 0..n_kv_heads {
             let a = paged.addr(s, pos, kvh);
-            paged.k[a..a + head_dim].copy_from_slice(&k_rot[ti * heads.kv_dim() + kvh * head_dim..][..head_dim]);
+            let k = round_trip(storage.dtype, &k_rot[ti * heads.kv_dim() + kvh * head_dim..][..head_dim]);
+            paged.k[a..a + head_dim].copy_from_slice(&k);
             let vb = ti * stride + heads.q_dim() + heads.kv_dim() + kvh * head_dim;
-            paged.v[a..a + head_dim].copy_from_slice(&qkv[vb..vb + head_dim]);
+            paged.v[a..a + head_dim].copy_from_slice(&round_trip(storage.dtype, &qkv[vb..vb + head_dim]));
         }
     }
-    assert_close(&format!("{what}: k cache"), &got_k, &paged.k, ROPE_TOL);
-    assert_close(&format!("{what}: v cache"), &got_v, &paged.v, EXACT);
+    // f16: the GPU's rounding may differ by one ulp; q8: a code may differ by one where the
+    // GPU's rotated value lands on the other side of a rounding boundary.
+    let (k_tol, v_tol) = match storage.dtype {
+        KvDtype::F32 => (ROPE_TOL, EXACT),
+        KvDtype::F16 => (1e-3, 1e-3),
+        _ => (1.01 / 127.0, 1.01 / 127.0),
+    };
+    assert_close(&format!("{what}: k cache"), &got_k, &paged.k, k_tol);
+    assert_close(&format!("{what}: v cache"), &got_v, &paged.v, v_tol);
+    if storage.dtype == KvDtype::Q8 {
+        // Mostly exact: a one-code slack must stay the exception.
+        let off = got_k.iter().chain(&got_v).zip(paged.k.iter().chain(&paged.v)).filter(|(g, w)| (*g - *w).abs() > 1e-6 * w.abs().max(1.0)).count();
+        let written = 2 * t * heads.kv_dim();
+        assert!(off * 100 <= written, "{what}: {off} of {written} written values differ");
+    }
 }
 
 #[test]
 fn rope_kv_matches_reference_and_writes_the_right_slots() {
     let spans = [(0, 0..4), (1, 7..10), (2, 13..14)];
-    check_rope_kv(Heads { n_heads: 8, n_kv_heads: 2, head_dim: 8 }, 3, &spans, 500);
-    check_rope_kv(Heads { n_heads: 4, n_kv_heads: 1, head_dim: 64 }, 5, &spans, 501);
-    check_rope_kv(Heads { n_heads: 3, n_kv_heads: 3, head_dim: 6 }, 3, &spans, 502);
-    check_rope_kv(Heads { n_heads: 2, n_kv_heads: 1, head_dim: 130 }, 5, &spans, 503);
+    let f32s = F32_ONE_SHARD;
+    check_rope_kv(Heads { n_heads: 8, n_kv_heads: 2, head_dim: 8 }, 3, &spans, f32s, 500);
+    check_rope_kv(Heads { n_heads: 4, n_kv_heads: 1, head_dim: 64 }, 5, &spans, f32s, 501);
+    check_rope_kv(Heads { n_heads: 3, n_kv_heads: 3, head_dim: 6 }, 3, &spans, f32s, 502);
+    check_rope_kv(Heads { n_heads: 2, n_kv_heads: 1, head_dim: 130 }, 5, &spans, f32s, 503);
     // A 33-token chunk continuing a sequence, beside a one-token decode of another.
-    check_rope_kv(Heads { n_heads: 4, n_kv_heads: 2, head_dim: 16 }, 5, &[(1, 5..38), (0, 40..41)], 504);
+    check_rope_kv(Heads { n_heads: 4, n_kv_heads: 2, head_dim: 16 }, 5, &[(1, 5..38), (0, 40..41)], f32s, 504);
+}
+
+#[test]
+fn rope_kv_writes_f16_and_q8_caches_split_across_shards() {
+    let spans = [(0, 0..4), (1, 7..10), (2, 13..14)];
+    for (i, dtype) in [KvDtype::F32, KvDtype::F16, KvDtype::Q8].into_iter().enumerate() {
+        let seed = 510 + i as u64 * 10;
+        check_rope_kv(Heads { n_heads: 9, n_kv_heads: 3, head_dim: 64 }, 5, &spans, Storage { dtype, pages_per_shard: None }, seed);
+        check_rope_kv(Heads { n_heads: 8, n_kv_heads: 2, head_dim: 8 }, 3, &spans, Storage { dtype, pages_per_shard: Some(2) }, seed + 1);
+        check_rope_kv(Heads { n_heads: 4, n_kv_heads: 2, head_dim: 16 }, 5, &[(1, 5..38), (0, 40..41)], Storage { dtype, pages_per_shard: Some(3) }, seed + 2);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1067,22 +1205,34 @@ fn attention_params(heads: Heads, paged: &Paged, qkv_stride: usize, out_stride: 
         n_kv_heads: heads.n_kv_heads as u32,
         head_dim: heads.head_dim as u32,
         qkv_stride: qkv_stride as u32,
-        page_size: paged.page_size as u32,
         max_pages: paged.max_pages as u32,
         out_stride: out_stride as u32,
         scale: 1.0 / (heads.head_dim as f32).sqrt(),
     }
 }
 
-fn check_attention(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Range<usize>)], seed: u64) {
+/// One attention check: `storage` of the cache, key `splits` per token, `shared` prefix pages
+/// between sequences 0 and 1.
+struct AttentionCase<'a> {
+    heads: Heads,
+    page_size: usize,
+    spans: &'a [(usize, std::ops::Range<usize>)],
+    storage: Storage,
+    splits: &'a [u32],
+    shared: usize,
+    seed: u64,
+}
+
+fn check_attention(c: AttentionCase) {
     let ctx = gpu();
-    let mut rng = Rng::new(seed);
+    let mut rng = Rng::new(c.seed);
+    let heads = c.heads;
     let Heads { n_heads, n_kv_heads, head_dim } = heads;
-    let n_seqs = spans.iter().map(|s| s.0 + 1).max().unwrap();
-    let max_len = spans.iter().map(|s| s.1.end).max().unwrap() + 2;
+    let n_seqs = c.spans.iter().map(|s| s.0 + 1).max().unwrap();
+    let max_len = c.spans.iter().map(|s| s.1.end).max().unwrap() + 2;
     // Every cell random, including slots past each query's position: reading them is a bug.
-    let paged = Paged::random(&mut rng, heads, n_seqs, max_len, page_size);
-    let tokens = mixed_tokens(&mut rng, spans);
+    let paged = Paged::random(&mut rng, heads, n_seqs, max_len, c.page_size, c.storage, c.shared);
+    let tokens = mixed_tokens(&mut rng, c.spans);
     let t = tokens.len();
     let stride = heads.qkv_dim();
     // Sharper-than-uniform scores so the softmax weights matter.
@@ -1091,38 +1241,47 @@ fn check_attention(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Ra
     let out0 = rng.vec(t * out_stride);
     let positions: Vec<u32> = tokens.iter().map(|&(_, p)| p as u32).collect();
     let seqs: Vec<u32> = tokens.iter().map(|&(s, _)| s as u32).collect();
-    let what = format!("attention {n_heads}/{n_kv_heads} heads, head_dim {head_dim}, page {page_size}, {t} tokens");
+    let what = format!(
+        "attention {n_heads}/{n_kv_heads} heads, head_dim {head_dim}, page {}, {t} tokens, {:?} KV in {} shard(s), {} shared page(s)",
+        c.page_size, c.storage.dtype, paged.layout.n_shards, c.shared
+    );
 
     let step = step_buffer(&ctx);
     let qkv_b = buf_f32(&ctx, "qkv", &qkv);
     let pos_b = buf_u32(&ctx, "positions", &positions);
     let seq_b = buf_u32(&ctx, "token_seq", &seqs);
     let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
-    let k_b = buf_f32(&ctx, "k_cache", &paged.k);
-    let v_b = buf_f32(&ctx, "v_cache", &paged.v);
+    let (k_b, v_b) = paged.upload(&ctx);
     let out_b = buf_f32(&ctx, "out", &out0);
+    let p = attention_params(heads, &paged, stride, out_stride);
+    let max_splits = *c.splits.iter().max().unwrap() as usize;
+    let part_bytes = kernels::attention::partials_bytes(&p, &paged.layout, t, max_splits).max(4);
+    let partials = create_zeroed(&ctx, "partials", part_bytes).unwrap();
     let io = AttentionIo {
         step: &step,
         qkv: &qkv_b,
         positions: &pos_b,
         token_seq: &seq_b,
         block_table: &bt_b,
-        k_cache: &k_b,
-        v_cache: &v_b,
+        kv: KvBinding { layout: &paged.layout, k: &k_b, v: &v_b },
         out: &out_b,
+        partials: &partials,
     };
-    let p = attention_params(heads, &paged, stride, out_stride);
     // Both kernels: the workgroup one, and the subgroup one where it runs.
     let mut variants = vec![false];
-    if linear::xbcast_fits(&ctx) && head_dim.is_multiple_of(8) {
+    if kernels::attention::subgroup_fits(&ctx, &p) {
         variants.push(true);
     }
     let mut outs = Vec::new();
     for sub in variants {
-        ctx.queue.write_buffer(&out_b, 0, bytemuck::cast_slice(&out0));
         let d = block_on(kernels::attention::build_variant(&ctx, &io, p, sub)).unwrap_or_else(|e| panic!("{what}: build: {e}"));
-        submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
-        outs.push((d.label.clone(), read_f32s(&ctx, &out_b, out0.len())));
+        for &splits in c.splits {
+            ctx.queue.write_buffer(&out_b, 0, bytemuck::cast_slice(&out0));
+            let mut s = StepUniform::new(t as u32, t as u32);
+            s.n_splits = splits;
+            submit_step(&ctx, &step, &s, &d);
+            outs.push((format!("{} with {splits} split(s)", d[0].label), read_f32s(&ctx, &out_b, out0.len())));
+        }
     }
 
     let mut want = out0.clone();
@@ -1141,33 +1300,66 @@ fn check_attention(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Ra
 /// decode after 130 cached tokens.
 const ATTENTION_SPANS: [(usize, std::ops::Range<usize>); 3] = [(0, 0..3), (1, 70..73), (2, 130..131)];
 
+fn attention_case(heads: Heads, page_size: usize, seed: u64) -> AttentionCase<'static> {
+    AttentionCase { heads, page_size, spans: &ATTENTION_SPANS, storage: F32_ONE_SHARD, splits: &[1], shared: 0, seed }
+}
+
 #[test]
 fn attention_gqa_matches_reference() {
-    check_attention(Heads { n_heads: 8, n_kv_heads: 2, head_dim: 8 }, 3, &ATTENTION_SPANS, 600);
+    check_attention(attention_case(Heads { n_heads: 8, n_kv_heads: 2, head_dim: 8 }, 3, 600));
 }
 
 /// SmolLM2's layout (3 query heads per KV head) and a group of 6 (two head batches, the
 /// second one partial).
 #[test]
 fn attention_gqa_groups_of_3_and_6_match_reference() {
-    check_attention(Heads { n_heads: 9, n_kv_heads: 3, head_dim: 64 }, 16, &ATTENTION_SPANS, 605);
-    check_attention(Heads { n_heads: 12, n_kv_heads: 2, head_dim: 16 }, 7, &ATTENTION_SPANS, 606);
+    check_attention(attention_case(Heads { n_heads: 9, n_kv_heads: 3, head_dim: 64 }, 16, 605));
+    check_attention(attention_case(Heads { n_heads: 12, n_kv_heads: 2, head_dim: 16 }, 7, 606));
 }
 
 #[test]
 fn attention_mqa_matches_reference() {
-    check_attention(Heads { n_heads: 4, n_kv_heads: 1, head_dim: 64 }, 5, &ATTENTION_SPANS, 601);
+    check_attention(attention_case(Heads { n_heads: 4, n_kv_heads: 1, head_dim: 64 }, 5, 601));
 }
 
 #[test]
 fn attention_mha_matches_reference() {
-    check_attention(Heads { n_heads: 3, n_kv_heads: 3, head_dim: 10 }, 3, &ATTENTION_SPANS, 602);
-    check_attention(Heads { n_heads: 2, n_kv_heads: 2, head_dim: 130 }, 5, &ATTENTION_SPANS, 603);
+    check_attention(attention_case(Heads { n_heads: 3, n_kv_heads: 3, head_dim: 10 }, 3, 602));
+    check_attention(attention_case(Heads { n_heads: 2, n_kv_heads: 2, head_dim: 130 }, 5, 603));
 }
 
 #[test]
 fn attention_head_dim_256_matches_reference() {
-    check_attention(Heads { n_heads: 2, n_kv_heads: 1, head_dim: 256 }, 5, &ATTENTION_SPANS, 604);
+    check_attention(attention_case(Heads { n_heads: 2, n_kv_heads: 1, head_dim: 256 }, 5, 604));
+}
+
+/// Flash-decoding and the KV split across buffers: keys cut into 1, 2, 3 and 7 ranges per
+/// token, pages spread over shards of 2 and 5 pages, ragged sequences sharing prefix pages,
+/// page sizes that divide no length, in every KV dtype, through both kernels.
+#[test]
+fn paged_attention_splits_shards_shared_prefixes_and_kv_dtypes_match_reference() {
+    // Sequence 1 shares its first pages with sequence 0 (a common prompt), and a decode and a
+    // chunk of each run beside a third sequence.
+    let spans: [(usize, std::ops::Range<usize>); 4] = [(0, 40..41), (1, 25..29), (2, 0..5), (1, 60..61)];
+    let mut seed = 620;
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+        for (heads, page_size, pages_per_shard) in [
+            (Heads { n_heads: 9, n_kv_heads: 3, head_dim: 64 }, 7, Some(5)),
+            (Heads { n_heads: 4, n_kv_heads: 1, head_dim: 32 }, 5, Some(2)),
+            (Heads { n_heads: 6, n_kv_heads: 2, head_dim: 16 }, 3, None),
+        ] {
+            seed += 1;
+            check_attention(AttentionCase {
+                heads,
+                page_size,
+                spans: &spans,
+                storage: Storage { dtype, pages_per_shard },
+                splits: &[1, 2, 3, 7],
+                shared: 3,
+                seed,
+            });
+        }
+    }
 }
 
 #[test]
@@ -1175,98 +1367,92 @@ fn attention_rejects_head_dim_over_256() {
     let ctx = gpu();
     let heads = Heads { n_heads: 2, n_kv_heads: 1, head_dim: 258 };
     let mut rng = Rng::new(605);
-    let paged = Paged::random(&mut rng, heads, 1, 4, 2);
+    let paged = Paged::random(&mut rng, heads, 1, 4, 2, F32_ONE_SHARD, 0);
     let b = buf_f32(&ctx, "any", &[0.0; 4]);
+    let kv = [buf_f32(&ctx, "kv", &[0.0; 4])];
     let io = AttentionIo {
         step: &b,
         qkv: &b,
         positions: &b,
         token_seq: &b,
         block_table: &b,
-        k_cache: &b,
-        v_cache: &b,
+        kv: KvBinding { layout: &paged.layout, k: &kv, v: &kv },
         out: &b,
+        partials: &b,
     };
     let r = block_on(kernels::attention::build(&ctx, &io, attention_params(heads, &paged, 1, 1)));
     assert!(matches!(r, Err(GpuError::Validation { .. })), "head_dim 258 accepted: {:?}", r.err());
 }
 
 /// The forward pass's order in one submission: rope_kv writes the new tokens into pages that
-/// already hold a sequence's earlier tokens, then attention reads them.
+/// already hold a sequence's earlier tokens, then attention reads them (f32 and q8 caches,
+/// two shards, keys split in two).
 #[test]
 fn rope_kv_then_attention_continue_a_paged_sequence() {
-    let ctx = gpu();
-    let mut rng = Rng::new(700);
-    let heads = Heads { n_heads: 6, n_kv_heads: 2, head_dim: 16 };
-    let Heads { n_heads, n_kv_heads, head_dim } = heads;
-    let (page_size, cached, new) = (3, 11, 5);
-    let n_positions = cached + new;
-    let paged = Paged::random(&mut rng, heads, 2, n_positions, page_size);
-    let seq = 1;
-    let stride = heads.qkv_dim();
-    let qkv = rng.vec(new * stride);
-    let pos: Vec<usize> = (cached..cached + new).collect();
-    let positions: Vec<u32> = pos.iter().map(|&p| p as u32).collect();
-    let freq = inv_freq(head_dim);
+    for (dtype, pages_per_shard, splits) in [(KvDtype::F32, None, 1), (KvDtype::Q8, Some(3), 2)] {
+        let ctx = gpu();
+        let mut rng = Rng::new(700);
+        let heads = Heads { n_heads: 6, n_kv_heads: 2, head_dim: 16 };
+        let Heads { n_heads, n_kv_heads, head_dim } = heads;
+        let (page_size, cached, new) = (3, 11, 5);
+        let n_positions = cached + new;
+        let paged = Paged::random(&mut rng, heads, 2, n_positions, page_size, Storage { dtype, pages_per_shard }, 0);
+        let seq = 1;
+        let stride = heads.qkv_dim();
+        let qkv = rng.vec(new * stride);
+        let pos: Vec<usize> = (cached..cached + new).collect();
+        let positions: Vec<u32> = pos.iter().map(|&p| p as u32).collect();
+        let freq = inv_freq(head_dim);
 
-    let step = step_buffer(&ctx);
-    let qkv_b = buf_f32(&ctx, "qkv", &qkv);
-    let rope_b = buf_f32(&ctx, "rope", &rope_table(&freq, n_positions));
-    let pos_b = buf_u32(&ctx, "positions", &positions);
-    let seq_b = buf_u32(&ctx, "token_seq", &vec![seq as u32; new]);
-    let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
-    let k_b = buf_f32(&ctx, "k_cache", &paged.k);
-    let v_b = buf_f32(&ctx, "v_cache", &paged.v);
-    let out_b = create_zeroed(&ctx, "out", (new * heads.q_dim() * 4) as u64).unwrap();
-    let rope = block_on(kernels::rope_kv::build(
-        &ctx,
-        &RopeKvIo {
-            step: &step,
-            qkv: &qkv_b,
-            rope: &rope_b,
-            positions: &pos_b,
-            token_seq: &seq_b,
-            block_table: &bt_b,
-            k_cache: &k_b,
-            v_cache: &v_b,
-        },
-        RopeKvParams {
-            n_heads: n_heads as u32,
-            n_kv_heads: n_kv_heads as u32,
-            head_dim: head_dim as u32,
-            qkv_stride: stride as u32,
-            page_size: page_size as u32,
-            max_pages: paged.max_pages as u32,
-            n_positions: n_positions as u32,
-            _pad: 0,
-        },
-    ))
-    .expect("build rope_kv");
-    let p = attention_params(heads, &paged, stride, heads.q_dim());
-    let attn = block_on(kernels::attention::build(
-        &ctx,
-        &AttentionIo {
+        let step = step_buffer(&ctx);
+        let qkv_b = buf_f32(&ctx, "qkv", &qkv);
+        let rope_b = buf_f32(&ctx, "rope", &rope_table(&freq, n_positions));
+        let pos_b = buf_u32(&ctx, "positions", &positions);
+        let seq_b = buf_u32(&ctx, "token_seq", &vec![seq as u32; new]);
+        let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
+        let (k_b, v_b) = paged.upload(&ctx);
+        let kv = KvBinding { layout: &paged.layout, k: &k_b, v: &v_b };
+        let out_b = create_zeroed(&ctx, "out", (new * heads.q_dim() * 4) as u64).unwrap();
+        let mut d = block_on(kernels::rope_kv::build(
+            &ctx,
+            &RopeKvIo { step: &step, qkv: &qkv_b, rope: &rope_b, positions: &pos_b, token_seq: &seq_b, block_table: &bt_b, kv },
+            RopeKvParams {
+                n_heads: n_heads as u32,
+                n_kv_heads: n_kv_heads as u32,
+                head_dim: head_dim as u32,
+                qkv_stride: stride as u32,
+                max_pages: paged.max_pages as u32,
+                n_positions: n_positions as u32,
+            },
+        ))
+        .expect("build rope_kv");
+        let p = attention_params(heads, &paged, stride, heads.q_dim());
+        let partials = create_zeroed(&ctx, "partials", kernels::attention::partials_bytes(&p, &paged.layout, new, splits).max(4)).unwrap();
+        let io = AttentionIo {
             step: &step,
             qkv: &qkv_b,
             positions: &pos_b,
             token_seq: &seq_b,
             block_table: &bt_b,
-            k_cache: &k_b,
-            v_cache: &v_b,
+            kv,
             out: &out_b,
-        },
-        p,
-    ))
-    .expect("build attention");
-    submit(&ctx, &step, new as u32, new as u32, &[rope, attn]);
-    let got = read_f32s(&ctx, &out_b, new * heads.q_dim());
+            partials: &partials,
+        };
+        d.extend(block_on(kernels::attention::build(&ctx, &io, p)).expect("build attention"));
+        let mut s = StepUniform::new(new as u32, new as u32);
+        s.n_splits = splits as u32;
+        submit_step(&ctx, &step, &s, &d);
+        let got = read_f32s(&ctx, &out_b, new * heads.q_dim());
 
-    let q = ops::rope(&columns(&qkv, stride, 0, heads.q_dim()), &pos, n_heads, head_dim, &freq);
-    let k_new = ops::rope(&columns(&qkv, stride, heads.q_dim(), heads.kv_dim()), &pos, n_kv_heads, head_dim, &freq);
-    let v_new = columns(&qkv, stride, heads.q_dim() + heads.kv_dim(), heads.kv_dim());
-    let (mut k, mut v) = paged.gather(seq, cached);
-    k.extend(k_new);
-    v.extend(v_new);
-    let want = ops::attention(&q, &k, &v, &pos, n_heads, n_kv_heads, head_dim, p.scale);
-    assert_close("rope_kv + attention, 5 tokens after 11 cached", &got, &want, ATTENTION_TOL);
+        let q = ops::rope(&columns(&qkv, stride, 0, heads.q_dim()), &pos, n_heads, head_dim, &freq);
+        let k_new = ops::rope(&columns(&qkv, stride, heads.q_dim(), heads.kv_dim()), &pos, n_kv_heads, head_dim, &freq);
+        let v_new = columns(&qkv, stride, heads.q_dim() + heads.kv_dim(), heads.kv_dim());
+        let (mut k, mut v) = paged.gather(seq, cached);
+        k.extend(k_new.chunks(head_dim).flat_map(|h| round_trip(dtype, h)));
+        v.extend(v_new.chunks(head_dim).flat_map(|h| round_trip(dtype, h)));
+        let want = ops::attention(&q, &k, &v, &pos, n_heads, n_kv_heads, head_dim, p.scale);
+        // q8: a new key's code may differ by one from the CPU's (see check_rope_kv).
+        let tol = if dtype == KvDtype::Q8 { 2e-2 } else { ATTENTION_TOL };
+        assert_close(&format!("rope_kv + attention, 5 tokens after 11 cached, {dtype:?} KV"), &got, &want, tol);
+    }
 }

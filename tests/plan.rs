@@ -1,8 +1,11 @@
-//! The memory plan arithmetic against worked examples, and `lantern plan` from a config.json
-//! alone (Llama 3.3 70B sized without its weights). No GPU needed.
+//! The memory plan arithmetic against worked examples, `lantern plan` from a config.json
+//! alone (Llama 3.3 70B sized without its weights), and the budget from the adapter: its
+//! reported memory, allocation probes, and `plan --adapter` / `--probe` (these need an
+//! adapter; lavapipe in CI, where a missing one fails the test).
 
 mod common;
 
+use lantern::gpu::memory::{adapter_memory, default_budget, probe, probe_largest, MemoryOrigin};
 use lantern::kv::plan::{kv_bytes, kv_bytes_per_token, param_count, plan, KvDtype};
 use lantern::model::ModelConfig;
 
@@ -18,6 +21,38 @@ const LLAMA_33_70B: &str = r#"{
   "hidden_act": "silu", "torch_dtype": "bfloat16"
 }"#;
 
+/// SmolLM2-135M's shape: a KV cache small enough to probe on any adapter.
+const SMALL_LLAMA: &str = r#"{
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+  "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+  "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
+  "rope_theta": 100000.0, "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2,
+  "hidden_act": "silu", "torch_dtype": "bfloat16"
+}"#;
+
+/// A fresh folder holding `config` as config.json.
+fn config_dir(name: &str, config: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("lantern-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    dir
+}
+
+/// `lantern plan ARGS --json --model DIR/config.json`, parsed; fails the test on an error exit.
+fn plan_json(dir: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lantern"))
+        .env("LANTERN_OFFLINE", "1")
+        .arg("plan")
+        .args(args)
+        .args(["--json", "--model"])
+        .arg(dir.join("config.json"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "plan {args:?}: stderr: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn kv_formula_reproduces_the_worked_examples() {
     // B=16, T=4096, L=32, H_kv=8, d_h=128, 2-byte elements.
@@ -26,8 +61,8 @@ fn kv_formula_reproduces_the_worked_examples() {
     assert_eq!(kv_bytes(80, 8, 128, KvDtype::Bf16, 1, 32_000), 10_485_760_000);
     // SmolLM2: 2 x 30 x 3 x 64 x 4 bytes per token in f32, what the runtime allocates.
     assert_eq!(kv_bytes_per_token(30, 3, 64, KvDtype::F32), 46_080);
-    // q8: one byte per element plus an f16 scale per token and head, for K and for V.
-    assert_eq!(kv_bytes_per_token(30, 3, 64, KvDtype::Q8), 2 * 30 * 3 * 66);
+    // q8: one byte per element plus an f32 scale per token and head, for K and for V.
+    assert_eq!(kv_bytes_per_token(30, 3, 64, KvDtype::Q8), 2 * 30 * 3 * 68);
 }
 
 #[test]
@@ -64,9 +99,7 @@ fn plan_fits_pages_into_what_the_budget_leaves() {
 
 #[test]
 fn cli_plans_a_model_from_its_config_json_alone() {
-    let dir = std::env::temp_dir().join(format!("lantern-plan-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("config.json"), LLAMA_33_70B).unwrap();
+    let dir = config_dir("plan", LLAMA_33_70B);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_lantern"))
         .env("LANTERN_OFFLINE", "1")
         .args(["plan", "--context", "32000", "--kv-dtype", "bf16", "--memory-budget", "192Gi", "--json", "--model"])
@@ -87,6 +120,132 @@ fn cli_plans_a_model_from_its_config_json_alone() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--memory-budget"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--memory-budget"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn adapter_memory_reports_a_device_local_heap() {
+    let ctx = common::gpu();
+    let mem = adapter_memory(&ctx);
+    eprintln!("{}: {mem:?}", ctx.info.name);
+    let local = mem.device_local_bytes.unwrap_or_else(|| panic!("{}: no memory size: {}", ctx.info.name, mem.source));
+    assert!(local > 0, "{mem:?}");
+    if ctx.info.backend == wgpu::Backend::Vulkan {
+        assert_eq!(mem.origin, MemoryOrigin::VulkanHeap, "{mem:?}");
+        assert!(mem.source.contains("device-local"), "{}", mem.source);
+    }
+    if let Some(b) = mem.budget_bytes {
+        assert!(b > 0, "{mem:?}");
+    }
+    let (budget, source) = default_budget(&mem).expect("a budget from a known heap");
+    assert!(budget > 0 && budget <= mem.budget_bytes.unwrap_or(local), "{budget} from {mem:?}");
+    assert!(source.starts_with("90% of"), "{source}");
+}
+
+#[test]
+fn probe_allocates_64_mib_in_16_mib_buffers_outside_the_ledger() {
+    let ctx = common::gpu();
+    let mark = ctx.ledger.mark();
+    let r = pollster::block_on(probe(&ctx, 64 << 20, 16 << 20)).unwrap();
+    assert_eq!((r.allocated_bytes, r.buffers, r.chunk_bytes), (64 << 20, 4, 16 << 20), "{r:?}");
+    assert!(r.complete() && r.stopped_by.is_none(), "{r:?}");
+    // A total that is not a multiple of the chunk: the last buffer is the remainder, and never
+    // more than asked is allocated; a chunk above max_buffer_size is capped to it.
+    let r = pollster::block_on(probe_largest(&ctx, (40 << 20) + 12, u64::MAX, 3)).unwrap();
+    assert_eq!((r.allocated_bytes, r.buffers, r.halvings), ((40 << 20) + 12, 1, 0), "{r:?}");
+    assert_eq!(r.chunk_bytes, ctx.limits.max_buffer_size);
+    assert!(ctx.ledger.since(mark).is_empty(), "probe buffers must not be recorded as live allocations");
+}
+
+#[test]
+fn cli_takes_the_budget_from_the_adapter_and_caps_it_with_memory_budget() {
+    let dir = config_dir("plan-adapter", SMALL_LLAMA);
+    let v = plan_json(&dir, &["--adapter"]);
+    let budget = &v["budget"];
+    let bytes = budget["bytes"].as_u64().unwrap();
+    let source = budget["source"].as_str().unwrap();
+    assert!(bytes > 0, "{budget}");
+    assert!(source.contains("adapter"), "{source}");
+    assert_eq!(v["plan"]["budget_bytes"], bytes);
+    assert!(budget["adapter_memory"]["device_local_bytes"].as_u64().unwrap() > 0, "{budget}");
+    assert!(budget["probe"].is_null());
+    // One layer's K of the planned pages, split at the binding limit.
+    let k = &v["kv_buffers_per_layer"];
+    let per_layer = v["plan"]["pages"].as_u64().unwrap() * 16 * 46_080 / 60;
+    assert_eq!(k["per_layer_k_bytes"], per_layer);
+    assert_eq!(k["count"], per_layer.div_ceil(k["binding_limit"].as_u64().unwrap()));
+
+    // A user cap below the adapter's budget wins, and the source names both.
+    let cap = 1u64 << 30;
+    let v = plan_json(&dir, &["--adapter", "--memory-budget", "1Gi"]);
+    assert_eq!(v["budget"]["bytes"], cap.min(bytes), "{}", v["budget"]);
+    let source = v["budget"]["source"].as_str().unwrap();
+    assert!(source.contains("--memory-budget") && source.contains("adapter"), "{source}");
+
+    // --probe allocates the planned pages' KV bytes (the pages stay when it all succeeds).
+    let v = plan_json(&dir, &["--probe", "--memory-budget", "512Mi"]);
+    let p = &v["budget"]["probe"];
+    let pages = v["plan"]["pages"].as_u64().unwrap();
+    assert!(pages > 0, "{}", v["plan"]);
+    assert_eq!(p["requested_bytes"], pages * 16 * 46_080, "{p}");
+    assert_eq!(p["allocated_bytes"], p["requested_bytes"], "{p}");
+    assert!(p["stopped_by"].is_null(), "{p}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Regression guard for the point of `--probe`: a budget the driver cannot honour is found at
+/// plan (load) time and the pages are lowered. lavapipe allocates lazily and ignores its own
+/// heap size, so the refusal is made real with an address-space limit (`ulimit -v`), which
+/// only binds an adapter whose memory is process memory.
+#[cfg(target_os = "linux")]
+#[test]
+fn probe_lowers_the_pages_to_what_the_driver_allocates() {
+    let ctx = common::gpu();
+    if !ctx.caps.cpu_like {
+        eprintln!("{}: not a CPU adapter; ulimit -v cannot make its allocations fail", ctx.info.name);
+        return;
+    }
+    drop(ctx);
+    let dir = config_dir("plan-probe", SMALL_LLAMA);
+    let cmd = format!(
+        "exec '{}' plan --probe --memory-budget 1Gi --json --model '{}'",
+        env!("CARGO_BIN_EXE_lantern"),
+        dir.join("config.json").display()
+    );
+    // From generous to too small to start at all: one limit must land between "the adapter
+    // opens" and "the KV fits".
+    let mut seen = Vec::new();
+    for limit_mib in (512..=8192u64).rev().step_by(256) {
+        let out = std::process::Command::new("sh")
+            .env("LANTERN_OFFLINE", "1")
+            .arg("-c")
+            .arg(format!("ulimit -v {}; {cmd}", limit_mib << 10))
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            seen.push(format!("{limit_mib} MiB: exit {:?}", out.status.code()));
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let p = &v["budget"]["probe"];
+        let (got, want) = (p["allocated_bytes"].as_u64().unwrap(), p["requested_bytes"].as_u64().unwrap());
+        seen.push(format!("{limit_mib} MiB: {got} of {want}"));
+        if got < want {
+            assert!(p["stopped_by"].as_str().is_some_and(|s| !s.is_empty()), "{p}");
+            let pages = v["plan"]["pages"].as_u64().unwrap();
+            assert!(pages * 16 * 46_080 <= got, "pages {pages} not lowered to {got} bytes");
+            assert!(pages * 16 * 46_080 + 16 * 46_080 > got, "pages {pages} lowered too far for {got} bytes");
+            let source = v["budget"]["source"].as_str().unwrap();
+            assert!(source.contains("lowered"), "{source}");
+            eprintln!("{seen:?}");
+            std::fs::remove_dir_all(&dir).ok();
+            return;
+        }
+    }
+    panic!("no address-space limit made the probe stop short: {seen:?}");
 }

@@ -4,6 +4,7 @@ struct Step {
     n_tokens: u32,
     // Rows whose logits are computed (GATHER kernels).
     n_out: u32,
-    _pad0: u32,
+    // Key splits per token in attention (flash-decoding); 0 or 1 means no split.
+    n_splits: u32,
     _pad1: u32,
 }

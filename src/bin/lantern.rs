@@ -54,7 +54,8 @@ enum Cmd {
     /// after a native load (scales apart). Needs no GPU.
     Info(info_cmd::InfoArgs),
     /// Memory plan: weights, KV bytes per token and for B sequences of T tokens, workspace,
-    /// and what fits a --memory-budget. Works from a config.json alone. Needs no GPU.
+    /// and what fits a --memory-budget or the adapter's memory (--adapter, --probe). Works
+    /// from a config.json alone; needs no GPU unless --adapter or --probe.
     Plan(plan_cmd::PlanArgs),
     /// Evaluate: perplexity on a text (`eval ppl`), or compare two models (`eval compare`).
     #[command(subcommand)]
@@ -110,6 +111,18 @@ struct RunArgs {
     /// (everything rounded to half precision).
     #[arg(long, value_enum, default_value_t = Weights::Native)]
     weights: Weights,
+    /// KV cache storage: f32 (exact), f16 (half the bytes), q8 (int8 with an f32 scale per
+    /// token and head: about a quarter).
+    #[arg(long, value_enum, default_value_t = KvArg::F32)]
+    kv_dtype: KvArg,
+    /// Cap on GPU memory for weights + KV cache + workspace (bytes; K, M, G, Ki, Mi, Gi
+    /// suffixes). The KV cache gets what is left, at most one full context. Default: 90% of
+    /// what the adapter reports.
+    #[arg(long)]
+    memory_budget: Option<String>,
+    /// Do not reuse the KV pages of an earlier prompt with the same beginning.
+    #[arg(long)]
+    no_prefix_cache: bool,
     /// Print one JSON object instead of streaming.
     #[arg(long)]
     json: bool,
@@ -122,6 +135,24 @@ enum Weights {
     Native,
     F32,
     F16,
+}
+
+/// KV cache storage.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvArg {
+    F32,
+    F16,
+    Q8,
+}
+
+impl KvArg {
+    pub fn dtype(self) -> lantern::kv::plan::KvDtype {
+        match self {
+            KvArg::F32 => lantern::kv::plan::KvDtype::F32,
+            KvArg::F16 => lantern::kv::plan::KvDtype::F16,
+            KvArg::Q8 => lantern::kv::plan::KvDtype::Q8,
+        }
+    }
 }
 
 fn main() {
@@ -208,6 +239,9 @@ fn run(a: RunArgs) -> Result<()> {
                 Weights::F32 => WeightPrecision::F32,
                 Weights::F16 => WeightPrecision::F16,
             },
+            kv_dtype: a.kv_dtype.dtype(),
+            memory_budget: a.memory_budget.as_deref().map(plan_cmd::parse_bytes).transpose()?,
+            prefix_cache: !a.no_prefix_cache,
             ..Default::default()
         },
     ))?;
@@ -272,6 +306,8 @@ fn run(a: RunArgs) -> Result<()> {
             "tokens_per_s": m.tokens_per_s,
             "e2e_ms": m.e2e_ms,
             "prefill_tokens_per_s": prefill_tps,
+            "cached_prompt_tokens": gen.cached_prompt_tokens,
+            "kv_dtype": model.options.kv_dtype,
             "load_ms": load_ms,
             "dispatches_per_decode_step": model.dispatches_per_decode_step(),
             "dispatches_per_prefill_step": model.dispatches_per_prefill_step(),
@@ -322,12 +358,20 @@ fn run(a: RunArgs) -> Result<()> {
             String::new()
         };
         eprintln!(
-            "[GPU memory {:.1} MB: weights {:.1} MB = {}{tex} | KV cache {:.1} MB | workspace {:.1} MB]",
+            "[GPU memory {:.1} MB: weights {:.1} MB = {}{tex} | KV cache {:.1} MB ({:?}, {} pages of {} tokens in {} buffer(s) per layer for K and V) | workspace {:.1} MB | budget {}]",
             mb(mem.ledger_bytes),
             mb(mem.weight_bytes()),
             by_dtype.join(", "),
             mb(mem.kv_cache),
-            mb(mem.workspace)
+            mem.kv_dtype,
+            mem.kv_pages,
+            mem.kv_page_size,
+            mem.kv_buffers_per_layer,
+            mb(mem.workspace),
+            match mem.budget {
+                Some(b) => format!("{:.1} MB from {}", mb(b), mem.budget_source),
+                None => mem.budget_source.clone(),
+            }
         );
     }
     Ok(())

@@ -54,6 +54,8 @@ pub struct Generation {
     pub text: String,
     pub finish_reason: FinishReason,
     pub timings: RequestTimings,
+    /// Prompt tokens whose KV came from the prefix cache (not computed again).
+    pub cached_prompt_tokens: usize,
 }
 
 /// Run `req` on `model`, calling `on_text` with each new piece of text as it becomes
@@ -77,9 +79,30 @@ pub async fn generate(
         });
     }
     let seq = model.new_sequence()?;
-    let r = run(model, tokenizer, req, seq, arrival, &mut on_text).await;
+    let r = admit_and_run(model, tokenizer, req, seq, arrival, &mut on_text).await;
     model.release_sequence(seq);
     r
+}
+
+/// Take the cached prefix of the prompt, refuse the request up front (with what it needs
+/// and what is free) when its KV cannot fit, run it, and offer its prompt pages to the
+/// prefix cache.
+async fn admit_and_run(
+    model: &mut GpuModel,
+    tokenizer: &Tokenizer,
+    req: &GenerateRequest,
+    seq: usize,
+    arrival: Instant,
+    on_text: &mut impl FnMut(&str) -> bool,
+) -> Result<Generation> {
+    let context = model.kv.alloc.config.context;
+    let cached = if model.options.prefix_cache { model.attach_cached_prefix(seq, &req.prompt_ids)? } else { 0 };
+    // The most this request can hold: its prompt and every token it may generate.
+    let most = (req.prompt_ids.len() + req.max_tokens).min(context);
+    model.check_fits(seq, most - cached).map_err(LanternError::Kv)?;
+    let mut g = run(model, tokenizer, req, seq, cached, arrival, on_text).await?;
+    g.cached_prompt_tokens = cached;
+    Ok(g)
 }
 
 async fn run(
@@ -87,6 +110,7 @@ async fn run(
     tokenizer: &Tokenizer,
     req: &GenerateRequest,
     seq: usize,
+    cached: usize,
     arrival: Instant,
     on_text: &mut impl FnMut(&str) -> bool,
 ) -> Result<Generation> {
@@ -98,7 +122,8 @@ async fn run(
     let mut text = String::new();
     let mut out_ids = Vec::new();
     let finish;
-    let mut next_input: Vec<u32> = req.prompt_ids.clone();
+    let mut next_input: Vec<u32> = req.prompt_ids[cached..].to_vec();
+    let mut prefilled = false;
     // Longest stop string, to hold back text that may be the start of one.
     let hold = req.stop_strings.iter().map(|s| s.len()).max().unwrap_or(0);
     let mut emitted = 0usize;
@@ -110,10 +135,17 @@ async fn run(
             text,
             finish_reason: FinishReason::Length,
             timings,
+            cached_prompt_tokens: 0,
         });
     }
     loop {
         let out = model.forward(seq, &next_input, want).await?;
+        if !prefilled {
+            prefilled = true;
+            if model.options.prefix_cache {
+                model.cache_prefix(seq, &req.prompt_ids)?;
+            }
+        }
         let token = match &out.logits {
             Some(l) => sampler.sample(l),
             None => out.argmax.first().copied().unwrap_or(0),
@@ -184,5 +216,6 @@ async fn run(
         text,
         finish_reason: finish,
         timings,
+        cached_prompt_tokens: 0,
     })
 }

@@ -2,6 +2,7 @@
 //! limits and optional features, the shader registry and pipeline cache, buffers and readback.
 
 pub mod buffer;
+pub mod memory;
 pub mod pipeline;
 pub mod preprocess;
 pub mod shader;

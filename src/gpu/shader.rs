@@ -13,6 +13,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("common/linear.wgsl", include_str!("../../shaders/common/linear.wgsl")),
     ("common/matvec_end.wgsl", include_str!("../../shaders/common/matvec_end.wgsl")),
     ("common/blocked_acc.wgsl", include_str!("../../shaders/common/blocked_acc.wgsl")),
+    ("common/kv.wgsl", include_str!("../../shaders/common/kv.wgsl")),
     ("embedding.wgsl", include_str!("../../shaders/embedding.wgsl")),
     ("rmsnorm.wgsl", include_str!("../../shaders/rmsnorm.wgsl")),
     ("matvec.wgsl", include_str!("../../shaders/matvec.wgsl")),
@@ -22,6 +23,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matmul_blocked_q.wgsl", include_str!("../../shaders/matmul_blocked_q.wgsl")),
     ("rope_kv.wgsl", include_str!("../../shaders/rope_kv.wgsl")),
     ("attention.wgsl", include_str!("../../shaders/attention.wgsl")),
+    ("attention_reduce.wgsl", include_str!("../../shaders/attention_reduce.wgsl")),
     ("argmax.wgsl", include_str!("../../shaders/argmax.wgsl")),
 ];
 
@@ -50,8 +52,11 @@ pub enum ShaderOp {
     MatmulBlockedQ,
     /// RoPE on q and k, and the write of k and v into the paged KV cache.
     RopeKv,
-    /// Causal grouped-query attention over the paged KV cache.
+    /// Causal grouped-query attention over the paged KV cache (split over KV shards and key
+    /// ranges when asked).
     Attention,
+    /// Flash-decoding's reduce: combines attention's partial results per (token, head).
+    AttentionReduce,
     /// Greedy sampling: argmax over logits rows, 4 bytes read back per row.
     Argmax,
 }
@@ -69,12 +74,18 @@ impl ShaderOp {
             ShaderOp::MatmulBlockedQ => "matmul_blocked_q.wgsl",
             ShaderOp::RopeKv => "rope_kv.wgsl",
             ShaderOp::Attention => "attention.wgsl",
+            ShaderOp::AttentionReduce => "attention_reduce.wgsl",
             ShaderOp::Argmax => "argmax.wgsl",
         }
     }
 
     fn name(&self) -> &'static str {
         self.file().trim_end_matches(".wgsl")
+    }
+
+    /// Ops whose `weights` field names the KV cache's dtype (F32, F16 or Q8).
+    pub fn reads_kv(&self) -> bool {
+        matches!(self, ShaderOp::RopeKv | ShaderOp::Attention)
     }
 }
 
@@ -123,6 +134,16 @@ impl WeightFormat {
             WeightFormat::Q8 => "q8",
             WeightFormat::Q4 => "q4",
             WeightFormat::Q4Sym => "q4s",
+        }
+    }
+
+    /// The define of this format as a KV-cache dtype (None for the 4-bit formats).
+    fn kv_define(&self) -> Option<&'static str> {
+        match self {
+            WeightFormat::F32 => Some("KV_F32"),
+            WeightFormat::F16 => Some("KV_F16"),
+            WeightFormat::Q8 => Some("KV_Q8"),
+            WeightFormat::Q4 | WeightFormat::Q4Sym => None,
         }
     }
 
@@ -225,15 +246,20 @@ impl PipelineKey {
     }
 
     /// The preprocessor flags of this variant.
-    pub fn defines(&self) -> BTreeSet<String> {
+    pub fn defines(&self) -> Option<BTreeSet<String>> {
         let mut d = BTreeSet::new();
         for (bit, name) in flags::ALL {
             if self.flags & bit != 0 {
                 d.insert(name.to_string());
             }
         }
-        for name in self.weights.defines() {
-            d.insert(name.to_string());
+        if self.op.reads_kv() {
+            // For the KV-cache ops the dtype field is the cache's storage.
+            d.insert(self.weights.kv_define()?.to_string());
+        } else {
+            for name in self.weights.defines() {
+                d.insert(name.to_string());
+            }
         }
         if matches!(self.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) && self.flags & flags::XBCAST == 0 {
             // These read activations (and norm weights) as vec4.
@@ -245,7 +271,7 @@ impl PipelineKey {
         if self.features.subgroups {
             d.insert("SUBGROUPS".into());
         }
-        d
+        Some(d)
     }
 
     /// A readable label, also used as the snapshot name.
@@ -257,7 +283,7 @@ impl PipelineKey {
                 s.push_str(&name.to_lowercase());
             }
         }
-        s.push_str("_w");
+        s.push_str(if self.op.reads_kv() { "_kv" } else { "_w" });
         s.push_str(self.weights.name());
         if self.features.f16 {
             s.push_str("_f16");
@@ -276,7 +302,12 @@ impl PipelineKey {
             line: 0,
             target: file.into(),
         })?;
-        let body = preprocess(file, src, &self.defines(), &source)?;
+        let defines = self.defines().ok_or_else(|| PreprocessError::UnknownDirective {
+            file: file.into(),
+            line: 0,
+            directive: format!("KV dtype {} (the cache stores f32, f16 or q8)", self.weights.name()),
+        })?;
+        let body = preprocess(file, src, &defines, &source)?;
         let mut out = String::new();
         if self.features.f16 {
             out.push_str("enable f16;\n");
@@ -311,11 +342,14 @@ impl PipelineKey {
         let sg = Features { f16: false, subgroups: features.subgroups };
         v.push(PipelineKey::new(ShaderOp::Embedding, 64));
         v.push(PipelineKey::new(ShaderOp::RmsNorm, 64));
-        v.push(PipelineKey::new(ShaderOp::RopeKv, 64));
-        v.push(PipelineKey::new(ShaderOp::Attention, 64));
-        if features.subgroups {
-            v.push(PipelineKey::new(ShaderOp::Attention, 8).with_flags(flags::XBCAST).with_features(sg));
+        for kv in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8] {
+            v.push(PipelineKey::new(ShaderOp::RopeKv, 64).with_weights(kv));
+            v.push(PipelineKey::new(ShaderOp::Attention, 64).with_weights(kv));
+            if features.subgroups {
+                v.push(PipelineKey::new(ShaderOp::Attention, 8).with_flags(flags::XBCAST).with_features(sg).with_weights(kv));
+            }
         }
+        v.push(PipelineKey::new(ShaderOp::AttentionReduce, 64));
         v.push(PipelineKey::new(ShaderOp::Argmax, 256));
         let combos = [
             NORM | BIAS,

@@ -19,7 +19,16 @@ use crate::gpu::{GpuContext, GpuError, PipelineKey};
 pub struct StepUniform {
     pub n_tokens: u32,
     pub n_out: u32,
-    pub _pad: [u32; 2],
+    /// Key ranges per token in attention (flash-decoding); 0 and 1 mean one.
+    pub n_splits: u32,
+    pub _pad: u32,
+}
+
+impl StepUniform {
+    /// A step of `n_tokens` rows with `n_out` rows of logits and no key splits.
+    pub fn new(n_tokens: u32, n_out: u32) -> Self {
+        StepUniform { n_tokens, n_out, n_splits: 1, _pad: 0 }
+    }
 }
 
 /// A workgroup-count dimension that may depend on the step's sizes.
@@ -32,15 +41,27 @@ pub enum Dim {
     TokensDiv(u32),
     /// Rows whose logits are computed.
     Out,
+    /// The step's key splits per token (at least 1).
+    Splits,
+    /// The token count when `shards` x splits > 1, else 0 (the attention reduce).
+    TokensIfParts(u32),
 }
 
 impl Dim {
-    fn eval(&self, n_tokens: u32, n_out: u32) -> u32 {
+    fn eval(&self, s: &StepUniform) -> u32 {
         match *self {
             Dim::Const(c) => c,
-            Dim::Tokens => n_tokens,
-            Dim::TokensDiv(d) => n_tokens.div_ceil(d),
-            Dim::Out => n_out,
+            Dim::Tokens => s.n_tokens,
+            Dim::TokensDiv(d) => s.n_tokens.div_ceil(d),
+            Dim::Out => s.n_out,
+            Dim::Splits => s.n_splits.max(1),
+            Dim::TokensIfParts(shards) => {
+                if shards * s.n_splits.max(1) > 1 {
+                    s.n_tokens
+                } else {
+                    0
+                }
+            }
         }
     }
 }
@@ -54,9 +75,14 @@ pub struct Dispatch {
 }
 
 impl Dispatch {
-    /// Record this dispatch into a compute pass for a step of `n_tokens` rows.
-    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, n_tokens: u32, n_out: u32) {
-        let [x, y, z] = self.grid.map(|d| d.eval(n_tokens, n_out));
+    /// Whether the step `s` runs this dispatch (no dimension evaluates to 0).
+    pub fn runs(&self, s: &StepUniform) -> bool {
+        self.grid.iter().all(|d| d.eval(s) > 0)
+    }
+
+    /// Record this dispatch into a compute pass for the step `s`.
+    pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, s: &StepUniform) {
+        let [x, y, z] = self.grid.map(|d| d.eval(s));
         if x == 0 || y == 0 || z == 0 {
             return;
         }
@@ -96,15 +122,12 @@ pub async fn pipeline(ctx: &GpuContext, key: PipelineKey) -> Result<Arc<wgpu::Co
 /// Encode `dispatches` for one step into a single command submission (tests and one-off
 /// ops; the forward pass has its own step loop).
 pub fn submit(ctx: &GpuContext, step: &wgpu::Buffer, n_tokens: u32, n_out: u32, dispatches: &[Dispatch]) {
-    ctx.queue.write_buffer(
-        step,
-        0,
-        bytemuck::bytes_of(&StepUniform {
-            n_tokens,
-            n_out,
-            _pad: [0; 2],
-        }),
-    );
+    submit_step(ctx, step, &StepUniform::new(n_tokens, n_out), dispatches)
+}
+
+/// [`submit`] with a full step uniform (key splits included).
+pub fn submit_step(ctx: &GpuContext, step: &wgpu::Buffer, s: &StepUniform, dispatches: &[Dispatch]) {
+    ctx.queue.write_buffer(step, 0, bytemuck::bytes_of(s));
     let mut enc = ctx.device.create_command_encoder(&Default::default());
     {
         let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
@@ -112,7 +135,7 @@ pub fn submit(ctx: &GpuContext, step: &wgpu::Buffer, n_tokens: u32, n_out: u32, 
             timestamp_writes: None,
         });
         for d in dispatches {
-            d.encode(&mut pass, n_tokens, n_out);
+            d.encode(&mut pass, s);
         }
     }
     ctx.queue.submit([enc.finish()]);

@@ -1,21 +1,27 @@
-//! The paged KV cache: fixed-size pages in per-layer K and V buffers, a free list, and a
-//! block table per sequence that maps token positions to pages.
+//! The paged KV cache: fixed-size pages, a block table per sequence that maps token
+//! positions to pages, and on the GPU ([`cache`]) per-layer K and V pages spread over as
+//! many buffers as the binding limit requires, stored as f32, f16 or q8.
 //!
-//! Layout of one layer's K (and V) buffer: `(num_pages, page_size, n_kv_heads, head_dim)` f32.
 //! A sequence's token at position `p` lives in page `block_table[p / page_size]`, slot
-//! `p % page_size`. The allocator here is a plain free list; sharing of prefix pages with
-//! reference counts builds on the same tables.
+//! `p % page_size`. The host-side [`PageAllocator`] (module `alloc`) keeps the free list,
+//! reference counts for pages shared between sequences (fork, copy-on-write) and the prefix
+//! cache of full prompt pages.
 
+pub mod alloc;
+pub mod cache;
 pub mod plan;
 
-use crate::gpu::buffer::create_zeroed;
-use crate::gpu::{GpuContext, GpuError};
+pub use self::alloc::*;
+
 
 /// Errors of the cache.
 #[derive(Debug, thiserror::Error, PartialEq)]
 #[non_exhaustive]
 pub enum KvError {
-    #[error("KV cache full: sequence needs {needed} more page(s) of {page_size} tokens but only {free} of {total} are free")]
+    #[error(
+        "KV cache full: the sequence needs {needed} more page(s) ({} tokens of room) but only {free} of {total} pages are free",
+        .needed * .page_size
+    )]
     Full {
         needed: usize,
         free: usize,
@@ -28,6 +34,14 @@ pub enum KvError {
     NoSequenceSlot { max_seqs: usize },
     #[error("unknown sequence {0}")]
     UnknownSequence(usize),
+    #[error("sequence {0} is not empty (only an empty sequence can take a cached prefix)")]
+    NotEmpty(usize),
+    #[error("{tokens} tokens given for sequence {seq}, which holds {len}")]
+    BeyondLength {
+        seq: usize,
+        tokens: usize,
+        len: usize,
+    },
 }
 
 /// Sizes of the cache.
@@ -47,174 +61,6 @@ impl KvConfig {
     /// Block-table entries per sequence.
     pub fn max_pages_per_seq(&self) -> usize {
         self.context.div_ceil(self.page_size)
-    }
-}
-
-/// Host-side page accounting: free list and per-sequence block tables.
-#[derive(Debug, Clone)]
-pub struct PageAllocator {
-    pub config: KvConfig,
-    free: Vec<u32>,
-    /// Per sequence slot: `Some((pages, tokens))` when live.
-    seqs: Vec<Option<(Vec<u32>, usize)>>,
-}
-
-impl PageAllocator {
-    pub fn new(config: KvConfig) -> Self {
-        PageAllocator {
-            config,
-            free: (0..config.num_pages as u32).rev().collect(),
-            seqs: vec![None; config.max_seqs],
-        }
-    }
-
-    pub fn free_pages(&self) -> usize {
-        self.free.len()
-    }
-
-    /// Start a sequence; returns its slot.
-    pub fn create(&mut self) -> Result<usize, KvError> {
-        let slot = self
-            .seqs
-            .iter()
-            .position(|s| s.is_none())
-            .ok_or(KvError::NoSequenceSlot {
-                max_seqs: self.config.max_seqs,
-            })?;
-        self.seqs[slot] = Some((Vec::new(), 0));
-        Ok(slot)
-    }
-
-    /// Tokens stored for `seq`.
-    pub fn len(&self, seq: usize) -> Result<usize, KvError> {
-        self.seqs
-            .get(seq)
-            .and_then(|s| s.as_ref())
-            .map(|s| s.1)
-            .ok_or(KvError::UnknownSequence(seq))
-    }
-
-    /// Would `n` more tokens fit for `seq`? Returns the pages they need.
-    pub fn pages_needed(&self, seq: usize, n: usize) -> Result<usize, KvError> {
-        let (pages, len) = self
-            .seqs
-            .get(seq)
-            .and_then(|s| s.as_ref())
-            .ok_or(KvError::UnknownSequence(seq))?;
-        let new_len = len + n;
-        if new_len > self.config.context {
-            return Err(KvError::ContextExceeded {
-                tokens: new_len,
-                context: self.config.context,
-            });
-        }
-        Ok(new_len.div_ceil(self.config.page_size).saturating_sub(pages.len()))
-    }
-
-    /// Reserve room for `n` more tokens of `seq` (all or nothing) and return the first new
-    /// position.
-    pub fn append(&mut self, seq: usize, n: usize) -> Result<usize, KvError> {
-        let needed = self.pages_needed(seq, n)?;
-        if needed > self.free.len() {
-            return Err(KvError::Full {
-                needed,
-                free: self.free.len(),
-                total: self.config.num_pages,
-                page_size: self.config.page_size,
-            });
-        }
-        let new_pages: Vec<u32> = (0..needed).filter_map(|_| self.free.pop()).collect();
-        let entry = self.seqs[seq].as_mut().ok_or(KvError::UnknownSequence(seq))?;
-        entry.0.extend(new_pages);
-        let start = entry.1;
-        entry.1 += n;
-        Ok(start)
-    }
-
-    /// Forget the last `n` tokens of `seq` (a failed step), returning pages no longer used.
-    pub fn truncate(&mut self, seq: usize, len: usize) -> Result<(), KvError> {
-        let page_size = self.config.page_size;
-        let entry = self
-            .seqs
-            .get_mut(seq)
-            .and_then(|s| s.as_mut())
-            .ok_or(KvError::UnknownSequence(seq))?;
-        if len < entry.1 {
-            entry.1 = len;
-            let keep = len.div_ceil(page_size);
-            while entry.0.len() > keep {
-                if let Some(p) = entry.0.pop() {
-                    self.free.push(p);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// End a sequence and return its pages to the pool.
-    pub fn release(&mut self, seq: usize) {
-        if let Some(Some((pages, _))) = self.seqs.get_mut(seq).map(|s| s.take()) {
-            self.free.extend(pages);
-        }
-    }
-
-    /// The pages of `seq`.
-    pub fn pages(&self, seq: usize) -> Result<&[u32], KvError> {
-        self.seqs
-            .get(seq)
-            .and_then(|s| s.as_ref())
-            .map(|s| &s.0[..])
-            .ok_or(KvError::UnknownSequence(seq))
-    }
-
-    /// The whole block table, `max_seqs x max_pages_per_seq`, unused entries 0.
-    pub fn block_table(&self) -> Vec<u32> {
-        let w = self.config.max_pages_per_seq();
-        let mut t = vec![0u32; self.config.max_seqs * w];
-        for (s, e) in self.seqs.iter().enumerate() {
-            if let Some((pages, _)) = e {
-                t[s * w..s * w + pages.len()].copy_from_slice(pages);
-            }
-        }
-        t
-    }
-}
-
-/// The GPU side: one K and one V buffer per layer.
-pub struct KvCache {
-    pub alloc: PageAllocator,
-    pub k: Vec<wgpu::Buffer>,
-    pub v: Vec<wgpu::Buffer>,
-    /// Bytes per layer per K or V buffer.
-    pub layer_bytes: u64,
-}
-
-impl KvCache {
-    pub fn new(
-        ctx: &GpuContext,
-        config: KvConfig,
-        n_layers: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
-    ) -> Result<KvCache, GpuError> {
-        let layer_bytes = (config.num_pages * config.page_size * n_kv_heads * head_dim * 4) as u64;
-        let mut k = Vec::with_capacity(n_layers);
-        let mut v = Vec::with_capacity(n_layers);
-        for l in 0..n_layers {
-            k.push(create_zeroed(ctx, &format!("kv.k.{l}"), layer_bytes)?);
-            v.push(create_zeroed(ctx, &format!("kv.v.{l}"), layer_bytes)?);
-        }
-        Ok(KvCache {
-            alloc: PageAllocator::new(config),
-            k,
-            v,
-            layer_bytes,
-        })
-    }
-
-    /// Total bytes of the cache.
-    pub fn bytes(&self) -> u64 {
-        self.layer_bytes * 2 * self.k.len() as u64
     }
 }
 

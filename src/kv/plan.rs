@@ -6,12 +6,13 @@
 use crate::model::ModelConfig;
 
 /// Storage of cached K and V.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvDtype {
+    #[default]
     F32,
     F16,
-    /// int8 with one f16 scale per token and KV head (for each of K and V).
+    /// int8 with one f32 scale per token and KV head (for each of K and V).
     Q8,
     /// 2-byte bfloat16 (for sizing checkpoints that cache in bf16).
     Bf16,
@@ -33,7 +34,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => 4 * head_dim as u64,
             KvDtype::F16 | KvDtype::Bf16 => 2 * head_dim as u64,
-            KvDtype::Q8 => head_dim as u64 + 2,
+            KvDtype::Q8 => head_dim as u64 + 4,
         }
     }
 }

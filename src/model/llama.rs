@@ -22,7 +22,10 @@ use crate::kernels::attention::{AttentionIo, AttentionParams};
 use crate::kernels::linear::{GpuLinear, HostMatrix, LinearIo, Shape};
 use crate::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
 use crate::kernels::{self, Dispatch, StepUniform};
-use crate::kv::{KvCache, KvConfig, KvError};
+use crate::kv::cache::{KvCache, KvLayout, KvStore};
+use crate::kv::plan::KvDtype;
+use crate::kv::{KvConfig, KvError, PageAllocator};
+use crate::kernels::attention::KvBinding;
 use crate::model::{DType, HostTensor, ModelConfig, ModelWeights};
 use crate::quant::PackedMatrix;
 use crate::{LanternError, Result};
@@ -42,6 +45,21 @@ pub struct ModelOptions {
     pub max_logit_rows: usize,
     /// How matrices are stored on the GPU.
     pub weights: WeightPrecision,
+    /// Storage of cached K and V: f32 (exact), f16 or q8 (int8 with a scale per token and
+    /// head).
+    pub kv_dtype: KvDtype,
+    /// Most key ranges a decode token's attention is cut into (flash-decoding). Default:
+    /// 1 on CPU adapters (few cores, and each extra dispatch costs), 16 on GPUs.
+    pub attention_splits: Option<usize>,
+    /// Keys per split at least (short sequences are not cut into slivers).
+    pub attention_split_keys: usize,
+    /// Keep the full KV pages of finished prompts and reuse them for prompts that start
+    /// the same way (until their memory is needed).
+    pub prefix_cache: bool,
+    /// Cap on the GPU memory this model may take (weights + KV + workspace + reserve).
+    /// The budget is the smaller of this and 90% of what the adapter reports
+    /// (`gpu::memory`); the KV cache gets what is left, up to `max_seqs` full contexts.
+    pub memory_budget: Option<u64>,
 }
 
 impl Default for ModelOptions {
@@ -53,6 +71,11 @@ impl Default for ModelOptions {
             max_batch_tokens: 128,
             max_logit_rows: 64,
             weights: WeightPrecision::Native,
+            kv_dtype: KvDtype::F32,
+            attention_splits: None,
+            attention_split_keys: 256,
+            prefix_cache: true,
+            memory_budget: None,
         }
     }
 }
@@ -97,6 +120,8 @@ struct Workspace {
     logits: wgpu::Buffer,
     argmax: wgpu::Buffer,
     rope: wgpu::Buffer,
+    /// Attention's partial results when keys are split (a 4-byte stand-in otherwise).
+    partials: wgpu::Buffer,
 }
 
 struct Plans {
@@ -162,6 +187,17 @@ pub struct MemoryReport {
     pub allocations: usize,
     /// The largest single allocation: (label, bytes).
     pub largest: (String, u64),
+    /// The budget the KV cache was sized against, and where it came from (None: the adapter
+    /// reports no memory size and no `memory_budget` was given).
+    pub budget: Option<u64>,
+    pub budget_source: String,
+    /// Pages of the KV cache, and the pages `max_seqs` full contexts would take.
+    pub kv_pages: usize,
+    pub kv_pages_requested: usize,
+    pub kv_page_size: usize,
+    /// How the cache is stored: dtype, and the buffers per layer for K (and V).
+    pub kv_dtype: KvDtype,
+    pub kv_buffers_per_layer: usize,
 }
 
 impl MemoryReport {
@@ -217,7 +253,14 @@ pub struct GpuModel {
     memory: MemoryReport,
     /// Steps where the matvec path runs (n_tokens at or below this).
     pub matvec_max_tokens: usize,
+    /// Most key splits per token in a decode step's attention.
+    pub attention_splits: usize,
 }
+
+/// Steps of at most this many tokens may split each token's keys (flash-decoding); larger
+/// steps have enough tokens to fill the device.
+const SPLIT_MAX_TOKENS: usize = 4;
+
 
 enum Owned {
     F32(Vec<f32>),
@@ -406,13 +449,31 @@ impl GpuModel {
             .context
             .unwrap_or(c.max_position_embeddings.min(2048))
             .max(1);
-        let kv_cfg = KvConfig {
-            page_size: options.page_size.max(1),
-            num_pages: options.max_seqs.max(1) * context.div_ceil(options.page_size.max(1)),
-            max_seqs: options.max_seqs.max(1),
-            context,
-        };
-        let kv = KvCache::new(&ctx, kv_cfg, c.num_layers, c.num_kv_heads, hd).map_err(gpu_err)?;
+        let page_size = options.page_size.max(1);
+        let max_seqs = options.max_seqs.max(1);
+        let requested_pages = max_seqs * context.div_ceil(page_size);
+        let weights_bytes: u64 = ctx.ledger.since(mark).iter().map(|a| a.bytes).sum();
+        let (num_pages, budget) = Self::size_kv(&ctx, &c, &options, context, requested_pages, weights_bytes)?;
+        let kv_cfg = KvConfig { page_size, num_pages, max_seqs, context };
+        let layout = KvLayout::new(options.kv_dtype, kv_cfg.page_size, c.num_kv_heads, hd, kv_cfg.num_pages, ctx.max_binding())
+            .map_err(gpu_err)?;
+        // The cache is the big allocation: one the driver cannot honour is found here, at
+        // load, not mid-generation.
+        let oom = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let store = KvStore::new(&ctx, layout, c.num_layers).map_err(gpu_err)?;
+        if let Some(e) = oom.pop().await {
+            return Err(LanternError::Gpu(GpuError::Allocation {
+                what: format!("the KV cache ({} pages of {} tokens)", kv_cfg.num_pages, page_size),
+                bytes: store.bytes(),
+                reason: e.to_string(),
+            }));
+        }
+        let kv = KvCache { alloc: PageAllocator::new(kv_cfg), store };
+        let attention_splits = options.attention_splits.unwrap_or(if ctx.caps.cpu_like { 1 } else { 16 }).max(1);
+        let attn_p = Self::attention_params(&c, kv_cfg);
+        let t_max = options.max_batch_tokens.max(1);
+        let partials_bytes = kernels::attention::partials_bytes(&attn_p, &layout, t_max, 1)
+            .max(kernels::attention::partials_bytes(&attn_p, &layout, t_max.min(SPLIT_MAX_TOKENS), attention_splits));
 
         // Workspace.
         let t = options.max_batch_tokens.max(1);
@@ -433,6 +494,7 @@ impl GpuModel {
             argmax: create_zeroed(&ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
             rope: create_storage(&ctx, "rope", bytemuck::cast_slice(&rope_table(&c.rope_inv_freq(), context)))
                 .map_err(gpu_err)?,
+            partials: create_zeroed(&ctx, "attention.partials", partials_bytes.max(4)).map_err(gpu_err)?,
         };
         let _ = kv_dim;
 
@@ -445,7 +507,7 @@ impl GpuModel {
         let mut layers_matmul = Vec::new();
         for (l, layer) in layers.iter().enumerate() {
             for shape in [Shape::Matvec, Shape::Matmul] {
-                let list = Self::layer_plan(&ctx, &c, &ws, &kv, kv_cfg, l, layer, shape).await?;
+                let list = Self::layer_plan(&ctx, &c, &ws, &kv.store, kv_cfg, l, layer, shape).await?;
                 match shape {
                     Shape::Matvec => layers_matvec.extend(list),
                     Shape::Matmul => layers_matmul.extend(list),
@@ -489,9 +551,16 @@ impl GpuModel {
         }
         memory.add_f32_vector(d);
         memory.kv_cache = kv.bytes();
+        memory.budget = budget.as_ref().map(|b| b.0);
+        memory.budget_source = budget.map(|b| b.1).unwrap_or_else(|| "none (the adapter reports no memory size; set memory_budget)".into());
+        memory.kv_pages = kv_cfg.num_pages;
+        memory.kv_pages_requested = requested_pages;
+        memory.kv_page_size = page_size;
+        memory.kv_dtype = options.kv_dtype;
+        memory.kv_buffers_per_layer = layout.n_shards;
         memory.workspace = [
             &ws.ids, &ws.positions, &ws.token_seq, &ws.block_table, &ws.logit_rows, &ws.hidden, &ws.qkv, &ws.attn,
-            &ws.act, &ws.logits, &ws.argmax, &ws.rope,
+            &ws.act, &ws.logits, &ws.argmax, &ws.rope, &ws.partials,
         ]
         .iter()
         .map(|b| b.size())
@@ -519,7 +588,72 @@ impl GpuModel {
             readback,
             memory,
             matvec_max_tokens,
+            attention_splits,
         })
+    }
+
+    /// Pages of KV cache for this load: `requested` (max_seqs full contexts), or fewer when
+    /// the budget (the smaller of `memory_budget` and the adapter's figure) leaves less room
+    /// after weights, workspace and a reserve; an error when not even one full context fits.
+    fn size_kv(
+        ctx: &GpuContext,
+        c: &ModelConfig,
+        options: &ModelOptions,
+        context: usize,
+        requested: usize,
+        weights: u64,
+    ) -> Result<(usize, Option<(u64, String)>)> {
+        let adapter = crate::gpu::memory::default_budget(&crate::gpu::memory::adapter_memory(ctx));
+        let budget = match (options.memory_budget, adapter) {
+            (Some(u), Some((a, src))) if a < u => Some((a, format!("adapter: {src}, below memory_budget {u}"))),
+            (Some(u), Some(_)) => Some((u, "memory_budget (below the adapter's figure)".to_string())),
+            (Some(u), None) => Some((u, "memory_budget".to_string())),
+            (None, Some((a, src))) => Some((a, format!("adapter: {src}"))),
+            (None, None) => None,
+        };
+        let Some((b, src)) = budget.clone() else {
+            return Ok((requested, None));
+        };
+        let page_size = options.page_size.max(1);
+        let t = options.max_batch_tokens.max(1);
+        let workspace = crate::kv::plan::workspace_bytes(c, t, options.max_logit_rows.max(1).min(t), context);
+        let reserve = (b / 20).min(64 << 20);
+        let kv_room = b.saturating_sub(weights + workspace + reserve);
+        let per_page = crate::kv::plan::kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, options.kv_dtype) * page_size as u64;
+        let fit = (kv_room / per_page.max(1)) as usize;
+        let one_context = context.div_ceil(page_size);
+        if fit < one_context {
+            return Err(LanternError::MemoryBudget {
+                budget: b,
+                source_of_budget: src,
+                weights,
+                workspace,
+                reserve,
+                kv_room,
+                what: format!("one sequence of {context} tokens ({:?} KV)", options.kv_dtype),
+                needed: one_context as u64 * per_page,
+            });
+        }
+        if fit < requested {
+            log::warn!(
+                "KV cache: the budget holds {} pages of {page_size} tokens, fewer than the {requested} that {} sequences of {context} tokens would take; requests wait or are refused when it is full",
+                fit,
+                options.max_seqs
+            );
+        }
+        Ok((fit.min(requested), budget))
+    }
+
+    fn attention_params(c: &ModelConfig, kv_cfg: KvConfig) -> AttentionParams {
+        AttentionParams {
+            n_heads: c.num_heads as u32,
+            n_kv_heads: c.num_kv_heads as u32,
+            head_dim: c.head_dim as u32,
+            qkv_stride: c.qkv_dim() as u32,
+            max_pages: kv_cfg.max_pages_per_seq() as u32,
+            out_stride: (c.num_heads * c.head_dim) as u32,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -527,7 +661,7 @@ impl GpuModel {
         ctx: &GpuContext,
         c: &ModelConfig,
         ws: &Workspace,
-        kv: &KvCache,
+        kv: &KvStore,
         kv_cfg: KvConfig,
         l: usize,
         layer: &Layer,
@@ -546,7 +680,8 @@ impl GpuModel {
                 .map_err(gpu_err)?,
         );
         let max_pages = kv_cfg.max_pages_per_seq() as u32;
-        v.push(
+        let kvb = KvBinding { layout: &kv.layout, k: &kv.k[l], v: &kv.v[l] };
+        v.extend(
             kernels::rope_kv::build(
                 ctx,
                 &RopeKvIo {
@@ -556,24 +691,21 @@ impl GpuModel {
                     positions: &ws.positions,
                     token_seq: &ws.token_seq,
                     block_table: &ws.block_table,
-                    k_cache: &kv.k[l],
-                    v_cache: &kv.v[l],
+                    kv: kvb,
                 },
                 RopeKvParams {
                     n_heads: c.num_heads as u32,
                     n_kv_heads: c.num_kv_heads as u32,
                     head_dim: hd as u32,
                     qkv_stride: qkv_dim as u32,
-                    page_size: kv_cfg.page_size as u32,
                     max_pages,
                     n_positions: kv_cfg.context as u32,
-                    _pad: 0,
                 },
             )
             .await
             .map_err(gpu_err)?,
         );
-        v.push(
+        v.extend(
             kernels::attention::build(
                 ctx,
                 &AttentionIo {
@@ -582,20 +714,11 @@ impl GpuModel {
                     positions: &ws.positions,
                     token_seq: &ws.token_seq,
                     block_table: &ws.block_table,
-                    k_cache: &kv.k[l],
-                    v_cache: &kv.v[l],
+                    kv: kvb,
                     out: &ws.attn,
+                    partials: &ws.partials,
                 },
-                AttentionParams {
-                    n_heads: c.num_heads as u32,
-                    n_kv_heads: c.num_kv_heads as u32,
-                    head_dim: hd as u32,
-                    qkv_stride: qkv_dim as u32,
-                    page_size: kv_cfg.page_size as u32,
-                    max_pages,
-                    out_stride: q_dim as u32,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                },
+                Self::attention_params(c, kv_cfg),
             )
             .await
             .map_err(gpu_err)?,
@@ -635,13 +758,16 @@ impl GpuModel {
     }
 
     /// Dispatches recorded for one decode step (one token of one sequence).
+    /// (one token of one sequence, a short context: no key splits).
     pub fn dispatches_per_decode_step(&self) -> usize {
-        self.plans.embed.len() + self.plans.layers_matvec.len() + self.plans.head_gather.len() + 1
+        let s = StepUniform::new(1, 1);
+        self.plans.embed.iter().chain(&self.plans.layers_matvec).chain(&self.plans.head_gather).filter(|d| d.runs(&s)).count() + 1
     }
 
-    /// Dispatches recorded for one prefill step.
+    /// Dispatches recorded for one prefill step (of `max_batch_tokens` tokens).
     pub fn dispatches_per_prefill_step(&self) -> usize {
-        self.plans.embed.len() + self.plans.layers_matmul.len() + self.plans.head_gather.len() + 1
+        let s = StepUniform::new(self.options.max_batch_tokens.max(1) as u32, 1);
+        self.plans.embed.iter().chain(&self.plans.layers_matmul).chain(&self.plans.head_gather).filter(|d| d.runs(&s)).count() + 1
     }
 
     /// Start a new sequence in the KV cache.
@@ -649,9 +775,35 @@ impl GpuModel {
         self.kv.alloc.create().map_err(LanternError::Kv)
     }
 
-    /// End a sequence, freeing its pages.
+    /// End a sequence, freeing its pages (full pages registered in the prefix cache stay
+    /// there, evictable, until memory is needed).
     pub fn release_sequence(&mut self, seq: usize) {
         self.kv.alloc.release(seq);
+    }
+
+    /// A new sequence sharing every page of `seq` (parallel samples of one prompt); the
+    /// partial last page is copied when either writes to it.
+    pub fn fork_sequence(&mut self, seq: usize) -> Result<usize> {
+        self.kv.alloc.fork(seq).map_err(LanternError::Kv)
+    }
+
+    /// Attach the longest cached prefix of `prompt` (whole pages, never the whole prompt) to
+    /// the empty sequence `seq`; returns the tokens that need no computing.
+    pub fn attach_cached_prefix(&mut self, seq: usize, prompt: &[u32]) -> Result<usize> {
+        self.kv.alloc.match_prefix(seq, prompt).map_err(LanternError::Kv)
+    }
+
+    /// Offer the full pages of `tokens` (positions 0.. of `seq`) to the prefix cache.
+    pub fn cache_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize> {
+        self.kv.alloc.register_prefix(seq, tokens).map_err(LanternError::Kv)
+    }
+
+    /// Record the copy-on-write page copies the allocator queued (before the step's
+    /// dispatches, so the new tokens land on the copies).
+    fn encode_pending_copies(&mut self, enc: &mut wgpu::CommandEncoder) {
+        for c in self.kv.alloc.take_copies() {
+            self.kv.store.encode_page_copy(enc, c.src as usize, c.dst as usize, c.tokens);
+        }
     }
 
     /// Tokens stored for a sequence.
@@ -715,12 +867,13 @@ impl GpuModel {
 
     /// Write one step's inputs: the step uniform, token ids, positions, sequence of each
     /// token, the block table and the rows whose logits are wanted.
-    fn write_step_inputs(&self, seq: usize, part: &[u32], pos0: usize, rows: &[u32]) {
+    fn write_step_inputs(&self, seq: usize, part: &[u32], pos0: usize, rows: &[u32]) -> StepUniform {
         let q = &self.ctx.queue;
         let n = part.len() as u32;
         let positions: Vec<u32> = (0..n).map(|i| pos0 as u32 + i).collect();
         let seqs = vec![seq as u32; part.len()];
-        let step = StepUniform { n_tokens: n, n_out: rows.len() as u32, _pad: [0; 2] };
+        let mut step = StepUniform::new(n, rows.len() as u32);
+        step.n_splits = self.splits_for(part.len(), pos0 + part.len()) as u32;
         q.write_buffer(&self.ws.step, 0, bytemuck::bytes_of(&step));
         q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(part));
         q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(&positions));
@@ -729,6 +882,16 @@ impl GpuModel {
         if !rows.is_empty() {
             q.write_buffer(&self.ws.logit_rows, 0, bytemuck::cast_slice(rows));
         }
+        step
+    }
+
+    /// Key splits for a step of `n_tokens` whose longest sequence has `max_keys` keys: one
+    /// per `attention_split_keys` keys, up to `attention_splits`, in decode-sized steps only.
+    fn splits_for(&self, n_tokens: usize, max_keys: usize) -> usize {
+        if n_tokens > SPLIT_MAX_TOKENS {
+            return 1;
+        }
+        max_keys.div_ceil(self.options.attention_split_keys.max(1)).clamp(1, self.attention_splits)
     }
 
     /// The layer dispatches for a step of `n` tokens: matvec for decode-sized steps, matmul
@@ -757,23 +920,24 @@ impl GpuModel {
         let ctx = self.ctx.clone();
         let n = part.len() as u32;
         let n_out = rows.len() as u32;
-        self.write_step_inputs(seq, part, pos0, rows);
+        let s = self.write_step_inputs(seq, part, pos0, rows);
         let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
+        self.encode_pending_copies(&mut enc);
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some("forward"),
                 timestamp_writes: None,
             });
             for d in self.plans.embed.iter().chain(self.layer_plan_for(n as usize)) {
-                d.encode(&mut pass, n, n_out);
+                d.encode(&mut pass, &s);
             }
             if n_out > 0 {
                 let head = if all_rows { &self.plans.head_all } else { &self.plans.head_gather };
                 for d in head {
-                    d.encode(&mut pass, n, n_out);
+                    d.encode(&mut pass, &s);
                 }
-                self.plans.argmax.encode(&mut pass, n, n_out);
+                self.plans.argmax.encode(&mut pass, &s);
             }
         }
         let vocab = self.config.vocab_size as u64;
@@ -822,8 +986,11 @@ impl GpuModel {
         self.check_ids(tokens)?;
         let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
         let n = tokens.len() as u32;
-        self.write_step_inputs(seq, tokens, start, &[n - 1]);
+        let s = self.write_step_inputs(seq, tokens, start, &[n - 1]);
         let ctx = self.ctx.clone();
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        self.encode_pending_copies(&mut enc);
+        ctx.queue.submit([enc.finish()]);
         let layers = self.layer_plan_for(tokens.len());
         let all: Vec<&Dispatch> = self
             .plans
@@ -840,7 +1007,7 @@ impl GpuModel {
             let mut enc = ctx.device.create_command_encoder(&Default::default());
             {
                 let mut pass = enc.begin_compute_pass(&Default::default());
-                d.encode(&mut pass, n, 1);
+                d.encode(&mut pass, &s);
             }
             ctx.queue.submit([enc.finish()]);
             let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());

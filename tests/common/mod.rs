@@ -210,13 +210,7 @@ impl GgufWriter {
 
     /// Add a tensor (`dims` innermost first).
     pub fn tensor(&mut self, name: &str, dims: &[u64], ggml_type: u32, data: Vec<u8>) -> &mut Self {
-        self.tensors.push(WTensor {
-            name: name.to_string(),
-            dims: dims.to_vec(),
-            ggml_type,
-            data,
-            offset: None,
-        });
+        self.tensors.push(WTensor { name: name.to_string(), dims: dims.to_vec(), ggml_type, data, offset: None });
         self
     }
 
@@ -287,15 +281,7 @@ pub struct TinyShape {
 }
 
 /// The default tiny shape: 2 layers, hidden 32, 2 heads of 16, 1 KV head, ffn 64, vocab 8.
-pub const TINY: TinyShape = TinyShape {
-    hidden: 32,
-    heads: 2,
-    kv_heads: 1,
-    head_dim: 16,
-    ffn: 64,
-    vocab: 8,
-    layers: 2,
-};
+pub const TINY: TinyShape = TinyShape { hidden: 32, heads: 2, kv_heads: 1, head_dim: 16, ffn: 64, vocab: 8, layers: 2 };
 
 /// A complete synthetic model GGUF for architecture `arch`. Every value of row `r` of the
 /// Q and K projections equals `r` (the GGUF row index), so un-permutation can be checked
@@ -324,9 +310,7 @@ pub fn tiny_model(arch: &str, s: TinyShape, qk_type: u32) -> GgufWriter {
     let kv = s.kv_heads * s.head_dim;
     let ramp = |n: u64, base: f32| (0..n).map(|i| base + i as f32 * 0.001).collect::<Vec<f32>>();
     let rows = |out_rows: u64, inner: u64| -> Vec<f32> {
-        (0..out_rows)
-            .flat_map(|r| std::iter::repeat_n(r as f32, inner as usize))
-            .collect()
+        (0..out_rows).flat_map(|r| std::iter::repeat_n(r as f32, inner as usize)).collect()
     };
     let qk = |w: &mut GgufWriter, name: &str, out_rows: u64| {
         let vals = rows(out_rows, s.hidden);
@@ -335,11 +319,7 @@ pub fn tiny_model(arch: &str, s: TinyShape, qk_type: u32) -> GgufWriter {
             _ => w.tensor_f32(name, &[s.hidden, out_rows], &vals),
         };
     };
-    w.tensor_f32(
-        "token_embd.weight",
-        &[s.hidden, s.vocab],
-        &ramp(s.hidden * s.vocab, 0.0),
-    );
+    w.tensor_f32("token_embd.weight", &[s.hidden, s.vocab], &ramp(s.hidden * s.vocab, 0.0));
     for l in 0..s.layers {
         let b = |x: &str| format!("blk.{l}.{x}");
         w.tensor_f32(&b("attn_norm.weight"), &[s.hidden], &ramp(s.hidden, 1.0));

@@ -14,7 +14,7 @@ use lantern::model::llama::{GpuModel, ModelOptions, WeightPrecision};
 use lantern::model::load::load_path;
 use lantern::model::tokenizer::{ChatMessage, Tokenizer};
 
-use super::{spinner, DeviceArgs, Weights};
+use super::{spinner, DeviceArgs, KvArg, Weights};
 
 #[derive(Subcommand)]
 pub enum EvalCmd {
@@ -44,6 +44,9 @@ pub struct PplArgs {
     /// Weight storage on the GPU (as for `run`).
     #[arg(long, value_enum, default_value_t = Weights::Native)]
     weights: Weights,
+    /// KV cache storage (as for `run`).
+    #[arg(long, value_enum, default_value_t = KvArg::F32)]
+    kv_dtype: KvArg,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -76,6 +79,10 @@ pub struct CompareArgs {
     /// Weight storage: once for both models, or twice (A, then B).
     #[arg(long, value_enum)]
     weights: Vec<Weights>,
+    /// KV cache storage: once for both models, or twice (A, then B), e.g. `--kv-dtype f32
+    /// --kv-dtype q8` to measure what a q8 cache changes.
+    #[arg(long, value_enum)]
+    kv_dtype: Vec<KvArg>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -114,7 +121,7 @@ fn gpu(device: &DeviceArgs) -> Result<Arc<GpuContext>> {
 }
 
 /// Load `path` onto `ctx`; returns the model, its tokenizer (if any) and the load time.
-fn load(ctx: &Arc<GpuContext>, path: &Path, context: Option<usize>, weights: Weights) -> Result<(GpuModel, Option<Tokenizer>, f64)> {
+fn load(ctx: &Arc<GpuContext>, path: &Path, context: Option<usize>, weights: Weights, kv: KvArg) -> Result<(GpuModel, Option<Tokenizer>, f64)> {
     let t0 = Instant::now();
     let pb = spinner(&format!("loading {}", path.display()), false);
     let loaded = load_path(path).with_context(|| format!("loading {}", path.display()))?;
@@ -129,6 +136,7 @@ fn load(ctx: &Arc<GpuContext>, path: &Path, context: Option<usize>, weights: Wei
         ModelOptions {
             context,
             weights: precision(weights),
+            kv_dtype: kv.dtype(),
             max_batch_tokens: rows,
             max_logit_rows: rows,
             ..Default::default()
@@ -161,7 +169,7 @@ fn ppl(a: PplArgs) -> Result<()> {
     let model_path = default_model(a.model.clone())?;
     let text = std::fs::read_to_string(&a.text).with_context(|| format!("reading {}", a.text.display()))?;
     let ctx = gpu(&a.device)?;
-    let (mut model, tokenizer, load_ms) = load(&ctx, &model_path, a.context, a.weights)?;
+    let (mut model, tokenizer, load_ms) = load(&ctx, &model_path, a.context, a.weights, a.kv_dtype)?;
     let tokenizer = tokenizer.with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
     let ids = tokenizer.encode(&text)?;
     let context = model.kv.alloc.config.context;
@@ -282,8 +290,14 @@ fn compare_cmd(a: CompareArgs) -> Result<()> {
     let w_a = a.weights.first().copied().unwrap_or(Weights::Native);
     let w_b = a.weights.get(1).copied().unwrap_or(w_a);
     let ctx = gpu(&a.device)?;
-    let (mut ma, tok_a, load_a) = load(&ctx, &path_a, a.context, w_a)?;
-    let (mut mb, tok_b, load_b) = load(&ctx, &path_b, a.context, w_b)?;
+    let (kv_a, kv_b) = match a.kv_dtype.as_slice() {
+        [] => (KvArg::F32, KvArg::F32),
+        [k] => (*k, *k),
+        [ka, kb] => (*ka, *kb),
+        _ => bail!("--kv-dtype: give it once (both models) or twice (A, then B)"),
+    };
+    let (mut ma, tok_a, load_a) = load(&ctx, &path_a, a.context, w_a, kv_a)?;
+    let (mut mb, tok_b, load_b) = load(&ctx, &path_b, a.context, w_b, kv_b)?;
     let prompts = read_prompts(&a.prompts, tok_a.as_ref(), a.chat)?;
     if let (Some(ta), Some(tb)) = (tok_a.as_ref(), tok_b.as_ref()) {
         if path_a != path_b && (ta.vocab_size() != tb.vocab_size() || ta.decode(&prompts[0].ids).ok() != tb.decode(&prompts[0].ids).ok()) {

@@ -1,12 +1,15 @@
 //! `lantern plan`: how many tokens of KV cache fit, from a GGUF, a Hugging Face folder, or a
-//! config.json alone (size a model before downloading it). Needs no GPU.
+//! config.json alone (size a model before downloading it). Needs no GPU unless `--adapter`
+//! (budget from the adapter's memory) or `--probe` (allocate the planned KV to check it).
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use lantern::kv::plan::{param_count, plan, workspace_bytes, KvDtype};
+use lantern::gpu::memory::{adapter_memory, default_budget, probe_largest, AdapterMemory, Probe};
+use lantern::gpu::{DeviceOptions, GpuContext};
+use lantern::kv::plan::{param_count, plan, workspace_bytes, KvDtype, Plan};
 use lantern::model::ModelConfig;
 
 #[derive(Args)]
@@ -36,9 +39,70 @@ pub struct PlanArgs {
     /// Largest step (prefill chunk) the workspace is sized for.
     #[arg(long, default_value_t = 128)]
     max_batch_tokens: usize,
+    /// Take the budget from a GPU adapter's memory (the best adapter, or one by INDEX or NAME
+    /// substring as `lantern devices` lists them); with --memory-budget, the smaller of both.
+    #[arg(long, value_name = "INDEX|NAME")]
+    adapter: Option<Option<String>>,
+    /// Pin the backend of --adapter: vulkan, metal, dx12, gl.
+    #[arg(long)]
+    backend: Option<String>,
+    /// Allocate the planned KV bytes on the adapter (implies --adapter) under out-of-memory
+    /// error scopes, and lower the pages to what the driver actually gave.
+    #[arg(long)]
+    probe: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// Halvings of the buffer size `--probe` tries after an allocation fails.
+const PROBE_HALVINGS: u32 = 6;
+
+/// The budget and the line saying where it came from: `--memory-budget` (a user cap), the
+/// adapter's memory, the smaller of both, or none (budget 0).
+fn resolve_budget(user: Option<u64>, adapter: Option<&AdapterMemory>) -> (u64, String) {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let from_adapter = adapter.map(|m| (default_budget(m), m));
+    match (user, from_adapter) {
+        (Some(u), Some((Some((a, a_src)), _))) if u <= a => {
+            (u, format!("--memory-budget, below the adapter's {:.2} GiB = {a_src}", gib(a)))
+        }
+        (Some(u), Some((Some((a, a_src)), _))) => {
+            (a, format!("adapter: {a_src}, below --memory-budget {:.2} GiB", gib(u)))
+        }
+        (Some(u), Some((None, m))) => (u, format!("--memory-budget; the adapter reports no memory size: {}", m.source)),
+        (Some(u), None) => (u, "--memory-budget".to_string()),
+        (None, Some((Some((a, a_src)), _))) => (a, format!("adapter: {a_src}")),
+        (None, Some((None, m))) => {
+            (0, format!("none: the adapter reports no memory size ({}); pass --memory-budget", m.source))
+        }
+        // WebGPU does not expose an adapter's memory size; without a budget the plan shows
+        // the requirement and no capacity.
+        (None, None) => {
+            (0, "none given (WebGPU exposes no memory size; pass --memory-budget or --adapter)".to_string())
+        }
+    }
+}
+
+/// KV bytes of the plan's pages, or of the request when there is no budget.
+fn planned_kv_bytes(p: &Plan) -> u64 {
+    if p.budget_bytes > 0 {
+        p.pages * p.page_size as u64 * p.kv_bytes_per_token
+    } else {
+        p.kv_bytes_requested
+    }
+}
+
+/// Storage buffers one layer's K (or V) needs at the binding limit.
+#[derive(serde::Serialize)]
+struct KvBuffers {
+    /// `ceil(per_layer_k_bytes / binding_limit)`.
+    count: u64,
+    /// KV bytes / (2 x layers).
+    per_layer_k_bytes: u64,
+    /// `max_storage_buffer_binding_size`.
+    binding_limit: u64,
+    max_buffer_size: u64,
 }
 
 /// "24G", "512Mi", "1000000" -> bytes.
@@ -73,7 +137,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
     // A config.json (file, or a folder holding only a config): no weights to count.
     let config_only = if path.is_file() && path.extension().is_some_and(|e| e == "json") {
         Some(path.clone())
-    } else if path.is_dir() && !std::fs::read_dir(&path)?.flatten().any(|e| e.path().extension().is_some_and(|x| x == "safetensors")) {
+    } else if path.is_dir()
+        && !std::fs::read_dir(&path)?.flatten().any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+    {
         Some(path.join("config.json"))
     } else {
         None
@@ -95,14 +161,44 @@ pub fn run(a: PlanArgs) -> Result<()> {
     };
     let context = a.context.unwrap_or(config.max_position_embeddings.min(4096)).max(1);
     let ws = workspace_bytes(&config, a.max_batch_tokens, 64, context);
-    let (budget, source) = match &a.memory_budget {
-        Some(s) => (parse_bytes(s)?, "--memory-budget".to_string()),
-        // WebGPU does not expose an adapter's memory size; without a budget the plan shows
-        // the requirement and no capacity.
-        None => (0, "none given (WebGPU exposes no memory size; pass --memory-budget)".to_string()),
+    let user_budget = a.memory_budget.as_deref().map(parse_bytes).transpose()?;
+    let ctx = if a.adapter.is_some() || a.probe || a.backend.is_some() {
+        let opts =
+            DeviceOptions { backend: a.backend.clone(), adapter: a.adapter.clone().flatten(), ..Default::default() };
+        Some(pollster::block_on(GpuContext::new(&opts)).context("opening the GPU adapter for --adapter/--probe")?)
+    } else {
+        None
     };
+    let mem = ctx.as_deref().map(adapter_memory);
+    let (budget, source) = resolve_budget(user_budget, mem.as_ref());
     let reserve = if budget > 0 { (budget / 20).max(64 << 20).min(budget) } else { 0 };
-    let p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, budget, source);
+    let mut p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, budget, source);
+    let mut probed: Option<Probe> = None;
+    if let (true, Some(ctx)) = (a.probe, &ctx) {
+        let want = planned_kv_bytes(&p);
+        let r = pollster::block_on(probe_largest(ctx, want, ctx.max_binding(), PROBE_HALVINGS))
+            .with_context(|| format!("probing {want} bytes of KV cache on {}", ctx.info.name))?;
+        if !r.complete() && budget > 0 {
+            let src = format!(
+                "{}; lowered to the {:.3} GB the probe allocated",
+                p.budget_source,
+                r.allocated_bytes as f64 / 1e9
+            );
+            let b = weight_bytes + ws + reserve + r.allocated_bytes;
+            p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, b, src);
+        }
+        probed = Some(r);
+    }
+    let kv_buffers = ctx.as_deref().map(|ctx| {
+        let per_layer_k_bytes = planned_kv_bytes(&p) / (2 * config.num_layers.max(1) as u64);
+        let binding_limit = ctx.limits.max_storage_buffer_binding_size;
+        KvBuffers {
+            count: per_layer_k_bytes.div_ceil(binding_limit.max(1)),
+            per_layer_k_bytes,
+            binding_limit,
+            max_buffer_size: ctx.limits.max_buffer_size,
+        }
+    });
     let params = param_count(&config);
     if a.json {
         let v = serde_json::json!({
@@ -110,11 +206,20 @@ pub fn run(a: PlanArgs) -> Result<()> {
             "parameters": params,
             "weight_source": weight_source,
             "plan": p,
+            "budget": {
+                "bytes": p.budget_bytes,
+                "source": p.budget_source,
+                "adapter_memory": mem,
+                "probe": probed,
+            },
+            "adapter": ctx.as_deref().map(GpuContext::adapter_json),
+            "kv_buffers_per_layer": kv_buffers,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     let gb = |b: u64| b as f64 / 1e9;
+    let mib = |b: u64| b >> 20;
     println!("{}", path.display());
     println!(
         "  parameters {:.3} B ({:.1} M per layer; 12 d^2 = {:.1} M)",
@@ -123,21 +228,60 @@ pub fn run(a: PlanArgs) -> Result<()> {
         params.block_12d2 as f64 / 1e6
     );
     println!("  weights          {:10.3} GB  ({weight_source})", gb(p.weight_bytes));
-    println!("  KV per token     {:10} B   ({:?}; 2 x {} layers x {} KV heads x {} dims)", p.kv_bytes_per_token, kv_dtype, config.num_layers, config.num_kv_heads, config.head_dim);
+    println!(
+        "  KV per token     {:10} B   ({:?}; 2 x {} layers x {} KV heads x {} dims)",
+        p.kv_bytes_per_token, kv_dtype, config.num_layers, config.num_kv_heads, config.head_dim
+    );
     println!("  KV for {} x {} tokens {:10.3} GB", a.batch, context, gb(p.kv_bytes_requested));
     println!("  workspace        {:10.3} GB  (steps of {} tokens)", gb(p.workspace_bytes), a.max_batch_tokens);
+    if let (Some(ctx), Some(mem)) = (&ctx, &mem) {
+        println!("  adapter          {} ({:?}, {:?})", ctx.info.name, ctx.info.backend, ctx.info.device_type);
+        println!("  adapter memory   {}", mem.source);
+        println!(
+            "  limits           max_storage_buffer_binding_size {} MiB, max_buffer_size {} MiB",
+            mib(ctx.limits.max_storage_buffer_binding_size),
+            mib(ctx.limits.max_buffer_size)
+        );
+    }
     if budget == 0 {
-        println!("  needed           {:10.3} GB  (weights + KV + workspace); budget: {}", gb(p.weight_bytes + p.kv_bytes_requested + p.workspace_bytes), p.budget_source);
+        println!(
+            "  needed           {:10.3} GB  (weights + KV + workspace); budget: {}",
+            gb(p.weight_bytes + p.kv_bytes_requested + p.workspace_bytes),
+            p.budget_source
+        );
+    } else {
+        println!("  reserve          {:10.3} GB", gb(p.reserve_bytes));
+        println!("  budget           {:10.3} GB  ({})", gb(p.budget_bytes), p.budget_source);
+        println!(
+            "  KV pages         {:10}     ({} tokens each) = {:.3} GB",
+            p.pages,
+            p.page_size,
+            gb(planned_kv_bytes(&p))
+        );
+    }
+    if let Some(k) = &kv_buffers {
+        println!(
+            "  KV buffers per layer (binding limit {} MiB): {} for K + {} for V (K of one layer: {:.3} GB)",
+            mib(k.binding_limit),
+            k.count,
+            k.count,
+            gb(k.per_layer_k_bytes)
+        );
+    }
+    if let Some(r) = &probed {
+        match &r.stopped_by {
+            None => println!("  probe: allocated {:.3} GB in {} buffers", gb(r.allocated_bytes), r.buffers),
+            Some(why) => println!(
+                "  probe: allocated {:.3} GB of {:.3} GB in {} buffers, then out of memory ({why})",
+                gb(r.allocated_bytes),
+                gb(r.requested_bytes),
+                r.buffers
+            ),
+        }
+    }
+    if budget == 0 {
         return Ok(());
     }
-    println!("  reserve          {:10.3} GB", gb(p.reserve_bytes));
-    println!("  budget           {:10.3} GB  ({})", gb(p.budget_bytes), p.budget_source);
-    println!(
-        "  KV pages         {:10}     ({} tokens each) = {:.3} GB",
-        p.pages,
-        p.page_size,
-        gb(p.kv_budget_bytes)
-    );
     println!("  longest single sequence: {} tokens", p.max_context_one_sequence);
     println!(
         "  sequences of {} tokens at once: {} ({})",
