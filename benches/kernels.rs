@@ -5,8 +5,9 @@
 //! prefill matmul variant (tiled, blocked) at 64 tokens; GB/s of weight bytes read (codes and
 //! scales for packed dtypes) and the fraction of the copy bandwidth (GFLOP/s for matmul).
 //! Then SmolLM2 prefill and decode tokens/s per weight dtype (see `model_bench`).
-//! Set `BENCH_REPS` (default 3), `BENCH_FORMATS=q4,f32`, `BENCH_MATMUL=tiled,b88` and
-//! `BENCH_MODEL=0` to restrict.
+//! Then decode attention over a long paged context per KV dtype and key-split count.
+//! Set `BENCH_REPS` (default 3), `BENCH_FORMATS=q4,f32`, `BENCH_MATMUL=tiled,b88`,
+//! `BENCH_ATTENTION=0` and `BENCH_MODEL=0` to restrict.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -264,6 +265,10 @@ fn main() {
         }
     }
 
+    if std::env::var("BENCH_ATTENTION").as_deref() != Ok("0") {
+        attention_bench(&ctx, reps, copy);
+    }
+
     // Prefill matmul at 64 tokens in every variant: the tiled one (workgroup memory) and the
     // blocked ones (tokens x rows per invocation, CPU adapters). The 4096x4096 case is too
     // slow for CPU adapters. `BENCH_MATMUL=tiled,b88` restricts the variants.
@@ -360,6 +365,76 @@ fn model_bench(ctx: &Arc<GpuContext>) {
             med * 1e3,
             1.0 / med
         );
+    }
+}
+
+/// Decode attention of one token over a long paged context, SmolLM2's heads (9 query, 3 KV,
+/// head_dim 64), per KV dtype and number of key splits (flash-decoding, reduce included):
+/// GB/s of K and V bytes read and the share of the copy bandwidth. `BENCH_ATTENTION=0` skips.
+fn attention_bench(ctx: &Arc<GpuContext>, reps: usize, copy: f64) {
+    use lantern::kernels::attention::{self, AttentionIo, AttentionParams, KvBinding};
+    use lantern::kernels::{submit_step, StepUniform};
+    use lantern::kv::cache::KvLayout;
+    use lantern::kv::plan::KvDtype;
+    let (heads, kv_heads, hd, page) = (9u32, 3u32, 64u32, 16usize);
+    let keys = if ctx.caps.cpu_like { 2048usize } else { 32768 };
+    let pages = keys / page;
+    let p = AttentionParams {
+        n_heads: heads,
+        n_kv_heads: kv_heads,
+        head_dim: hd,
+        qkv_stride: (heads + 2 * kv_heads) * hd,
+        max_pages: pages as u32,
+        out_stride: heads * hd,
+        scale: 0.125,
+    };
+    let step = step_buffer(ctx);
+    let qkv = storage(ctx, bytemuck::cast_slice(&data(p.qkv_stride as usize, 1)));
+    let pos = storage(ctx, bytemuck::cast_slice(&[keys as u32 - 1]));
+    let seq = storage(ctx, bytemuck::cast_slice(&[0u32]));
+    let table: Vec<u32> = (0..pages as u32).collect();
+    let bt = storage(ctx, bytemuck::cast_slice(&table));
+    let out = storage(ctx, &vec![0u8; (heads * hd * 4) as usize]);
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+        let layout = KvLayout::new(dtype, page, kv_heads as usize, hd as usize, pages, ctx.max_binding()).expect("layout");
+        // Small values in every dtype: f32 data, f16 halves of it, q8 codes with amax 1.
+        let words = (layout.shard_bytes() / 4) as usize;
+        let fill: Vec<u32> = match dtype {
+            KvDtype::F32 => data(words, 2).iter().map(|v| v.to_bits()).collect(),
+            KvDtype::F16 => data(words * 2, 3)
+                .chunks(2)
+                .map(|c| half::f16::from_f32(c[0]).to_bits() as u32 | (half::f16::from_f32(c[1]).to_bits() as u32) << 16)
+                .collect(),
+            _ => (0..words).map(|i| if i < layout.scale_base() { (i as u32).wrapping_mul(2654435761) & 0x3f3f3f3f } else { 1.0f32.to_bits() }).collect(),
+        };
+        let k: Vec<wgpu::Buffer> = (0..layout.n_shards).map(|_| storage(ctx, bytemuck::cast_slice(&fill))).collect();
+        let v: Vec<wgpu::Buffer> = (0..layout.n_shards).map(|_| storage(ctx, bytemuck::cast_slice(&fill))).collect();
+        let kv_bytes = 2.0 * keys as f64 * kv_heads as f64 * dtype.head_bytes(hd as usize) as f64;
+        for splits in [1usize, 2, 4, 8] {
+            let partials = storage(ctx, &vec![0u8; attention::partials_bytes(&p, &layout, 1, splits).max(4) as usize]);
+            let io = AttentionIo {
+                step: &step,
+                qkv: &qkv,
+                positions: &pos,
+                token_seq: &seq,
+                block_table: &bt,
+                kv: KvBinding { layout: &layout, k: &k, v: &v },
+                out: &out,
+                partials: &partials,
+            };
+            let d = pollster::block_on(attention::build(ctx, &io, p)).expect("attention");
+            let mut s = StepUniform::new(1, 1);
+            s.n_splits = splits as u32;
+            let t = time(ctx, reps, || submit_step(ctx, &step, &s, &d));
+            println!(
+                "attention decode {keys} keys {:<4} {splits} split(s) {:9.2} ms {:7.2} GB/s {:6.1}% of copy  [{}]",
+                format!("{dtype:?}").to_lowercase(),
+                t * 1e3,
+                kv_bytes / t / 1e9,
+                100.0 * kv_bytes / t / 1e9 / copy,
+                d[0].label
+            );
+        }
     }
 }
 

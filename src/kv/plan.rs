@@ -98,6 +98,12 @@ pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usi
     act + logits + inputs + rope
 }
 
+/// Memory held back from a budget for the driver, fragmentation and small allocations: 5%,
+/// at least 64 MiB (never more than the budget).
+pub fn reserve_bytes(budget: u64) -> u64 {
+    (budget / 20).max(64 << 20).min(budget)
+}
+
 /// What fits: inputs and results of [`plan`].
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Plan {

@@ -255,6 +255,8 @@ pub struct GpuModel {
     pub matvec_max_tokens: usize,
     /// Most key splits per token in a decode step's attention.
     pub attention_splits: usize,
+    /// Rows of logits one step can produce (`max_logit_rows` within the binding limit).
+    pub logit_rows: usize,
 }
 
 /// Steps of at most this many tokens may split each token's keys (flash-decoding); larger
@@ -477,7 +479,8 @@ impl GpuModel {
 
         // Workspace.
         let t = options.max_batch_tokens.max(1);
-        let r = options.max_logit_rows.max(1).min(t);
+        // Rows of logits per step: as asked, within one storage binding.
+        let r = options.max_logit_rows.max(1).min(t).min((ctx.max_binding() / (c.vocab_size as u64 * 4)).max(1) as usize);
         let ws = Workspace {
             step: kernels::step_buffer(&ctx),
             ids: create_zeroed(&ctx, "ids", (t * 4) as u64).map_err(gpu_err)?,
@@ -589,6 +592,7 @@ impl GpuModel {
             memory,
             matvec_max_tokens,
             attention_splits,
+            logit_rows: r,
         })
     }
 
@@ -617,7 +621,7 @@ impl GpuModel {
         let page_size = options.page_size.max(1);
         let t = options.max_batch_tokens.max(1);
         let workspace = crate::kv::plan::workspace_bytes(c, t, options.max_logit_rows.max(1).min(t), context);
-        let reserve = (b / 20).min(64 << 20);
+        let reserve = crate::kv::plan::reserve_bytes(b);
         let kv_room = b.saturating_sub(weights + workspace + reserve);
         let per_page = crate::kv::plan::kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, options.kv_dtype) * page_size as u64;
         let fit = (kv_room / per_page.max(1)) as usize;
@@ -828,7 +832,7 @@ impl GpuModel {
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        let chunk = self.options.max_logit_rows.min(self.options.max_batch_tokens).max(1);
+        let chunk = self.logit_rows;
         let outs = self.run_chunks(seq, tokens, chunk, Want::Logits, true).await?;
         Ok(outs.into_iter().flat_map(|o| o.logits.unwrap_or_default()).collect())
     }

@@ -23,7 +23,8 @@ pub struct PlanArgs {
     /// Sequences of `--context` tokens served at once.
     #[arg(long, default_value_t = 1)]
     batch: usize,
-    /// KV cache storage: f32 (what this version allocates), f16, bf16 or q8.
+    /// KV cache storage: f32, f16 or q8 (what `lantern run --kv-dtype` allocates), or bf16
+    /// (sizing only).
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16", "q8"])]
     kv_dtype: String,
     /// Memory budget in bytes (suffixes K, M, G, Ki, Mi, Gi accepted).
@@ -171,7 +172,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     };
     let mem = ctx.as_deref().map(adapter_memory);
     let (budget, source) = resolve_budget(user_budget, mem.as_ref());
-    let reserve = if budget > 0 { (budget / 20).max(64 << 20).min(budget) } else { 0 };
+    let reserve = if budget > 0 { lantern::kv::plan::reserve_bytes(budget) } else { 0 };
     let mut p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, budget, source);
     let mut probed: Option<Probe> = None;
     if let (true, Some(ctx)) = (a.probe, &ctx) {
