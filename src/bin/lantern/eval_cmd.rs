@@ -313,6 +313,7 @@ fn compare_cmd(a: CompareArgs) -> Result<()> {
         serde_json::json!({
             "path": p.display().to_string(),
             "weight_precision": m.options.weights,
+            "kv_dtype": m.options.kv_dtype,
             "weight_bytes": m.weight_bytes(),
             "load_ms": load_ms,
         })
@@ -334,11 +335,13 @@ fn compare_cmd(a: CompareArgs) -> Result<()> {
     } else {
         print_table(&prompts, &report);
         println!(
-            "A: {} (weights {}), B: {} (weights {}), on {}",
+            "A: {} (weights {}, KV {:?}), B: {} (weights {}, KV {:?}), on {}",
             path_a.display(),
             weights_name(&ma),
+            ma.options.kv_dtype,
             path_b.display(),
             weights_name(&mb),
+            mb.options.kv_dtype,
             ctx.info.name
         );
         print_summary(&report);
