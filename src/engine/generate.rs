@@ -118,21 +118,17 @@ async fn run(
     let mut timings = RequestTimings::new(arrival);
     let mut sampler = Sampler::new(req.sampling);
     let want = if req.sampling.is_greedy() { Want::Argmax } else { Want::Logits };
-    let mut decoder = tokenizer.stream_decoder();
-    let mut text = String::new();
+    let mut stream = TextStream::new(tokenizer, &req.stop_strings);
     let mut out_ids = Vec::new();
     let finish;
     let mut next_input: Vec<u32> = req.prompt_ids[cached..].to_vec();
     let mut prefilled = false;
-    // Longest stop string, to hold back text that may be the start of one.
-    let hold = req.stop_strings.iter().map(|s| s.len()).max().unwrap_or(0);
-    let mut emitted = 0usize;
     if req.max_tokens == 0 {
         timings.finished = Some(Instant::now());
         return Ok(Generation {
             prompt_ids: req.prompt_ids.clone(),
             output_ids: out_ids,
-            text,
+            text: String::new(),
             finish_reason: FinishReason::Length,
             timings,
             cached_prompt_tokens: 0,
@@ -152,42 +148,16 @@ async fn run(
         };
         timings.tokens.push(Instant::now());
         out_ids.push(token);
-        if req.stop_ids.contains(&token) {
-            finish = FinishReason::Stop;
-            if let Some(piece) = decoder.step(tokenizer, token)? {
-                let _ = piece; // EOS text is not part of the output text.
-            }
-            break;
-        }
-        if let Some(piece) = decoder.step(tokenizer, token)? {
-            text.push_str(&piece);
-        }
-        // Stop strings: cut the text at the first occurrence.
-        if let Some(cut) = req
-            .stop_strings
-            .iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| text.find(s.as_str()))
-            .min()
-        {
-            text.truncate(cut);
-            if cut > emitted && !on_text(&text[emitted..cut]) {
+        let (piece, stop) = stream.push(tokenizer, token, &req.stop_ids, &req.stop_strings)?;
+        if let Some(p) = piece {
+            if !on_text(&p) {
                 finish = FinishReason::Cancelled;
                 break;
             }
-            emitted = text.len();
-            finish = FinishReason::Stop;
-            break;
         }
-        let safe = text.len().saturating_sub(hold);
-        let safe = (0..=safe).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
-        if safe > emitted {
-            if !on_text(&text[emitted..safe]) {
-                finish = FinishReason::Cancelled;
-                emitted = safe;
-                break;
-            }
-            emitted = safe;
+        if let Some(f) = stop {
+            finish = f;
+            break;
         }
         if out_ids.len() >= req.max_tokens {
             finish = FinishReason::Length;
@@ -199,16 +169,10 @@ async fn run(
         }
         next_input = vec![token];
     }
-    if finish != FinishReason::Stop || req.stop_strings.is_empty() {
-        if let Some(rest) = decoder.finish(tokenizer)? {
-            if finish != FinishReason::Stop {
-                text.push_str(&rest);
-            }
-        }
+    if let Some(rest) = stream.finish(tokenizer, finish)? {
+        on_text(&rest);
     }
-    if finish != FinishReason::Cancelled && text.len() > emitted {
-        on_text(&text[emitted..]);
-    }
+    let text = stream.text;
     timings.finished = Some(Instant::now());
     Ok(Generation {
         prompt_ids: req.prompt_ids.clone(),
@@ -218,4 +182,74 @@ async fn run(
         timings,
         cached_prompt_tokens: 0,
     })
+}
+
+/// Output text of one sequence as its tokens arrive: complete UTF-8 pieces, stop ids, and
+/// stop strings (text is cut before the first one; text that may be the start of one is held
+/// back until it is not).
+pub(crate) struct TextStream {
+    decoder: crate::model::tokenizer::StreamDecoder,
+    pub(crate) text: String,
+    emitted: usize,
+    hold: usize,
+}
+
+impl TextStream {
+    pub(crate) fn new(tokenizer: &Tokenizer, stop_strings: &[String]) -> Self {
+        TextStream {
+            decoder: tokenizer.stream_decoder(),
+            text: String::new(),
+            emitted: 0,
+            hold: stop_strings.iter().map(|s| s.len()).max().unwrap_or(0),
+        }
+    }
+
+    /// Take `token`: the text now safe to show, and `Stop` when a stop id or string ended
+    /// the sequence.
+    pub(crate) fn push(
+        &mut self,
+        tokenizer: &Tokenizer,
+        token: u32,
+        stop_ids: &[u32],
+        stop_strings: &[String],
+    ) -> Result<(Option<String>, Option<FinishReason>)> {
+        if stop_ids.contains(&token) {
+            // The stop token's own text is not part of the output.
+            let _ = self.decoder.step(tokenizer, token)?;
+            return Ok((None, Some(FinishReason::Stop)));
+        }
+        if let Some(piece) = self.decoder.step(tokenizer, token)? {
+            self.text.push_str(&piece);
+        }
+        if let Some(cut) = stop_strings.iter().filter(|s| !s.is_empty()).filter_map(|s| self.text.find(s.as_str())).min() {
+            self.text.truncate(cut);
+            let piece = (cut > self.emitted).then(|| self.text[self.emitted..cut].to_string());
+            self.emitted = self.text.len();
+            return Ok((piece, Some(FinishReason::Stop)));
+        }
+        let safe = self.text.len().saturating_sub(self.hold);
+        let safe = (0..=safe).rev().find(|&i| self.text.is_char_boundary(i)).unwrap_or(0);
+        if safe > self.emitted {
+            let piece = self.text[self.emitted..safe].to_string();
+            self.emitted = safe;
+            return Ok((Some(piece), None));
+        }
+        Ok((None, None))
+    }
+
+    /// The sequence ended with `finish`: the text not shown yet (none when cancelled; a
+    /// stop leaves no held-back text after the cut).
+    pub(crate) fn finish(&mut self, tokenizer: &Tokenizer, finish: FinishReason) -> Result<Option<String>> {
+        if finish != FinishReason::Stop {
+            if let Some(rest) = self.decoder.finish(tokenizer)? {
+                self.text.push_str(&rest);
+            }
+        }
+        if finish == FinishReason::Cancelled || self.text.len() <= self.emitted {
+            return Ok(None);
+        }
+        let piece = self.text[self.emitted..].to_string();
+        self.emitted = self.text.len();
+        Ok(Some(piece))
+    }
 }

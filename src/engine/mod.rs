@@ -1,10 +1,12 @@
 //! Requests and generation: sampling, the generation loop with streaming and stop
 //! conditions, and serving metrics (TTFT, ITL, TPOT, E2E).
 
+pub mod batch;
 pub mod generate;
 pub mod metrics;
 pub mod sampler;
 
+pub use batch::{Engine, EngineOptions, Event, RequestHandle};
 pub use generate::{FinishReason, GenerateRequest, Generation};
 pub use metrics::RequestTimings;
 pub use sampler::{Sampler, SamplingParams};

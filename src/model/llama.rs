@@ -56,6 +56,12 @@ pub struct ModelOptions {
     /// Keep the full KV pages of finished prompts and reuse them for prompts that start
     /// the same way (until their memory is needed).
     pub prefix_cache: bool,
+    /// Pages in the KV pool; default `max_seqs` full contexts (capped by the budget).
+    pub kv_pages: Option<usize>,
+    /// Run every step through the same kernels (the matmul path, even for one token), so a
+    /// sequence's logits do not depend on how many tokens share its step: continuous
+    /// batching then reproduces single-sequence outputs bit for bit. Slower decode.
+    pub batch_invariant: bool,
     /// Cap on the GPU memory this model may take (weights + KV + workspace + reserve).
     /// The budget is the smaller of this and 90% of what the adapter reports
     /// (`gpu::memory`); the KV cache gets what is left, up to `max_seqs` full contexts.
@@ -75,6 +81,8 @@ impl Default for ModelOptions {
             attention_splits: None,
             attention_split_keys: 256,
             prefix_cache: true,
+            batch_invariant: false,
+            kv_pages: None,
             memory_budget: None,
         }
     }
@@ -453,7 +461,7 @@ impl GpuModel {
             .max(1);
         let page_size = options.page_size.max(1);
         let max_seqs = options.max_seqs.max(1);
-        let requested_pages = max_seqs * context.div_ceil(page_size);
+        let requested_pages = options.kv_pages.unwrap_or(max_seqs * context.div_ceil(page_size)).max(1);
         let weights_bytes: u64 = ctx.ledger.since(mark).iter().map(|a| a.bytes).sum();
         let (num_pages, budget) = Self::size_kv(&ctx, &c, &options, context, requested_pages, weights_bytes)?;
         let kv_cfg = KvConfig { page_size, num_pages, max_seqs, context };
@@ -471,7 +479,12 @@ impl GpuModel {
             }));
         }
         let kv = KvCache { alloc: PageAllocator::new(kv_cfg), store };
-        let attention_splits = options.attention_splits.unwrap_or(if ctx.caps.cpu_like { 1 } else { 16 }).max(1);
+        // Batch invariance: a token's key splits must not depend on the step it is in.
+        let attention_splits = if options.batch_invariant {
+            1
+        } else {
+            options.attention_splits.unwrap_or(if ctx.caps.cpu_like { 1 } else { 16 }).max(1)
+        };
         let attn_p = Self::attention_params(&c, kv_cfg);
         let t_max = options.max_batch_tokens.max(1);
         let partials_bytes = kernels::attention::partials_bytes(&attn_p, &layout, t_max, 1)
@@ -537,7 +550,13 @@ impl GpuModel {
         };
         // CPU adapters: the blocked matmul already beats one matvec per token at 2 tokens
         // (SmolLM2-135M on lavapipe, layer linears: 1.67 s blocked vs 2 x 1.04 s matvec).
-        let matvec_max_tokens = if ctx.caps.cpu_like { 1 } else { 4 };
+        let matvec_max_tokens = if options.batch_invariant {
+            0
+        } else if ctx.caps.cpu_like {
+            1
+        } else {
+            4
+        };
 
         // Where the memory went, checked against every allocation made above.
         let mut memory = MemoryReport::default();
@@ -872,14 +891,22 @@ impl GpuModel {
     /// Write one step's inputs: the step uniform, token ids, positions, sequence of each
     /// token, the block table and the rows whose logits are wanted.
     fn write_step_inputs(&self, seq: usize, part: &[u32], pos0: usize, rows: &[u32]) -> StepUniform {
-        let q = &self.ctx.queue;
         let n = part.len() as u32;
         let positions: Vec<u32> = (0..n).map(|i| pos0 as u32 + i).collect();
         let seqs = vec![seq as u32; part.len()];
+        self.write_batch_inputs(part, &positions, &seqs, rows)
+    }
+
+    /// [`Self::write_step_inputs`] for tokens of any sequences: id, position and sequence per
+    /// token.
+    fn write_batch_inputs(&self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32]) -> StepUniform {
+        let q = &self.ctx.queue;
+        let n = ids.len() as u32;
+        let max_keys = positions.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
         let mut step = StepUniform::new(n, rows.len() as u32);
-        step.n_splits = self.splits_for(part.len(), pos0 + part.len()) as u32;
+        step.n_splits = self.splits_for(ids.len(), max_keys) as u32;
         q.write_buffer(&self.ws.step, 0, bytemuck::bytes_of(&step));
-        q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(part));
+        q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(ids));
         q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(&positions));
         q.write_buffer(&self.ws.token_seq, 0, bytemuck::cast_slice(&seqs));
         q.write_buffer(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
@@ -921,10 +948,46 @@ impl GpuModel {
     /// One step: `part` tokens of `seq` at positions `pos0..`, logits for `rows` (indices
     /// into `part`). Pages must already be reserved.
     async fn step(&mut self, seq: usize, part: &[u32], pos0: usize, rows: &[u32], want: Want, all_rows: bool) -> Result<StepOutput> {
-        let ctx = self.ctx.clone();
-        let n = part.len() as u32;
-        let n_out = rows.len() as u32;
         let s = self.write_step_inputs(seq, part, pos0, rows);
+        self.run_step(s, want, all_rows).await
+    }
+
+    /// One step over tokens of several sequences (continuous batching): `ids[i]` at
+    /// `positions[i]` of sequence `seqs[i]`, whose pages must already be reserved
+    /// (`kv.alloc.append`); argmax (and logits with `Want::Logits`) of the tokens at indices
+    /// `rows`. At most `options.max_batch_tokens` tokens and `logit_rows` rows.
+    pub async fn step_batch(&mut self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32], want: Want) -> Result<StepOutput> {
+        let bad = |m: String| Err(LanternError::Other(m));
+        if ids.is_empty() || ids.len() != positions.len() || ids.len() != seqs.len() {
+            return bad(format!("step_batch: {} ids, {} positions, {} sequence indices", ids.len(), positions.len(), seqs.len()));
+        }
+        if ids.len() > self.options.max_batch_tokens.max(1) || rows.len() > self.logit_rows {
+            return bad(format!(
+                "step_batch: {} tokens and {} logit rows exceed the step's {} tokens / {} rows",
+                ids.len(),
+                rows.len(),
+                self.options.max_batch_tokens,
+                self.logit_rows
+            ));
+        }
+        if let Some(&r) = rows.iter().find(|&&r| r as usize >= ids.len()) {
+            return bad(format!("step_batch: logit row {r} outside the step's {} tokens", ids.len()));
+        }
+        self.check_ids(ids)?;
+        for (&s, &p) in seqs.iter().zip(positions) {
+            let len = self.kv.alloc.len(s as usize).map_err(LanternError::Kv)?;
+            if p as usize >= len {
+                return bad(format!("step_batch: position {p} of sequence {s}, which has room for {len} tokens (reserve pages first)"));
+            }
+        }
+        let s = self.write_batch_inputs(ids, positions, seqs, rows);
+        self.run_step(s, want, false).await
+    }
+
+    async fn run_step(&mut self, s: StepUniform, want: Want, all_rows: bool) -> Result<StepOutput> {
+        let ctx = self.ctx.clone();
+        let n = s.n_tokens;
+        let n_out = s.n_out;
         let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
         self.encode_pending_copies(&mut enc);

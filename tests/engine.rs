@@ -1,0 +1,200 @@
+//! Continuous batching (`lantern::engine::Engine`) on a tiny Llama (the `llama-gqa` fixture,
+//! f32): every request's output inside a batch equals its output alone (batch-invariant
+//! kernels), including across preemption (a KV pool far smaller than the demand) and prefix
+//! hits; cancellation and dropped handles free their pages; refusals are typed.
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use lantern::engine::{Engine, EngineOptions, Event, FinishReason, GenerateRequest, Generation, RequestHandle, SamplingParams};
+use lantern::model::hf::load_hf_folder;
+use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::tokenizer::Tokenizer;
+use lantern::model::ModelWeights;
+
+/// SmolLM2's tokenizer: the tiny model's ids (< 512) are byte-level tokens in it, so the
+/// engine's text streaming has real text to assemble.
+fn tokenizer() -> Arc<Tokenizer> {
+    static T: OnceLock<Arc<Tokenizer>> = OnceLock::new();
+    T.get_or_init(|| {
+        let l = lantern::model::load::load_path(&common::smollm2_gguf()).expect("SmolLM2 GGUF");
+        Arc::new(l.tokenizer.expect("tokenizer"))
+    })
+    .clone()
+}
+
+fn weights() -> &'static ModelWeights {
+    static W: OnceLock<ModelWeights> = OnceLock::new();
+    W.get_or_init(|| load_hf_folder(&common::tiny_dir().join("llama-gqa")).expect("tiny llama-gqa"))
+}
+
+fn engine(opts: ModelOptions, eo: EngineOptions) -> Engine {
+    let m = pollster::block_on(GpuModel::load(common::gpu(), weights(), opts)).expect("upload tiny model");
+    Engine::new(m, tokenizer(), eo)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Random prompts (1..40 tokens, ids < 512) and lengths; two share a 24-token prefix, one
+/// samples with temperature (its own seed).
+fn requests(seed: u64, n: usize) -> Vec<GenerateRequest> {
+    let mut r = Rng(seed);
+    let shared: Vec<u32> = (0..24).map(|_| r.below(512) as u32).collect();
+    (0..n)
+        .map(|i| {
+            let len = 1 + r.below(40) as usize;
+            let mut prompt: Vec<u32> = (0..len).map(|_| r.below(512) as u32).collect();
+            if i < 2 {
+                prompt = shared.iter().copied().chain(prompt.into_iter().take(6)).collect();
+            }
+            let sampling = if i == 3 {
+                SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 11 }
+            } else {
+                SamplingParams::default()
+            };
+            GenerateRequest {
+                prompt_ids: prompt,
+                max_tokens: 1 + r.below(20) as usize,
+                sampling,
+                stop_ids: vec![],
+                stop_strings: vec![],
+            }
+        })
+        .collect()
+}
+
+/// Drain a handle's events: the Done generation and the streamed text.
+fn collect(h: &mut RequestHandle) -> (Generation, String) {
+    let mut text = String::new();
+    loop {
+        match h.try_next() {
+            Ok(Some(Event::Token { text: t, .. })) | Ok(Some(Event::Text(t))) => text.push_str(&t),
+            Ok(Some(Event::Done(g))) => return (*g, text),
+            Ok(Some(Event::Error(e))) => panic!("request {} failed: {e}", h.id),
+            Ok(None) => panic!("request {} has no Done after the engine went idle", h.id),
+            Err(()) => panic!("request {} ended without Done", h.id),
+        }
+    }
+}
+
+fn model_opts(max_seqs: usize, kv_pages: Option<usize>) -> ModelOptions {
+    ModelOptions {
+        context: Some(64),
+        max_seqs,
+        page_size: 4,
+        kv_pages,
+        max_batch_tokens: 32,
+        max_logit_rows: 16,
+        batch_invariant: true,
+        ..Default::default()
+    }
+}
+
+/// Each request alone, one after another.
+fn solo(reqs: &[GenerateRequest]) -> Vec<Generation> {
+    let mut e = engine(model_opts(1, None), EngineOptions { step_tokens: 32, prefill_chunk: 32, max_waiting: 8 });
+    reqs.iter()
+        .map(|r| {
+            let mut h = e.submit(r.clone()).expect("submit");
+            pollster::block_on(e.run_until_idle()).expect("run");
+            collect(&mut h).0
+        })
+        .collect()
+}
+
+#[test]
+fn batched_outputs_equal_solo_outputs_with_preemption_and_prefix_hits() {
+    let reqs = requests(0x5eed, 10);
+    let alone = solo(&reqs);
+    // 6 sequences at once sharing 18 pages of 4 tokens (72 tokens; the requests want up to
+    // 64 each), steps of 12 tokens with prefill chunks of 8: chunked prefill beside decode,
+    // admission by free pages, and preemption when running sequences outgrow the pool.
+    let mut e = engine(model_opts(6, Some(18)), EngineOptions { step_tokens: 12, prefill_chunk: 8, max_waiting: 64 });
+    let mut handles: Vec<RequestHandle> = reqs.iter().map(|r| e.submit(r.clone()).expect("submit")).collect();
+    let mut max_seqs_in_step = 0;
+    while !e.is_idle() {
+        let rep = pollster::block_on(e.step()).expect("step");
+        max_seqs_in_step = max_seqs_in_step.max(rep.sequences);
+    }
+    let stats = e.stats().clone();
+    eprintln!("{stats:?}; up to {max_seqs_in_step} sequences in one step");
+    assert!(max_seqs_in_step >= 3, "requests were batched");
+    assert!(stats.preemptions > 0, "the small pool forced preemption");
+    for (i, (h, want)) in handles.iter_mut().zip(&alone).enumerate() {
+        let (got, streamed) = collect(h);
+        assert_eq!(got.output_ids, want.output_ids, "request {i}: batched output differs from solo");
+        assert_eq!(got.finish_reason, want.finish_reason, "request {i}");
+        assert_eq!(streamed, got.text, "request {i}: streamed text = final text");
+    }
+    assert_eq!(e.model.kv.alloc.free_pages(), e.model.kv.alloc.total_pages(), "every page back");
+    // The shared prefix: request 0 again, then request 1 reuses the 24 tokens of pages they
+    // share and still produces its tokens.
+    for i in [0, 1] {
+        let mut h = e.submit(reqs[i].clone()).unwrap();
+        pollster::block_on(e.run_until_idle()).unwrap();
+        let (g, _) = collect(&mut h);
+        if i == 1 {
+            assert!(g.cached_prompt_tokens >= 24, "prefix hit: {} cached tokens", g.cached_prompt_tokens);
+        }
+        assert_eq!(g.output_ids, alone[i].output_ids, "request {i} after the batch");
+    }
+}
+
+#[test]
+fn cancelled_and_dropped_requests_free_their_pages() {
+    let mut e = engine(model_opts(4, None), EngineOptions::default());
+    let long = GenerateRequest {
+        prompt_ids: (1..20).collect(),
+        max_tokens: 40,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+        stop_strings: vec![],
+    };
+    let mut a = e.submit(long.clone()).unwrap();
+    let b = e.submit(long.clone()).unwrap();
+    for _ in 0..3 {
+        pollster::block_on(e.step()).unwrap();
+    }
+    assert_eq!(e.running(), 2);
+    a.cancel();
+    drop(b); // a client that went away
+    pollster::block_on(e.step()).unwrap();
+    assert!(e.is_idle());
+    assert_eq!(e.model.kv.alloc.used_pages(), 0, "pages of cancelled requests freed");
+    let (g, _) = collect(&mut a);
+    assert_eq!(g.finish_reason, FinishReason::Cancelled);
+    assert!(!g.output_ids.is_empty() && g.output_ids.len() < 40);
+    assert_eq!(e.stats().cancelled, 2);
+}
+
+#[test]
+fn impossible_requests_are_refused_at_submit() {
+    let mut e = engine(model_opts(2, Some(8)), EngineOptions { max_waiting: 1, ..Default::default() });
+    let req = |n: usize, max: usize| GenerateRequest {
+        prompt_ids: vec![5; n],
+        max_tokens: max,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+        stop_strings: vec![],
+    };
+    assert!(matches!(e.submit(req(0, 4)), Err(lantern::LanternError::Other(_))), "empty prompt");
+    assert!(matches!(e.submit(req(64, 4)), Err(lantern::LanternError::PromptTooLong { .. })));
+    // 8 pages of 4 tokens hold 32: a 30-token prompt with 10 new tokens could never fit.
+    let err = e.submit(req(30, 10)).err().expect("refused");
+    assert!(err.to_string().contains("needs 10 more page(s)"), "{err}");
+    let _h = e.submit(req(4, 4)).unwrap();
+    let err = e.submit(req(4, 4)).err().expect("queue full");
+    assert!(err.to_string().contains("overloaded"), "{err}");
+}
