@@ -198,3 +198,46 @@ fn impossible_requests_are_refused_at_submit() {
     let err = e.submit(req(4, 4)).err().expect("queue full");
     assert!(err.to_string().contains("overloaded"), "{err}");
 }
+
+/// The engine on its own thread: four client threads submit at once and each reads its
+/// stream to the end; outputs equal the solo ones.
+#[test]
+fn worker_thread_serves_concurrent_clients() {
+    use lantern::engine::EngineWorker;
+    let reqs = requests(0xbeef, 4);
+    let alone = solo(&reqs);
+    let worker = EngineWorker::spawn(engine(model_opts(4, None), EngineOptions::default()));
+    let threads: Vec<_> = reqs
+        .iter()
+        .cloned()
+        .map(|r| {
+            let client = worker.client();
+            std::thread::spawn(move || {
+                let mut h = client.submit(r).expect("submit");
+                loop {
+                    match pollster::block_on(h.next()) {
+                        Some(Event::Done(g)) => return g.output_ids,
+                        Some(Event::Error(e)) => panic!("{e}"),
+                        Some(_) => {}
+                        None => panic!("stream ended without Done"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for (i, (t, want)) in threads.into_iter().zip(&alone).enumerate() {
+        assert_eq!(t.join().expect("client thread"), want.output_ids, "request {i}");
+    }
+    // The snapshot is published right after the step that sent the last Done.
+    let mut snap = worker.client().snapshot();
+    for _ in 0..200 {
+        if snap.stats.finished == 4 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        snap = worker.client().snapshot();
+    }
+    assert_eq!(snap.stats.finished, 4);
+    let engine = worker.shutdown().expect("engine back");
+    assert_eq!(engine.model.kv.alloc.used_pages(), 0);
+}

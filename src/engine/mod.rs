@@ -5,8 +5,12 @@ pub mod batch;
 pub mod generate;
 pub mod metrics;
 pub mod sampler;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod worker;
 
 pub use batch::{Engine, EngineOptions, Event, RequestHandle};
 pub use generate::{FinishReason, GenerateRequest, Generation};
 pub use metrics::RequestTimings;
 pub use sampler::{Sampler, SamplingParams};
+#[cfg(not(target_arch = "wasm32"))]
+pub use worker::{EngineClient, EngineWorker, Snapshot};
