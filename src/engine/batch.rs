@@ -176,6 +176,11 @@ impl Engine {
         Engine { model, tokenizer, options, waiting: VecDeque::new(), running: Vec::new(), next_id: 0, stats: EngineStats::default() }
     }
 
+    /// The model back (requests still queued are dropped: their handles end).
+    pub fn into_model(self) -> GpuModel {
+        self.model
+    }
+
     pub fn stats(&self) -> &EngineStats {
         &self.stats
     }
