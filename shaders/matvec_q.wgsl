@@ -30,6 +30,12 @@
 @group(0) @binding(14) var ustex: texture_2d<u32>;
 #endif
 const TEXW: u32 = 8192u;
+#if TOK4
+// Tokens per invocation: every texel fetch and dequantization serves four tokens.
+const TT: u32 = 4u;
+#else
+const TT: u32 = 1u;
+#endif
 #endif
 
 #include "common/matvec_end.wgsl"
@@ -75,6 +81,9 @@ fn main(
 #else
     let n_tok = step.n_tokens;
 #endif
+#if TEX
+    rows8_tex(wid.z * TT, n_tok, wid, lid);
+#else
     let t = wid.z;
     if (t >= n_tok) {
         return;
@@ -86,9 +95,6 @@ fn main(
 #endif
     // Words per row.
     let wpr = p.k / EPW;
-#if TEX
-    rows8_tex(t, xrow * p.x_stride, wid, lid);
-#else
 #if XBCAST
     rows4_bcast(t, xrow * p.x_stride, wpr, wid, lid);
 #else
@@ -246,8 +252,91 @@ fn tex_scale(sc: vec4<u32>, gg: u32) -> vec2<f32> {
 #endif
 }
 
-// Eight rows per lane from texture-held codes and scales; x shared by subgroupBroadcast.
-fn rows8_tex(t: u32, xb: u32, wid: vec3<u32>, lid: u32) {
+// Eight rows of one code word (or, Q8, of two words) dequantized: rows 0-3 / 4-7, elements
+// 0-3 (l) and 4-7 (h).
+struct D8 {
+    la: R4v,
+    ha: R4v,
+    lb: R4v,
+    hb: R4v,
+}
+
+struct R4v {
+    r0: vec4<f32>,
+    r1: vec4<f32>,
+    r2: vec4<f32>,
+    r3: vec4<f32>,
+}
+
+fn deq_lo4(q: vec4<u32>, s0: vec2<f32>, s1: vec2<f32>, s2: vec2<f32>, s3: vec2<f32>) -> R4v {
+    return R4v(deq(codes_lo(q.x), s0), deq(codes_lo(q.y), s1), deq(codes_lo(q.z), s2), deq(codes_lo(q.w), s3));
+}
+
+#ifndef W_Q8
+fn deq_hi4(q: vec4<u32>, s0: vec2<f32>, s1: vec2<f32>, s2: vec2<f32>, s3: vec2<f32>) -> R4v {
+    return R4v(deq(codes_hi(q.x), s0), deq(codes_hi(q.y), s1), deq(codes_hi(q.z), s2), deq(codes_hi(q.w), s3));
+}
+#endif
+
+// Four rows' w . x' over eight elements: l against xa (elements 0-3), h against xh (4-7).
+fn dot8(l: R4v, h: R4v, xa: vec4<f32>, xh: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(
+        dot(l.r0, xa) + dot(h.r0, xh),
+        dot(l.r1, xa) + dot(h.r1, xh),
+        dot(l.r2, xa) + dot(h.r2, xh),
+        dot(l.r3, xa) + dot(h.r3, xh));
+}
+
+// The eight rows' values of texel slot h (a 4-bit word: its low and high nibbles; Q8: words
+// h and h + 1).
+fn deq8(C0: vec4<u32>, C1: vec4<u32>, C2: vec4<u32>, C3: vec4<u32>, C4: vec4<u32>, C5: vec4<u32>, C6: vec4<u32>, C7: vec4<u32>, h: u32, sa: array<vec2<f32>, 8>) -> D8 {
+    let qa = vec4<u32>(C0[h], C1[h], C2[h], C3[h]);
+    let qb = vec4<u32>(C4[h], C5[h], C6[h], C7[h]);
+#if W_Q8
+    let qa2 = vec4<u32>(C0[h + 1u], C1[h + 1u], C2[h + 1u], C3[h + 1u]);
+    let qb2 = vec4<u32>(C4[h + 1u], C5[h + 1u], C6[h + 1u], C7[h + 1u]);
+    return D8(deq_lo4(qa, sa[0], sa[1], sa[2], sa[3]), deq_lo4(qa2, sa[0], sa[1], sa[2], sa[3]),
+              deq_lo4(qb, sa[4], sa[5], sa[6], sa[7]), deq_lo4(qb2, sa[4], sa[5], sa[6], sa[7]));
+#else
+    return D8(deq_lo4(qa, sa[0], sa[1], sa[2], sa[3]), deq_hi4(qa, sa[0], sa[1], sa[2], sa[3]),
+              deq_lo4(qb, sa[4], sa[5], sa[6], sa[7]), deq_hi4(qb, sa[4], sa[5], sa[6], sa[7]));
+#endif
+}
+
+// Per token of the block: row accumulators (rows 0-3, 4-7; GATED: the up rows too) and the
+// sum of squares of its x (NORM).
+var<private> acc_a: array<vec4<f32>, TT>;
+var<private> acc_b: array<vec4<f32>, TT>;
+#if GATED
+var<private> acc_ua: array<vec4<f32>, TT>;
+var<private> acc_ub: array<vec4<f32>, TT>;
+#endif
+var<private> xbase: array<u32, TT>;
+
+// Eight rows per lane from texture-held codes and scales, for tokens t0 .. t0 + TT - 1 (TOK4:
+// four tokens share every texel fetch and dequantization; x of each token shared by
+// subgroupBroadcast).
+fn rows8_tex(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32) {
+    if (t0 >= n_tok) {
+        return;
+    }
+    var acc_ss: array<f32, TT>;
+    for (var j = 0u; j < TT; j++) {
+        // Tokens past the end read the last one and are not stored.
+        let t = min(t0 + j, n_tok - 1u);
+#if GATHER
+        xbase[j] = rows[t] * p.x_stride;
+#else
+        xbase[j] = t * p.x_stride;
+#endif
+        acc_a[j] = vec4<f32>(0.0);
+        acc_b[j] = vec4<f32>(0.0);
+#if GATED
+        acc_ua[j] = vec4<f32>(0.0);
+        acc_ub[j] = vec4<f32>(0.0);
+#endif
+        acc_ss[j] = 0.0;
+    }
     let row0 = ((wid.y * p.grid_x + wid.x) * WG + lid) * 8u;
     let last = p.n_rows - 1u;
     let ra = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
@@ -267,11 +356,6 @@ fn rows8_tex(t: u32, xb: u32, wid: vec3<u32>, lid: u32) {
     let cb = rb * tpr;
     let sa = ra * spr;
     let sb = rb * spr;
-    var a = vec4<f32>(0.0);
-    var b = vec4<f32>(0.0);
-    var ua = vec4<f32>(0.0);
-    var ub = vec4<f32>(0.0);
-    var ss = 0.0;
     for (var st = 0u; st < spr; st++) {
         let S0 = texel(wstex, sa.x + st);
         let S1 = texel(wstex, sa.y + st);
@@ -296,23 +380,11 @@ fn rows8_tex(t: u32, xb: u32, wid: vec3<u32>, lid: u32) {
             if (gi >= groups) {
                 break;
             }
-            let s0 = tex_scale(S0, gg);
-            let s1 = tex_scale(S1, gg);
-            let s2 = tex_scale(S2, gg);
-            let s3 = tex_scale(S3, gg);
-            let s4 = tex_scale(S4, gg);
-            let s5 = tex_scale(S5, gg);
-            let s6 = tex_scale(S6, gg);
-            let s7 = tex_scale(S7, gg);
+            let ws = array<vec2<f32>, 8>(tex_scale(S0, gg), tex_scale(S1, gg), tex_scale(S2, gg), tex_scale(S3, gg),
+                                         tex_scale(S4, gg), tex_scale(S5, gg), tex_scale(S6, gg), tex_scale(S7, gg));
 #if GATED
-            let v0 = tex_scale(U0, gg);
-            let v1 = tex_scale(U1, gg);
-            let v2 = tex_scale(U2, gg);
-            let v3 = tex_scale(U3, gg);
-            let v4 = tex_scale(U4, gg);
-            let v5 = tex_scale(U5, gg);
-            let v6 = tex_scale(U6, gg);
-            let v7 = tex_scale(U7, gg);
+            let us = array<vec2<f32>, 8>(tex_scale(U0, gg), tex_scale(U1, gg), tex_scale(U2, gg), tex_scale(U3, gg),
+                                         tex_scale(U4, gg), tex_scale(U5, gg), tex_scale(U6, gg), tex_scale(U7, gg));
 #endif
             for (var tt = 0u; tt < tpg; tt++) {
                 let ti = gi * tpg + tt;
@@ -337,40 +409,50 @@ fn rows8_tex(t: u32, xb: u32, wid: vec3<u32>, lid: u32) {
                 // 8 elements (one 4-bit word, two Q8 words) per x broadcast.
                 for (var h = 0u; h < 4u; h += 8u / EPW) {
                     let k8 = ti * 4u * EPW + h * EPW;
-                    let xl = load_x1(xb, k8 + lid, &ss);
-                    let xv = bcast8(xl);
-                    let xa = xv[0];
-                    let xh = xv[1];
-#if W_Q8
-                    a += dot_rows(vec4<u32>(C0[h], C1[h], C2[h], C3[h]), s0, s1, s2, s3, xa, xh)
-                        + dot_rows(vec4<u32>(C0[h + 1u], C1[h + 1u], C2[h + 1u], C3[h + 1u]), s0, s1, s2, s3, xh, xh);
-                    b += dot_rows(vec4<u32>(C4[h], C5[h], C6[h], C7[h]), s4, s5, s6, s7, xa, xh)
-                        + dot_rows(vec4<u32>(C4[h + 1u], C5[h + 1u], C6[h + 1u], C7[h + 1u]), s4, s5, s6, s7, xh, xh);
+                    let w8 = deq8(C0, C1, C2, C3, C4, C5, C6, C7, h, ws);
 #if GATED
-                    ua += dot_rows(vec4<u32>(D0[h], D1[h], D2[h], D3[h]), v0, v1, v2, v3, xa, xh)
-                        + dot_rows(vec4<u32>(D0[h + 1u], D1[h + 1u], D2[h + 1u], D3[h + 1u]), v0, v1, v2, v3, xh, xh);
-                    ub += dot_rows(vec4<u32>(D4[h], D5[h], D6[h], D7[h]), v4, v5, v6, v7, xa, xh)
-                        + dot_rows(vec4<u32>(D4[h + 1u], D5[h + 1u], D6[h + 1u], D7[h + 1u]), v4, v5, v6, v7, xh, xh);
+                    let u8 = deq8(D0, D1, D2, D3, D4, D5, D6, D7, h, us);
 #endif
-#else
-                    a += dot_rows(vec4<u32>(C0[h], C1[h], C2[h], C3[h]), s0, s1, s2, s3, xa, xh);
-                    b += dot_rows(vec4<u32>(C4[h], C5[h], C6[h], C7[h]), s4, s5, s6, s7, xa, xh);
+                    for (var j = 0u; j < TT; j++) {
+                        // (A local, not &acc_ss[j]: naga's SPIR-V writer rejects pointers
+                        // into a dynamically indexed local array as call arguments.)
+                        var ss_j = acc_ss[j];
+                        let xl = load_x1(xbase[j], k8 + lid, &ss_j);
+                        acc_ss[j] = ss_j;
+                        let xv = bcast8(xl);
+                        acc_a[j] += dot8(w8.la, w8.ha, xv[0], xv[1]);
+                        acc_b[j] += dot8(w8.lb, w8.hb, xv[0], xv[1]);
 #if GATED
-                    ua += dot_rows(vec4<u32>(D0[h], D1[h], D2[h], D3[h]), v0, v1, v2, v3, xa, xh);
-                    ub += dot_rows(vec4<u32>(D4[h], D5[h], D6[h], D7[h]), v4, v5, v6, v7, xa, xh);
+                        acc_ua[j] += dot8(u8.la, u8.ha, xv[0], xv[1]);
+                        acc_ub[j] += dot8(u8.lb, u8.hb, xv[0], xv[1]);
 #endif
-#endif
+                    }
                 }
             }
         }
     }
-    let s_all = subgroupAdd(ss);
-    for (var i = 0u; i < 4u; i++) {
-        if (row0 + i < p.n_rows) {
-            finish(t, row0 + i, vec3<f32>(a[i], ua[i], s_all));
+    for (var j = 0u; j < TT; j++) {
+        let t = t0 + j;
+        let s_all = subgroupAdd(acc_ss[j]);
+        if (t >= n_tok) {
+            continue;
         }
-        if (row0 + 4u + i < p.n_rows) {
-            finish(t, row0 + 4u + i, vec3<f32>(b[i], ub[i], s_all));
+        let a = acc_a[j];
+        let b = acc_b[j];
+#if GATED
+        let ua = acc_ua[j];
+        let ub = acc_ub[j];
+#else
+        let ua = vec4<f32>(0.0);
+        let ub = vec4<f32>(0.0);
+#endif
+        for (var i = 0u; i < 4u; i++) {
+            if (row0 + i < p.n_rows) {
+                finish(t, row0 + i, vec3<f32>(a[i], ua[i], s_all));
+            }
+            if (row0 + 4u + i < p.n_rows) {
+                finish(t, row0 + 4u + i, vec3<f32>(b[i], ub[i], s_all));
+            }
         }
     }
 }

@@ -242,6 +242,8 @@ enum Layout {
     Rows4Bcast,
     /// Packed weights: eight rows per invocation from texture copies, x by broadcast.
     Rows8Tex,
+    /// Rows8Tex with four tokens per invocation (batched decode on CPU adapters).
+    Rows8TexTok4,
     /// Packed weights: blocked matmul 8 tokens x 8 rows with x shared by subgroup broadcast.
     Blocked88Bcast,
     /// Packed weights: blocked matmul 4 tokens x 4 rows with x shared by subgroup broadcast.
@@ -270,10 +272,11 @@ impl Layout {
     ];
 
     /// The layouts of the packed-weight kernels.
-    const PACKED: [Layout; 15] = [
+    const PACKED: [Layout; 16] = [
         Layout::Rows4,
         Layout::Rows4Bcast,
         Layout::Rows8Tex,
+        Layout::Rows8TexTok4,
         Layout::Blocked88Bcast,
         Layout::Blocked44Bcast,
         Layout::RowWg64,
@@ -325,6 +328,9 @@ impl Layout {
                 Layout::Rows8Tex => {
                     PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TEX).with_features(sg)
                 }
+                Layout::Rows8TexTok4 => PipelineKey::new(mv, 8)
+                    .with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TEX | flags::TOK4)
+                    .with_features(sg),
                 Layout::Blocked88Bcast => PipelineKey::new(bq, 8)
                     .with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST)
                     .with_features(sg),
@@ -363,6 +369,7 @@ impl Layout {
             | Layout::MatmulF16
             | Layout::Rows4Bcast
             | Layout::Rows8Tex
+            | Layout::Rows8TexTok4
             | Layout::Blocked88Bcast
             | Layout::Blocked44Bcast => {
                 panic!("{self:?} is a packed-weight layout")
@@ -382,7 +389,7 @@ impl Layout {
         let runs = |l: &Layout| match l {
             Layout::RowWg8Subgroups => ctx.caps.subgroups && ctx.caps.subgroup_max_size <= 8,
             Layout::Rows4Bcast | Layout::Blocked88Bcast | Layout::Blocked44Bcast => linear::xbcast_fits(ctx),
-            Layout::Rows8Tex => linear::tex_fits(ctx, QuantFormat::new(QuantKind::Q8, 32)),
+            Layout::Rows8Tex | Layout::Rows8TexTok4 => linear::tex_fits(ctx, QuantFormat::new(QuantKind::Q8, 32)),
             l => (!l.needs_subgroups() || ctx.caps.subgroups) && (!l.needs_f16() || ctx.caps.shader_f16),
         };
         let (yes, no): (Vec<Layout>, Vec<Layout>) = set.iter().copied().partition(runs);
@@ -438,7 +445,7 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
     let lin = GpuLinear::upload(ctx, "test.linear", w.matrix(), u.as_ref().map(|u| u.matrix()), bias.as_deref(), rows, k)
         .expect("upload linear");
     let key = c.layout.key(fl, c.weights);
-    if c.layout == Layout::Rows8Tex && lin.tex.is_none() {
+    if matches!(c.layout, Layout::Rows8Tex | Layout::Rows8TexTok4) && lin.tex.is_none() {
         return; // groups smaller than a texel keep the storage layouts
     }
     let what = format!(

@@ -190,6 +190,9 @@ pub mod flags {
     /// textures, eight rows per invocation (lavapipe fetches a 16-byte texel for a fraction
     /// of the cost of a 4-byte storage load).
     pub const TEX: u32 = 1024;
+    /// Texture matvec for a few tokens (CPU adapters' batched decode): four tokens per
+    /// invocation share every texel fetch and dequantization.
+    pub const TOK4: u32 = 2048;
     /// Every flag with its define name, in a stable order.
     pub const ALL: &[(u32, &str)] = &[
         (NORM, "NORM"),
@@ -203,6 +206,7 @@ pub mod flags {
         (BLOCK_N8, "BLOCK_N8"),
         (XBCAST, "XBCAST"),
         (TEX, "TEX"),
+        (TOK4, "TOK4"),
     ];
 }
 
@@ -397,12 +401,14 @@ impl PipelineKey {
                             .with_weights(w)
                             .with_features(sg),
                     );
-                    v.push(
-                        PipelineKey::new(ShaderOp::MatvecQ, 8)
-                            .with_flags(c | ROWS4 | XBCAST | TEX)
-                            .with_weights(w)
-                            .with_features(sg),
-                    );
+                    for tok in [0, TOK4] {
+                        v.push(
+                            PipelineKey::new(ShaderOp::MatvecQ, 8)
+                                .with_flags(c | ROWS4 | XBCAST | TEX | tok)
+                                .with_weights(w)
+                                .with_features(sg),
+                        );
+                    }
                 }
                 for feat in [sg, f16_sg] {
                     v.push(

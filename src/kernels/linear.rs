@@ -257,6 +257,9 @@ impl GpuLinear {
 pub enum Shape {
     /// One or a few rows: matvec.
     Matvec,
+    /// A few rows sharing each pass over the weights: on CPU adapters with texture-held
+    /// packed weights the four-token texture matvec (`flags::TOK4`); elsewhere the matvec.
+    MatvecBatch,
     /// Many rows: tiled matmul.
     Matmul,
 }
@@ -312,7 +315,7 @@ pub async fn build(
     let mut features = crate::gpu::Features::default();
     let packed = lin.format.is_packed();
     let (op, wg) = match shape {
-        Shape::Matvec => {
+        Shape::Matvec | Shape::MatvecBatch => {
             let (f, w) = matvec_layout(ctx);
             let (f, w) = if packed && f & flags::ROWS4 == 0 && f & flags::ROW_PER_WORKGROUP == 0 {
                 // The packed matvec has the two tuned layouts only.
@@ -327,6 +330,9 @@ pub async fn build(
                 features.subgroups = true;
                 if lin.tex.is_some() {
                     fl |= flags::TEX;
+                    if shape == Shape::MatvecBatch {
+                        fl |= flags::TOK4;
+                    }
                 }
             }
             features.f16 = packed && fl & flags::ROW_PER_WORKGROUP != 0 && packed_f16(ctx);
@@ -459,6 +465,12 @@ pub async fn build_with_key(
             message: format!("{} needs workgroups of exactly one 8-lane subgroup", key.label()),
         });
     }
+    if key.flags & flags::TOK4 != 0 && (key.flags & flags::TEX == 0 || lin.tex.is_none()) {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!("{} reads texture-held weights, which {} has not", key.label(), lin.name),
+        });
+    }
     if matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) && (!io.x_stride.is_multiple_of(4) || !lin.k.is_multiple_of(4)) {
         return Err(GpuError::Validation {
             context: lin.name.clone(),
@@ -488,7 +500,8 @@ pub async fn build_with_key(
                 };
                 let gx = groups.min(max_dim);
                 let gy = groups.div_ceil(gx);
-                let tok = if key.flags & flags::GATHER != 0 { Dim::Out } else { Dim::Tokens };
+                let tt = if key.flags & flags::TOK4 != 0 { 4 } else { 1 };
+                let tok = if key.flags & flags::GATHER != 0 { Dim::OutDiv(tt) } else { Dim::TokensDiv(tt) };
                 ([Dim::Const(gx), Dim::Const(gy), tok], gx)
             }
         };

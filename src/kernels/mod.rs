@@ -41,6 +41,8 @@ pub enum Dim {
     TokensDiv(u32),
     /// Rows whose logits are computed.
     Out,
+    /// ceil(out rows / n).
+    OutDiv(u32),
     /// The step's key splits per token (at least 1).
     Splits,
     /// The token count when `shards` x splits > 1, else 0 (the attention reduce).
@@ -54,6 +56,7 @@ impl Dim {
             Dim::Tokens => s.n_tokens,
             Dim::TokensDiv(d) => s.n_tokens.div_ceil(d),
             Dim::Out => s.n_out,
+            Dim::OutDiv(d) => s.n_out.div_ceil(d),
             Dim::Splits => s.n_splits.max(1),
             Dim::TokensIfParts(shards) => {
                 if shards * s.n_splits.max(1) > 1 {

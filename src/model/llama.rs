@@ -56,6 +56,12 @@ pub struct ModelOptions {
     /// Keep the full KV pages of finished prompts and reuse them for prompts that start
     /// the same way (until their memory is needed).
     pub prefix_cache: bool,
+    /// Steps of at most this many tokens use the matvec kernels (one pass over the weights
+    /// per token), larger ones the matmul. Default: 4 on GPUs, 1 on CPU adapters.
+    pub matvec_max_tokens: Option<usize>,
+    /// CPU adapters: larger steps up to this many tokens use the four-token texture matvec
+    /// (one pass over the weights per four tokens) before the matmul takes over. Default 16.
+    pub batch_max_tokens: Option<usize>,
     /// Pages in the KV pool; default `max_seqs` full contexts (capped by the budget).
     pub kv_pages: Option<usize>,
     /// Run every step through the same kernels (the matmul path, even for one token), so a
@@ -82,6 +88,8 @@ impl Default for ModelOptions {
             attention_split_keys: 256,
             prefix_cache: true,
             batch_invariant: false,
+            matvec_max_tokens: None,
+            batch_max_tokens: None,
             kv_pages: None,
             memory_budget: None,
         }
@@ -137,6 +145,10 @@ struct Plans {
     layers_matvec: Vec<Dispatch>,
     layers_matmul: Vec<Dispatch>,
     head_gather: Vec<Dispatch>,
+    /// CPU adapters with texture-held weights: the four-token texture matvec for steps of a
+    /// few tokens (batched decode) and its LM head; None elsewhere.
+    layers_batch: Option<Vec<Dispatch>>,
+    head_gather_batch: Option<Vec<Dispatch>>,
     head_all: Vec<Dispatch>,
     argmax: Dispatch,
 }
@@ -261,6 +273,9 @@ pub struct GpuModel {
     memory: MemoryReport,
     /// Steps where the matvec path runs (n_tokens at or below this).
     pub matvec_max_tokens: usize,
+    /// Steps above `matvec_max_tokens` and up to this use the four-token texture matvec
+    /// (CPU adapters; 0 where there is none).
+    pub batch_max_tokens: usize,
     /// Most key splits per token in a decode step's attention.
     pub attention_splits: usize,
     /// Rows of logits one step can produce (`max_logit_rows` within the binding limit).
@@ -521,15 +536,32 @@ impl GpuModel {
             .map_err(gpu_err)?;
         let mut layers_matvec = Vec::new();
         let mut layers_matmul = Vec::new();
+        // The four-token texture matvec exists where the matvec reads textures (CPU adapters).
+        let batch_plans = !options.batch_invariant && layers.iter().any(|l| l.qkv.tex.is_some());
+        let mut layers_batch = Vec::new();
         for (l, layer) in layers.iter().enumerate() {
-            for shape in [Shape::Matvec, Shape::Matmul] {
+            for shape in [Shape::Matvec, Shape::Matmul, Shape::MatvecBatch] {
+                if shape == Shape::MatvecBatch && !batch_plans {
+                    continue;
+                }
                 let list = Self::layer_plan(&ctx, &c, &ws, &kv.store, kv_cfg, l, layer, shape).await?;
                 match shape {
                     Shape::Matvec => layers_matvec.extend(list),
                     Shape::Matmul => layers_matmul.extend(list),
+                    Shape::MatvecBatch => layers_batch.extend(list),
                 }
             }
         }
+        let batch_max_tokens = if batch_plans { options.batch_max_tokens.unwrap_or(16) } else { 0 };
+        let head_gather_batch = if batch_plans {
+            Some(
+                kernels::linear::build(&ctx, &lm_head, &lin_io(&ws, &ws.hidden, d, Some(&final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, Some(&ws.logit_rows)), Shape::MatvecBatch)
+                    .await
+                    .map_err(gpu_err)?,
+            )
+        } else {
+            None
+        };
         let head_gather = kernels::linear::build(&ctx, &lm_head, &lin_io(&ws, &ws.hidden, d, Some(&final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, Some(&ws.logit_rows)), Shape::Matvec)
             .await
             .map_err(gpu_err)?;
@@ -545,6 +577,8 @@ impl GpuModel {
             layers_matvec,
             layers_matmul,
             head_gather,
+            layers_batch: batch_plans.then_some(layers_batch),
+            head_gather_batch,
             head_all,
             argmax,
         };
@@ -552,6 +586,8 @@ impl GpuModel {
         // (SmolLM2-135M on lavapipe, layer linears: 1.67 s blocked vs 2 x 1.04 s matvec).
         let matvec_max_tokens = if options.batch_invariant {
             0
+        } else if let Some(n) = options.matvec_max_tokens {
+            n
         } else if ctx.caps.cpu_like {
             1
         } else {
@@ -610,6 +646,7 @@ impl GpuModel {
             readback,
             memory,
             matvec_max_tokens,
+            batch_max_tokens,
             attention_splits,
             logit_rows: r,
         })
@@ -930,6 +967,8 @@ impl GpuModel {
     fn layer_plan_for(&self, n: usize) -> &[Dispatch] {
         if n <= self.matvec_max_tokens {
             &self.plans.layers_matvec
+        } else if n <= self.batch_max_tokens {
+            self.plans.layers_batch.as_deref().unwrap_or(&self.plans.layers_matmul)
         } else {
             &self.plans.layers_matmul
         }
@@ -1000,7 +1039,13 @@ impl GpuModel {
                 d.encode(&mut pass, &s);
             }
             if n_out > 0 {
-                let head = if all_rows { &self.plans.head_all } else { &self.plans.head_gather };
+                let head = if all_rows {
+                    &self.plans.head_all
+                } else if n_out > 1 && self.plans.head_gather_batch.is_some() {
+                    self.plans.head_gather_batch.as_deref().unwrap_or(&self.plans.head_gather)
+                } else {
+                    &self.plans.head_gather
+                };
                 for d in head {
                     d.encode(&mut pass, &s);
                 }
