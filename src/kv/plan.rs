@@ -150,7 +150,7 @@ pub fn plan(
     let used = weight_bytes + workspace_bytes + reserve_bytes;
     let kv_budget = budget_bytes.saturating_sub(used);
     let page_bytes = per_token * page_size as u64;
-    let pages = if page_bytes == 0 { 0 } else { kv_budget / page_bytes };
+    let pages = kv_budget.checked_div(page_bytes).unwrap_or(0);
     let pages_per_seq = context.max(1).div_ceil(page_size) as u64;
     let max_seqs = pages / pages_per_seq;
     Plan {

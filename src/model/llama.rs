@@ -944,8 +944,8 @@ impl GpuModel {
         step.n_splits = self.splits_for(ids.len(), max_keys) as u32;
         q.write_buffer(&self.ws.step, 0, bytemuck::bytes_of(&step));
         q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(ids));
-        q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(&positions));
-        q.write_buffer(&self.ws.token_seq, 0, bytemuck::cast_slice(&seqs));
+        q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(positions));
+        q.write_buffer(&self.ws.token_seq, 0, bytemuck::cast_slice(seqs));
         q.write_buffer(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
         if !rows.is_empty() {
             q.write_buffer(&self.ws.logit_rows, 0, bytemuck::cast_slice(rows));
