@@ -43,6 +43,10 @@ pub enum LanternError {
         what: String,
         needed: u64,
     },
+    #[error("overloaded: {waiting} requests are already waiting (max_waiting {max_waiting})")]
+    Overloaded { waiting: usize, max_waiting: usize },
+    #[error("the engine has stopped")]
+    EngineStopped,
     #[error(transparent)]
     Gpu(#[from] crate::gpu::GpuError),
     #[error(transparent)]

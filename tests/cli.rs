@@ -101,3 +101,62 @@ fn corrupt_gguf_fails_cleanly() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.gguf") && !err.contains("panicked"), "{err}");
 }
+
+/// `lantern bench` on the real model: a closed-loop sweep (1 and 3 in flight, shared prefix)
+/// and a Poisson run; the table, the JSON (every request's timestamps and the summary) and
+/// the SVG agree with the workload.
+#[test]
+fn bench_runs_a_workload_and_writes_json_and_svg() {
+    let dir = std::env::temp_dir().join(format!("lantern-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, svg) = (dir.join("b.json"), dir.join("b.svg"));
+    let out = lantern()
+        .args(["bench", "--requests", "3", "--prompt-len", "6..10", "--output-len", "3", "--shared-prefix", "16", "--sweep", "1,3"])
+        .args(["--slo-ttft-ms", "100000", "--slo-tpot-ms", "100000", "--json"])
+        .arg(&json)
+        .arg("--plot")
+        .arg(&svg)
+        .arg("--model")
+        .arg(common::smollm2_gguf())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "stdout: {stdout}\nstderr: {}", String::from_utf8_lossy(&out.stderr));
+    for needle in ["TTFT", "ITL", "TPOT", "E2E", "goodput: 3/3", "throughput against latency"] {
+        assert!(stdout.contains(needle), "{needle:?} missing from:\n{stdout}");
+    }
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    for run in runs {
+        let reqs = run["requests"].as_array().unwrap();
+        assert_eq!(reqs.len(), 3);
+        for r in reqs {
+            let toks = r["token_ms"].as_array().unwrap();
+            assert_eq!(toks.len(), 3, "exactly --output-len tokens");
+            let p = r["prompt_tokens"].as_u64().unwrap();
+            assert!((22..=26).contains(&p), "16 shared + 6..10 tokens: {p}");
+            assert!(r["arrival_ms"].as_f64().unwrap() <= toks[0].as_f64().unwrap());
+            assert!(toks[2].as_f64().unwrap() <= r["finished_ms"].as_f64().unwrap() + 1e-6);
+        }
+        let s = &run["summary"];
+        assert_eq!(s["output_tokens"], 9);
+        assert_eq!(s["met_slo"], 3);
+        assert!(s["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+    }
+    // The later requests of a run reuse the shared prefix's full page.
+    assert!(runs[0]["summary"]["cached_prompt_tokens"].as_u64().unwrap() >= 16);
+    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg_text.starts_with("<svg") && svg_text.trim_end().ends_with("</svg>"));
+    assert!(svg_text.matches("<polyline").count() >= 6, "CDFs and throughput curves drawn");
+
+    // Open loop: Poisson arrivals.
+    let out = lantern()
+        .args(["bench", "--requests", "3", "--prompt-len", "8", "--output-len", "2", "--rate", "20", "--model"])
+        .arg(common::smollm2_gguf())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("Poisson arrivals at 20 req/s") && stdout.contains("3 requests in"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

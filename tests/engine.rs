@@ -196,6 +196,7 @@ fn impossible_requests_are_refused_at_submit() {
     assert!(err.to_string().contains("needs 10 more page(s)"), "{err}");
     let _h = e.submit(req(4, 4)).unwrap();
     let err = e.submit(req(4, 4)).err().expect("queue full");
+    assert!(matches!(err, lantern::LanternError::Overloaded { waiting: 1, max_waiting: 1 }), "{err}");
     assert!(err.to_string().contains("overloaded"), "{err}");
 }
 

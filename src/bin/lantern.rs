@@ -24,6 +24,10 @@ mod quantize_cmd;
 mod info_cmd;
 #[path = "lantern/plan_cmd.rs"]
 mod plan_cmd;
+#[path = "lantern/bench_cmd.rs"]
+mod bench_cmd;
+#[path = "lantern/serve_cmd.rs"]
+mod serve_cmd;
 
 #[derive(Parser)]
 #[command(name = "lantern", version, about = "Portable LLM inference on WebGPU (wgpu)")]
@@ -57,6 +61,13 @@ enum Cmd {
     /// and what fits a --memory-budget or the adapter's memory (--adapter, --probe). Works
     /// from a config.json alone; needs no GPU unless --adapter or --probe.
     Plan(plan_cmd::PlanArgs),
+    /// Serving benchmark: a described workload (lengths, request count, concurrency or a
+    /// Poisson rate, shared prefix) through the batching engine; TTFT, ITL, TPOT, E2E
+    /// percentiles, throughput and goodput; --json, --plot, --sweep.
+    Bench(bench_cmd::BenchArgs),
+    /// OpenAI-compatible HTTP server on localhost (/v1/completions, /v1/chat/completions with
+    /// streaming, /v1/models, /metrics, /health).
+    Serve(serve_cmd::ServeArgs),
     /// Evaluate: perplexity on a text (`eval ppl`), or compare two models (`eval compare`).
     #[command(subcommand)]
     Eval(eval_cmd::EvalCmd),
@@ -164,6 +175,8 @@ fn main() {
         Cmd::Info(a) => info_cmd::info(a),
         Cmd::Plan(a) => plan_cmd::run(a),
         Cmd::Eval(c) => eval_cmd::eval(c),
+        Cmd::Bench(a) => bench_cmd::run(a),
+        Cmd::Serve(a) => serve_cmd::run(a),
         Cmd::Fetch => lantern::fetch::ensure_default_model(true).map(|p| {
             println!("{}", p.display());
         }),

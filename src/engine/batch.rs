@@ -215,7 +215,7 @@ impl Engine {
         }
         // A request that could not fit even in an empty cache would wait forever.
         let page = self.model.kv.alloc.config.page_size;
-        let most = (req.prompt_ids.len() + req.max_tokens.max(1)).min(context);
+        let most = req.prompt_ids.len().saturating_add(req.max_tokens.max(1)).min(context);
         let total = self.model.kv.alloc.total_pages();
         if most.div_ceil(page) > total {
             return Err(LanternError::Kv(KvError::Full { needed: most.div_ceil(page), free: total, total, page_size: page }));
@@ -240,7 +240,7 @@ impl Engine {
             return Ok(RequestHandle { id, events: rx, cancel: Arc::new(AtomicBool::new(false)) });
         }
         if self.waiting.len() >= self.options.max_waiting {
-            return Err(refuse(format!("overloaded: {} requests are already waiting (max_waiting)", self.waiting.len())));
+            return Err(LanternError::Overloaded { waiting: self.waiting.len(), max_waiting: self.options.max_waiting });
         }
         let (tx, rx) = unbounded();
         let cancel = Arc::new(AtomicBool::new(false));

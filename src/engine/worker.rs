@@ -63,8 +63,8 @@ impl EngineClient {
         let (tx, rx) = channel();
         self.tx
             .send(Cmd::Submit(Box::new(req), tx))
-            .map_err(|_| LanternError::Other("the engine has stopped".into()))?;
-        rx.recv().map_err(|_| LanternError::Other("the engine has stopped".into()))?
+            .map_err(|_| LanternError::EngineStopped)?;
+        rx.recv().map_err(|_| LanternError::EngineStopped)?
     }
 
     /// The engine's state after its last step.

@@ -1,0 +1,889 @@
+//! `lantern serve` as clients see it: the real binary on the real model (SmolLM2, context
+//! 256, 4 sequences) on a free loopback port, driven by a plain HTTP/1.1 client over
+//! `TcpStream`. Completions and chat completions (equal to `lantern run` greedy), streaming,
+//! /v1/models, concurrent clients, errors (malformed JSON, unknown model, oversize prompt,
+//! bad parameters, 404/405/413, the connection cap), the API key, a client that disconnects
+//! mid-stream (its pages come back), and a bounded load test (16 streaming clients for 10 s
+//! against a queue of 4: every request completes or gets a documented 429/503, none hangs,
+//! and the engine and the process return to where they started).
+//!
+//! The tests of this file run one at a time (each starts its own server, and lavapipe
+//! shares two cores).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const MODEL_ID: &str = "SmolLM2-135M-Instruct.Q4_1";
+const CONTEXT: usize = 256;
+
+fn serial() -> MutexGuard<'static, ()> {
+    static M: Mutex<()> = Mutex::new(());
+    M.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A `lantern serve` child process, killed on drop.
+struct Server {
+    child: Child,
+    addr: String,
+    log: PathBuf,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        Self::start_with_env(extra, &[])
+    }
+
+    fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("serve-{}-{n}.log", std::process::id()));
+        let log_file = std::fs::File::create(&log).expect("server log file");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_lantern"));
+        cmd.env("LANTERN_OFFLINE", "1")
+            .env_remove("LANTERN_API_KEY")
+            .args(["serve", "--port", "0", "--context", "256", "--max-seqs", "4", "--model"])
+            .arg(common::smollm2_gguf())
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log_file));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("start lantern serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(i) = line.find("listening on http://") {
+                    let rest = &line[i + "listening on http://".len()..];
+                    let addr = rest.split_whitespace().next().unwrap_or("").to_string();
+                    let _ = tx.send(addr);
+                }
+            }
+        });
+        let mut server = Server { child, addr: String::new(), log };
+        match rx.recv_timeout(Duration::from_secs(180)) {
+            Ok(addr) => server.addr = addr,
+            Err(_) => panic!("the server did not start; its log:\n{}", server.log_text()),
+        }
+        server
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn get(&self, path: &str) -> Response {
+        http(&self.addr, "GET", path, &[], b"")
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Response {
+        http(&self.addr, "POST", path, &[("Content-Type", "application/json")], body.to_string().as_bytes())
+    }
+
+    /// The value of an unlabelled sample (or a labelled one given as `name{labels}`).
+    fn metric(&self, name: &str) -> f64 {
+        let r = self.get("/metrics");
+        assert_eq!(r.status, 200);
+        metric(&r.text(), name)
+    }
+
+    /// Waits until no request runs or waits and every KV page is free.
+    fn wait_idle(&self, within: Duration) -> String {
+        let t0 = Instant::now();
+        loop {
+            let text = self.get("/metrics").text();
+            let (running, waiting) =
+                (metric(&text, "lantern_requests_running"), metric(&text, "lantern_requests_waiting"));
+            let (free, total) = (metric(&text, "lantern_kv_pages_free"), metric(&text, "lantern_kv_pages_total"));
+            if running == 0.0 && waiting == 0.0 && free == total {
+                return text;
+            }
+            assert!(
+                t0.elapsed() < within,
+                "not idle after {within:?}: running {running}, waiting {waiting}, KV pages free {free} of {total}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- server log ({}) ---\n{}", self.log.display(), self.log_text());
+        }
+    }
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} missing in:\n{text}"))
+}
+
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Response {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("status {}: not JSON ({e}): {}", self.status, self.text()))
+    }
+
+    /// The `data:` payloads of a server-sent-event body.
+    fn events(&self) -> Vec<String> {
+        self.text()
+            .split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("not an SSE data event: {e:?}")).to_string())
+            .collect()
+    }
+}
+
+fn connect(addr: &str) -> TcpStream {
+    let s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(30))).unwrap();
+    s
+}
+
+fn write_request(s: &mut TcpStream, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8], close: bool) {
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n", body.len());
+    if close {
+        req.push_str("Connection: close\r\n");
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    let mut bytes = req.into_bytes();
+    bytes.extend_from_slice(body);
+    s.write_all(&bytes).expect("send request");
+}
+
+/// One request on a fresh connection (`Connection: close`).
+fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Response {
+    let mut s = connect(addr);
+    write_request(&mut s, method, path, headers, body, true);
+    read_response(&mut BufReader::new(s)).expect("read response")
+}
+
+fn read_line(r: &mut impl BufRead) -> std::io::Result<String> {
+    let mut l = String::new();
+    if r.read_line(&mut l)? == 0 {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed"));
+    }
+    Ok(l.trim_end_matches(['\r', '\n']).to_string())
+}
+
+fn read_head(r: &mut impl BufRead) -> std::io::Result<(u16, Vec<(String, String)>)> {
+    let status_line = read_line(r)?;
+    let status = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad status line {status_line:?}")))?;
+    let mut headers = Vec::new();
+    loop {
+        let l = read_line(r)?;
+        if l.is_empty() {
+            break;
+        }
+        let (k, v) = l.split_once(':').ok_or_else(|| std::io::Error::other(format!("bad header {l:?}")))?;
+        headers.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    Ok((status, headers))
+}
+
+/// One chunk of a chunked body (`None` at its end).
+fn read_chunk(r: &mut impl BufRead) -> std::io::Result<Option<Vec<u8>>> {
+    let size = read_line(r)?;
+    let size = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16)
+        .map_err(|_| std::io::Error::other(format!("bad chunk size {size:?}")))?;
+    if size == 0 {
+        read_line(r)?;
+        return Ok(None);
+    }
+    let mut data = vec![0; size];
+    r.read_exact(&mut data)?;
+    read_line(r)?;
+    Ok(Some(data))
+}
+
+fn read_response(r: &mut impl BufRead) -> std::io::Result<Response> {
+    let (status, headers) = read_head(r)?;
+    let mut resp = Response { status, headers, body: Vec::new() };
+    if resp.header("transfer-encoding").is_some_and(|t| t.eq_ignore_ascii_case("chunked")) {
+        while let Some(c) = read_chunk(r)? {
+            resp.body.extend_from_slice(&c);
+        }
+    } else if let Some(n) = resp.header("content-length") {
+        let n: usize = n.parse().map_err(|_| std::io::Error::other("bad content-length"))?;
+        resp.body = vec![0; n];
+        r.read_exact(&mut resp.body)?;
+    } else {
+        r.read_to_end(&mut resp.body)?;
+    }
+    Ok(resp)
+}
+
+/// `lantern run --json` on the same model and context: the reference output.
+fn lantern_run(args: &[&str]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_lantern"))
+        .env("LANTERN_OFFLINE", "1")
+        .args(["run", "--json", "--context", "256", "--model"])
+        .arg(common::smollm2_gguf())
+        .args(args)
+        .output()
+        .expect("lantern run");
+    assert!(out.status.success(), "lantern run: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("lantern run --json prints JSON")
+}
+
+/// The error object of an OpenAI-shaped error response.
+fn error_of(r: &Response) -> Value {
+    let v = r.json();
+    let e = v["error"].clone();
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "no error message: {v}");
+    assert!(e["type"].as_str().is_some(), "no error type: {v}");
+    e
+}
+
+#[test]
+fn completion_and_chat_equal_lantern_run_greedy() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let run = lantern_run(&["--max-tokens", "6", "Once upon a time"]);
+    let r = server.post(
+        "/v1/completions",
+        &json!({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.header("content-type").unwrap().starts_with("application/json"));
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+    assert_eq!(v["model"], MODEL_ID);
+    let c = &v["choices"][0];
+    assert_eq!(c["index"], 0);
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(c["text"], run["text"], "server vs lantern run");
+    let prompt_tokens = run["prompt_ids"].as_array().unwrap().len() as u64;
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(prompt_tokens));
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    assert_eq!(v["usage"]["total_tokens"].as_u64(), Some(prompt_tokens + 6));
+
+    // The prompt as token ids, and the model named by its path: the same text.
+    let ids = run["prompt_ids"].clone();
+    let path = common::smollm2_gguf().display().to_string();
+    let r = server.post("/v1/completions", &json!({"model": path, "prompt": ids, "max_tokens": 6, "temperature": 0}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["choices"][0]["text"], run["text"]);
+
+    // Chat: the model's template, stopped by its end-of-turn token.
+    let question = "What is the capital of France?";
+    let run = lantern_run(&["--chat", "--max-tokens", "12", question]);
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let c = &v["choices"][0];
+    assert_eq!(c["message"]["role"], "assistant");
+    assert_eq!(c["message"]["content"], run["text"], "server vs lantern run --chat");
+    let finish = if run["finish_reason"] == "stop" { "stop" } else { "length" };
+    assert_eq!(c["finish_reason"], finish);
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(run["prompt_ids"].as_array().unwrap().len() as u64));
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(run["output_ids"].as_array().unwrap().len() as u64));
+    // The same question as a list of text parts; max_completion_tokens wins over max_tokens.
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}],
+                "max_tokens": 1, "max_completion_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["choices"][0]["message"]["content"], run["text"]);
+    // A stop string cuts the text before it.
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": question}], "max_tokens": 12,
+                "temperature": 0, "stop": [" of"]}),
+    );
+    let text = run["text"].as_str().unwrap();
+    let want = &text[..text.find(" of").expect("the reference answer has \" of\"")];
+    assert_eq!(r.json()["choices"][0]["message"]["content"], want);
+    assert_eq!(r.json()["choices"][0]["finish_reason"], "stop");
+}
+
+#[test]
+fn streaming_chunks_concatenate_to_the_same_text() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let body = json!({"model": MODEL_ID, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0});
+    let full = server.post("/v1/completions", &body).json();
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let r = server.post("/v1/completions", &sbody);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    assert_eq!(r.header("transfer-encoding"), Some("chunked"));
+    let events = r.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert!(chunks.len() >= 3, "{chunks:?}");
+    let mut text = String::new();
+    let mut finish = None;
+    for c in &chunks {
+        assert_eq!(c["object"], "text_completion");
+        assert_eq!(c["id"], chunks[0]["id"]);
+        if let Some(choice) = c["choices"].as_array().and_then(|a| a.first()) {
+            text.push_str(choice["text"].as_str().unwrap());
+            if !choice["finish_reason"].is_null() {
+                finish = Some(choice["finish_reason"].clone());
+            }
+        }
+    }
+    assert_eq!(text, full["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(finish, Some(json!("length")));
+    let usage = &chunks.last().unwrap()["usage"];
+    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(usage[k], full["usage"][k], "the usage chunk's {k}");
+    }
+
+    // Chat: a role delta first, content deltas, a final chunk with finish_reason, [DONE].
+    let msgs = json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]);
+    let full = server
+        .post("/v1/chat/completions", &json!({"model": MODEL_ID, "messages": msgs, "max_tokens": 8, "temperature": 0}));
+    let full = full.json();
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": msgs, "max_tokens": 8, "temperature": 0, "stream": true}),
+    );
+    assert_eq!(r.status, 200);
+    let events = r.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, full["choices"][0]["message"]["content"].as_str().unwrap());
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!(last["finish_reason"], full["choices"][0]["finish_reason"]);
+    assert_eq!(last["delta"], json!({}));
+}
+
+#[test]
+fn models_health_and_request_errors() {
+    let _s = serial();
+    let server = Server::start(&["--max-connections", "4"]);
+    let r = server.get("/v1/models");
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], MODEL_ID);
+    assert_eq!(v["data"][0]["object"], "model");
+    assert_eq!(v["data"][0]["owned_by"], "lantern");
+    assert!(v["data"][0]["created"].as_u64().is_some());
+    assert_eq!(server.get(&format!("/v1/models/{MODEL_ID}")).json()["id"], MODEL_ID);
+    assert_eq!(error_of(&server.get("/v1/models/nope"))["code"], "model_not_found");
+    let h = server.get("/health");
+    assert_eq!(h.status, 200);
+    assert_eq!(h.json()["status"], "ok");
+    assert_eq!(server.get("/healthz").status, 200);
+
+    // Malformed JSON, a body that is not an object, missing fields.
+    let r = http(&server.addr, "POST", "/v1/completions", &[], b"{\"model\": ");
+    assert_eq!(r.status, 400);
+    assert_eq!(error_of(&r)["type"], "invalid_request_error");
+    assert_eq!(error_of(&r)["code"], "invalid_json");
+    assert_eq!(http(&server.addr, "POST", "/v1/completions", &[], b"[1, 2]").status, 400);
+    assert_eq!(http(&server.addr, "POST", "/v1/chat/completions", &[], b"").status, 400);
+    let r = server.post("/v1/completions", &json!({"model": MODEL_ID}));
+    assert_eq!((r.status, error_of(&r)["param"].clone()), (400, json!("prompt")));
+    let r = server.post("/v1/completions", &json!({"prompt": "hi"}));
+    assert_eq!((r.status, error_of(&r)["param"].clone()), (400, json!("model")));
+    let r = server.post("/v1/chat/completions", &json!({"model": MODEL_ID, "messages": []}));
+    assert_eq!((r.status, error_of(&r)["param"].clone()), (400, json!("messages")));
+    let r = server.post("/v1/chat/completions", &json!({"model": MODEL_ID, "messages": [{"content": "hi"}]}));
+    assert_eq!(r.status, 400);
+
+    // Unknown model.
+    let r = server.post("/v1/completions", &json!({"model": "gpt-4", "prompt": "hi"}));
+    assert_eq!(r.status, 404);
+    let e = error_of(&r);
+    assert_eq!(
+        (e["type"].as_str(), e["param"].as_str(), e["code"].as_str()),
+        (Some("invalid_request_error"), Some("model"), Some("model_not_found"))
+    );
+
+    // A prompt longer than the context: 400 naming both numbers.
+    let long = "word ".repeat(400);
+    let r = server.post("/v1/completions", &json!({"model": MODEL_ID, "prompt": long}));
+    assert_eq!(r.status, 400);
+    let e = error_of(&r);
+    assert_eq!(e["code"], "context_length_exceeded");
+    let msg = e["message"].as_str().unwrap();
+    let numbers: Vec<usize> = msg.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
+    assert!(numbers.contains(&CONTEXT) && numbers.iter().any(|&n| n > CONTEXT), "{msg}");
+    let r = server
+        .post("/v1/chat/completions", &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": long}]}));
+    assert_eq!((r.status, error_of(&r)["code"].clone()), (400, json!("context_length_exceeded")));
+
+    // Parameters out of range or unsupported.
+    for bad in [
+        json!({"n": 2}),
+        json!({"temperature": 3}),
+        json!({"temperature": "hot"}),
+        json!({"top_p": 0}),
+        json!({"max_tokens": -1}),
+        json!({"max_tokens": 1.5}),
+        json!({"stop": 7}),
+        json!({"echo": true}),
+        json!({"logprobs": 3}),
+        json!({"stream": "yes"}),
+        json!({"prompt": ""}),
+        json!({"prompt": [1, 2, 99999999]}),
+        json!({"prompt": ["a", "b"]}),
+        json!({"prompt": {"text": "x"}}),
+    ] {
+        let mut body = json!({"model": MODEL_ID, "prompt": "hi", "max_tokens": 1});
+        for (k, v) in bad.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = server.post("/v1/completions", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        error_of(&r);
+    }
+
+    // Routes, methods, sizes.
+    let r = server.get("/v2/nothing");
+    assert_eq!((r.status, error_of(&r)["code"].clone()), (404, json!("not_found")));
+    let r = server.get("/v1/completions");
+    assert_eq!(r.status, 405);
+    assert_eq!(r.header("allow"), Some("POST"));
+    let r = http(&server.addr, "DELETE", "/v1/models", &[], b"");
+    assert_eq!(r.status, 405);
+    // A declared body over the 4 MiB cap is refused before it is sent.
+    let mut s = connect(&server.addr);
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\n").unwrap();
+    let r = read_response(&mut BufReader::new(s)).unwrap();
+    assert_eq!(r.status, 413);
+    error_of(&r);
+    // A request that is not HTTP.
+    let mut s = connect(&server.addr);
+    s.write_all(b"hello there\r\n\r\n").unwrap();
+    assert_eq!(read_response(&mut BufReader::new(s)).unwrap().status, 400);
+
+    // A chunked request body, and two requests on one keep-alive connection.
+    let body = json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 1, "temperature": 0}).to_string();
+    let mut s = connect(&server.addr);
+    let (a, b) = body.split_at(10);
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{a}\r\n{:x}\r\n{b}\r\n0\r\n\r\n",
+        a.len(),
+        b.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut reader = BufReader::new(s.try_clone().unwrap());
+    let r = read_response(&mut reader).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 1);
+    write_request(&mut s, "GET", "/health", &[], b"", false);
+    assert_eq!(read_response(&mut reader).unwrap().status, 200);
+    drop((s, reader));
+
+    // Beyond --max-connections (4): 503 at once with a reason, then service again.
+    std::thread::sleep(Duration::from_millis(300));
+    let idle: Vec<TcpStream> = (0..4).map(|_| connect(&server.addr)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    let r = server.get("/health");
+    assert_eq!(r.status, 503);
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert_eq!(error_of(&r)["code"], "too_many_connections");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    drop(idle);
+    let t0 = Instant::now();
+    while server.get("/health").status != 200 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "connections not released");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The errors were counted.
+    let text = server.get("/metrics").text();
+    assert!(metric(&text, "lantern_requests_total{outcome=\"rejected\"}") >= 18.0);
+    assert_eq!(metric(&text, "lantern_requests_total{outcome=\"too_many_connections\"}"), 1.0);
+    assert!(metric(&text, "lantern_http_responses_total{route=\"/v1/completions\",code=\"404\"}") >= 1.0);
+}
+
+#[test]
+fn api_key_is_required_everywhere_but_health() {
+    let _s = serial();
+    let key = "sk-test-0123456789";
+    let server = Server::start_with_env(&[], &[("LANTERN_API_KEY", key)]);
+    let auth = format!("Bearer {key}");
+    let completion = json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 1, "temperature": 0}).to_string();
+    let mut refusals = Vec::new();
+    for (method, path, body) in [
+        ("GET", "/v1/models", ""),
+        ("GET", "/metrics", ""),
+        ("POST", "/v1/completions", completion.as_str()),
+        ("POST", "/v1/chat/completions", "{}"),
+        ("GET", "/no/such/route", ""),
+    ] {
+        for headers in [
+            vec![],
+            vec![("Authorization", "Bearer wrong")],
+            vec![("Authorization", key)],
+            vec![("Authorization", "Basic eDp5")],
+        ] {
+            let r = http(&server.addr, method, path, &headers, body.as_bytes());
+            assert_eq!(r.status, 401, "{method} {path} {headers:?}");
+            assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+            refusals.push(r.text());
+        }
+    }
+    // Every refusal is the same: no hint of what was wrong.
+    assert!(refusals.iter().all(|t| t == &refusals[0]), "{refusals:?}");
+    assert!(!refusals[0].contains(key) && !refusals[0].contains("wrong"), "{}", refusals[0]);
+    assert_eq!(http(&server.addr, "GET", "/health", &[], b"").status, 200);
+    assert_eq!(http(&server.addr, "GET", "/healthz", &[], b"").status, 200);
+    assert_eq!(http(&server.addr, "GET", "/v1/models", &[("Authorization", &auth)], b"").status, 200);
+    assert_eq!(http(&server.addr, "GET", "/metrics", &[("authorization", &format!("bearer {key}"))], b"").status, 200);
+    let r = http(&server.addr, "POST", "/v1/completions", &[("Authorization", &auth)], completion.as_bytes());
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+#[test]
+fn concurrent_clients_all_complete() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "In the beginning"];
+    let addr = server.addr.clone();
+    let threads: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let addr = addr.clone();
+            let body = json!({"model": MODEL_ID, "prompt": p, "max_tokens": 6, "temperature": 0, "stream": i % 2 == 1});
+            std::thread::spawn(move || {
+                let r = http(&addr, "POST", "/v1/completions", &[], body.to_string().as_bytes());
+                assert_eq!(r.status, 200, "{}", r.text());
+                if i % 2 == 1 {
+                    let ev = r.events();
+                    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
+                    ev[..ev.len() - 1]
+                        .iter()
+                        .map(|e| {
+                            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"]
+                                .as_str()
+                                .unwrap()
+                                .to_string()
+                        })
+                        .collect::<String>()
+                } else {
+                    let v = r.json();
+                    assert_eq!(v["usage"]["completion_tokens"], 6);
+                    v["choices"][0]["text"].as_str().unwrap().to_string()
+                }
+            })
+        })
+        .collect();
+    let texts: Vec<String> = threads.into_iter().map(|t| t.join().expect("client")).collect();
+    assert!(texts.iter().all(|t| !t.is_empty()), "{texts:?}");
+    let text = server.wait_idle(Duration::from_secs(10));
+    assert_eq!(metric(&text, "lantern_requests_total{outcome=\"length\"}"), 4.0);
+    assert_eq!(metric(&text, "lantern_completion_tokens_total"), 24.0);
+    assert_eq!(metric(&text, "lantern_time_to_first_token_seconds_count"), 4.0);
+    assert_eq!(metric(&text, "lantern_time_per_output_token_seconds_count"), 4.0);
+    assert_eq!(metric(&text, "lantern_e2e_request_latency_seconds_count"), 4.0);
+}
+
+#[test]
+fn client_disconnect_frees_its_pages() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let total = server.metric("lantern_kv_pages_total");
+    // Mid-stream: read the first token, then hang up.
+    let body = json!({"model": MODEL_ID, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 200, "temperature": 0, "stream": true});
+    let mut s = connect(&server.addr);
+    write_request(&mut s, "POST", "/v1/completions", &[], body.to_string().as_bytes(), false);
+    let mut r = BufReader::new(s);
+    let (status, _) = read_head(&mut r).unwrap();
+    assert_eq!(status, 200);
+    let first = read_chunk(&mut r).unwrap().expect("a first event");
+    assert!(first.starts_with(b"data: {"), "{}", String::from_utf8_lossy(&first));
+    let first = String::from_utf8_lossy(&first).into_owned();
+    let first: Value = serde_json::from_str(first.trim_start_matches("data: ").trim_end()).expect("a JSON event");
+    assert!(first["choices"][0]["text"].is_string(), "{first}");
+    // The engine publishes its snapshot just after the step that sent the token.
+    let t0 = Instant::now();
+    loop {
+        let text = server.get("/metrics").text();
+        if metric(&text, "lantern_requests_running") == 1.0 && metric(&text, "lantern_kv_pages_free") < total {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(2), "the request does not run (first event {first}):\n{text}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(r);
+    let t0 = Instant::now();
+    let text = server.wait_idle(Duration::from_secs(10));
+    eprintln!("pages free {:?} after the disconnect", t0.elapsed());
+    assert_eq!(metric(&text, "lantern_requests_total{outcome=\"cancelled\"}"), 1.0);
+    assert_eq!(metric(&text, "lantern_http_responses_total{route=\"/v1/completions\",code=\"499\"}"), 1.0);
+    assert!(metric(&text, "lantern_engine_output_tokens_total") < 100.0);
+
+    // Waiting for a whole (non-streamed) answer, then hanging up.
+    let mut body = body;
+    body["stream"] = json!(false);
+    let mut s = connect(&server.addr);
+    write_request(&mut s, "POST", "/v1/completions", &[], body.to_string().as_bytes(), false);
+    let t0 = Instant::now();
+    while server.metric("lantern_requests_running") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the request never ran");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(s);
+    let text = server.wait_idle(Duration::from_secs(10));
+    assert_eq!(metric(&text, "lantern_requests_total{outcome=\"cancelled\"}"), 2.0);
+    assert_eq!(metric(&text, "lantern_requests_total{outcome=\"length\"}"), 0.0);
+}
+
+/// What one load-test request ended as.
+#[derive(Debug)]
+enum Outcome {
+    Completed,
+    Overloaded,
+    Unavailable,
+    /// The client hung up on purpose after the first event.
+    Abandoned,
+    Failed(#[allow(dead_code)] String),
+}
+
+fn load_request(addr: &str, body: &Value, abandon: bool) -> Outcome {
+    let mut s = match TcpStream::connect(addr) {
+        Ok(s) => s,
+        Err(e) => return Outcome::Failed(format!("connect: {e}")),
+    };
+    // Nothing may hang: a read waits 60 s at most (a request takes well under 10 s).
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write_request(&mut s, "POST", "/v1/completions", &[], body.to_string().as_bytes(), true);
+    let mut r = BufReader::new(s);
+    let (status, headers) = match read_head(&mut r) {
+        Ok(h) => h,
+        Err(e) => return Outcome::Failed(format!("reading the head: {e}")),
+    };
+    if status == 429 || status == 503 {
+        let resp = match read_response_body(&mut r, status, headers) {
+            Ok(resp) => resp,
+            Err(e) => return Outcome::Failed(format!("reading a {status}: {e}")),
+        };
+        let reason = serde_json::from_slice::<Value>(&resp.body)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(String::from));
+        if reason.is_none_or(|m| m.is_empty()) || resp.header("retry-after").is_none() {
+            return Outcome::Failed(format!("{status} without a reason or Retry-After: {}", resp.text()));
+        }
+        return if status == 429 { Outcome::Overloaded } else { Outcome::Unavailable };
+    }
+    if status != 200 {
+        return Outcome::Failed(format!("status {status}"));
+    }
+    let mut finish = None;
+    let mut events = 0;
+    loop {
+        match read_chunk(&mut r) {
+            Ok(Some(c)) => {
+                let t = String::from_utf8_lossy(&c).into_owned();
+                let Some(payload) = t.strip_prefix("data: ").map(str::trim_end) else {
+                    return Outcome::Failed(format!("not an event: {t:?}"));
+                };
+                events += 1;
+                if abandon {
+                    return Outcome::Abandoned;
+                }
+                if payload == "[DONE]" {
+                    continue;
+                }
+                let v: Value = match serde_json::from_str(payload) {
+                    Ok(v) => v,
+                    Err(e) => return Outcome::Failed(format!("bad event {payload:?}: {e}")),
+                };
+                if v.get("error").is_some() {
+                    return Outcome::Failed(format!("error event {v}"));
+                }
+                if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+                    finish = Some(f.to_string());
+                }
+            }
+            Ok(None) => break,
+            Err(e) => return Outcome::Failed(format!("after {events} events: {e}")),
+        }
+    }
+    match finish.as_deref() {
+        Some("length") | Some("stop") => Outcome::Completed,
+        f => Outcome::Failed(format!("stream ended with finish_reason {f:?}")),
+    }
+}
+
+fn read_response_body(r: &mut impl BufRead, status: u16, headers: Vec<(String, String)>) -> std::io::Result<Response> {
+    let mut resp = Response { status, headers, body: Vec::new() };
+    let n: usize = resp.header("content-length").and_then(|n| n.parse().ok()).unwrap_or(0);
+    resp.body = vec![0; n];
+    r.read_exact(&mut resp.body)?;
+    Ok(resp)
+}
+
+#[test]
+fn bounded_load_test_loses_nothing_and_returns_to_idle() {
+    let _s = serial();
+    let server = Server::start(&["--max-waiting", "4", "--quiet"]);
+    // Warm up (pipelines, allocator), then take the baseline.
+    let r = server
+        .post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let base = server.wait_idle(Duration::from_secs(10));
+    let (rss0, threads0) = (metric(&base, "process_resident_memory_bytes"), metric(&base, "process_threads"));
+    let finished0 = metric(&base, "lantern_requests_total{outcome=\"length\"}")
+        + metric(&base, "lantern_requests_total{outcome=\"stop\"}");
+
+    let prompts = [
+        "Once upon a time",
+        "The capital of France is",
+        "List three fruits:",
+        "def add(a, b):",
+        "Write a haiku about the sea.",
+        "Why is the sky blue?",
+    ];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let clients: Vec<_> = (0..16)
+        .map(|c| {
+            let addr = server.addr.clone();
+            std::thread::spawn(move || {
+                let mut outcomes = Vec::new();
+                let mut i = 0usize;
+                while Instant::now() < deadline {
+                    let sampled = (c + i).is_multiple_of(3);
+                    let body = json!({
+                        "model": MODEL_ID,
+                        "prompt": prompts[(c * 7 + i) % prompts.len()],
+                        "max_tokens": 4 + (c + i) % 5,
+                        "temperature": if sampled { 0.8 } else { 0.0 },
+                        "seed": i,
+                        "stream": true,
+                    });
+                    let abandon = (c + i) % 7 == 3;
+                    let o = load_request(&addr, &body, abandon);
+                    if matches!(o, Outcome::Overloaded | Outcome::Unavailable) {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    outcomes.push(o);
+                    i += 1;
+                }
+                outcomes
+            })
+        })
+        .collect();
+    let outcomes: Vec<Outcome> = clients.into_iter().flat_map(|t| t.join().expect("client thread")).collect();
+    let count = |f: fn(&Outcome) -> bool| outcomes.iter().filter(|o| f(o)).count();
+    let completed = count(|o| matches!(o, Outcome::Completed));
+    let overloaded = count(|o| matches!(o, Outcome::Overloaded));
+    let unavailable = count(|o| matches!(o, Outcome::Unavailable));
+    let abandoned = count(|o| matches!(o, Outcome::Abandoned));
+    let failed: Vec<&Outcome> = outcomes.iter().filter(|o| matches!(o, Outcome::Failed(_))).collect();
+    eprintln!(
+        "load: {} requests: {completed} completed, {overloaded} x 429, {unavailable} x 503, {abandoned} abandoned, {} failed",
+        outcomes.len(),
+        failed.len()
+    );
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    assert!(completed >= 8, "only {completed} requests completed");
+    assert!(overloaded > 0, "16 clients against 4 sequences + 4 queued never saw a 429");
+
+    // Back to idle, nothing lost: every accepted request is accounted for by the server
+    // (a connection thread may record its request's end a moment after the engine's step).
+    server.wait_idle(Duration::from_secs(20));
+    let t0 = Instant::now();
+    loop {
+        let text = server.get("/metrics").text();
+        let finished = metric(&text, "lantern_requests_total{outcome=\"length\"}")
+            + metric(&text, "lantern_requests_total{outcome=\"stop\"}")
+            - finished0;
+        let cancelled = metric(&text, "lantern_requests_total{outcome=\"cancelled\"}");
+        let open = metric(&text, "lantern_http_connections_open");
+        if finished + cancelled == (completed + abandoned) as f64 && open == 1.0 {
+            assert!(finished >= completed as f64);
+            assert_eq!(metric(&text, "lantern_requests_total{outcome=\"overloaded\"}"), overloaded as f64);
+            assert_eq!(metric(&text, "lantern_requests_total{outcome=\"error\"}"), 0.0);
+            assert_eq!(metric(&text, "lantern_requests_total{outcome=\"timeout\"}"), 0.0);
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "server counts finished {finished} + cancelled {cancelled} != {completed} completed + {abandoned} abandoned, or {open} connections open"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Memory and threads return to where they were (connection threads ended, nothing
+    // kept per request).
+    let t0 = Instant::now();
+    loop {
+        let text = server.get("/metrics").text();
+        let (rss, threads) = (metric(&text, "process_resident_memory_bytes"), metric(&text, "process_threads"));
+        if threads <= threads0 && rss <= rss0 + 64.0 * 1048576.0 {
+            eprintln!(
+                "resident memory {:.1} MiB -> {:.1} MiB, threads {threads0} -> {threads}",
+                rss0 / 1048576.0,
+                rss / 1048576.0
+            );
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "resident memory {:.1} MiB -> {:.1} MiB, threads {threads0} -> {threads}",
+            rss0 / 1048576.0,
+            rss / 1048576.0
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // And it still serves.
+    let r = server
+        .post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0}));
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.json()["choices"][0]["text"],
+        server
+            .post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0}))
+            .json()["choices"][0]["text"]
+    );
+}
