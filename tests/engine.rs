@@ -242,3 +242,32 @@ fn worker_thread_serves_concurrent_clients() {
     let engine = worker.shutdown().expect("engine back");
     assert_eq!(engine.model.kv.alloc.used_pages(), 0);
 }
+
+/// The GPU top-k (512 bytes per sampled row) returns exactly the 64 best (id, logit) pairs of
+/// the row the logits path reads back, and a top-k sampler draws the same tokens from them.
+#[test]
+fn gpu_top_k_pairs_equal_the_logits_and_sample_the_same_tokens() {
+    use lantern::engine::Sampler;
+    use lantern::model::llama::Want;
+    let mut m = pollster::block_on(GpuModel::load(common::gpu(), weights(), model_opts(2, None))).expect("upload");
+    let prompt: Vec<u32> = (1..20).map(|i| i * 17 % 512).collect();
+    let a = m.new_sequence().unwrap();
+    let logits = pollster::block_on(m.forward(a, &prompt, Want::Logits)).unwrap().logits.expect("logits");
+    let b = m.new_sequence().unwrap();
+    let out = pollster::block_on(m.forward(b, &prompt, Want::TopK)).unwrap();
+    let top = out.top.expect("top pairs")[0].clone();
+    let mut want: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+    want.sort_by(|x, y| y.1.partial_cmp(&x.1).unwrap().then(x.0.cmp(&y.0)));
+    want.truncate(64);
+    assert_eq!(top, want);
+    assert_eq!(out.argmax[0], want[0].0);
+    for p in [
+        SamplingParams { temperature: 0.9, top_k: 40, top_p: 0.95, seed: 5 },
+        SamplingParams { temperature: 1.5, top_k: 64, top_p: 1.0, seed: 6 },
+    ] {
+        let (mut sa, mut sb) = (Sampler::new(p), Sampler::new(p));
+        for _ in 0..200 {
+            assert_eq!(sa.sample(&logits), sb.sample_top(&top));
+        }
+    }
+}

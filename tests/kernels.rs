@@ -830,6 +830,47 @@ fn check_argmax(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], n: usize) {
     }
 }
 
+/// GPU top-k against a CPU sort (value descending, lower id on ties, non-finite skipped):
+/// every pair exact.
+fn check_topk(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], n: usize, k: usize) {
+    use lantern::kernels::topk::{decode_row, TOPK_MAX};
+    let rows = logits.len() / n;
+    let step = step_buffer(ctx);
+    let lb = buf_f32(ctx, "logits", logits);
+    let out = create_zeroed(ctx, "topk", (rows * 2 * TOPK_MAX * 4) as u64).unwrap();
+    let d = block_on(kernels::topk::build(ctx, &step, &lb, &out, n, k)).expect("build topk");
+    submit(ctx, &step, rows as u32, rows as u32, std::slice::from_ref(&d));
+    let words = read_u32s(ctx, &out, rows * 2 * TOPK_MAX);
+    for (r, row) in logits.chunks(n).enumerate() {
+        let got = decode_row(&words[r * 2 * TOPK_MAX..][..2 * TOPK_MAX], k);
+        let mut want: Vec<(u32, f32)> = row.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v)).collect();
+        want.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap().then(a.0.cmp(&b.0)));
+        want.truncate(k);
+        assert_eq!(got, want, "{what}: row {r} of {rows} (n {n}, k {k})");
+    }
+}
+
+#[test]
+fn topk_matches_a_cpu_sort() {
+    let ctx = gpu();
+    for (i, &(n, k)) in [(1usize, 64usize), (7, 5), (63, 64), (500, 40), (4099, 64), (49152, 64), (3000, 1)].iter().enumerate() {
+        let mut rng = Rng::new(900 + i as u64);
+        check_topk(&ctx, "random", &rng.vec(3 * n), n, k);
+    }
+    // Ties (ids order equal values), NaN and infinities skipped, fewer finite values than k.
+    let mut rng = Rng::new(950);
+    let mut tied: Vec<f32> = rng.vec(2 * 1000).iter().map(|v| (v * 8.0).round()).collect();
+    tied[3] = f32::NAN;
+    tied[10] = f32::INFINITY;
+    tied[1011] = f32::NEG_INFINITY;
+    check_topk(&ctx, "ties and non-finite", &tied, 1000, 64);
+    let mut sparse = vec![f32::NAN; 300];
+    for (j, i) in [5usize, 77, 150, 299].iter().enumerate() {
+        sparse[*i] = j as f32;
+    }
+    check_topk(&ctx, "fewer finite values than k", &sparse, 300, 64);
+}
+
 #[test]
 fn argmax_matches_reference_on_random_rows() {
     let ctx = gpu();

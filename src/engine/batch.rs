@@ -456,7 +456,14 @@ impl Engine {
             let row = if s.computed + take == s.tokens.len() {
                 rows.push(ids.len() as u32 - 1);
                 if !s.req.sampling.is_greedy() {
-                    want = Want::Logits;
+                    // The GPU top-k serves top-k sampling; other sampling needs the logits.
+                    if s.sampler.fits_top(crate::kernels::topk::TOPK_MAX) {
+                        if want == Want::Argmax {
+                            want = Want::TopK;
+                        }
+                    } else {
+                        want = Want::Logits;
+                    }
                 }
                 Some(rows.len() - 1)
             } else {
@@ -500,9 +507,11 @@ impl Engine {
             }
             let Some(r) = row else { continue };
             let s = &mut self.running[i];
-            let token = match &out.logits {
-                Some(l) if !s.req.sampling.is_greedy() => s.sampler.sample(&l[r * vocab..(r + 1) * vocab]),
-                _ => out.argmax[r],
+            let token = match (&out.top, &out.logits) {
+                _ if s.req.sampling.is_greedy() => out.argmax[r],
+                (Some(t), _) => s.sampler.sample_top(&t[r]),
+                (None, Some(l)) => s.sampler.sample(&l[r * vocab..(r + 1) * vocab]),
+                (None, None) => out.argmax[r],
             };
             report.sampled += 1;
             self.stats.output_tokens += 1;

@@ -117,7 +117,15 @@ async fn run(
     let context = model.kv.alloc.config.context;
     let mut timings = RequestTimings::new(arrival);
     let mut sampler = Sampler::new(req.sampling);
-    let want = if req.sampling.is_greedy() { Want::Argmax } else { Want::Logits };
+    // Greedy: the GPU argmax (4 bytes); top-k sampling within the GPU top-k: its pairs
+    // (512 bytes); anything else: the logits row.
+    let want = if req.sampling.is_greedy() {
+        Want::Argmax
+    } else if sampler.fits_top(crate::kernels::topk::TOPK_MAX) {
+        Want::TopK
+    } else {
+        Want::Logits
+    };
     let mut stream = TextStream::new(tokenizer, &req.stop_strings);
     let mut out_ids = Vec::new();
     let finish;
@@ -142,9 +150,10 @@ async fn run(
                 model.cache_prefix(seq, &req.prompt_ids)?;
             }
         }
-        let token = match &out.logits {
-            Some(l) => sampler.sample(l),
-            None => out.argmax.first().copied().unwrap_or(0),
+        let token = match (&out.top, &out.logits) {
+            (Some(t), _) => sampler.sample_top(t.first().map_or(&[][..], |r| &r[..])),
+            (None, Some(l)) => sampler.sample(l),
+            (None, None) => out.argmax.first().copied().unwrap_or(0),
         };
         timings.tokens.push(Instant::now());
         out_ids.push(token);

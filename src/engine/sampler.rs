@@ -113,7 +113,7 @@ impl Sampler {
             return argmax(logits);
         }
         let t = self.params.temperature as f64;
-        let mut cand: Vec<(u32, f64)> = logits
+        let cand: Vec<(u32, f64)> = logits
             .iter()
             .enumerate()
             .filter(|(_, v)| v.is_finite())
@@ -122,6 +122,31 @@ impl Sampler {
         if cand.is_empty() {
             return argmax(logits);
         }
+        self.draw(cand)
+    }
+
+    /// Whether [`Self::sample_top`] over the best `k` (id, logit) pairs of a row draws what
+    /// [`Self::sample`] over the whole row would: sampling with a top-k of at most `k`.
+    pub fn fits_top(&self, k: usize) -> bool {
+        !self.params.is_greedy() && self.params.top_k > 0 && self.params.top_k <= k
+    }
+
+    /// Draw a token from a row's best (id, logit) pairs (the GPU top-k); the same draw as
+    /// `sample` on the full row when `fits_top` holds for the number of pairs given.
+    pub fn sample_top(&mut self, top: &[(u32, f32)]) -> u32 {
+        let t = self.params.temperature as f64;
+        let cand: Vec<(u32, f64)> = top.iter().filter(|(_, v)| v.is_finite()).map(|&(i, v)| (i, v as f64 / t)).collect();
+        if cand.is_empty() {
+            return top.first().map_or(0, |c| c.0);
+        }
+        if self.params.is_greedy() {
+            return cand.iter().fold(cand[0], |b, &c| if c.1 > b.1 || (c.1 == b.1 && c.0 < b.0) { c } else { b }).0;
+        }
+        self.draw(cand)
+    }
+
+    /// Temperature-scaled candidates -> top-k, top-p, one draw.
+    fn draw(&mut self, mut cand: Vec<(u32, f64)>) -> u32 {
         // Descending by logit, ties by lower id (a total order, so deterministic). With top-k,
         // select the k best in linear time and sort only those, not the whole vocabulary.
         let order = |a: &(u32, f64), b: &(u32, f64)| {
@@ -199,6 +224,23 @@ mod tests {
         let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.7, seed: 7 });
         for _ in 0..500 {
             assert!(s.sample(&logits) <= 1);
+        }
+    }
+
+    #[test]
+    fn sampling_from_the_top_pairs_equals_sampling_the_row() {
+        // Ties included: ids order equal logits.
+        let logits: Vec<f32> = (0..500).map(|i| ((i * 7919) % 97) as f32 / 9.0).collect();
+        for (top_k, top_p, t) in [(40, 1.0, 0.8), (64, 0.9, 1.2), (1, 1.0, 1.0), (7, 0.5, 0.3)] {
+            let p = SamplingParams { temperature: t, top_k, top_p, seed: 3 };
+            let mut order: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+            order.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap().then(a.0.cmp(&b.0)));
+            order.truncate(64);
+            let (mut a, mut b) = (Sampler::new(p), Sampler::new(p));
+            assert!(a.fits_top(64) || p.is_greedy());
+            for _ in 0..300 {
+                assert_eq!(a.sample(&logits), b.sample_top(&order), "top_k {top_k} top_p {top_p}");
+            }
         }
     }
 

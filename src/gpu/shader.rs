@@ -25,6 +25,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention.wgsl", include_str!("../../shaders/attention.wgsl")),
     ("attention_reduce.wgsl", include_str!("../../shaders/attention_reduce.wgsl")),
     ("argmax.wgsl", include_str!("../../shaders/argmax.wgsl")),
+    ("topk.wgsl", include_str!("../../shaders/topk.wgsl")),
 ];
 
 /// Look up an embedded shader file.
@@ -59,6 +60,8 @@ pub enum ShaderOp {
     AttentionReduce,
     /// Greedy sampling: argmax over logits rows, 4 bytes read back per row.
     Argmax,
+    /// Sampling support: the best K (id, logit) pairs of logits rows.
+    TopK,
 }
 
 impl ShaderOp {
@@ -76,6 +79,7 @@ impl ShaderOp {
             ShaderOp::Attention => "attention.wgsl",
             ShaderOp::AttentionReduce => "attention_reduce.wgsl",
             ShaderOp::Argmax => "argmax.wgsl",
+            ShaderOp::TopK => "topk.wgsl",
         }
     }
 
@@ -355,6 +359,7 @@ impl PipelineKey {
         }
         v.push(PipelineKey::new(ShaderOp::AttentionReduce, 64));
         v.push(PipelineKey::new(ShaderOp::Argmax, 256));
+        v.push(PipelineKey::new(ShaderOp::TopK, 64));
         let combos = [
             NORM | BIAS,
             0,

@@ -8,6 +8,7 @@ pub mod embedding;
 pub mod linear;
 pub mod rmsnorm;
 pub mod rope_kv;
+pub mod topk;
 
 use std::sync::Arc;
 

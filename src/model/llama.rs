@@ -135,6 +135,8 @@ struct Workspace {
     act: wgpu::Buffer,
     logits: wgpu::Buffer,
     argmax: wgpu::Buffer,
+    /// GPU top-k pairs of the logit rows (`2 TOPK_MAX` words per row).
+    topk: wgpu::Buffer,
     rope: wgpu::Buffer,
     /// Attention's partial results when keys are split (a 4-byte stand-in otherwise).
     partials: wgpu::Buffer,
@@ -151,6 +153,7 @@ struct Plans {
     head_gather_batch: Option<Vec<Dispatch>>,
     head_all: Vec<Dispatch>,
     argmax: Dispatch,
+    topk: Dispatch,
 }
 
 /// What a step should return.
@@ -160,6 +163,9 @@ pub enum Want {
     Argmax,
     /// The full logits of each requested row (and their argmax).
     Logits,
+    /// The best `TOPK_MAX` (id, logit) pairs of each requested row, from the GPU (and the
+    /// argmax): what a sampler with top-k <= TOPK_MAX needs, 512 bytes per row.
+    TopK,
 }
 
 /// Result of a forward step.
@@ -169,6 +175,8 @@ pub struct StepOutput {
     pub argmax: Vec<u32>,
     /// Logits per requested row (`rows x vocab`), when asked for.
     pub logits: Option<Vec<f32>>,
+    /// Per requested row, its best (id, logit) pairs, best first (with `Want::TopK`).
+    pub top: Option<Vec<Vec<(u32, f32)>>>,
 }
 
 /// Bytes of one weight dtype on the GPU.
@@ -523,6 +531,7 @@ impl GpuModel {
             act: create_zeroed(&ctx, "act", (t * f * 4) as u64).map_err(gpu_err)?,
             logits: create_zeroed(&ctx, "logits", (r * c.vocab_size * 4) as u64).map_err(gpu_err)?,
             argmax: create_zeroed(&ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
+            topk: create_zeroed(&ctx, "topk", (r * 2 * kernels::topk::TOPK_MAX * 4) as u64).map_err(gpu_err)?,
             rope: create_storage(&ctx, "rope", bytemuck::cast_slice(&rope_table(&c.rope_inv_freq(), context)))
                 .map_err(gpu_err)?,
             partials: create_zeroed(&ctx, "attention.partials", partials_bytes.max(4)).map_err(gpu_err)?,
@@ -571,7 +580,10 @@ impl GpuModel {
         let argmax = kernels::argmax::build(&ctx, &ws.step, &ws.logits, &ws.argmax, c.vocab_size)
             .await
             .map_err(gpu_err)?;
-        let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size * 4) as u64);
+        let topk = kernels::topk::build(&ctx, &ws.step, &ws.logits, &ws.topk, c.vocab_size, kernels::topk::TOPK_MAX)
+            .await
+            .map_err(gpu_err)?;
+        let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size.max(2 * kernels::topk::TOPK_MAX) * 4) as u64);
         let plans = Plans {
             embed,
             layers_matvec,
@@ -581,6 +593,7 @@ impl GpuModel {
             head_gather_batch,
             head_all,
             argmax,
+            topk,
         };
         // CPU adapters: the blocked matmul already beats one matvec per token at 2 tokens
         // (SmolLM2-135M on lavapipe, layer linears: 1.67 s blocked vs 2 x 1.04 s matvec).
@@ -618,7 +631,7 @@ impl GpuModel {
         memory.kv_buffers_per_layer = layout.n_shards;
         memory.workspace = [
             &ws.ids, &ws.positions, &ws.token_seq, &ws.block_table, &ws.logit_rows, &ws.hidden, &ws.qkv, &ws.attn,
-            &ws.act, &ws.logits, &ws.argmax, &ws.rope, &ws.partials,
+            &ws.act, &ws.logits, &ws.argmax, &ws.topk, &ws.rope, &ws.partials,
         ]
         .iter()
         .map(|b| b.size())
@@ -1050,15 +1063,22 @@ impl GpuModel {
                     d.encode(&mut pass, &s);
                 }
                 self.plans.argmax.encode(&mut pass, &s);
+                if want == Want::TopK {
+                    self.plans.topk.encode(&mut pass, &s);
+                }
             }
         }
         let vocab = self.config.vocab_size as u64;
         let argmax_bytes = n_out as u64 * 4;
         let logits_bytes = n_out as u64 * vocab * 4;
         let read_logits = want == Want::Logits && n_out > 0;
+        let top_words = kernels::topk::TOPK_MAX * 2;
+        let top_bytes = n_out as u64 * top_words as u64 * 4;
         if n_out > 0 {
             if read_logits {
                 self.readback.copy_from(&mut enc, &self.ws.logits, 0, logits_bytes);
+            } else if want == Want::TopK {
+                self.readback.copy_from(&mut enc, &self.ws.topk, 0, top_bytes);
             } else {
                 self.readback.copy_from(&mut enc, &self.ws.argmax, 0, argmax_bytes);
             }
@@ -1080,12 +1100,21 @@ impl GpuModel {
                 .chunks_exact(vocab as usize)
                 .map(crate::engine::sampler::argmax)
                 .collect();
-            Ok(StepOutput { argmax, logits: Some(logits) })
+            Ok(StepOutput { argmax, logits: Some(logits), top: None })
+        } else if want == Want::TopK {
+            let bytes = self.readback.read(&ctx, top_bytes).await.map_err(gpu_err)?;
+            let words: &[u32] = bytemuck::cast_slice(&bytes[..top_bytes as usize]);
+            let top: Vec<Vec<(u32, f32)>> =
+                words.chunks_exact(top_words).map(|w| kernels::topk::decode_row(w, kernels::topk::TOPK_MAX)).collect();
+            // The best pair is the argmax (same order: value, then lower id).
+            let argmax = top.iter().map(|t| t.first().map_or(0, |p| p.0)).collect();
+            Ok(StepOutput { argmax, logits: None, top: Some(top) })
         } else {
             let bytes = self.readback.read(&ctx, argmax_bytes).await.map_err(gpu_err)?;
             Ok(StepOutput {
                 argmax: bytemuck::cast_slice(&bytes[..argmax_bytes as usize]).to_vec(),
                 logits: None,
+                top: None,
             })
         }
     }

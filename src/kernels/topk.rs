@@ -1,0 +1,42 @@
+//! GPU top-k of sampled rows (`shaders/topk.wgsl`): the K best (id, logit) pairs per row,
+//! 8 K bytes read back per row instead of the vocabulary's logits.
+
+use crate::gpu::buffer::create_uniform;
+use crate::gpu::{GpuContext, GpuError, PipelineKey, ShaderOp};
+
+use super::{bind, pipeline, Dim, Dispatch};
+
+/// Pairs per row the kernel can return (`KMAX` in the shader).
+pub const TOPK_MAX: usize = 64;
+
+/// Mirrors `struct Params` in topk.wgsl.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct TopkParams {
+    n: u32,
+    k: u32,
+    _pad: [u32; 2],
+}
+
+/// `out[r]` = the `k` (at most [`TOPK_MAX`]) best (id, value) of `logits[r, :n]` for the
+/// step's `n_out` rows: ids in words `0..TOPK_MAX` of the row's slot, values (f32 bits) in
+/// `TOPK_MAX..2 TOPK_MAX`.
+pub async fn build(ctx: &GpuContext, step: &wgpu::Buffer, logits: &wgpu::Buffer, out: &wgpu::Buffer, n: usize, k: usize) -> Result<Dispatch, GpuError> {
+    if k == 0 || k > TOPK_MAX {
+        return Err(GpuError::Validation { context: "topk".into(), message: format!("k = {k}: the kernel returns 1..={TOPK_MAX} pairs per row") });
+    }
+    let key = PipelineKey::new(ShaderOp::TopK, 64);
+    let pipe = pipeline(ctx, key).await?;
+    let ubuf = create_uniform(ctx, "topk.params", &TopkParams { n: n as u32, k: k as u32, _pad: [0; 2] });
+    let bg = bind(ctx, "topk", &pipe, &[(0, step), (1, &ubuf), (2, logits), (3, out)]);
+    Ok(Dispatch { label: "topk".into(), pipeline: pipe, bind_group: bg, grid: [Dim::Out, Dim::Const(1), Dim::Const(1)] })
+}
+
+/// One row's pairs from the words the kernel wrote (`2 TOPK_MAX` per row), best first,
+/// without the empty slots.
+pub fn decode_row(words: &[u32], k: usize) -> Vec<(u32, f32)> {
+    (0..k.min(TOPK_MAX))
+        .filter(|&j| words[j] != u32::MAX)
+        .map(|j| (words[j], f32::from_bits(words[TOPK_MAX + j])))
+        .collect()
+}
