@@ -176,6 +176,22 @@ impl Engine {
         Engine { model, tokenizer, options, waiting: VecDeque::new(), running: Vec::new(), next_id: 0, stats: EngineStats::default() }
     }
 
+    /// Load `weights` onto a device the host application already has and serve them: the
+    /// host keeps its device and queue (Lantern records its own command buffers on that
+    /// queue) and may build several engines (models) on the same device.
+    pub async fn with_device(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        weights: &crate::model::ModelWeights,
+        tokenizer: Arc<Tokenizer>,
+        model_options: crate::model::llama::ModelOptions,
+        options: EngineOptions,
+    ) -> Result<Engine> {
+        let ctx = crate::gpu::GpuContext::from_device(device, queue).map_err(LanternError::Gpu)?;
+        let model = GpuModel::load(ctx, weights, model_options).await?;
+        Ok(Engine::new(model, tokenizer, options))
+    }
+
     /// The model back (requests still queued are dropped: their handles end).
     pub fn into_model(self) -> GpuModel {
         self.model
@@ -323,6 +339,15 @@ impl Engine {
     /// One scheduler iteration and one GPU step. Returns what it did (nothing when idle).
     pub async fn step(&mut self) -> Result<StepReport> {
         let mut report = StepReport::default();
+        // A lost device ends every request with the error (a new engine on a new device is
+        // the way on).
+        if let Err(e) = self.model.ctx.check_lost() {
+            let msg = e.to_string();
+            for s in std::mem::take(&mut self.running).into_iter().chain(std::mem::take(&mut self.waiting)) {
+                self.fail(s, msg.clone());
+            }
+            return Err(LanternError::Gpu(e));
+        }
         // Cancelled or abandoned (handle dropped) requests free their pages first.
         let mut i = 0;
         while i < self.running.len() {

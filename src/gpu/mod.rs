@@ -48,6 +48,8 @@ pub enum GpuError {
     Validation { context: String, message: String },
     #[error("unknown backend `{0}` (expected vulkan, metal, dx12 or gl)")]
     UnknownBackend(String),
+    #[error("the GPU device was lost ({0}); build a new engine on a new device")]
+    DeviceLost(String),
 }
 
 /// What the kernels may use on this device.
@@ -231,6 +233,8 @@ pub struct GpuContext {
     pub pipelines: PipelineCache,
     /// Every buffer this context created (see [`Ledger`]).
     pub ledger: Ledger,
+    /// Set (with the driver's reason) when the device is lost or destroyed.
+    pub lost: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 /// What a buffer is for, as the allocation functions of `buffer.rs` know it.
@@ -379,6 +383,28 @@ impl GpuContext {
                 adapter: info.name.clone(),
                 reason: e.to_string(),
             })?;
+        Ok(Self::wrap(device, queue, info, limits))
+    }
+
+    /// Run on a device the host application already has (a game's or an editor's), sharing
+    /// its queue: Lantern uses the features and limits the host requested (shader-f16 and
+    /// subgroups when enabled, else the paths that need neither) and owns nothing global.
+    /// The host keeps using the device meanwhile; see ARCHITECTURE.md for the rules.
+    pub fn from_device(device: wgpu::Device, queue: wgpu::Queue) -> Result<Arc<GpuContext>, GpuError> {
+        let info = device.adapter_info();
+        let limits = device.limits();
+        if limits.max_storage_buffers_per_shader_stage < 8 {
+            return Err(GpuError::MissingCapability {
+                adapter: info.name.clone(),
+                capability: format!("8 storage buffers per shader stage (the device has {})", limits.max_storage_buffers_per_shader_stage),
+                why: "the fused kernels bind up to 8 storage buffers; request the adapter's limits for the device".into(),
+            });
+        }
+        Ok(Self::wrap(device, queue, info, limits))
+    }
+
+    fn wrap(device: wgpu::Device, queue: wgpu::Queue, info: wgpu::AdapterInfo, limits: wgpu::Limits) -> Arc<GpuContext> {
+        let features = device.features();
         let caps = Capabilities {
             shader_f16: features.contains(wgpu::Features::SHADER_F16),
             subgroups: features.contains(wgpu::Features::SUBGROUP),
@@ -387,15 +413,22 @@ impl GpuContext {
             subgroup_max_size: info.subgroup_max_size,
             cpu_like: info.device_type == wgpu::DeviceType::Cpu,
         };
-        Ok(Arc::new(GpuContext {
-            device,
-            queue,
-            info,
-            limits,
-            caps,
-            pipelines: PipelineCache::default(),
-            ledger: Ledger::default(),
-        }))
+        let lost = Arc::new(std::sync::Mutex::new(None));
+        let flag = lost.clone();
+        device.set_device_lost_callback(move |reason, message| {
+            if let Ok(mut l) = flag.lock() {
+                *l = Some(format!("{reason:?}: {message}"));
+            }
+        });
+        Arc::new(GpuContext { device, queue, info, limits, caps, pipelines: PipelineCache::default(), ledger: Ledger::default(), lost })
+    }
+
+    /// The device-lost error, once the device is gone.
+    pub fn check_lost(&self) -> Result<(), GpuError> {
+        match self.lost.lock().ok().and_then(|l| l.clone()) {
+            Some(reason) => Err(GpuError::DeviceLost(reason)),
+            None => Ok(()),
+        }
     }
 
     /// Adapter facts for reports (`--json`, `lantern devices`).

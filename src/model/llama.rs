@@ -1038,6 +1038,17 @@ impl GpuModel {
 
     async fn run_step(&mut self, s: StepUniform, want: Want, all_rows: bool) -> Result<StepOutput> {
         let ctx = self.ctx.clone();
+        ctx.check_lost().map_err(LanternError::Gpu)?;
+        let r = self.run_step_inner(s, want, all_rows).await;
+        // Whatever failed on a lost device, the loss is the error to report.
+        match (r, ctx.check_lost()) {
+            (Err(_), Err(lost)) => Err(LanternError::Gpu(lost)),
+            (r, _) => r,
+        }
+    }
+
+    async fn run_step_inner(&mut self, s: StepUniform, want: Want, all_rows: bool) -> Result<StepOutput> {
+        let ctx = self.ctx.clone();
         let n = s.n_tokens;
         let n_out = s.n_out;
         let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);

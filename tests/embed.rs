@@ -1,0 +1,145 @@
+//! Lantern on a device the host application owns (`Engine::with_device`): two models share
+//! the host's device while the host runs its own compute work between steps, and generate the
+//! same tokens as on Lantern's own device; a destroyed device ends requests with a clear
+//! error, and a new engine on a new device works in the same process.
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use lantern::engine::{Engine, EngineOptions, Event, GenerateRequest, SamplingParams};
+use lantern::model::hf::load_hf_folder;
+use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::tokenizer::Tokenizer;
+use lantern::model::ModelWeights;
+
+fn tokenizer() -> Arc<Tokenizer> {
+    static T: OnceLock<Arc<Tokenizer>> = OnceLock::new();
+    T.get_or_init(|| Arc::new(lantern::model::load::load_path(&common::smollm2_gguf()).expect("GGUF").tokenizer.expect("tokenizer")))
+        .clone()
+}
+
+fn weights(name: &str) -> ModelWeights {
+    load_hf_folder(&common::tiny_dir().join(name)).expect("tiny fixture")
+}
+
+/// The host's own device, made with plain wgpu the way an application would (the adapter's
+/// limits, subgroups when offered).
+fn host_device() -> (wgpu::Device, wgpu::Queue) {
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+    let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions::default())).expect("an adapter (lavapipe: WGPU_BACKEND=vulkan)");
+    let features = adapter.features() & (wgpu::Features::SUBGROUP | wgpu::Features::SHADER_F16);
+    pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        label: Some("host"),
+        required_features: features,
+        required_limits: adapter.limits(),
+        ..Default::default()
+    }))
+    .expect("host device")
+}
+
+fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
+    GenerateRequest { prompt_ids: prompt, max_tokens: n, sampling: SamplingParams::default(), stop_ids: vec![], stop_strings: vec![] }
+}
+
+fn opts() -> ModelOptions {
+    ModelOptions { context: Some(64), max_seqs: 2, ..Default::default() }
+}
+
+/// Run one request to its end on `e`; the output ids.
+fn run(e: &mut Engine, prompt: Vec<u32>, n: usize) -> Vec<u32> {
+    let mut h = e.submit(request(prompt, n)).expect("submit");
+    pollster::block_on(e.run_until_idle()).expect("run");
+    loop {
+        match h.try_next() {
+            Ok(Some(Event::Done(g))) => return g.output_ids,
+            Ok(Some(Event::Error(m))) => panic!("{m}"),
+            Ok(Some(_)) => {}
+            _ => panic!("no result"),
+        }
+    }
+}
+
+#[test]
+fn two_models_share_the_host_device_beside_its_own_work() {
+    let prompt: Vec<u32> = (3..20).collect();
+    // References on Lantern's own device.
+    let own = |name: &str| {
+        let m = pollster::block_on(GpuModel::load(common::gpu(), &weights(name), opts())).unwrap();
+        run(&mut Engine::new(m, tokenizer(), EngineOptions::default()), prompt.clone(), 8)
+    };
+    let (want_a, want_b) = (own("llama-gqa"), own("llama-mqa"));
+
+    let (device, queue) = host_device();
+    let mut a = pollster::block_on(Engine::with_device(device.clone(), queue.clone(), &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
+    let mut b = pollster::block_on(Engine::with_device(device.clone(), queue.clone(), &weights("llama-mqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
+    // The host's own work on the same queue: a buffer it clears and copies every "frame".
+    let buf = device.create_buffer(&wgpu::BufferDescriptor { label: Some("host"), size: 1 << 20, usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC, mapped_at_creation: false });
+    let buf2 = device.create_buffer(&wgpu::BufferDescriptor { label: Some("host2"), size: 1 << 20, usage: wgpu::BufferUsages::COPY_DST, mapped_at_creation: false });
+    let mut ha = a.submit(request(prompt.clone(), 8)).unwrap();
+    let mut hb = b.submit(request(prompt.clone(), 8)).unwrap();
+    let mut frames = 0;
+    while !(a.is_idle() && b.is_idle()) {
+        let mut enc = device.create_command_encoder(&Default::default());
+        enc.clear_buffer(&buf, 0, None);
+        enc.copy_buffer_to_buffer(&buf, 0, &buf2, 0, 1 << 20);
+        queue.submit([enc.finish()]);
+        frames += 1;
+        pollster::block_on(a.step()).unwrap();
+        pollster::block_on(b.step()).unwrap();
+    }
+    assert!(frames >= 8);
+    let done = |h: &mut lantern::engine::RequestHandle| loop {
+        match h.try_next() {
+            Ok(Some(Event::Done(g))) => return g.output_ids,
+            Ok(Some(_)) => {}
+            other => panic!("no result: {:?}", other.is_ok()),
+        }
+    };
+    assert_eq!(done(&mut ha), want_a, "model A on the host device");
+    assert_eq!(done(&mut hb), want_b, "model B on the host device");
+}
+
+#[test]
+fn a_lost_device_ends_requests_with_an_error_and_a_new_device_works() {
+    let prompt: Vec<u32> = (5..15).collect();
+    let (device, queue) = host_device();
+    let mut e = pollster::block_on(Engine::with_device(device.clone(), queue, &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
+    let mut h = e.submit(request(prompt.clone(), 30)).unwrap();
+    let mut waiting = e.submit(request(prompt.clone(), 30)).unwrap();
+    pollster::block_on(e.step()).unwrap();
+    device.destroy();
+    let _ = device.poll(wgpu::PollType::wait_indefinitely());
+    let err = pollster::block_on(e.step()).expect_err("a step on a destroyed device");
+    assert!(err.to_string().contains("lost"), "{err}");
+    for h in [&mut h, &mut waiting] {
+        let mut saw = None;
+        while let Ok(Some(ev)) = h.try_next() {
+            if let Event::Error(m) = ev {
+                saw = Some(m);
+            }
+        }
+        let m = saw.expect("the request ended with an error");
+        assert!(m.contains("device was lost"), "{m}");
+    }
+    assert!(e.is_idle());
+    // The same process, a new device: works.
+    let (device2, queue2) = host_device();
+    let mut e2 = pollster::block_on(Engine::with_device(device2, queue2, &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
+    let m = pollster::block_on(GpuModel::load(common::gpu(), &weights("llama-gqa"), opts())).unwrap();
+    let want = run(&mut Engine::new(m, tokenizer(), EngineOptions::default()), prompt.clone(), 6);
+    assert_eq!(run(&mut e2, prompt, 6), want);
+}
+
+/// What a host may move across threads: the engine (to a worker), handles and clients (to
+/// UI or network threads), the context (shared).
+#[test]
+fn thread_safety_of_the_public_types() {
+    fn send<T: Send>() {}
+    fn send_sync<T: Send + Sync>() {}
+    send::<Engine>();
+    send::<GpuModel>();
+    send::<lantern::engine::RequestHandle>();
+    send_sync::<lantern::engine::EngineClient>();
+    send_sync::<lantern::gpu::GpuContext>();
+}
