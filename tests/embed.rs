@@ -143,3 +143,50 @@ fn thread_safety_of_the_public_types() {
     send_sync::<lantern::engine::EngineClient>();
     send_sync::<lantern::gpu::GpuContext>();
 }
+
+/// The frame-budgeted step: a host loop gives Lantern a 2 ms budget per frame while it does
+/// its own GPU work; no call into Lantern on the frame path takes longer than its budget by
+/// more than the margin (one batch of 8 dispatches plus a non-blocking poll), steps are
+/// spread over frames, and the tokens equal those of the blocking path.
+#[test]
+fn frame_budgeted_steps_keep_the_budget_and_the_tokens() {
+    use std::time::{Duration, Instant};
+    let prompt: Vec<u32> = (7..40).collect();
+    let m = pollster::block_on(GpuModel::load(common::gpu(), &weights("llama-gqa"), opts())).unwrap();
+    let want = run(&mut Engine::new(m, tokenizer(), EngineOptions::default()), prompt.clone(), 12);
+
+    let (device, queue) = host_device();
+    let mut e = pollster::block_on(Engine::with_device(device.clone(), queue.clone(), &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
+    let buf = device.create_buffer(&wgpu::BufferDescriptor { label: Some("host"), size: 1 << 16, usage: wgpu::BufferUsages::COPY_DST, mapped_at_creation: false });
+    let mut h = e.submit(request(prompt, 12)).unwrap();
+    let budget = Duration::from_millis(2);
+    // lavapipe runs submitted work on the submitting thread, so one call can take a batch
+    // of 8 dispatches past the budget; the margin covers that on a loaded 2-core machine.
+    let margin = Duration::from_millis(100);
+    let (mut frames, mut steps, mut worst) = (0usize, 0usize, Duration::ZERO);
+    let mut got = Vec::new();
+    while !e.is_idle() {
+        // The host's frame: its own work, then Lantern within the budget.
+        let mut enc = device.create_command_encoder(&Default::default());
+        enc.clear_buffer(&buf, 0, None);
+        queue.submit([enc.finish()]);
+        let t = Instant::now();
+        let r = pollster::block_on(e.step_within(budget)).expect("frame step");
+        worst = worst.max(t.elapsed());
+        frames += 1;
+        steps += r.step.is_some() as usize;
+        while let Ok(Some(ev)) = h.try_next() {
+            match ev {
+                Event::Token { id, .. } => got.push(id),
+                Event::Done(g) => assert_eq!(g.output_ids.len(), 12),
+                Event::Error(m) => panic!("{m}"),
+                Event::Text(_) => {}
+            }
+        }
+        assert!(frames < 100_000, "no progress");
+    }
+    eprintln!("{frames} frames for {steps} steps; the longest call took {worst:?} (budget {budget:?})");
+    assert_eq!(got, want, "frame-budgeted tokens equal the blocking path's");
+    assert!(frames > steps, "steps were spread over frames");
+    assert!(worst <= budget + margin, "a frame call took {worst:?}, budget {budget:?} + margin {margin:?}");
+}

@@ -138,6 +138,25 @@ pub struct StepReport {
     pub finished: usize,
 }
 
+/// The inputs of a scheduled step, and per sequence: (id, tokens, logits row).
+struct Scheduled {
+    ids: Vec<u32>,
+    positions: Vec<u32>,
+    seqs: Vec<u32>,
+    rows: Vec<u32>,
+    want: Want,
+    sampling: Vec<(u64, usize, Option<usize>)>,
+}
+
+/// What one `step_within` call did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct FrameReport {
+    /// The report of the step that completed during this call, if one did.
+    pub step: Option<StepReport>,
+    /// A step is still on the GPU (call again next frame).
+    pub in_flight: bool,
+}
+
 /// Totals since the engine started.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct EngineStats {
@@ -162,6 +181,8 @@ pub struct Engine {
     running: Vec<Seq>,
     next_id: u64,
     stats: EngineStats,
+    /// A frame-budgeted step on the GPU (`step_within`).
+    pending: Option<(Scheduled, crate::model::llama::PendingStep, StepReport)>,
 }
 
 /// Why `submit` refused a request.
@@ -173,7 +194,7 @@ impl Engine {
     pub fn new(model: GpuModel, tokenizer: Arc<Tokenizer>, mut options: EngineOptions) -> Engine {
         options.step_tokens = options.step_tokens.clamp(1, model.options.max_batch_tokens.max(1));
         options.prefill_chunk = options.prefill_chunk.clamp(1, options.step_tokens);
-        Engine { model, tokenizer, options, waiting: VecDeque::new(), running: Vec::new(), next_id: 0, stats: EngineStats::default() }
+        Engine { model, tokenizer, options, waiting: VecDeque::new(), running: Vec::new(), next_id: 0, stats: EngineStats::default(), pending: None }
     }
 
     /// Load `weights` onto a device the host application already has and serve them: the
@@ -210,9 +231,9 @@ impl Engine {
         self.waiting.len()
     }
 
-    /// No request left.
+    /// No request left (and no step on the GPU).
     pub fn is_idle(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty()
+        self.running.is_empty() && self.waiting.is_empty() && self.pending.is_none()
     }
 
     /// Queue a request. Refused at once (typed error, nothing queued) when the prompt is
@@ -338,6 +359,54 @@ impl Engine {
 
     /// One scheduler iteration and one GPU step. Returns what it did (nothing when idle).
     pub async fn step(&mut self) -> Result<StepReport> {
+        if let Some((sch, mut p, report)) = self.pending.take() {
+            // A frame-budgeted step is in flight: finish it first.
+            let out = loop {
+                match self.model.advance(&mut p, web_time::Instant::now()).await {
+                    Ok(Some(o)) => break Ok(o),
+                    Ok(None) => {}
+                    Err(e) => break Err(e),
+                }
+            };
+            return self.complete(sch, out, report);
+        }
+        let (report, sch) = self.schedule()?;
+        let Some(sch) = sch else { return Ok(report) };
+        let out = self.model.step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want).await;
+        self.complete(sch, out, report)
+    }
+
+    /// A frame-budgeted step for hosts with a frame loop: schedules a step when none is in
+    /// flight, submits its dispatches a few at a time until `budget` has passed (at least one
+    /// batch per call), and collects its result once the GPU has it, never waiting on the
+    /// GPU. Tokens arrive through the handles as with `step`; `FrameReport::step` is the
+    /// report of a step that completed in this call.
+    pub async fn step_within(&mut self, budget: std::time::Duration) -> Result<FrameReport> {
+        let deadline = web_time::Instant::now() + budget;
+        let (sch, mut p, report) = match self.pending.take() {
+            Some(x) => x,
+            None => {
+                let (report, sch) = self.schedule()?;
+                let Some(sch) = sch else { return Ok(FrameReport { step: Some(report), in_flight: false }) };
+                match self.model.begin_step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want) {
+                    Ok(p) => (sch, p, report),
+                    Err(e) => return self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false }),
+                }
+            }
+        };
+        match self.model.advance(&mut p, deadline).await {
+            Ok(None) => {
+                self.pending = Some((sch, p, report));
+                Ok(FrameReport { step: None, in_flight: true })
+            }
+            Ok(Some(out)) => self.complete(sch, Ok(out), report).map(|r| FrameReport { step: Some(r), in_flight: false }),
+            Err(e) => self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false }),
+        }
+    }
+
+    /// The scheduling half of a step: cancellations, decode tokens and prompt chunks of the
+    /// running sequences, admissions; the step's inputs (None when there is nothing to run).
+    fn schedule(&mut self) -> Result<(StepReport, Option<Scheduled>)> {
         let mut report = StepReport::default();
         // A lost device ends every request with the error (a new engine on a new device is
         // the way on).
@@ -462,7 +531,7 @@ impl Engine {
         }
 
         if plan.is_empty() {
-            return Ok(report);
+            return Ok((report, None));
         }
 
         // The step's inputs: each sequence's tokens, and a logits row for those whose chunk
@@ -498,7 +567,13 @@ impl Engine {
         }
         report.tokens = ids.len();
         report.sequences = plan.len();
-        let out = match self.model.step_batch(&ids, &positions, &seqs, &rows, want).await {
+        Ok((report, Some(Scheduled { ids, positions, seqs, rows, want, sampling })))
+    }
+
+    /// The completing half of a step: sampling, streaming, stop checks, finishing.
+    fn complete(&mut self, sch: Scheduled, out: Result<crate::model::llama::StepOutput>, mut report: StepReport) -> Result<StepReport> {
+        let sampling = sch.sampling;
+        let out = match out {
             Ok(o) => o,
             Err(e) => {
                 // A failed step: every sequence in it ends with the error.

@@ -209,6 +209,28 @@ impl Readback {
         enc.copy_buffer_to_buffer(src, offset, &self.buffer, 0, bytes);
     }
 
+    /// Ask for the first `bytes` bytes to be mapped once the submitted copy completes; the
+    /// receiver fires when they are (poll the device to get there). Then [`Self::take_mapped`].
+    pub fn start_map(&self, bytes: u64) -> futures_channel::oneshot::Receiver<Result<(), wgpu::BufferAsyncError>> {
+        let bytes = (bytes.div_ceil(4) * 4).min(self.size).max(4);
+        let (tx, rx) = futures_channel::oneshot::channel();
+        self.buffer.slice(0..bytes).map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        rx
+    }
+
+    /// The bytes of a completed [`Self::start_map`], unmapping the buffer.
+    pub fn take_mapped(&self, bytes: u64) -> Result<Vec<u8>, GpuError> {
+        let bytes = (bytes.div_ceil(4) * 4).min(self.size).max(4);
+        let out = {
+            let view = self.buffer.slice(0..bytes).get_mapped_range().map_err(|e| GpuError::Readback(e.to_string()))?;
+            view.to_vec()
+        };
+        self.buffer.unmap();
+        Ok(out)
+    }
+
     /// Map and read the first `bytes` bytes after the submitted copy completes. On native the
     /// await drives the device until that work is done; in a browser it yields to the event
     /// loop.

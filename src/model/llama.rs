@@ -290,6 +290,19 @@ pub struct GpuModel {
     pub logit_rows: usize,
 }
 
+/// Dispatches recorded per submission on the frame-budgeted path.
+pub const DISPATCHES_PER_SUBMIT: usize = 8;
+
+/// A step started with [`GpuModel::begin_step_batch`] and driven by [`GpuModel::advance`].
+pub struct PendingStep {
+    s: StepUniform,
+    want: Want,
+    /// Dispatches submitted so far.
+    next: usize,
+    submissions: usize,
+    mapping: Option<futures_channel::oneshot::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>>,
+}
+
 /// Steps of at most this many tokens may split each token's keys (flash-decoding); larger
 /// steps have enough tokens to fill the device.
 const SPLIT_MAX_TOKENS: usize = 4;
@@ -1008,7 +1021,7 @@ impl GpuModel {
     /// `positions[i]` of sequence `seqs[i]`, whose pages must already be reserved
     /// (`kv.alloc.append`); argmax (and logits with `Want::Logits`) of the tokens at indices
     /// `rows`. At most `options.max_batch_tokens` tokens and `logit_rows` rows.
-    pub async fn step_batch(&mut self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32], want: Want) -> Result<StepOutput> {
+    fn validate_batch(&self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32]) -> Result<()> {
         let bad = |m: String| Err(LanternError::Other(m));
         if ids.is_empty() || ids.len() != positions.len() || ids.len() != seqs.len() {
             return bad(format!("step_batch: {} ids, {} positions, {} sequence indices", ids.len(), positions.len(), seqs.len()));
@@ -1032,6 +1045,11 @@ impl GpuModel {
                 return bad(format!("step_batch: position {p} of sequence {s}, which has room for {len} tokens (reserve pages first)"));
             }
         }
+        Ok(())
+    }
+
+    pub async fn step_batch(&mut self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32], want: Want) -> Result<StepOutput> {
+        self.validate_batch(ids, positions, seqs, rows)?;
         let s = self.write_batch_inputs(ids, positions, seqs, rows);
         self.run_step(s, want, false).await
     }
@@ -1047,10 +1065,63 @@ impl GpuModel {
         }
     }
 
+    /// The dispatches of a step, in order.
+    fn step_dispatches(&self, s: &StepUniform, want: Want, all_rows: bool) -> Vec<&Dispatch> {
+        let mut v: Vec<&Dispatch> = self.plans.embed.iter().chain(self.layer_plan_for(s.n_tokens as usize)).collect();
+        if s.n_out > 0 {
+            let head = if all_rows {
+                &self.plans.head_all
+            } else if s.n_out > 1 && self.plans.head_gather_batch.is_some() {
+                self.plans.head_gather_batch.as_deref().unwrap_or(&self.plans.head_gather)
+            } else {
+                &self.plans.head_gather
+            };
+            v.extend(head.iter());
+            v.push(&self.plans.argmax);
+            if want == Want::TopK {
+                v.push(&self.plans.topk);
+            }
+        }
+        v
+    }
+
+    /// What a step reads back: (source buffer, bytes).
+    fn readback_source(&self, n_out: u32, want: Want) -> (&wgpu::Buffer, u64) {
+        let n = n_out as u64;
+        match want {
+            Want::Logits => (&self.ws.logits, n * self.config.vocab_size as u64 * 4),
+            Want::TopK => (&self.ws.topk, n * (kernels::topk::TOPK_MAX * 2) as u64 * 4),
+            Want::Argmax => (&self.ws.argmax, n * 4),
+        }
+    }
+
+    /// The step's output from the bytes read back.
+    fn parse_output(&self, bytes: &[u8], n_out: u32, want: Want) -> StepOutput {
+        if n_out == 0 {
+            return StepOutput::default();
+        }
+        match want {
+            Want::Logits => {
+                let logits: Vec<f32> = bytemuck::cast_slice(bytes).to_vec();
+                let argmax = logits.chunks_exact(self.config.vocab_size).map(crate::engine::sampler::argmax).collect();
+                StepOutput { argmax, logits: Some(logits), top: None }
+            }
+            Want::TopK => {
+                let words: &[u32] = bytemuck::cast_slice(bytes);
+                let top: Vec<Vec<(u32, f32)>> = words
+                    .chunks_exact(kernels::topk::TOPK_MAX * 2)
+                    .map(|w| kernels::topk::decode_row(w, kernels::topk::TOPK_MAX))
+                    .collect();
+                // The best pair is the argmax (same order: value, then lower id).
+                let argmax = top.iter().map(|t| t.first().map_or(0, |p| p.0)).collect();
+                StepOutput { argmax, logits: None, top: Some(top) }
+            }
+            Want::Argmax => StepOutput { argmax: bytemuck::cast_slice(bytes).to_vec(), logits: None, top: None },
+        }
+    }
+
     async fn run_step_inner(&mut self, s: StepUniform, want: Want, all_rows: bool) -> Result<StepOutput> {
         let ctx = self.ctx.clone();
-        let n = s.n_tokens;
-        let n_out = s.n_out;
         let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
         self.encode_pending_copies(&mut enc);
@@ -1059,40 +1130,13 @@ impl GpuModel {
                 label: Some("forward"),
                 timestamp_writes: None,
             });
-            for d in self.plans.embed.iter().chain(self.layer_plan_for(n as usize)) {
+            for d in self.step_dispatches(&s, want, all_rows) {
                 d.encode(&mut pass, &s);
             }
-            if n_out > 0 {
-                let head = if all_rows {
-                    &self.plans.head_all
-                } else if n_out > 1 && self.plans.head_gather_batch.is_some() {
-                    self.plans.head_gather_batch.as_deref().unwrap_or(&self.plans.head_gather)
-                } else {
-                    &self.plans.head_gather
-                };
-                for d in head {
-                    d.encode(&mut pass, &s);
-                }
-                self.plans.argmax.encode(&mut pass, &s);
-                if want == Want::TopK {
-                    self.plans.topk.encode(&mut pass, &s);
-                }
-            }
         }
-        let vocab = self.config.vocab_size as u64;
-        let argmax_bytes = n_out as u64 * 4;
-        let logits_bytes = n_out as u64 * vocab * 4;
-        let read_logits = want == Want::Logits && n_out > 0;
-        let top_words = kernels::topk::TOPK_MAX * 2;
-        let top_bytes = n_out as u64 * top_words as u64 * 4;
-        if n_out > 0 {
-            if read_logits {
-                self.readback.copy_from(&mut enc, &self.ws.logits, 0, logits_bytes);
-            } else if want == Want::TopK {
-                self.readback.copy_from(&mut enc, &self.ws.topk, 0, top_bytes);
-            } else {
-                self.readback.copy_from(&mut enc, &self.ws.argmax, 0, argmax_bytes);
-            }
+        let (src, bytes) = self.readback_source(s.n_out, want);
+        if s.n_out > 0 {
+            self.readback.copy_from(&mut enc, src, 0, bytes);
         }
         ctx.queue.submit([enc.finish()]);
         if let Some(e) = scope.pop().await {
@@ -1101,33 +1145,77 @@ impl GpuModel {
                 message: e.to_string(),
             }));
         }
-        if n_out == 0 {
+        if s.n_out == 0 {
             return Ok(StepOutput::default());
         }
-        if read_logits {
-            let bytes = self.readback.read(&ctx, logits_bytes).await.map_err(gpu_err)?;
-            let logits: Vec<f32> = bytemuck::cast_slice(&bytes[..logits_bytes as usize]).to_vec();
-            let argmax = logits
-                .chunks_exact(vocab as usize)
-                .map(crate::engine::sampler::argmax)
-                .collect();
-            Ok(StepOutput { argmax, logits: Some(logits), top: None })
-        } else if want == Want::TopK {
-            let bytes = self.readback.read(&ctx, top_bytes).await.map_err(gpu_err)?;
-            let words: &[u32] = bytemuck::cast_slice(&bytes[..top_bytes as usize]);
-            let top: Vec<Vec<(u32, f32)>> =
-                words.chunks_exact(top_words).map(|w| kernels::topk::decode_row(w, kernels::topk::TOPK_MAX)).collect();
-            // The best pair is the argmax (same order: value, then lower id).
-            let argmax = top.iter().map(|t| t.first().map_or(0, |p| p.0)).collect();
-            Ok(StepOutput { argmax, logits: None, top: Some(top) })
-        } else {
-            let bytes = self.readback.read(&ctx, argmax_bytes).await.map_err(gpu_err)?;
-            Ok(StepOutput {
-                argmax: bytemuck::cast_slice(&bytes[..argmax_bytes as usize]).to_vec(),
-                logits: None,
-                top: None,
-            })
+        let data = self.readback.read(&ctx, bytes).await.map_err(gpu_err)?;
+        Ok(self.parse_output(&data[..bytes as usize], s.n_out, want))
+    }
+
+    /// Start a step of tokens of several sequences without running it (the frame-budgeted
+    /// path): inputs are written and page copies submitted; [`Self::advance`] then submits
+    /// its dispatches a few at a time and collects the result without ever waiting.
+    pub fn begin_step_batch(&mut self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32], want: Want) -> Result<PendingStep> {
+        self.ctx.check_lost().map_err(LanternError::Gpu)?;
+        self.validate_batch(ids, positions, seqs, rows)?;
+        let s = self.write_batch_inputs(ids, positions, seqs, rows);
+        let mut enc = self.ctx.device.create_command_encoder(&Default::default());
+        self.encode_pending_copies(&mut enc);
+        self.ctx.queue.submit([enc.finish()]);
+        Ok(PendingStep { s, want, next: 0, mapping: None, submissions: 0 })
+    }
+
+    /// Submit more of `p`'s dispatches until `deadline` (at least one batch of
+    /// [`DISPATCHES_PER_SUBMIT`]), then its readback, then check without waiting whether the
+    /// result has arrived: `Some` once it has. Never blocks on the GPU.
+    pub async fn advance(&mut self, p: &mut PendingStep, deadline: web_time::Instant) -> Result<Option<StepOutput>> {
+        let ctx = self.ctx.clone();
+        ctx.check_lost().map_err(LanternError::Gpu)?;
+        let total = self.step_dispatches(&p.s, p.want, false).len();
+        let mut this_call = 0;
+        while p.next < total && (this_call == 0 || web_time::Instant::now() < deadline) {
+            this_call += 1;
+            let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
+            let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step part") });
+            let end = (p.next + DISPATCHES_PER_SUBMIT).min(total);
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                for d in &self.step_dispatches(&p.s, p.want, false)[p.next..end] {
+                    d.encode(&mut pass, &p.s);
+                }
+            }
+            if end == total && p.s.n_out > 0 {
+                let (src, bytes) = self.readback_source(p.s.n_out, p.want);
+                self.readback.copy_from(&mut enc, src, 0, bytes);
+            }
+            ctx.queue.submit([enc.finish()]);
+            if let Some(e) = scope.pop().await {
+                return Err(LanternError::Gpu(GpuError::Validation { context: "forward step".into(), message: e.to_string() }));
+            }
+            p.next = end;
+            p.submissions += 1;
         }
+        if p.next < total {
+            return Ok(None);
+        }
+        if p.s.n_out == 0 {
+            return Ok(Some(StepOutput::default()));
+        }
+        let (_, bytes) = self.readback_source(p.s.n_out, p.want);
+        if p.mapping.is_none() {
+            p.mapping = Some(self.readback.start_map(bytes));
+        }
+        // Let the device make progress and deliver the map callback, without waiting.
+        #[cfg(not(target_arch = "wasm32"))]
+        let _ = ctx.device.poll(wgpu::PollType::Poll);
+        let ready = match p.mapping.as_mut().map(|rx| rx.try_recv()) {
+            Some(Ok(Some(r))) => r.map_err(|e| LanternError::Gpu(GpuError::Readback(e.to_string())))?,
+            Some(Ok(None)) => return Ok(None),
+            _ => return Err(LanternError::Gpu(GpuError::Readback("map callback dropped (device lost?)".into()))),
+        };
+        let _ = ready;
+        let data = self.readback.take_mapped(bytes).map_err(gpu_err)?;
+        Ok(Some(self.parse_output(&data[..bytes as usize], p.s.n_out, p.want)))
     }
 
     /// Time every dispatch of one step separately (one submission and wait per dispatch):
