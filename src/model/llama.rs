@@ -1208,12 +1208,11 @@ impl GpuModel {
         // Let the device make progress and deliver the map callback, without waiting.
         #[cfg(not(target_arch = "wasm32"))]
         let _ = ctx.device.poll(wgpu::PollType::Poll);
-        let ready = match p.mapping.as_mut().map(|rx| rx.try_recv()) {
+        match p.mapping.as_mut().map(|rx| rx.try_recv()) {
             Some(Ok(Some(r))) => r.map_err(|e| LanternError::Gpu(GpuError::Readback(e.to_string())))?,
             Some(Ok(None)) => return Ok(None),
             _ => return Err(LanternError::Gpu(GpuError::Readback("map callback dropped (device lost?)".into()))),
-        };
-        let _ = ready;
+        }
         let data = self.readback.take_mapped(bytes).map_err(gpu_err)?;
         Ok(Some(self.parse_output(&data[..bytes as usize], p.s.n_out, p.want)))
     }
