@@ -10,7 +10,8 @@
 //           codes, from word p.scale_base, one f32 per token-head: amax, the largest |x| of
 //           the head; x = unpack4x8snorm(code) * amax, code = round(x / amax * 127).
 // The including shader declares `k_cache` and `v_cache` as array<KvWord> and has
-// `p.scale_base`.
+// `p.scale_base`. K and V get a function each: WebGPU's WGSL cannot pass a storage buffer
+// to a function (no pointer parameters in the storage address space).
 #if KV_F32
 alias KvWord = f32;
 #else

@@ -83,6 +83,17 @@ struct DeviceArgs {
     backend: Option<String>,
 }
 
+impl DeviceArgs {
+    /// Open the chosen adapter (or the best one) as a GPU context.
+    fn open(&self) -> Result<std::sync::Arc<GpuContext>> {
+        Ok(pollster::block_on(GpuContext::new(&DeviceOptions {
+            backend: self.backend.clone(),
+            adapter: self.adapter.clone(),
+            ..Default::default()
+        }))?)
+    }
+}
+
 #[derive(Args)]
 struct RunArgs {
     /// The prompt (or the user message with --chat).
@@ -236,11 +247,7 @@ fn run(a: RunArgs) -> Result<()> {
         .tokenizer
         .with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
     pb.set_message("choosing adapter");
-    let ctx = pollster::block_on(GpuContext::new(&DeviceOptions {
-        backend: a.device.backend.clone(),
-        adapter: a.device.adapter.clone(),
-        ..Default::default()
-    }))?;
+    let ctx = a.device.open()?;
     pb.set_message(format!("uploading weights to {}", ctx.info.name));
     let mut model = pollster::block_on(GpuModel::load(
         ctx.clone(),

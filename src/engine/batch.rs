@@ -364,7 +364,11 @@ impl Engine {
             let out = loop {
                 match self.model.advance(&mut p, web_time::Instant::now()).await {
                     Ok(Some(o)) => break Ok(o),
-                    Ok(None) => {}
+                    Ok(None) => {
+                        // Submitted work remains: wait for the device instead of spinning.
+                        #[cfg(not(target_arch = "wasm32"))]
+                        let _ = self.model.ctx.device.poll(wgpu::PollType::wait_indefinitely());
+                    }
                     Err(e) => break Err(e),
                 }
             };

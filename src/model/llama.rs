@@ -1171,7 +1171,8 @@ impl GpuModel {
     pub async fn advance(&mut self, p: &mut PendingStep, deadline: web_time::Instant) -> Result<Option<StepOutput>> {
         let ctx = self.ctx.clone();
         ctx.check_lost().map_err(LanternError::Gpu)?;
-        let total = self.step_dispatches(&p.s, p.want, false).len();
+        let dispatches = self.step_dispatches(&p.s, p.want, false);
+        let total = dispatches.len();
         let mut this_call = 0;
         while p.next < total && (this_call == 0 || web_time::Instant::now() < deadline) {
             this_call += 1;
@@ -1180,7 +1181,7 @@ impl GpuModel {
             let end = (p.next + DISPATCHES_PER_SUBMIT).min(total);
             {
                 let mut pass = enc.begin_compute_pass(&Default::default());
-                for d in &self.step_dispatches(&p.s, p.want, false)[p.next..end] {
+                for d in &dispatches[p.next..end] {
                     d.encode(&mut pass, &p.s);
                 }
             }

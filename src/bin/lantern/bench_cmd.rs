@@ -16,7 +16,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lantern::engine::metrics::{RequestRecord, WorkloadSummary};
 use lantern::engine::sampler::Rng;
 use lantern::engine::{Engine, EngineOptions, Event, GenerateRequest, RequestHandle, SamplingParams};
-use lantern::gpu::{DeviceOptions, GpuContext};
 use lantern::model::llama::{GpuModel, ModelOptions};
 use lantern::model::load::load_path;
 
@@ -255,7 +254,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let pb = spinner(&format!("loading {}", model_path.display()), false);
     let loaded = load_path(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = Arc::new(loaded.tokenizer.with_context(|| format!("{} has no tokenizer", model_path.display()))?);
-    let ctx = pollster::block_on(GpuContext::new(&DeviceOptions { backend: a.device.backend.clone(), adapter: a.device.adapter.clone(), ..Default::default() }))?;
+    let ctx = a.device.open()?;
     let (_, p1) = parse_len(&a.prompt_len, "--prompt-len")?;
     let (_, o1) = parse_len(&a.output_len, "--output-len")?;
     let longest = a.shared_prefix + p1 + o1;

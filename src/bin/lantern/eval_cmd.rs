@@ -9,7 +9,7 @@ use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use lantern::eval::{compare, perplexity, CompareReport, PositionStats, Progress, Window};
-use lantern::gpu::{DeviceOptions, GpuContext};
+use lantern::gpu::GpuContext;
 use lantern::model::llama::{GpuModel, ModelOptions, WeightPrecision};
 use lantern::model::load::load_path;
 use lantern::model::tokenizer::{ChatMessage, Tokenizer};
@@ -113,11 +113,7 @@ fn default_model(p: Option<PathBuf>) -> Result<PathBuf> {
 }
 
 fn gpu(device: &DeviceArgs) -> Result<Arc<GpuContext>> {
-    Ok(pollster::block_on(GpuContext::new(&DeviceOptions {
-        backend: device.backend.clone(),
-        adapter: device.adapter.clone(),
-        ..Default::default()
-    }))?)
+    device.open()
 }
 
 /// Load `path` onto `ctx`; returns the model, its tokenizer (if any) and the load time.

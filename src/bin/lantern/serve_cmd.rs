@@ -35,7 +35,6 @@ use lantern::engine::{
     Engine, EngineClient, EngineOptions, EngineWorker, Event, FinishReason, GenerateRequest, Generation, RequestHandle,
     SamplingParams,
 };
-use lantern::gpu::{DeviceOptions, GpuContext};
 use lantern::kv::KvError;
 use lantern::model::llama::{GpuModel, ModelOptions};
 use lantern::model::load::load_path;
@@ -115,11 +114,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let tokenizer =
         loaded.tokenizer.with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
     pb.set_message("choosing adapter");
-    let ctx = pollster::block_on(GpuContext::new(&DeviceOptions {
-        backend: a.device.backend.clone(),
-        adapter: a.device.adapter.clone(),
-        ..Default::default()
-    }))?;
+    let ctx = a.device.open()?;
     pb.set_message(format!("uploading weights to {}", ctx.info.name));
     let model = pollster::block_on(GpuModel::load(
         ctx.clone(),
