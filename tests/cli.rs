@@ -160,3 +160,42 @@ fn bench_runs_a_workload_and_writes_json_and_svg() {
     assert!(out.status.success() && stdout.contains("Poisson arrivals at 20 req/s") && stdout.contains("3 requests in"), "{stdout}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The driver's pipeline cache persists between processes: the first run of a fresh cache
+/// folder compiles and saves it, the second hands the saved data to the driver, and a
+/// damaged file is refused (never given to the driver) and rewritten.
+#[test]
+fn pipeline_cache_is_saved_then_loaded_by_the_next_process() {
+    let dir = std::env::temp_dir().join(format!("lantern-cli-pipelines-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let run = || {
+        let out = lantern()
+            .env("LANTERN_CACHE_DIR", &dir)
+            .args(["run", "Hi", "--max-tokens", "1", "--json", "--model"])
+            .arg(common::smollm2_gguf())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["pipelines"].clone()
+    };
+    let first = run();
+    assert!(first["compiled"].as_u64().unwrap() > 0, "{first}");
+    assert_eq!(first["driver_cache"]["state"], "empty", "{first}");
+    let files: Vec<_> = std::fs::read_dir(dir.join("pipelines")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "one cache file per adapter: {files:?}");
+    let saved = std::fs::read(&files[0]).unwrap();
+    let payload = lantern::gpu::pipeline::unseal(&saved).expect("a sealed cache file");
+
+    let second = run();
+    assert_eq!(second["driver_cache"]["state"], "loaded", "{second}");
+    assert_eq!(second["driver_cache"]["bytes"].as_u64().unwrap(), payload.len() as u64);
+
+    // A torn write: refused with a reason, then replaced by a good file.
+    std::fs::write(&files[0], &saved[..saved.len() / 2]).unwrap();
+    let third = run();
+    assert_eq!(third["driver_cache"]["state"], "rejected", "{third}");
+    assert!(third["driver_cache"]["reason"].as_str().unwrap().contains("truncated"), "{third}");
+    assert!(lantern::gpu::pipeline::unseal(&std::fs::read(&files[0]).unwrap()).is_ok());
+    let _ = std::fs::remove_dir_all(&dir);
+}

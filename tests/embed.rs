@@ -190,3 +190,55 @@ fn frame_budgeted_steps_keep_the_budget_and_the_tokens() {
     assert!(frames > steps, "steps were spread over frames");
     assert!(worst <= budget + margin, "a frame call took {worst:?}, budget {budget:?} + margin {margin:?}");
 }
+
+/// A host device created with `Features::PIPELINE_CACHE` gets Lantern's pipelines through
+/// the driver's cache, persisted in a folder the host names: the next context (a new device,
+/// as at the next start of the application) hands the saved data to the driver and produces
+/// the same tokens. A device without the feature compiles as before.
+#[test]
+fn host_pipeline_cache_persists_across_devices() {
+    use lantern::gpu::{DriverCacheState, GpuContext};
+    let dir = std::env::temp_dir().join(format!("lantern-embed-pipelines-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let prompt: Vec<u32> = (3..12).collect();
+    let cached_device = || {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+        let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions::default())).expect("adapter");
+        assert!(adapter.features().contains(wgpu::Features::PIPELINE_CACHE), "lavapipe offers PIPELINE_CACHE");
+        pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("host with a pipeline cache"),
+            required_features: wgpu::Features::PIPELINE_CACHE | (adapter.features() & wgpu::Features::SUBGROUP),
+            required_limits: adapter.limits(),
+            ..Default::default()
+        }))
+        .expect("device")
+    };
+    let start = || {
+        let (device, queue) = cached_device();
+        let ctx = GpuContext::from_device_with_pipeline_cache(device, queue, &dir).unwrap();
+        let model = pollster::block_on(GpuModel::load(ctx.clone(), &weights("llama-gqa"), opts())).unwrap();
+        let ids = run(&mut Engine::new(model, tokenizer(), EngineOptions::default()), prompt.clone(), 4);
+        let stats = ctx.pipelines.stats();
+        let written = ctx.save_pipeline_cache().unwrap();
+        (ids, stats, written)
+    };
+    let (first_ids, first, written) = start();
+    assert!(matches!(first.driver_cache, DriverCacheState::Empty { .. }), "{first:?}");
+    assert!(first.compiled > 0 && written > 0, "{first:?}, {written} bytes written");
+    let (second_ids, second, _) = start();
+    match &second.driver_cache {
+        DriverCacheState::Loaded { bytes, .. } => assert_eq!(*bytes + lantern::gpu::pipeline::ENVELOPE as u64, written, "the whole saved payload reached the driver"),
+        other => panic!("expected the saved cache to load, got {other:?}"),
+    }
+    assert_eq!(second_ids, first_ids);
+
+    // Without the feature: no driver cache, nothing written, same tokens.
+    let (device, queue) = host_device();
+    let ctx = GpuContext::from_device_with_pipeline_cache(device, queue, &dir.join("unused")).unwrap();
+    let model = pollster::block_on(GpuModel::load(ctx.clone(), &weights("llama-gqa"), opts())).unwrap();
+    assert_eq!(run(&mut Engine::new(model, tokenizer(), EngineOptions::default()), prompt, 4), first_ids);
+    assert_eq!(ctx.pipelines.stats().driver_cache, DriverCacheState::Unsupported);
+    assert_eq!(ctx.save_pipeline_cache().unwrap(), 0);
+    assert!(!dir.join("unused").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -81,17 +81,37 @@ struct DeviceArgs {
     /// Pin a backend: vulkan, metal, dx12, gl.
     #[arg(long)]
     backend: Option<String>,
+    /// Compile every pipeline from scratch: neither read nor write the driver's pipeline
+    /// cache (kept in <cache dir>/pipelines where the backend has one: Vulkan).
+    #[arg(long)]
+    no_pipeline_cache: bool,
 }
 
 impl DeviceArgs {
     /// Open the chosen adapter (or the best one) as a GPU context.
     fn open(&self) -> Result<std::sync::Arc<GpuContext>> {
+        let pipeline_cache_dir = (!self.no_pipeline_cache && std::env::var_os("LANTERN_NO_PIPELINE_CACHE").is_none())
+            .then(|| lantern::fetch::cache_dir().join("pipelines"));
         Ok(pollster::block_on(GpuContext::new(&DeviceOptions {
             backend: self.backend.clone(),
             adapter: self.adapter.clone(),
+            pipeline_cache_dir,
             ..Default::default()
         }))?)
     }
+}
+
+/// One line on pipeline compilation: how many, how long, and what the driver cache did.
+fn pipeline_line(p: &lantern::gpu::PipelineStats) -> String {
+    use lantern::gpu::DriverCacheState as D;
+    let cache = match &p.driver_cache {
+        D::Unsupported => "no driver pipeline cache on this backend".to_string(),
+        D::NotPersisted => "driver cache not persisted".to_string(),
+        D::Empty { path } => format!("driver cache empty, saved to {path}"),
+        D::Loaded { path, bytes } => format!("driver cache {:.1} MB loaded from {path}", *bytes as f64 / 1e6),
+        D::Rejected { path, reason } => format!("driver cache {path} ignored ({reason}), rewritten"),
+    };
+    format!("{} pipelines compiled in {:.0} ms; {cache}", p.compiled, p.compile_ms)
 }
 
 #[derive(Args)]
@@ -315,6 +335,10 @@ fn run(a: RunArgs) -> Result<()> {
     }))?;
     let m = gen.timings.metrics();
     let prefill_tps = m.ttft_ms.map(|t| gen.prompt_ids.len() as f64 / (t / 1e3));
+    if let Err(e) = ctx.save_pipeline_cache() {
+        eprintln!("warning: saving the pipeline cache failed: {e}");
+    }
+    let pipelines = ctx.pipelines.stats();
     if json {
         let v = serde_json::json!({
             "prompt_ids": gen.prompt_ids,
@@ -341,6 +365,7 @@ fn run(a: RunArgs) -> Result<()> {
                 "config": model.config,
             },
             "adapter": ctx.adapter_json(),
+            "pipelines": pipelines,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
@@ -393,6 +418,7 @@ fn run(a: RunArgs) -> Result<()> {
                 None => mem.budget_source.clone(),
             }
         );
+        eprintln!("[{}]", pipeline_line(&pipelines));
     }
     Ok(())
 }

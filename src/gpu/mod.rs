@@ -12,7 +12,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 pub use buffer::{GpuTensor, Readback};
-pub use pipeline::PipelineCache;
+pub use pipeline::{DriverCacheState, PipelineCache, PipelineStats};
 pub use shader::{Features, PipelineKey, ShaderOp};
 
 /// Errors from the GPU layer.
@@ -115,6 +115,9 @@ pub struct DeviceOptions {
     pub max_binding_size: Option<u64>,
     /// Do not request optional features (shader-f16, subgroups, timestamps).
     pub no_optional_features: bool,
+    /// Where the driver's pipeline cache persists between processes (Vulkan): the CLI uses
+    /// `<cache dir>/pipelines`. `None`: compile every pipeline at every start.
+    pub pipeline_cache_dir: Option<std::path::PathBuf>,
 }
 
 fn parse_backend(name: &str) -> Result<wgpu::Backends, GpuError> {
@@ -347,6 +350,9 @@ impl GpuContext {
         if !opts.no_optional_features {
             wanted |= wgpu::Features::SHADER_F16 | wgpu::Features::SUBGROUP | wgpu::Features::TIMESTAMP_QUERY;
         }
+        if opts.pipeline_cache_dir.is_some() {
+            wanted |= wgpu::Features::PIPELINE_CACHE;
+        }
         let features = available & wanted;
         if limits.max_storage_buffers_per_shader_stage < 8 {
             return Err(GpuError::MissingCapability {
@@ -383,7 +389,7 @@ impl GpuContext {
                 adapter: info.name.clone(),
                 reason: e.to_string(),
             })?;
-        Ok(Self::wrap(device, queue, info, limits))
+        Ok(Self::wrap(device, queue, info, limits, opts.pipeline_cache_dir.as_deref()))
     }
 
     /// Run on a device the host application already has (a game's or an editor's), sharing
@@ -391,6 +397,14 @@ impl GpuContext {
     /// subgroups when enabled, else the paths that need neither) and owns nothing global.
     /// The host keeps using the device meanwhile; see ARCHITECTURE.md for the rules.
     pub fn from_device(device: wgpu::Device, queue: wgpu::Queue) -> Result<Arc<GpuContext>, GpuError> {
+        Self::host_device(device, queue, None)
+    }
+
+    fn host_device(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        pipeline_cache_dir: Option<&std::path::Path>,
+    ) -> Result<Arc<GpuContext>, GpuError> {
         let info = device.adapter_info();
         let limits = device.limits();
         if limits.max_storage_buffers_per_shader_stage < 8 {
@@ -400,10 +414,29 @@ impl GpuContext {
                 why: "the fused kernels bind up to 8 storage buffers; request the adapter's limits for the device".into(),
             });
         }
-        Ok(Self::wrap(device, queue, info, limits))
+        Ok(Self::wrap(device, queue, info, limits, pipeline_cache_dir))
     }
 
-    fn wrap(device: wgpu::Device, queue: wgpu::Queue, info: wgpu::AdapterInfo, limits: wgpu::Limits) -> Arc<GpuContext> {
+    /// [`GpuContext::from_device`] with the driver's pipeline cache persisted in `dir`
+    /// (native; the host's device must have been created with `Features::PIPELINE_CACHE`,
+    /// else this is `from_device`). The second start of the host compiles no Lantern
+    /// pipeline the driver has seen; call [`GpuContext::save_pipeline_cache`] after a model
+    /// has run (dropping the context saves too).
+    pub fn from_device_with_pipeline_cache(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        dir: &std::path::Path,
+    ) -> Result<Arc<GpuContext>, GpuError> {
+        Self::host_device(device, queue, Some(dir))
+    }
+
+    fn wrap(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        info: wgpu::AdapterInfo,
+        limits: wgpu::Limits,
+        pipeline_cache_dir: Option<&std::path::Path>,
+    ) -> Arc<GpuContext> {
         let features = device.features();
         let caps = Capabilities {
             shader_f16: features.contains(wgpu::Features::SHADER_F16),
@@ -420,7 +453,15 @@ impl GpuContext {
                 *l = Some(format!("{reason:?}: {message}"));
             }
         });
-        Arc::new(GpuContext { device, queue, info, limits, caps, pipelines: PipelineCache::default(), ledger: Ledger::default(), lost })
+        let pipelines = PipelineCache::for_device(&device, &info, pipeline_cache_dir);
+        Arc::new(GpuContext { device, queue, info, limits, caps, pipelines, ledger: Ledger::default(), lost })
+    }
+
+    /// Persist the driver's pipeline cache if pipelines were compiled since the last save
+    /// (native; a no-op without a cache location). Returns the bytes written.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn save_pipeline_cache(&self) -> std::io::Result<u64> {
+        self.pipelines.save()
     }
 
     /// The device-lost error, once the device is gone.
