@@ -242,3 +242,36 @@ fn host_pipeline_cache_persists_across_devices() {
     assert!(!dir.join("unused").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A work budget: with `FrameBudget::dispatches(3)` no call submits more than three
+/// dispatches, every step is spread over many calls, and the tokens are the blocking path's.
+#[test]
+fn a_work_budget_caps_the_dispatches_per_call() {
+    use lantern::engine::FrameBudget;
+    let prompt: Vec<u32> = (5..30).collect();
+    let m = pollster::block_on(GpuModel::load(common::gpu(), &weights("llama-gqa"), opts())).unwrap();
+    let want = run(&mut Engine::new(m, tokenizer(), EngineOptions::default()), prompt.clone(), 6);
+
+    let (device, queue) = host_device();
+    let mut e = pollster::block_on(Engine::with_device(device, queue, &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
+    let warm = pollster::block_on(e.warm_up()).unwrap();
+    assert!(warm > 0.0);
+    let mut h = e.submit(request(prompt, 6)).unwrap();
+    let (mut calls, mut steps, mut most) = (0usize, 0usize, 0usize);
+    let mut got = Vec::new();
+    while !e.is_idle() {
+        let r = pollster::block_on(e.step_within(FrameBudget::dispatches(3))).unwrap();
+        most = most.max(r.submitted);
+        calls += 1;
+        steps += r.step.is_some() as usize;
+        while let Ok(Some(ev)) = h.try_next() {
+            if let Event::Token { id, .. } = ev {
+                got.push(id);
+            }
+        }
+        assert!(calls < 100_000, "no progress");
+    }
+    assert_eq!(got, want);
+    assert!(most <= 3 && most > 0, "at most 3 dispatches per call, got {most}");
+    assert!(calls >= steps * 3, "{calls} calls for {steps} steps");
+}

@@ -148,6 +148,28 @@ struct Scheduled {
     sampling: Vec<(u64, usize, Option<usize>)>,
 }
 
+/// What a host gives Lantern out of one frame: a time budget (wall time inside the call)
+/// and a work budget (GPU dispatches submitted in the call). A `Duration` converts into a
+/// time-only budget; [`FrameBudget::dispatches`] makes a work-only one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameBudget {
+    pub time: std::time::Duration,
+    pub max_dispatches: usize,
+}
+
+impl FrameBudget {
+    /// At most `n` dispatches per call (at least one, so steps progress), no time limit.
+    pub fn dispatches(n: usize) -> FrameBudget {
+        FrameBudget { time: std::time::Duration::MAX, max_dispatches: n.max(1) }
+    }
+}
+
+impl From<std::time::Duration> for FrameBudget {
+    fn from(time: std::time::Duration) -> FrameBudget {
+        FrameBudget { time, max_dispatches: usize::MAX }
+    }
+}
+
 /// What one `step_within` call did.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct FrameReport {
@@ -155,6 +177,8 @@ pub struct FrameReport {
     pub step: Option<StepReport>,
     /// A step is still on the GPU (call again next frame).
     pub in_flight: bool,
+    /// GPU dispatches this call submitted.
+    pub submitted: usize,
 }
 
 /// Totals since the engine started.
@@ -214,6 +238,16 @@ impl Engine {
     }
 
     /// The model back (requests still queued are dropped: their handles end).
+    /// Compile and touch everything a step uses before the first frame
+    /// ([`GpuModel::warm_up`]); call it at load time, outside the frame loop, while the
+    /// engine is idle. Returns the milliseconds it took.
+    pub async fn warm_up(&mut self) -> Result<f64> {
+        if !self.is_idle() {
+            return Err(LanternError::Other("warm_up needs an idle engine (call it before submitting)".into()));
+        }
+        self.model.warm_up().await
+    }
+
     pub fn into_model(self) -> GpuModel {
         self.model
     }
@@ -362,7 +396,7 @@ impl Engine {
         if let Some((sch, mut p, report)) = self.pending.take() {
             // A frame-budgeted step is in flight: finish it first.
             let out = loop {
-                match self.model.advance(&mut p, web_time::Instant::now()).await {
+                match self.model.advance(&mut p, web_time::Instant::now(), crate::model::llama::DISPATCHES_PER_SUBMIT).await {
                     Ok(Some(o)) => break Ok(o),
                     Ok(None) => {
                         // Submitted work remains: wait for the device instead of spinning.
@@ -385,26 +419,31 @@ impl Engine {
     /// batch per call), and collects its result once the GPU has it, never waiting on the
     /// GPU. Tokens arrive through the handles as with `step`; `FrameReport::step` is the
     /// report of a step that completed in this call.
-    pub async fn step_within(&mut self, budget: std::time::Duration) -> Result<FrameReport> {
-        let deadline = web_time::Instant::now() + budget;
+    pub async fn step_within(&mut self, budget: impl Into<FrameBudget>) -> Result<FrameReport> {
+        let budget = budget.into();
+        let now = web_time::Instant::now();
+        let deadline = now.checked_add(budget.time).unwrap_or(now + std::time::Duration::from_secs(3600));
         let (sch, mut p, report) = match self.pending.take() {
             Some(x) => x,
             None => {
                 let (report, sch) = self.schedule()?;
-                let Some(sch) = sch else { return Ok(FrameReport { step: Some(report), in_flight: false }) };
+                let Some(sch) = sch else { return Ok(FrameReport { step: Some(report), in_flight: false, submitted: 0 }) };
                 match self.model.begin_step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want) {
                     Ok(p) => (sch, p, report),
-                    Err(e) => return self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false }),
+                    Err(e) => return self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false, submitted: 0 }),
                 }
             }
         };
-        match self.model.advance(&mut p, deadline).await {
+        let before = p.submitted();
+        let r = self.model.advance(&mut p, deadline, budget.max_dispatches).await;
+        let submitted = p.submitted() - before;
+        match r {
             Ok(None) => {
                 self.pending = Some((sch, p, report));
-                Ok(FrameReport { step: None, in_flight: true })
+                Ok(FrameReport { step: None, in_flight: true, submitted })
             }
-            Ok(Some(out)) => self.complete(sch, Ok(out), report).map(|r| FrameReport { step: Some(r), in_flight: false }),
-            Err(e) => self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false }),
+            Ok(Some(out)) => self.complete(sch, Ok(out), report).map(|r| FrameReport { step: Some(r), in_flight: false, submitted }),
+            Err(e) => self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false, submitted }),
         }
     }
 

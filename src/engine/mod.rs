@@ -8,7 +8,7 @@ pub mod sampler;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod worker;
 
-pub use batch::{Engine, EngineOptions, Event, RequestHandle};
+pub use batch::{Engine, EngineOptions, Event, FrameBudget, FrameReport, RequestHandle};
 pub use generate::{FinishReason, GenerateRequest, Generation};
 pub use metrics::RequestTimings;
 pub use sampler::{Sampler, SamplingParams};

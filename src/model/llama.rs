@@ -279,6 +279,8 @@ pub struct GpuModel {
     plans: Plans,
     readback: Readback,
     memory: MemoryReport,
+    /// Measured milliseconds one dispatch costs the caller on the frame-budgeted path.
+    submit_ms_per_dispatch: Option<f64>,
     /// Steps where the matvec path runs (n_tokens at or below this).
     pub matvec_max_tokens: usize,
     /// Steps above `matvec_max_tokens` and up to this use the four-token texture matvec
@@ -290,8 +292,16 @@ pub struct GpuModel {
     pub logit_rows: usize,
 }
 
-/// Dispatches recorded per submission on the frame-budgeted path.
+/// Most dispatches recorded per submission on the frame-budgeted path. Fewer go into one
+/// submission when the measured cost per dispatch says more would overrun the frame budget.
 pub const DISPATCHES_PER_SUBMIT: usize = 8;
+
+impl PendingStep {
+    /// Dispatches submitted so far.
+    pub fn submitted(&self) -> usize {
+        self.next
+    }
+}
 
 /// A step started with [`GpuModel::begin_step_batch`] and driven by [`GpuModel::advance`].
 pub struct PendingStep {
@@ -675,6 +685,7 @@ impl GpuModel {
             batch_max_tokens,
             attention_splits,
             logit_rows: r,
+            submit_ms_per_dispatch: None,
         })
     }
 
@@ -854,6 +865,38 @@ impl GpuModel {
     pub fn dispatches_per_prefill_step(&self) -> usize {
         let s = StepUniform::new(self.options.max_batch_tokens.max(1) as u32, 1);
         self.plans.embed.iter().chain(&self.plans.layers_matmul).chain(&self.plans.head_gather).filter(|d| d.runs(&s)).count() + 1
+    }
+
+    /// Run one step of each plan shape (decode; the batched and the matmul prefill), with
+    /// argmax and top-k readback, on a scratch sequence that is released afterwards: drivers
+    /// that compile a shader at its first dispatch (llvmpipe) and first touches of weight
+    /// memory then happen here, at load time, and not inside a host's frame. Returns the
+    /// milliseconds it took.
+    pub async fn warm_up(&mut self) -> Result<f64> {
+        let t0 = web_time::Instant::now();
+        let context = self.kv.alloc.config.context;
+        let mut sizes = vec![1usize, self.matvec_max_tokens + 1, self.batch_max_tokens.max(self.matvec_max_tokens) + 1];
+        sizes.dedup();
+        sizes.retain(|&n| n <= self.options.max_batch_tokens);
+        let seq = self.new_sequence()?;
+        let mut run = async || -> Result<()> {
+            let mut used = 0;
+            for (i, &n) in sizes.iter().enumerate() {
+                if used + n + 1 > context {
+                    break;
+                }
+                self.forward(seq, &vec![0u32; n], Want::Argmax).await?;
+                used += n;
+                if i == 0 {
+                    self.forward(seq, &[0u32], Want::TopK).await?;
+                    used += 1;
+                }
+            }
+            Ok(())
+        };
+        let r = run().await;
+        self.release_sequence(seq);
+        r.map(|_| t0.elapsed().as_secs_f64() * 1e3)
     }
 
     /// Start a new sequence in the KV cache.
@@ -1165,20 +1208,34 @@ impl GpuModel {
         Ok(PendingStep { s, want, next: 0, mapping: None, submissions: 0 })
     }
 
-    /// Submit more of `p`'s dispatches until `deadline` (at least one batch of
-    /// [`DISPATCHES_PER_SUBMIT`]), then its readback, then check without waiting whether the
-    /// result has arrived: `Some` once it has. Never blocks on the GPU.
-    pub async fn advance(&mut self, p: &mut PendingStep, deadline: web_time::Instant) -> Result<Option<StepOutput>> {
+    /// Submit more of `p`'s dispatches until `deadline` or `max_dispatches` (at least one
+    /// dispatch per call; submissions of at most [`DISPATCHES_PER_SUBMIT`], fewer when the
+    /// measured cost per dispatch says more would pass the deadline), then its readback,
+    /// then check without waiting whether the result has arrived: `Some` once it has. Never
+    /// blocks on the GPU.
+    pub async fn advance(&mut self, p: &mut PendingStep, deadline: web_time::Instant, max_dispatches: usize) -> Result<Option<StepOutput>> {
         let ctx = self.ctx.clone();
         ctx.check_lost().map_err(LanternError::Gpu)?;
         let dispatches = self.step_dispatches(&p.s, p.want, false);
         let total = dispatches.len();
         let mut this_call = 0;
-        while p.next < total && (this_call == 0 || web_time::Instant::now() < deadline) {
-            this_call += 1;
+        let mut cost = self.submit_ms_per_dispatch;
+        while p.next < total && this_call < max_dispatches.max(1) {
+            let now = web_time::Instant::now();
+            if this_call > 0 && now >= deadline {
+                break;
+            }
+            // As many dispatches as the measured cost says fit in what is left of the
+            // budget (at least one per call, so a step always progresses).
+            let left_ms = deadline.saturating_duration_since(now).as_secs_f64() * 1e3;
+            let fit = match cost {
+                Some(c) if c > 0.0 => ((left_ms / c).floor() as usize).clamp(1, DISPATCHES_PER_SUBMIT),
+                _ => 1,
+            };
+            let n = fit.min(max_dispatches.max(1) - this_call).min(total - p.next).max(1);
             let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
             let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step part") });
-            let end = (p.next + DISPATCHES_PER_SUBMIT).min(total);
+            let end = p.next + n;
             {
                 let mut pass = enc.begin_compute_pass(&Default::default());
                 for d in &dispatches[p.next..end] {
@@ -1193,9 +1250,22 @@ impl GpuModel {
             if let Some(e) = scope.pop().await {
                 return Err(LanternError::Gpu(GpuError::Validation { context: "forward step".into(), message: e.to_string() }));
             }
+            // What one dispatch costs the caller here (encoding and submitting; on CPU
+            // adapters the work itself runs inside submit): a moving average over the
+            // submissions after a call's first, since the first also waits for whatever the
+            // host queued before the call (its own frame), which more dispatches do not add.
+            if this_call > 0 || cost.is_none() {
+                let per = now.elapsed().as_secs_f64() * 1e3 / n as f64;
+                cost = Some(match cost {
+                    Some(c) => 0.7 * c + 0.3 * per,
+                    None => per,
+                });
+            }
             p.next = end;
             p.submissions += 1;
+            this_call += n;
         }
+        self.submit_ms_per_dispatch = cost;
         if p.next < total {
             return Ok(None);
         }
