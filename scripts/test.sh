@@ -24,9 +24,15 @@ if ! ./target/release/lantern devices --backend "$WGPU_BACKEND"; then
     exit 1
 fi
 
-# The library stays wasm-clean (no blocking, no filesystem, no threads in the core).
+# The library stays wasm-clean (no blocking, no filesystem, no threads in the core), and the
+# browser build (web/pkg) plus Chromium are ready for the browser tests (tests/web.rs).
 rustup target add wasm32-unknown-unknown >/dev/null
 cargo check --lib --no-default-features --target wasm32-unknown-unknown
+bash scripts/web.sh test-deps
+# Browser unit tests: wasm-bindgen-test in headless Chromium through chromedriver (WebGPU on
+# SwiftShader). The end-to-end page test (tests/web.rs) runs with the other tests below.
+CHROMEDRIVER="$(command -v chromedriver)" WASM_BINDGEN_TEST_TIMEOUT=600 \
+    cargo test --release --target wasm32-unknown-unknown --no-default-features --features web --test wasm
 
 # Benches are built above but only run with `cargo bench`, never as tests.
 cargo test --release "$@"

@@ -30,7 +30,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         return;
     }
     let base = r * p.n;
-    var bv = -3.4028235e38;
+    var bv = -0x1.fffffep+127f;
     var bi = 0xffffffffu;
     for (var i = lid; i < p.n; i += WG) {
         let v = logits[base + i];

@@ -45,7 +45,7 @@ const MAX_HEAD_DIM: u32 = 256u;
 const DIMS_PER_LANE: u32 = 4u;
 // Query heads per workgroup (components of a vec4).
 const HB: u32 = 4u;
-const NEG: f32 = -3.4028235e38;
+const NEG: f32 = -0x1.fffffep+127f;
 
 @group(0) @binding(0) var<uniform> step: Step;
 @group(0) @binding(1) var<uniform> p: Params;

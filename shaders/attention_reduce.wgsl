@@ -27,7 +27,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let hd = p.head_dim;
     let w = hd + 2u;
     let base = (t * p.n_heads + h) * parts * w;
-    var mx = -3.4028235e38;
+    var mx = -0x1.fffffep+127f;
     for (var i = 0u; i < parts; i++) {
         mx = max(mx, partials[base + i * w + hd]);
     }

@@ -42,13 +42,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     let k = min(p.k, KMAX);
     let none = 0xffffffffu;
-    let neg_inf = bitcast<f32>(0xff800000u);
+    // Empty slots: the lowest finite f32 (their index is `none`, which the host drops).
+    // Not -inf: WGSL const-evaluation (Tint) rejects an infinite bitcast.
+    let neg_inf = -0x1.fffffep+127f;
     // This invocation's best k of indices lid, lid + WG, ..., sorted; n of them filled.
     var n = 0u;
     let base = r * p.n;
     for (var i = lid; i < p.n; i += WG) {
         let v = logits[base + i];
-        if (!(abs(v) <= 3.4028235e38)) {
+        if (!(abs(v) <= 0x1.fffffep+127f)) {
             continue; // NaN or infinite
         }
         var j = n;

@@ -18,3 +18,5 @@ pub mod kernels;
 pub mod kv;
 pub mod engine;
 pub mod eval;
+#[cfg(all(feature = "web", target_arch = "wasm32"))]
+pub mod web;

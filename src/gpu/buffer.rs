@@ -142,12 +142,22 @@ pub fn create_storage(ctx: &GpuContext, label: &str, bytes: &[u8]) -> Result<wgp
         bytes
     };
     ctx.ledger.record(label, contents.len() as u64, AllocUsage::Storage);
-    Ok(ctx.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+    // Not mapped at creation: the bytes go through the queue in chunks, so no buffer-sized
+    // mapping (or, in a browser, no buffer-sized JS copy) exists at any time.
+    let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some(label),
-        contents,
+        size: contents.len() as u64,
         usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
-    }))
+        mapped_at_creation: false,
+    });
+    for (i, chunk) in contents.chunks(UPLOAD_CHUNK).enumerate() {
+        ctx.queue.write_buffer(&buffer, (i * UPLOAD_CHUNK) as u64, chunk);
+    }
+    Ok(buffer)
 }
+
+/// Bytes per `write_buffer` when uploading weights (a multiple of 4).
+pub const UPLOAD_CHUNK: usize = 8 << 20;
 
 /// A zeroed storage buffer of `size` bytes (rounded up to 4, at least 4).
 pub fn create_zeroed(ctx: &GpuContext, label: &str, size: u64) -> Result<wgpu::Buffer, GpuError> {

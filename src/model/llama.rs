@@ -428,6 +428,17 @@ fn gpu_err(e: GpuError) -> LanternError {
 impl GpuModel {
     /// Upload `weights` and build the step plans.
     pub async fn load(ctx: Arc<GpuContext>, weights: &ModelWeights, options: ModelOptions) -> Result<GpuModel> {
+        Self::load_with_progress(ctx, weights, options, &mut |_, _| {}).await
+    }
+
+    /// [`GpuModel::load`], calling `progress(layers uploaded, layers)` after each layer's
+    /// weights are on their way to the GPU (a browser page shows it as the upload bar).
+    pub async fn load_with_progress(
+        ctx: Arc<GpuContext>,
+        weights: &ModelWeights,
+        options: ModelOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<GpuModel> {
         let c = weights.config.clone();
         let d = c.hidden_size;
         let hd = c.head_dim;
@@ -482,6 +493,9 @@ impl GpuModel {
                 in_norm: norm(&format!("{p}.input_layernorm.weight"))?,
                 post_norm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
             });
+            // Flush this layer's uploads so staging memory stays about one layer's worth.
+            ctx.queue.submit(std::iter::empty());
+            progress(l + 1, c.num_layers);
         }
         let embed_t = get(weights, "model.embed_tokens.weight")?;
         let head_t = if c.tie_word_embeddings {

@@ -1,0 +1,152 @@
+//! The browser demo end to end: the wasm package (built by `scripts/web.sh`, which the
+//! README's test command runs first) served on loopback, the real page driven in Debian's
+//! Chromium by `web/e2e.mjs` (playwright-core), a tiny generated model and SmolLM2 loaded
+//! from the page and generated from greedily; the browser's token ids must equal the native
+//! runtime's for the same prompts, a second page load must read the model from the browser's
+//! cache, and a screenshot is kept as `target/test-artifacts/web-demo.png`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{GgufWriter, Meta};
+use lantern::engine::generate::generate;
+use lantern::engine::{GenerateRequest, SamplingParams};
+use lantern::model::llama::{GpuModel, ModelOptions};
+
+/// GPT-2's byte-to-character table: the 256 tokens of a byte-level BPE with no merges.
+fn byte_tokens() -> Vec<String> {
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    let mut by_byte = vec![String::new(); 256];
+    for (b, c) in bs.iter().zip(&cs) {
+        by_byte[*b as usize] = char::from_u32(*c).unwrap().to_string();
+    }
+    by_byte
+}
+
+/// A tiny llama GGUF with random weights and a byte-level tokenizer (256 byte tokens and an
+/// end-of-text token), small enough to load in a browser in a moment.
+fn tiny_web_gguf(path: &Path) {
+    let (hidden, heads, kv_heads, hd, ffn, layers) = (64u64, 4u64, 2u64, 16u64, 128u64, 2u64);
+    let mut tokens = byte_tokens();
+    tokens.push("<|endoftext|>".into());
+    let vocab = tokens.len() as u64;
+    let mut types = vec![1i32; 256];
+    types.push(3);
+    let mut w = GgufWriter::default();
+    w.kv("general.architecture", Meta::Str("llama".into()))
+        .kv("general.name", Meta::Str("tiny-web".into()))
+        .kv("llama.block_count", Meta::U32(layers as u32))
+        .kv("llama.context_length", Meta::U32(256))
+        .kv("llama.embedding_length", Meta::U32(hidden as u32))
+        .kv("llama.feed_forward_length", Meta::U32(ffn as u32))
+        .kv("llama.attention.head_count", Meta::U32(heads as u32))
+        .kv("llama.attention.head_count_kv", Meta::U32(kv_heads as u32))
+        .kv("llama.attention.key_length", Meta::U32(hd as u32))
+        .kv("llama.attention.layer_norm_rms_epsilon", Meta::F32(1e-5))
+        .kv("llama.rope.freq_base", Meta::F32(10000.0))
+        .kv("tokenizer.ggml.model", Meta::Str("gpt2".into()))
+        .kv("tokenizer.ggml.pre", Meta::Str("default".into()))
+        .kv("tokenizer.ggml.tokens", Meta::StrArray(tokens))
+        .kv("tokenizer.ggml.token_type", Meta::I32Array(types))
+        .kv("tokenizer.ggml.merges", Meta::StrArray(vec![]))
+        .kv("tokenizer.ggml.eos_token_id", Meta::U32(256));
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut rand = |n: u64, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+            })
+            .collect()
+    };
+    let ones = |n: u64| vec![1.0f32; n as usize];
+    w.tensor_f32("token_embd.weight", &[hidden, vocab], &rand(hidden * vocab, 2.0));
+    for l in 0..layers {
+        let b = |x: &str| format!("blk.{l}.{x}");
+        w.tensor_f32(&b("attn_norm.weight"), &[hidden], &ones(hidden));
+        w.tensor_f32(&b("attn_q.weight"), &[hidden, heads * hd], &rand(hidden * heads * hd, 0.5));
+        w.tensor_f32(&b("attn_k.weight"), &[hidden, kv_heads * hd], &rand(hidden * kv_heads * hd, 0.5));
+        w.tensor_f32(&b("attn_v.weight"), &[hidden, kv_heads * hd], &rand(hidden * kv_heads * hd, 0.5));
+        w.tensor_f32(&b("attn_output.weight"), &[heads * hd, hidden], &rand(heads * hd * hidden, 0.5));
+        w.tensor_f32(&b("ffn_norm.weight"), &[hidden], &ones(hidden));
+        w.tensor_f32(&b("ffn_gate.weight"), &[hidden, ffn], &rand(hidden * ffn, 0.5));
+        w.tensor_f32(&b("ffn_up.weight"), &[hidden, ffn], &rand(hidden * ffn, 0.5));
+        w.tensor_f32(&b("ffn_down.weight"), &[ffn, hidden], &rand(ffn * hidden, 0.5));
+    }
+    w.tensor_f32("output_norm.weight", &[hidden], &ones(hidden));
+    std::fs::write(path, w.to_bytes()).unwrap();
+}
+
+/// Greedy ids from the native runtime, the request the page's worker makes.
+fn native_ids(model: &Path, prompt: &str, max_tokens: usize) -> Vec<u32> {
+    let loaded = lantern::model::load::load_path(model).unwrap();
+    let tok = loaded.tokenizer.unwrap();
+    let mut m = pollster::block_on(GpuModel::load(common::gpu(), &loaded.weights, ModelOptions { max_seqs: 1, ..Default::default() })).unwrap();
+    let mut stop_ids = m.config.eos_token_ids.clone();
+    if let Some(e) = tok.eos_id() {
+        if !stop_ids.contains(&e) {
+            stop_ids.push(e);
+        }
+    }
+    let req = GenerateRequest { prompt_ids: tok.encode(prompt).unwrap(), max_tokens, sampling: SamplingParams::default(), stop_ids, stop_strings: vec![] };
+    pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap().output_ids
+}
+
+#[test]
+fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let pkg = root.join("web/pkg/lantern_bg.wasm");
+    assert!(pkg.is_file(), "{} is missing: build it with scripts/web.sh (the README's test command does)", pkg.display());
+    assert!(root.join("web/node_modules/playwright-core").is_dir(), "web/node_modules is missing: scripts/web.sh installs it");
+
+    let dir = root.join("target/test-artifacts/web-models");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    tiny_web_gguf(&dir.join("tiny-web.gguf"));
+    let smol = dir.join(common::SMOLLM2_FILE);
+    std::fs::hard_link(common::smollm2_gguf(), &smol).or_else(|_| std::fs::copy(common::smollm2_gguf(), &smol).map(|_| ())).unwrap();
+
+    let cases = serde_json::json!([
+        { "model": "tiny-web.gguf", "prompt": "Hello, browser!", "maxTokens": 12, "expect": native_ids(&dir.join("tiny-web.gguf"), "Hello, browser!", 12) },
+        { "model": common::SMOLLM2_FILE, "prompt": "Once upon a time", "maxTokens": 6, "expect": native_ids(&smol, "Once upon a time", 6) },
+    ]);
+    let cases_path = dir.join("cases.json");
+    std::fs::write(&cases_path, serde_json::to_vec_pretty(&cases).unwrap()).unwrap();
+
+    let out = Command::new("node")
+        .arg(root.join("web/e2e.mjs"))
+        .arg("--models")
+        .arg(&dir)
+        .arg("--cases")
+        .arg(&cases_path)
+        .arg("--screenshot")
+        .arg(root.join("target/test-artifacts/web-demo.png"))
+        // Chromium finds SwiftShader by itself; a Vulkan ICD pin would hide its adapter.
+        .env_remove("VK_DRIVER_FILES")
+        .env_remove("VK_ICD_FILENAMES")
+        .output()
+        .expect("node (scripts/web.sh installs Node.js)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("e2e printed no report ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    assert!(out.status.success() && report["ok"] == true, "browser e2e failed: {}", serde_json::to_string_pretty(&report).unwrap());
+    let results = report["results"].as_array().unwrap();
+    assert_eq!(results.len(), 5);
+    assert_eq!(results[2]["badFile"], true);
+    assert_eq!(results[3]["stop"], true);
+    assert_eq!(results[4]["source"], "cache", "the reload read the model from Cache Storage");
+    assert!(root.join("target/test-artifacts/web-demo.png").is_file());
+}

@@ -1,0 +1,125 @@
+// End-to-end test of the demo in a real browser: starts web/serve.mjs on loopback, drives
+// the page with playwright-core in Debian's Chromium (WebGPU on SwiftShader), loads each
+// model of the case file, generates greedily, and checks the token ids against the native
+// runtime's (the case file carries them). Then reloads the page and checks that the model
+// now comes from the browser's cache, and saves a screenshot.
+//
+// node web/e2e.mjs --models DIR --cases CASES.json [--screenshot PNG] [--chromium PATH]
+// CASES.json: [{ "model": "file.gguf", "prompt": "...", "maxTokens": 8, "expect": [ids] }]
+// The last case is the one reloaded for the cache check.
+import { spawn } from 'node:child_process';
+import { readFileSync, mkdirSync, rmSync, mkdtempSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { tmpdir } from 'node:os';
+import { fileURLToPath } from 'node:url';
+import { chromium } from 'playwright-core';
+
+const args = process.argv.slice(2);
+const opt = (name, dflt) => { const i = args.indexOf(`--${name}`); return i >= 0 ? args[i + 1] : dflt; };
+const here = dirname(fileURLToPath(import.meta.url));
+const cases = JSON.parse(readFileSync(opt('cases'), 'utf8'));
+const shot = opt('screenshot', join(here, '..', 'target', 'test-artifacts', 'web-demo.png'));
+const timeout = Number(opt('timeout-s', 600)) * 1000;
+
+function startServer() {
+  return new Promise((resolve, reject) => {
+    const p = spawn(process.execPath, [join(here, 'serve.mjs'), '--port', '0', '--models', opt('models')], { stdio: ['ignore', 'pipe', 'inherit'] });
+    p.stdout.on('data', (d) => {
+      const m = String(d).match(/http:\/\/[^ ]+\//);
+      if (m) resolve({ proc: p, url: m[0] });
+    });
+    p.on('exit', (c) => reject(new Error(`demo server exited with ${c}`)));
+  });
+}
+
+const log = (...a) => console.error('[e2e]', ...a);
+let failed = false;
+const server = await startServer();
+log('server', server.url);
+const profile = mkdtempSync(join(tmpdir(), 'lantern-e2e-'));
+const ctx = await chromium.launchPersistentContext(profile, {
+  executablePath: opt('chromium', '/usr/bin/chromium'),
+  headless: true,
+  args: ['--enable-unsafe-webgpu', '--no-sandbox', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+  viewport: { width: 1100, height: 900 },
+});
+const results = [];
+try {
+  const page = ctx.pages()[0] || await ctx.newPage();
+  page.on('console', (m) => log('console:', m.text()));
+  page.on('pageerror', (e) => log('page error:', e.message));
+  const state = (s) => page.waitForFunction((s) => document.body.dataset.state === s || !!document.body.dataset.error, s, { timeout });
+  const run = async (c) => {
+    await page.goto(`${server.url}?model=${encodeURIComponent('models/' + c.model)}&autoload=1`);
+    await state('loaded');
+    const err = await page.evaluate(() => document.body.dataset.error);
+    if (err) throw new Error(`loading ${c.model}: ${err}`);
+    await page.fill('#prompt', c.prompt);
+    await page.fill('#max-tokens', String(c.maxTokens));
+    await page.click('#generate');
+    await state('done');
+    const err2 = await page.evaluate(() => document.body.dataset.error);
+    if (err2) throw new Error(`generating with ${c.model}: ${err2}`);
+    return page.evaluate(() => ({
+      ids: JSON.parse(document.body.dataset.outputIds),
+      source: document.body.dataset.source,
+      text: document.getElementById('output').textContent,
+      metrics: document.getElementById('metrics').textContent,
+      adapter: document.getElementById('adapter').textContent,
+    }));
+  };
+  for (const c of cases) {
+    const r = await run(c);
+    const ok = JSON.stringify(r.ids) === JSON.stringify(c.expect);
+    failed ||= !ok;
+    results.push({ model: c.model, ok, ...r, expect: c.expect });
+    log(`${c.model}: ${ok ? 'same tokens as native' : 'MISMATCH'} (${r.source}); ${r.metrics}; ${r.adapter}`);
+  }
+  // A file that is not a model: a sentence in the error box, and the page still works.
+  {
+    await page.goto(`${server.url}?model=${encodeURIComponent('models/cases.json')}&autoload=1`);
+    await page.waitForFunction(() => !!document.body.dataset.error, null, { timeout });
+    const shown = await page.evaluate(() => ({ visible: !document.getElementById('error').hidden, text: document.getElementById('error').textContent }));
+    const ok = shown.visible && /not a usable GGUF/.test(shown.text);
+    failed ||= !ok;
+    results.push({ model: 'cases.json', badFile: true, ok, error: shown.text });
+    log(`bad file: ${shown.text}`);
+  }
+  // Stop: a long generation on the first (small) model, stopped once text has arrived.
+  {
+    const c = cases[0];
+    await page.goto(`${server.url}?model=${encodeURIComponent('models/' + c.model)}&autoload=1`);
+    await state('loaded');
+    await page.fill('#prompt', c.prompt);
+    await page.fill('#max-tokens', '200');
+    await page.click('#generate');
+    await page.waitForFunction(() => document.getElementById('output').textContent.length > 0, null, { timeout });
+    await page.click('#stop');
+    await state('done');
+    const r = await page.evaluate(() => ({ ids: JSON.parse(document.body.dataset.outputIds), metrics: document.getElementById('metrics').textContent }));
+    const ok = r.metrics.includes('finish: cancelled') && r.ids.length < 200;
+    failed ||= !ok;
+    results.push({ model: c.model, stop: true, ok, tokens: r.ids.length, metrics: r.metrics });
+    log(`stop on ${c.model}: ${r.metrics}${ok ? '' : ' (expected cancelled before 200 tokens)'}`);
+  }
+  // A second page load: the model must come from Cache Storage, not the network.
+  const last = cases[cases.length - 1];
+  const again = await run(last);
+  const cached = again.source === 'cache' && JSON.stringify(again.ids) === JSON.stringify(last.expect);
+  failed ||= !cached;
+  results.push({ model: last.model, reload: true, ok: cached, ...again, expect: last.expect });
+  log(`reload of ${last.model}: source ${again.source}${cached ? '' : ' (expected cache)'}`);
+  mkdirSync(dirname(shot), { recursive: true });
+  await page.screenshot({ path: shot, fullPage: true });
+  log('screenshot', shot);
+} catch (e) {
+  failed = true;
+  log('FAILED:', e.message);
+  results.push({ error: e.message });
+} finally {
+  await ctx.close();
+  server.proc.kill();
+  rmSync(profile, { recursive: true, force: true });
+}
+console.log(JSON.stringify({ ok: !failed, results }, null, 2));
+process.exit(failed ? 1 : 0);

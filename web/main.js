@@ -1,0 +1,130 @@
+// The page: asks the worker for the adapter, loads a model (same-origin URL or a file from
+// disk) with a progress bar, shows the memory plan, streams generated text with TTFT and
+// tokens/s, and stops a generation. Every failure becomes a sentence in the error box.
+const $ = (id) => document.getElementById(id);
+const worker = new Worker(new URL('./worker.js', import.meta.url), { type: 'module' });
+const send = (msg) => worker.postMessage(msg);
+
+const mb = (b) => `${(b / 1e6).toFixed(1)} MB`;
+let loadStarted = 0;
+let genStarted = 0;
+
+function showError(text) {
+  $('error').textContent = text;
+  $('error').hidden = false;
+}
+
+function busy(loading) {
+  $('load-url').disabled = loading;
+  $('model-file').disabled = loading;
+}
+
+function showPlan(plan, info) {
+  const m = plan.memory;
+  const weights = Object.entries(m.weights).map(([k, d]) => `${k} ${mb(d.bytes + d.scale_bytes)}`).join(', ');
+  const rows = [
+    ['model', `${plan.model} (${plan.config.num_layers} layers, d_model ${plan.config.hidden_size}, vocab ${plan.config.vocab_size})`],
+    ['from', plan.source === 'cache' ? 'the browser cache (no download)' : plan.source],
+    ['adapter', `${info.name || '(unnamed)'} · ${info.backend} · shader-f16 ${info.capabilities.shader_f16 ? 'yes' : 'no'} · subgroups ${info.capabilities.subgroups ? 'yes' : 'no'}`],
+    ['weights', `${mb(plan.weightBytes)} (${weights})`],
+    ['KV cache', `${mb(plan.kvCacheBytes)} · ${m.kv_dtype} · ${m.kv_pages} pages of ${m.kv_page_size} tokens`],
+    ['workspace', mb(m.workspace)],
+    ['context', `${plan.context} tokens`],
+    ['loaded in', `${((performance.now() - loadStarted) / 1000).toFixed(1)} s`],
+  ];
+  const t = $('plan');
+  t.replaceChildren(...rows.map(([k, v]) => {
+    const tr = document.createElement('tr');
+    for (const text of [k, v]) {
+      const td = document.createElement('td');
+      td.textContent = text;
+      tr.append(td);
+    }
+    return tr;
+  }));
+  t.hidden = false;
+}
+
+worker.onmessage = ({ data }) => {
+  switch (data.type) {
+    case 'adapter': {
+      const a = data.info;
+      $('adapter').textContent = `WebGPU adapter: ${a.name || '(unnamed)'} (${a.backend}, ${a.device_type}); features: ${a.features.join(', ') || 'none beyond the core'}; largest storage binding ${mb(a.limits.max_storage_buffer_binding_size)}`;
+      break;
+    }
+    case 'progress': {
+      $('progress').hidden = false;
+      $('progress-bar').value = data.total > 0 ? data.done / data.total : 0;
+      const what = { download: 'Downloading', cache: 'Reading from the browser cache', read: 'Reading the file', upload: 'Uploading to the GPU' }[data.phase] || data.phase;
+      const amount = data.phase === 'upload' ? `layer ${data.done} of ${data.total}` : `${mb(data.done)} of ${mb(data.total)}`;
+      $('progress-label').textContent = `${what}: ${amount}`;
+      break;
+    }
+    case 'loaded':
+      busy(false);
+      $('progress-label').textContent = 'Ready.';
+      $('progress-bar').value = 1;
+      showPlan(data.plan, data.info);
+      $('generate').disabled = false;
+      document.body.dataset.state = 'loaded';
+      document.body.dataset.source = data.plan.source;
+      break;
+    case 'text':
+      $('output').textContent += data.piece;
+      break;
+    case 'done': {
+      const r = data.result;
+      const f = (v, d = 1) => (v == null ? '–' : v.toFixed(d));
+      $('metrics').textContent = `${r.outputIds.length} tokens · finish: ${r.finishReason} · TTFT ${f(r.ttftMs, 0)} ms · ${f(r.tokensPerS)} tokens/s · TPOT ${f(r.tpotMs)} ms`;
+      $('generate').disabled = false;
+      $('stop').disabled = true;
+      document.body.dataset.outputIds = JSON.stringify(r.outputIds);
+      document.body.dataset.state = 'done';
+      break;
+    }
+    case 'error':
+      busy(false);
+      $('generate').disabled = !document.body.dataset.state;
+      $('stop').disabled = true;
+      showError(data.during === 'adapter' ? data.message : `${data.message}`);
+      document.body.dataset.state = document.body.dataset.state === 'generating' ? 'loaded' : (document.body.dataset.state || '');
+      document.body.dataset.error = data.message;
+      break;
+  }
+};
+worker.onerror = (e) => showError(`The worker failed to start: ${e.message}. Was the wasm package built (scripts/web.sh)?`);
+
+function load(msg) {
+  $('error').hidden = true;
+  $('generate').disabled = true;
+  busy(true);
+  loadStarted = performance.now();
+  document.body.dataset.state = 'loading';
+  send(msg);
+}
+
+$('load-url').onclick = () => load({ type: 'loadUrl', url: new URL($('model-url').value, location.href).href });
+$('model-file').onchange = (e) => { if (e.target.files[0]) load({ type: 'loadFile', file: e.target.files[0] }); };
+$('generate').onclick = () => {
+  $('error').hidden = true;
+  $('output').textContent = '';
+  $('metrics').textContent = '';
+  $('generate').disabled = true;
+  $('stop').disabled = false;
+  genStarted = performance.now();
+  document.body.dataset.state = 'generating';
+  send({ type: 'generate', prompt: $('prompt').value, options: {
+    chat: $('chat').checked,
+    maxTokens: Number($('max-tokens').value) || 64,
+    temperature: Number($('temperature').value) || 0,
+  } });
+};
+$('stop').onclick = () => send({ type: 'cancel' });
+
+// Optional query parameters (the end-to-end test uses them): ?model=URL loads it at once.
+const params = new URLSearchParams(location.search);
+if (params.get('model')) {
+  $('model-url').add(new Option(params.get('model'), params.get('model'), true, true));
+}
+send({ type: 'adapter' });
+if (params.get('autoload')) $('load-url').click();
