@@ -19,9 +19,10 @@ fi
 
 if command -v dpkg >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     missing=()
-    # xvfb + xauth (xvfb-run) and the X libraries winit loads: the windowed example runs in
-    # a virtual X server in the tests.
-    for pkg in mesa-vulkan-drivers libvulkan1 xvfb xauth libxkbcommon-x11-0 libxcursor1 libxi6 libxrandr2 libx11-xcb1; do
+    # LANTERN_SETUP_EXTRA: more packages a caller needs (scripts/test.sh: Xvfb and the X
+    # libraries winit loads, for the windowed example's test).
+    # shellcheck disable=SC2086
+    for pkg in mesa-vulkan-drivers libvulkan1 ${LANTERN_SETUP_EXTRA:-}; do
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
     done
     if [ "${#missing[@]}" -gt 0 ]; then

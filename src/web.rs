@@ -55,17 +55,21 @@ fn report(progress: &Option<Function>, phase: &str, done: f64, total: f64) {
 }
 
 /// Options for loading (all optional): `{ context, kvDtype: "f32"|"f16"|"q8", weights:
-/// "native"|"f32"|"f16" }`.
+/// "native"|"f32"|"f16", memoryBudget: bytes }` (browsers report no GPU memory size, so
+/// without a budget the KV cache holds one full context).
 #[derive(serde::Deserialize, Default)]
 #[serde(rename_all = "camelCase", default)]
 struct LoadOptions {
     context: Option<usize>,
+    memory_budget: Option<u64>,
     kv_dtype: Option<String>,
     weights: Option<String>,
 }
 
 /// Options for generating (all optional): `{ maxTokens, temperature, topK, topP, seed,
-/// chat, system }`.
+/// chat, system, history }`. With `chat`, the prompt is the user's next message and
+/// `history` the conversation so far (`[{ role, content }]`), rendered with the model's
+/// chat template (earlier turns' KV pages come from the prefix cache).
 #[derive(serde::Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 struct GenOptions {
@@ -76,11 +80,18 @@ struct GenOptions {
     seed: u64,
     chat: bool,
     system: Option<String>,
+    history: Vec<Turn>,
+}
+
+#[derive(serde::Deserialize)]
+struct Turn {
+    role: String,
+    content: String,
 }
 
 impl Default for GenOptions {
     fn default() -> Self {
-        GenOptions { max_tokens: 128, temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, chat: false, system: None }
+        GenOptions { max_tokens: 128, temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, chat: false, system: None, history: Vec::new() }
     }
 }
 
@@ -169,7 +180,7 @@ impl Lantern {
             Some("f16") => WeightPrecision::F16,
             Some(o) => return Err(JsError::new(&format!("weights must be native, f32 or f16, not {o}"))),
         };
-        let options = ModelOptions { context: opts.context, max_seqs: 1, kv_dtype, weights: precision, ..Default::default() };
+        let options = ModelOptions { context: opts.context, max_seqs: 1, kv_dtype, weights: precision, memory_budget: opts.memory_budget, ..Default::default() };
         let model = GpuModel::load_with_progress(ctx.clone(), &weights, options, &mut |done, total| report(&progress, "upload", done as f64, total as f64))
             .await
             .map_err(js_err)?;
@@ -205,6 +216,12 @@ impl Lantern {
             let mut msgs = Vec::new();
             if let Some(s) = &o.system {
                 msgs.push(ChatMessage::system(s.clone()));
+            }
+            for t in &o.history {
+                if !matches!(t.role.as_str(), "system" | "user" | "assistant") {
+                    return Err(JsError::new(&format!("history: role must be system, user or assistant, not {:?}", t.role)));
+                }
+                msgs.push(ChatMessage::new(t.role.clone(), t.content.clone()));
             }
             msgs.push(ChatMessage::user(prompt.to_string()));
             tok.encode_chat(&tmpl.render(&msgs, true).map_err(js_err)?).map_err(js_err)?

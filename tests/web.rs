@@ -144,7 +144,8 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("e2e printed no report ({e}): {}", String::from_utf8_lossy(&out.stdout)));
     assert!(out.status.success() && report["ok"] == true, "browser e2e failed: {}", serde_json::to_string_pretty(&report).unwrap());
     let results = report["results"].as_array().unwrap();
-    assert_eq!(results.len(), 5);
+    assert_eq!(results.len(), 6);
+    assert_eq!(results[5]["chat"], true);
     assert_eq!(results[2]["badFile"], true);
     assert_eq!(results[3]["stop"], true);
     assert_eq!(results[4]["source"], "cache", "the reload read the model from Cache Storage");

@@ -109,6 +109,22 @@ try {
   failed ||= !cached;
   results.push({ model: last.model, reload: true, ok: cached, ...again, expect: last.expect });
   log(`reload of ${last.model}: source ${again.source}${cached ? '' : ' (expected cache)'}`);
+  // Chat: two turns with the model's template; the transcript keeps both.
+  {
+    await page.check('#chat');
+    await page.fill('#max-tokens', '4');
+    for (const q of ['What is 2+2?', 'And 3+3?']) {
+      await page.fill('#prompt', q);
+      await page.click('#generate');
+      await state('done');
+    }
+    const r = await page.evaluate(() => ({ out: document.getElementById('output').textContent, error: document.body.dataset.error || '' }));
+    const turns = (r.out.match(/Assistant: \S/g) || []).length;
+    const ok = !r.error && r.out.includes('You: What is 2+2?') && r.out.includes('You: And 3+3?') && turns === 2;
+    failed ||= !ok;
+    results.push({ model: last.model, chat: true, ok, transcript: r.out, error: r.error });
+    log(`chat on ${last.model}: ${JSON.stringify(r.out)}`);
+  }
   mkdirSync(dirname(shot), { recursive: true });
   await page.screenshot({ path: shot, fullPage: true });
   log('screenshot', shot);

@@ -7,7 +7,9 @@ const send = (msg) => worker.postMessage(msg);
 
 const mb = (b) => `${(b / 1e6).toFixed(1)} MB`;
 let loadStarted = 0;
-let genStarted = 0;
+// The conversation so far in chat mode: [{ role, content }].
+let history = [];
+let asked = '';
 
 function showError(text) {
   $('error').textContent = text;
@@ -30,6 +32,7 @@ function showPlan(plan, info) {
     ['KV cache', `${mb(plan.kvCacheBytes)} · ${m.kv_dtype} · ${m.kv_pages} pages of ${m.kv_page_size} tokens`],
     ['workspace', mb(m.workspace)],
     ['context', `${plan.context} tokens`],
+    ['budget', m.budget ? `${mb(m.budget)} (${m.budget_source})` : 'browsers do not report GPU memory: the KV cache holds one full context'],
     ['loaded in', `${((performance.now() - loadStarted) / 1000).toFixed(1)} s`],
   ];
   const t = $('plan');
@@ -74,6 +77,11 @@ worker.onmessage = ({ data }) => {
       break;
     case 'done': {
       const r = data.result;
+      if ($('chat').checked && r.finishReason !== 'cancelled') {
+        history.push({ role: 'user', content: asked }, { role: 'assistant', content: r.text });
+        $('prompt').value = '';
+        $('output').textContent += '\n\n';
+      }
       const f = (v, d = 1) => (v == null ? '–' : v.toFixed(d));
       $('metrics').textContent = `${r.outputIds.length} tokens · finish: ${r.finishReason} · TTFT ${f(r.ttftMs, 0)} ms · ${f(r.tokensPerS)} tokens/s · TPOT ${f(r.tpotMs)} ms`;
       $('generate').disabled = false;
@@ -105,20 +113,30 @@ function load(msg) {
 
 $('load-url').onclick = () => load({ type: 'loadUrl', url: new URL($('model-url').value, location.href).href });
 $('model-file').onchange = (e) => { if (e.target.files[0]) load({ type: 'loadFile', file: e.target.files[0] }); };
+function transcript() {
+  return history.map((t) => `${t.role === 'user' ? 'You' : 'Assistant'}: ${t.content}\n\n`).join('');
+}
+
 $('generate').onclick = () => {
+  const chat = $('chat').checked;
+  asked = $('prompt').value;
   $('error').hidden = true;
-  $('output').textContent = '';
+  $('output').textContent = chat ? `${transcript()}You: ${asked}\n\nAssistant: ` : '';
   $('metrics').textContent = '';
   $('generate').disabled = true;
   $('stop').disabled = false;
-  genStarted = performance.now();
   document.body.dataset.state = 'generating';
-  send({ type: 'generate', prompt: $('prompt').value, options: {
-    chat: $('chat').checked,
+  send({ type: 'generate', prompt: asked, options: {
+    chat,
+    history: chat ? history : [],
     maxTokens: Number($('max-tokens').value) || 64,
     temperature: Number($('temperature').value) || 0,
   } });
 };
+// A new conversation whenever chat is switched, and on "New chat".
+const newChat = () => { history = []; $('output').textContent = ''; $('metrics').textContent = ''; };
+$('chat').onchange = newChat;
+$('new-chat').onclick = newChat;
 $('stop').onclick = () => send({ type: 'cancel' });
 
 // Optional query parameters (the end-to-end test uses them): ?model=URL loads it at once.
