@@ -6,78 +6,18 @@
 //! `cargo test --release --target wasm32-unknown-unknown --no-default-features --features web --test wasm`.
 #![cfg(target_arch = "wasm32")]
 
-use std::collections::HashMap;
+#[path = "common/random.rs"]
+mod random;
 
 use lantern::gpu::{DeviceOptions, GpuContext};
 use lantern::model::llama::{GpuModel, ModelOptions};
-use lantern::model::{Arch, DType, HostTensor, ModelConfig, ModelWeights};
+use lantern::model::ModelWeights;
 use lantern::reference::ReferenceModel;
+use random::{random_model, Spec};
 use wasm_bindgen::JsValue;
 use wasm_bindgen_test::*;
 
 wasm_bindgen_test_configure!(run_in_browser);
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
-/// A seeded random llama: `(vocab, hidden, ffn, layers, heads, kv_heads, head_dim)`.
-fn random_model(seed: u64, shape: (usize, usize, usize, usize, usize, usize, usize), f16: bool) -> ModelWeights {
-    let (vocab, d, f, layers, heads, kv_heads, hd) = shape;
-    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let config = ModelConfig {
-        arch: Arch::Llama,
-        vocab_size: vocab,
-        hidden_size: d,
-        intermediate_size: f,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: kv_heads,
-        head_dim: hd,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        max_position_embeddings: 256,
-        tie_word_embeddings: false,
-        qkv_bias: false,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-    };
-    let mut tensors = HashMap::new();
-    let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32, matrix: bool| {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| offset + scale * rng.next()).collect();
-        let t = if f16 && matrix {
-            let bits: Vec<u8> = v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect();
-            HostTensor { name: name.clone(), shape, dtype: DType::F16, data: bits }
-        } else {
-            HostTensor::from_f32(name.clone(), shape, &v)
-        };
-        tensors.insert(name, t);
-    };
-    add("model.embed_tokens.weight".into(), vec![vocab, d], 0.5, 0.0, true);
-    for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        add(format!("{p}.input_layernorm.weight"), vec![d], 0.2, 1.0, false);
-        add(format!("{p}.post_attention_layernorm.weight"), vec![d], 0.2, 1.0, false);
-        add(format!("{p}.self_attn.q_proj.weight"), vec![heads * hd, d], 0.2, 0.0, true);
-        add(format!("{p}.self_attn.k_proj.weight"), vec![kv_heads * hd, d], 0.2, 0.0, true);
-        add(format!("{p}.self_attn.v_proj.weight"), vec![kv_heads * hd, d], 0.2, 0.0, true);
-        add(format!("{p}.self_attn.o_proj.weight"), vec![d, heads * hd], 0.2, 0.0, true);
-        add(format!("{p}.mlp.gate_proj.weight"), vec![f, d], 0.2, 0.0, true);
-        add(format!("{p}.mlp.up_proj.weight"), vec![f, d], 0.2, 0.0, true);
-        add(format!("{p}.mlp.down_proj.weight"), vec![d, f], 0.2, 0.0, true);
-    }
-    add("model.norm.weight".into(), vec![d], 0.2, 1.0, false);
-    add("lm_head.weight".into(), vec![vocab, d], 0.3, 0.0, true);
-    ModelWeights { config, tensors, source: format!("random model seed {seed}") }
-}
 
 async fn browser_gpu() -> std::sync::Arc<GpuContext> {
     GpuContext::new(&DeviceOptions { backend: Some("webgpu".into()), ..Default::default() }).await.expect("a WebGPU adapter (Chromium with --enable-unsafe-webgpu)")
@@ -110,15 +50,16 @@ async fn the_browser_offers_a_webgpu_adapter() {
 
 #[wasm_bindgen_test]
 async fn forward_matches_the_reference_mqa_odd_widths_uneven_chunks() {
-    let w = random_model(1, (97, 40, 72, 2, 5, 1, 8), false);
+    let w = random_model(Spec { seed: 1, vocab: 97, hidden: 40, ffn: 72, layers: 2, heads: 5, kv_heads: 1, head_dim: 8, bias: false, tied: false, f16: false, llama3: false });
     let opts = ModelOptions { context: Some(64), page_size: 5, max_batch_tokens: 7, max_logit_rows: 7, ..Default::default() };
     check_against_reference(&w, 23, opts, 2e-4).await;
 }
 
 #[wasm_bindgen_test]
 async fn forward_matches_the_reference_gqa_f16_weights_without_shader_f16() {
-    // f16 weights are read with unpack2x16float: no shader-f16 needed (SwiftShader has none).
-    let w = random_model(3, (130, 64, 130, 2, 4, 2, 16), true);
+    // f16 weights are read with unpack2x16float: no shader-f16 needed (SwiftShader has none);
+    // with q/k/v biases, a tied head and Llama 3 RoPE scaling.
+    let w = random_model(Spec { seed: 3, vocab: 130, hidden: 64, ffn: 130, layers: 2, heads: 4, kv_heads: 2, head_dim: 16, bias: true, tied: true, f16: true, llama3: true });
     let opts = ModelOptions { context: Some(64), page_size: 16, max_batch_tokens: 16, max_logit_rows: 16, ..Default::default() };
     check_against_reference(&w, 20, opts, 2e-4).await;
 }

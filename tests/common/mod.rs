@@ -2,6 +2,8 @@
 //! for synthetic files (valid ones and deliberately broken ones).
 #![allow(dead_code)]
 
+pub mod random;
+
 use std::path::PathBuf;
 
 /// File name of the SmolLM2 test model inside `<cache>/models/`.

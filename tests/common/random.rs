@@ -1,0 +1,100 @@
+//! Seeded random models for the tests that compare the GPU with the CPU reference, natively
+//! (tests/random_models.rs) and in the browser (tests/wasm.rs): plain Rust, no filesystem,
+//! so it builds for wasm32 too.
+
+use std::collections::HashMap;
+
+use lantern::model::{Arch, DType, HostTensor, ModelConfig, ModelWeights, RopeScaling};
+
+/// xorshift64, uniform in [-1, 1).
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// The shape and options of a seeded random model.
+#[derive(Clone, Copy)]
+pub struct Spec {
+    pub seed: u64,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub bias: bool,
+    pub tied: bool,
+    pub f16: bool,
+    pub llama3: bool,
+}
+
+/// A seeded random model: Llama (Qwen2 with `bias`), weights uniform around small offsets.
+pub fn random_model(s: Spec) -> ModelWeights {
+    let mut rng = Rng(s.seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
+    let config = ModelConfig {
+        arch: if s.bias { Arch::Qwen2 } else { Arch::Llama },
+        vocab_size: s.vocab,
+        hidden_size: s.hidden,
+        intermediate_size: s.ffn,
+        num_layers: s.layers,
+        num_heads: s.heads,
+        num_kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: s.llama3.then_some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 32.0,
+        }),
+        max_position_embeddings: 512,
+        tie_word_embeddings: s.tied,
+        qkv_bias: s.bias,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    };
+    let mut tensors = HashMap::new();
+    let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32, rng: &mut Rng, matrix: bool| {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| offset + scale * rng.next()).collect();
+        let t = if s.f16 && matrix {
+            let bits: Vec<u8> = v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect();
+            HostTensor { name: name.clone(), shape, dtype: DType::F16, data: bits }
+        } else {
+            HostTensor::from_f32(name.clone(), shape, &v)
+        };
+        tensors.insert(name, t);
+    };
+    let (d, hd, f) = (s.hidden, s.head_dim, s.ffn);
+    add("model.embed_tokens.weight".into(), vec![s.vocab, d], 0.5, 0.0, &mut rng, true);
+    for l in 0..s.layers {
+        let p = format!("model.layers.{l}");
+        add(format!("{p}.input_layernorm.weight"), vec![d], 0.2, 1.0, &mut rng, false);
+        add(format!("{p}.post_attention_layernorm.weight"), vec![d], 0.2, 1.0, &mut rng, false);
+        add(format!("{p}.self_attn.q_proj.weight"), vec![s.heads * hd, d], 0.2, 0.0, &mut rng, true);
+        add(format!("{p}.self_attn.k_proj.weight"), vec![s.kv_heads * hd, d], 0.2, 0.0, &mut rng, true);
+        add(format!("{p}.self_attn.v_proj.weight"), vec![s.kv_heads * hd, d], 0.2, 0.0, &mut rng, true);
+        if s.bias {
+            add(format!("{p}.self_attn.q_proj.bias"), vec![s.heads * hd], 0.1, 0.0, &mut rng, false);
+            add(format!("{p}.self_attn.k_proj.bias"), vec![s.kv_heads * hd], 0.1, 0.0, &mut rng, false);
+            add(format!("{p}.self_attn.v_proj.bias"), vec![s.kv_heads * hd], 0.1, 0.0, &mut rng, false);
+        }
+        add(format!("{p}.self_attn.o_proj.weight"), vec![d, s.heads * hd], 0.2, 0.0, &mut rng, true);
+        add(format!("{p}.mlp.gate_proj.weight"), vec![f, d], 0.2, 0.0, &mut rng, true);
+        add(format!("{p}.mlp.up_proj.weight"), vec![f, d], 0.2, 0.0, &mut rng, true);
+        add(format!("{p}.mlp.down_proj.weight"), vec![d, f], 0.2, 0.0, &mut rng, true);
+    }
+    add("model.norm.weight".into(), vec![d], 0.2, 1.0, &mut rng, false);
+    if !s.tied {
+        add("lm_head.weight".into(), vec![s.vocab, d], 0.3, 0.0, &mut rng, true);
+    }
+    ModelWeights { config, tensors, source: format!("random model seed {}", s.seed) }
+}
+
