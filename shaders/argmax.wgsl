@@ -19,9 +19,7 @@ struct Params {
 var<workgroup> best_v: array<f32, WG>;
 var<workgroup> best_i: array<u32, WG>;
 
-fn better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
-    return v > bv || (v == bv && i < bi);
-}
+#include "common/rank.wgsl"
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -30,7 +28,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         return;
     }
     let base = r * p.n;
-    var bv = -0x1.fffffep+127f;
+    var bv = -F32_MAX;
     var bi = 0xffffffffu;
     for (var i = lid; i < p.n; i += WG) {
         let v = logits[base + i];

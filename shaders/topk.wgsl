@@ -30,9 +30,7 @@ var<workgroup> hv: array<f32, WG>;
 var<workgroup> hi: array<u32, WG>;
 var<workgroup> hl: array<u32, WG>;
 
-fn better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
-    return v > bv || (v == bv && i < bi);
-}
+#include "common/rank.wgsl"
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -44,13 +42,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let none = 0xffffffffu;
     // Empty slots: the lowest finite f32 (their index is `none`, which the host drops).
     // Not -inf: WGSL const-evaluation (Tint) rejects an infinite bitcast.
-    let neg_inf = -0x1.fffffep+127f;
+    let neg_inf = -F32_MAX;
     // This invocation's best k of indices lid, lid + WG, ..., sorted; n of them filled.
     var n = 0u;
     let base = r * p.n;
     for (var i = lid; i < p.n; i += WG) {
         let v = logits[base + i];
-        if (!(abs(v) <= 0x1.fffffep+127f)) {
+        if (!(abs(v) <= F32_MAX)) {
             continue; // NaN or infinite
         }
         var j = n;

@@ -228,12 +228,7 @@ impl Lantern {
         } else {
             tok.encode(prompt).map_err(js_err)?
         };
-        let mut stop_ids = model.config.eos_token_ids.clone();
-        if let Some(e) = tok.eos_id() {
-            if !stop_ids.contains(&e) {
-                stop_ids.push(e);
-            }
-        }
+        let stop_ids = crate::engine::generate::default_stop_ids(&model.config.eos_token_ids, tok);
         let req = GenerateRequest {
             prompt_ids,
             max_tokens: o.max_tokens,

@@ -95,12 +95,7 @@ fn native_ids(model: &Path, prompt: &str, max_tokens: usize) -> Vec<u32> {
     let loaded = lantern::model::load::load_path(model).unwrap();
     let tok = loaded.tokenizer.unwrap();
     let mut m = pollster::block_on(GpuModel::load(common::gpu(), &loaded.weights, ModelOptions { max_seqs: 1, ..Default::default() })).unwrap();
-    let mut stop_ids = m.config.eos_token_ids.clone();
-    if let Some(e) = tok.eos_id() {
-        if !stop_ids.contains(&e) {
-            stop_ids.push(e);
-        }
-    }
+    let stop_ids = lantern::engine::generate::default_stop_ids(&m.config.eos_token_ids, &tok);
     let req = GenerateRequest { prompt_ids: tok.encode(prompt).unwrap(), max_tokens, sampling: SamplingParams::default(), stop_ids, stop_strings: vec![] };
     pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap().output_ids
 }

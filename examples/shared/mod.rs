@@ -85,12 +85,7 @@ pub fn load(args: &Args, device: wgpu::Device, queue: wgpu::Queue) -> Result<Loa
         GpuContext::from_device_with_pipeline_cache(device, queue, &lantern::fetch::cache_dir().join("pipelines"))?
     };
     let model = pollster::block_on(GpuModel::load(ctx.clone(), &loaded.weights, ModelOptions { max_seqs: 1, ..Default::default() }))?;
-    let mut stop_ids = model.config.eos_token_ids.clone();
-    if let Some(e) = tokenizer.eos_id() {
-        if !stop_ids.contains(&e) {
-            stop_ids.push(e);
-        }
-    }
+    let stop_ids = lantern::engine::generate::default_stop_ids(&model.config.eos_token_ids, &tokenizer);
     let request = GenerateRequest {
         prompt_ids: tokenizer.encode(&args.prompt)?,
         max_tokens: args.max_tokens,

@@ -305,12 +305,7 @@ fn run(a: RunArgs) -> Result<()> {
     } else {
         tokenizer.encode(&prompt_text)?
     };
-    let mut stop_ids = model.config.eos_token_ids.clone();
-    if let Some(e) = tokenizer.eos_id() {
-        if !stop_ids.contains(&e) {
-            stop_ids.push(e);
-        }
-    }
+    let stop_ids = lantern::engine::generate::default_stop_ids(&model.config.eos_token_ids, &tokenizer);
     let req = GenerateRequest {
         prompt_ids,
         max_tokens: a.max_tokens,

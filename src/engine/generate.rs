@@ -58,6 +58,18 @@ pub struct Generation {
     pub cached_prompt_tokens: usize,
 }
 
+/// The tokens that end a generation unless the caller says otherwise: the model's
+/// end-of-sequence ids (from its config) and the tokenizer's, each once.
+pub fn default_stop_ids(model_eos: &[u32], tokenizer: &Tokenizer) -> Vec<u32> {
+    let mut ids = model_eos.to_vec();
+    if let Some(e) = tokenizer.eos_id() {
+        if !ids.contains(&e) {
+            ids.push(e);
+        }
+    }
+    ids
+}
+
 /// Run `req` on `model`, calling `on_text` with each new piece of text as it becomes
 /// complete UTF-8. `on_text` returns `false` to cancel.
 pub async fn generate(

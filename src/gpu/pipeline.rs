@@ -171,7 +171,7 @@ impl PipelineCache {
         };
         // The error scope only reports validation problems of the call itself; an invalid
         // cache object would make every pipeline fail, so fall back to no cache then.
-        if let Some(e) = pollster_free_pop(scope) {
+        if let Some(e) = pop_scope_now(scope) {
             log::warn!("pipeline cache: {e}; compiling without one");
             return Self::default();
         }
@@ -299,7 +299,7 @@ impl Drop for PipelineCache {
 
 /// Pop an error scope without an executor: wgpu's native scopes resolve immediately (the
 /// future is ready on first poll); anything still pending is treated as no error.
-fn pollster_free_pop(scope: wgpu::ErrorScopeGuard) -> Option<wgpu::Error> {
+fn pop_scope_now(scope: wgpu::ErrorScopeGuard) -> Option<wgpu::Error> {
     use std::future::Future;
     let mut fut = std::pin::pin!(scope.pop());
     let waker = std::task::Waker::noop();

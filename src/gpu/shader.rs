@@ -14,6 +14,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("common/matvec_end.wgsl", include_str!("../../shaders/common/matvec_end.wgsl")),
     ("common/blocked_acc.wgsl", include_str!("../../shaders/common/blocked_acc.wgsl")),
     ("common/kv.wgsl", include_str!("../../shaders/common/kv.wgsl")),
+    ("common/rank.wgsl", include_str!("../../shaders/common/rank.wgsl")),
     ("embedding.wgsl", include_str!("../../shaders/embedding.wgsl")),
     ("rmsnorm.wgsl", include_str!("../../shaders/rmsnorm.wgsl")),
     ("matvec.wgsl", include_str!("../../shaders/matvec.wgsl")),

@@ -326,12 +326,7 @@ impl Shared {
 pub fn start(engine: Engine, cfg: ServerConfig) -> Result<Server> {
     let tokenizer = engine.tokenizer.clone();
     let template = tokenizer.chat_template().map_err(|e| e.to_string());
-    let mut stop_ids = engine.model.config.eos_token_ids.clone();
-    if let Some(e) = tokenizer.eos_id() {
-        if !stop_ids.contains(&e) {
-            stop_ids.push(e);
-        }
-    }
+    let stop_ids = lantern::engine::generate::default_stop_ids(&engine.model.config.eos_token_ids, &tokenizer);
     let vocab = engine.model.config.vocab_size;
     let listener = bind(&cfg.host, cfg.port)?;
     let addr = listener.local_addr().context("reading the bound address")?;
