@@ -1,7 +1,8 @@
 //! Kernel bandwidth bench (plain main, `harness = false`): `cargo bench --bench kernels`.
 //! Prints, in one run, medians of: the adapter's buffer-copy bandwidth (baseline), a plain
-//! WGSL contiguous-read kernel, every matvec layout for 4096x4096 and 576x1536 weights in
-//! every weight dtype (f32, f16, q8, q4, q4s: packed ones dequantized in the kernel), and every
+//! WGSL contiguous-read kernel, every matvec layout for 4096x4096, 1536x8960 and 576x1536
+//! weights in every weight dtype (f32, f16 and every packed format: q8, q4, q4s and the GGUF
+//! ones, q5s ... iq4xs, dequantized in the kernel), and every
 //! prefill matmul variant (tiled, blocked) at 64 tokens; GB/s of weight bytes read (codes and
 //! scales for packed dtypes) and the fraction of the copy bandwidth (GFLOP/s for matmul).
 //! Then SmolLM2 prefill and decode tokens/s per weight dtype (see `model_bench`).
@@ -92,16 +93,29 @@ struct Case {
     k: usize,
 }
 
-/// Every weight dtype the kernels read.
-const FORMATS: [WeightFormat; 5] = [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8, WeightFormat::Q4, WeightFormat::Q4Sym];
+/// Every weight dtype the kernels read: f32, f16 and every packed format.
+fn formats() -> Vec<WeightFormat> {
+    let mut v = vec![WeightFormat::F32, WeightFormat::F16];
+    v.extend(WeightFormat::PACKED);
+    v
+}
 
 fn quant_kind(fmt: WeightFormat) -> Option<QuantKind> {
-    match fmt {
-        WeightFormat::Q8 => Some(QuantKind::Q8),
-        WeightFormat::Q4 => Some(QuantKind::Q4),
-        WeightFormat::Q4Sym => Some(QuantKind::Q4Sym),
-        _ => None,
+    QuantKind::ALL.into_iter().find(|&k| fmt.is_packed() && WeightFormat::from_quant(k) == fmt)
+}
+
+/// GGUF blocks of `kind` for an `n x k` matrix: pseudo-random code and sub-scale bytes, f16
+/// scales of order 0.01, repacked.
+fn ggml_blocks(kind: QuantKind, n: usize, k: usize) -> PackedMatrix {
+    let (be, bb) = lantern::quant::ggml::block_size(kind);
+    let mut b: Vec<u8> = (0..n * k / be * bb).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    for (i, blk) in b.chunks_exact_mut(bb).enumerate() {
+        for &at in lantern::quant::ggml::f16_fields(kind) {
+            let v = half::f16::from_f32(0.004 + 0.001 * (i % 7) as f32);
+            blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
     }
+    PackedMatrix::from_gguf_blocks("w", kind, &b, n, k).expect("repack")
 }
 
 /// A weight in `fmt` and the f32 values it holds (rounded or dequantized).
@@ -115,7 +129,12 @@ fn case(ctx: &Arc<GpuContext>, n: usize, k: usize, fmt: WeightFormat, tokens: us
             GpuLinear::upload(ctx, "w", HostMatrix::F16(&h), None, None, n, k)
         }
         f => {
-            let p = PackedMatrix::quantize("w", &w, n, k, QuantFormat::new(quant_kind(f).unwrap(), 32)).expect("quantize");
+            let kind = quant_kind(f).unwrap();
+            let p = if kind.is_rtn() {
+                PackedMatrix::quantize("w", &w, n, k, QuantFormat::new(kind, 32)).expect("quantize")
+            } else {
+                ggml_blocks(kind, n, k)
+            };
             w = p.dequantize();
             GpuLinear::upload(ctx, "w", HostMatrix::Packed(&p), None, None, n, k)
         }
@@ -154,7 +173,7 @@ fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext) -> Option<PipelineKey> {
     if l.flags & flags::XBCAST != 0 && !(packed && lantern::kernels::linear::xbcast_fits(ctx)) {
         return None;
     }
-    if l.flags & flags::TEX != 0 && !lantern::kernels::linear::tex_fits(ctx, QuantFormat::new(quant_kind(fmt)?, 32)) {
+    if l.flags & flags::TEX != 0 && !lantern::kernels::linear::tex_fits(ctx, 4096) {
         return None;
     }
     Some(
@@ -168,7 +187,9 @@ fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext) -> Option<PipelineKey> {
 /// Every layout against a CPU product on an odd K (tails) and a row count not a multiple
 /// of any workgroup.
 fn check(ctx: &Arc<GpuContext>) {
-    for (fmt, n, k) in [(WeightFormat::F32, 101, 77), (WeightFormat::F16, 37, 130), (WeightFormat::Q8, 37, 96), (WeightFormat::Q4, 37, 96), (WeightFormat::Q4Sym, 37, 96)] {
+    let mut cases = vec![(WeightFormat::F32, 101, 77), (WeightFormat::F16, 37, 130)];
+    cases.extend(WeightFormat::PACKED.into_iter().map(|f| (f, 37, 512)));
+    for (fmt, n, k) in cases {
         let (c, w, x) = case(ctx, n, k, fmt, 1);
         for l in LAYOUTS {
             let Some(key) = key(l, fmt, ctx) else { continue };
@@ -251,8 +272,8 @@ fn main() {
 
     let only_fmt = std::env::var("BENCH_FORMATS").ok();
     let formats: Vec<WeightFormat> =
-        FORMATS.into_iter().filter(|f| only_fmt.as_deref().is_none_or(|o| o.split(',').any(|x| x == f.name()))).collect();
-    for (n, k) in [(4096usize, 4096usize), (576, 1536)] {
+        formats().into_iter().filter(|f| only_fmt.as_deref().is_none_or(|o| o.split(',').any(|x| x == f.name()))).collect();
+    for (n, k) in [(4096usize, 4096usize), (1536, 8960), (576, 1536)] {
         for &fmt in &formats {
             let (c, _, _) = case(&ctx, n, k, fmt, 1);
             let wbytes = c.lin.bytes() as f64;
@@ -317,23 +338,38 @@ fn main() {
     }
 }
 
-/// SmolLM2 end to end per weight dtype: the GGUF as shipped (q4 layers + q8 LM head, packed),
+/// The catalogue's Q4_K_M models, then SmolLM2 end to end per weight dtype: the GGUF as shipped (q4 layers + q8 LM head, packed),
 /// requantized to q8 (RTN, group 32), and expanded to f16 and f32. Skipped when the model is
 /// not on disk (`LANTERN_SMOLLM2_GGUF` or the default cache path; `lantern fetch` puts it
 /// there). Decode: median over `BENCH_DECODE` (default 16) single-token steps after a
 /// 32-token prefill, tokens/s = 1000 / median ms.
 fn model_bench(ctx: &Arc<GpuContext>) {
-    use lantern::model::llama::{GpuModel, ModelOptions, Want, WeightPrecision};
+    use lantern::model::llama::{GpuModel, ModelOptions, WeightPrecision};
     use lantern::quant::quantize::{quantize_model, QuantizeOptions};
     let path = std::env::var_os("LANTERN_SMOLLM2_GGUF")
         .map(std::path::PathBuf::from)
         .or_else(|| Some(lantern::fetch::default_model_path()))
         .filter(|p| p.exists());
+    let steps: usize = std::env::var("BENCH_DECODE").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
+    let prompt: Vec<u32> = (0..32u32).map(|i| 100 + 7 * i).collect();
+    // The catalogue's GGUF models (Q4_K_M) that are on disk, loaded natively.
+    for spec in lantern::fetch::CATALOGUE {
+        let p = lantern::fetch::model_path(spec);
+        if !p.exists() {
+            println!("{}: skipped (not on disk; `lantern fetch {}`)", spec.name, spec.name);
+            continue;
+        }
+        let loaded = lantern::model::load::load_path(&p).expect("load");
+        let opts = ModelOptions { context: Some(256), ..Default::default() };
+        let mut m = pollster::block_on(GpuModel::load(ctx.clone(), &loaded.weights, opts)).expect("upload");
+        drop(loaded);
+        let (pre, dec) = prefill_decode(&mut m, &prompt, steps);
+        println!("{:<41} weights {:7.1} MB  prefill {:6.1} tok/s  decode {:7.1} ms/token = {:5.2} tok/s", spec.name, m.weight_bytes() as f64 / 1e6, pre, dec * 1e3, 1.0 / dec);
+    }
     let Some(path) = path else {
         println!("SmolLM2 decode per dtype: skipped (no model on disk; run `lantern fetch`)");
         return;
     };
-    let steps: usize = std::env::var("BENCH_DECODE").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
     let loaded = lantern::model::load::load_path(&path).expect("load SmolLM2");
     let q8 = quantize_model(&loaded.weights, &QuantizeOptions::new(QuantKind::Q8), None, &mut |_| {}).expect("quantize q8");
     let variants = [
@@ -342,30 +378,37 @@ fn model_bench(ctx: &Arc<GpuContext>) {
         ("f16", &loaded.weights, WeightPrecision::F16),
         ("f32", &loaded.weights, WeightPrecision::F32),
     ];
-    let prompt: Vec<u32> = (0..32u32).map(|i| 100 + 7 * i).collect();
     for (name, w, precision) in variants {
         let opts = ModelOptions { context: Some(256), weights: precision, ..Default::default() };
         let mut m = pollster::block_on(GpuModel::load(ctx.clone(), w, opts)).expect("upload");
-        let seq = m.new_sequence().expect("sequence");
-        let t0 = Instant::now();
-        let mut tok = pollster::block_on(m.forward(seq, &prompt, Want::Argmax)).expect("prefill").argmax[0];
-        let prefill = t0.elapsed().as_secs_f64();
-        let mut times = Vec::new();
-        for _ in 0..steps {
-            let t = Instant::now();
-            tok = pollster::block_on(m.forward(seq, &[tok], Want::Argmax)).expect("decode").argmax[0];
-            times.push(t.elapsed().as_secs_f64());
-        }
-        let med = median(times);
+        let (pre, dec) = prefill_decode(&mut m, &prompt, steps);
         println!(
             "SmolLM2 {:<34} weights {:7.1} MB  prefill {:6.1} tok/s  decode {:7.1} ms/token = {:5.2} tok/s",
             name,
             m.weight_bytes() as f64 / 1e6,
-            prompt.len() as f64 / prefill,
-            med * 1e3,
-            1.0 / med
+            pre,
+            dec * 1e3,
+            1.0 / dec
         );
     }
+}
+
+/// Prefill tokens/s of `prompt` in one step, then the median seconds of `steps` single-token
+/// decode steps.
+fn prefill_decode(m: &mut lantern::model::llama::GpuModel, prompt: &[u32], steps: usize) -> (f64, f64) {
+    use lantern::model::llama::Want;
+    let seq = m.new_sequence().expect("sequence");
+    let t0 = Instant::now();
+    let mut tok = pollster::block_on(m.forward(seq, prompt, Want::Argmax)).expect("prefill").argmax[0];
+    let prefill = t0.elapsed().as_secs_f64();
+    let mut times = Vec::new();
+    for _ in 0..steps {
+        let t = Instant::now();
+        tok = pollster::block_on(m.forward(seq, &[tok], Want::Argmax)).expect("decode").argmax[0];
+        times.push(t.elapsed().as_secs_f64());
+    }
+    m.release_sequence(seq);
+    (prompt.len() as f64 / prefill, median(times))
 }
 
 /// Decode attention of one token over a long paged context, SmolLM2's heads (9 query, 3 KV,

@@ -1,10 +1,11 @@
 // Prefill matmul over packed integer weights for CPU adapters (lavapipe, SwiftShader): the
 // register-blocked kernel of matmul_blocked.wgsl with the weights read as code words and
-// dequantized in registers (q d + m, the group's scale read once per group and row).
+// dequantized in registers (c d + m, the group's scale read once per group and row; every
+// W_PACKED format through common/weights.wgsl's 8-element steps).
 // Y[m, row_offset + n] = epilogue(sum_k X'[m, k] * W[n, k]); each invocation computes TM
 // tokens x TN rows (TM = 8 with BLOCK_M8, else 4; TN = 8 with BLOCK_N8, else 4) straight from
-// global memory, four elements of K at a time: one vec4 x load feeds TN rows and one code
-// word (4 or 8 weights) feeds TM tokens. Same fused prologue/epilogues as the other linear
+// global memory, eight elements of K at a time: one vec4 x load feeds TN rows and one step's
+// code bits (8 weights) feed TM tokens. Same fused prologue/epilogues as the other linear
 // kernels: NORM, GATED, BIAS, RESIDUAL. Tokens and rows past the ends are read clamped and
 // never stored, so control flow stays uniform. XBCAST (the workgroup of 8 is one subgroup):
 // each lane loads one element of x per token and subgroupBroadcast hands it to the others,
@@ -65,20 +66,6 @@ struct Sk {
 #endif
 }
 
-// The code words of one K word of the row block.
-struct Qk {
-    a: vec4<u32>,
-#if BLOCK_N8
-    b: vec4<u32>,
-#endif
-#if GATED
-    ua: vec4<u32>,
-#if BLOCK_N8
-    ub: vec4<u32>,
-#endif
-#endif
-}
-
 #include "common/blocked_acc.wgsl"
 
 var<private> t0: Acc;
@@ -102,8 +89,9 @@ fn w_scales(r: vec4<u32>, gi: u32) -> S4 {
     return S4(w_scale(r.x, gi), w_scale(r.y, gi), w_scale(r.z, gi), w_scale(r.w, gi));
 }
 
-fn w_words(r: vec4<u32>, kw: u32) -> vec4<u32> {
-    return vec4<u32>(w[r.x + kw], w[r.y + kw], w[r.z + kw], w[r.w + kw]);
+// Values of four rows (code word bases `r`) at step k8: elements 0-3 (lo) and 4-7 (hi).
+fn w_vals(r: vec4<u32>, k8: u32, s: S4) -> array<R4, 2> {
+    return vals4(codes8(w_q8w(r.x, k8)), codes8(w_q8w(r.y, k8)), codes8(w_q8w(r.z, k8)), codes8(w_q8w(r.w, k8)), s);
 }
 
 #if GATED
@@ -111,17 +99,16 @@ fn u_scales(r: vec4<u32>, gi: u32) -> S4 {
     return S4(u_scale(r.x, gi), u_scale(r.y, gi), u_scale(r.z, gi), u_scale(r.w, gi));
 }
 
-fn u_words(r: vec4<u32>, kw: u32) -> vec4<u32> {
-    return vec4<u32>(u[r.x + kw], u[r.y + kw], u[r.z + kw], u[r.w + kw]);
+fn u_vals(r: vec4<u32>, k8: u32, s: S4) -> array<R4, 2> {
+    return vals4(codes8(u_q8w(r.x, k8)), codes8(u_q8w(r.y, k8)), codes8(u_q8w(r.z, k8)), codes8(u_q8w(r.w, k8)), s);
 }
 #endif
 
-// Values of four rows: elements 0-3 (hi = false) or 4-7 (hi = true, 4-bit only) of a word.
-fn deq4(q: vec4<u32>, s: S4, hi: bool) -> R4 {
-    if (hi) {
-        return R4(deq(codes_hi(q.x), s.s0), deq(codes_hi(q.y), s.s1), deq(codes_hi(q.z), s.s2), deq(codes_hi(q.w), s.s3));
-    }
-    return R4(deq(codes_lo(q.x), s.s0), deq(codes_lo(q.y), s.s1), deq(codes_lo(q.z), s.s2), deq(codes_lo(q.w), s.s3));
+// Four rows' codes of one step dequantized with their scales.
+fn vals4(c0: array<vec4<f32>, 2>, c1: array<vec4<f32>, 2>, c2: array<vec4<f32>, 2>, c3: array<vec4<f32>, 2>, s: S4) -> array<R4, 2> {
+    return array<R4, 2>(
+        R4(deq(c0[0], s.s0), deq(c1[0], s.s1), deq(c2[0], s.s2), deq(c3[0], s.s3)),
+        R4(deq(c0[1], s.s0), deq(c1[1], s.s1), deq(c2[1], s.s2), deq(c3[1], s.s3)));
 }
 
 fn dot4(r: R4, xv: vec4<f32>) -> vec4<f32> {
@@ -148,18 +135,7 @@ fn tok4(t: ptr<private, Acc>, xi4: u32, gv: vec4<f32>, wk: Wk) {
 }
 
 // One 4-wide K step (x vec4 index `kx` within a row) for every token of the block.
-fn step4(kx: u32, q: Qk, s: Sk, hi: bool) {
-    var wk: Wk;
-    wk.a = deq4(q.a, s.a, hi);
-#if BLOCK_N8
-    wk.b = deq4(q.b, s.b, hi);
-#endif
-#if GATED
-    wk.ua = deq4(q.ua, s.ua, hi);
-#if BLOCK_N8
-    wk.ub = deq4(q.ub, s.ub, hi);
-#endif
-#endif
+fn step4(kx: u32, wk: Wk) {
 #if NORM
     let gv = g[kx];
 #else
@@ -207,21 +183,6 @@ fn tok8(t: ptr<private, Acc>, xl: f32, lo: Wk, hi: Wk) {
 #endif
 }
 
-fn deq_wk(q: Qk, s: Sk, hi: bool) -> Wk {
-    var wk: Wk;
-    wk.a = deq4(q.a, s.a, hi);
-#if BLOCK_N8
-    wk.b = deq4(q.b, s.b, hi);
-#endif
-#if GATED
-    wk.ua = deq4(q.ua, s.ua, hi);
-#if BLOCK_N8
-    wk.ub = deq4(q.ub, s.ub, hi);
-#endif
-#endif
-    return wk;
-}
-
 // Elements k8 .. k8 + 8 for every token of the block.
 fn step8(k8: u32, lo: Wk, hi: Wk) {
     let k = k8 + lane;
@@ -248,8 +209,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let n_tok = step.n_tokens;
     let m0 = wid.y * TM;
     let n0 = (wid.x * WG + lid) * TN;
-    let wpr = p.k / EPW;
-    let xpw = EPW / 4u;
+    let wpr = row_words();
     let last = p.n_rows - 1u;
     // Rows of the block (rows past the end read the last row) and their word bases.
     let ra = min(vec4<u32>(n0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
@@ -267,7 +227,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         xb[i] = min(m0 + i, lt) * (p.x_stride / 4u);
     }
 #endif
-    let wpg = p.group / EPW;
+    let spg = p.group / 8u;
+    let wa = ra * wpr;
+#if BLOCK_N8
+    let wb = rb * wpr;
+#endif
     for (var gi = 0u; gi < p.k / p.group; gi++) {
         var s: Sk;
         s.a = w_scales(ra, gi);
@@ -280,44 +244,34 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         s.ub = u_scales(rb, gi);
 #endif
 #endif
-        for (var j = 0u; j < wpg; j++) {
-            let kw = gi * wpg + j;
-            var q: Qk;
-            q.a = w_words(ra * wpr, kw);
+        for (var j = 0u; j < spg; j++) {
+            let k8 = (gi * spg + j) * 8u;
+            // The step's weights: elements 0-3 (lo) and 4-7 (hi) of every row.
+            var lo: Wk;
+            var hi: Wk;
+            let va = w_vals(wa, k8, s.a);
+            lo.a = va[0];
+            hi.a = va[1];
 #if BLOCK_N8
-            q.b = w_words(rb * wpr, kw);
+            let vb = w_vals(wb, k8, s.b);
+            lo.b = vb[0];
+            hi.b = vb[1];
 #endif
 #if GATED
-            q.ua = u_words(ra * wpr, kw);
+            let vua = u_vals(wa, k8, s.ua);
+            lo.ua = vua[0];
+            hi.ua = vua[1];
 #if BLOCK_N8
-            q.ub = u_words(rb * wpr, kw);
+            let vub = u_vals(wb, k8, s.ub);
+            lo.ub = vub[0];
+            hi.ub = vub[1];
 #endif
 #endif
 #if XBCAST
-#if W_Q8
-            // Q8 steps take two words (8 elements) at a time.
-            if (j % 2u == 0u) {
-                var q2: Qk;
-                q2.a = w_words(ra * wpr, kw + 1u);
-#if BLOCK_N8
-                q2.b = w_words(rb * wpr, kw + 1u);
-#endif
-#if GATED
-                q2.ua = u_words(ra * wpr, kw + 1u);
-#if BLOCK_N8
-                q2.ub = u_words(rb * wpr, kw + 1u);
-#endif
-#endif
-                step8(kw * EPW, deq_wk(q, s, false), deq_wk(q2, s, false));
-            }
+            step8(k8, lo, hi);
 #else
-            step8(kw * EPW, deq_wk(q, s, false), deq_wk(q, s, true));
-#endif
-#else
-            step4(kw * xpw, q, s, false);
-#ifndef W_Q8
-            step4(kw * xpw + 1u, q, s, true);
-#endif
+            step4(k8 / 4u, lo);
+            step4(k8 / 4u + 1u, hi);
 #endif
         }
     }

@@ -1,19 +1,20 @@
-// Decode matvec over packed integer weights (W_Q8, W_Q4, W_Q4S; layout in src/quant/mod.rs):
-// y[t, row_offset + n] = epilogue(sum_k W[n, k] * x'[t, k]) where every code word is read
-// once and dequantized in registers (q d + m with the group's scale), never written back.
-// Same fused prologue/epilogues as matvec.wgsl: NORM, GATED, BIAS, RESIDUAL, GATHER. x (and
-// the norm weight) are read as vec4: k is a multiple of the group size (itself a multiple
-// of 8) and the host checks that x_stride is a multiple of 4.
+// Decode matvec over packed integer weights (every W_PACKED format; layout in
+// src/quant/mod.rs): y[t, row_offset + n] = epilogue(sum_k W[n, k] * x'[t, k]) where every
+// code word is read once and dequantized in registers (c d + m with the group's scale), never
+// written back. Same fused prologue/epilogues as matvec.wgsl: NORM, GATED, BIAS, RESIDUAL,
+// GATHER. Rows are walked in steps of 8 elements (common/weights.wgsl: w_q8w, codes8,
+// w_scale). x (and the norm weight) are read as vec4: k is a multiple of the group size
+// (itself a multiple of 8) and the host checks that x_stride is a multiple of 4.
 //
 // Layouts: ROWS4 (CPU adapters): each invocation computes four adjacent rows, walking the
-// row's groups and words, so one x load serves four rows and one word load serves eight
-// (4-bit) or four (Q8) weights: loads, not bytes, are what CPU adapters pay for.
+// row's groups and steps, so one x load serves four rows and one code word serves eight
+// weights: loads, not bytes, are what CPU adapters pay for.
 // XBCAST (with ROWS4, on CPU adapters whose workgroup of 8 is one subgroup): x is loaded one
 // element per lane and handed to every lane with subgroupBroadcast, so each element costs
 // one load instead of one per lane (lavapipe runs divergent loads lane by lane).
-// ROW_PER_WORKGROUP (GPUs): a workgroup per row, invocations striding over the row's code
-// words (coalesced), reduced with subgroups when SUBGROUPS is set. F16 dequantizes in half
-// precision.
+// ROW_PER_WORKGROUP (GPUs): a workgroup per row, invocations striding over the row's steps
+// (coalesced code words), reduced with subgroups when SUBGROUPS is set. F16 dequantizes in
+// half precision.
 #include "common/linear.wgsl"
 #if GATHER
 @group(0) @binding(8) var<storage, read> rows: array<u32>;         // (n_out) rows of x
@@ -21,8 +22,9 @@
 #if TEX
 // TEX (CPU adapters, with XBCAST): the codes and scales as rgba32uint textures, row r's
 // texels at r * texels_per_row + i (linear index i -> (i % TEXW, i / TEXW)), each row padded
-// to whole texels. lavapipe fetches a texel (16 bytes) for a fraction of what a 4-byte
-// storage load costs, so each lane computes eight rows from whole-texel reads.
+// to whole texels, words as in the storage layout. lavapipe fetches a texel (16 bytes) for a
+// fraction of what a 4-byte storage load costs, so each lane computes eight rows from
+// whole-texel reads.
 @group(0) @binding(11) var wtex: texture_2d<u32>;
 @group(0) @binding(12) var wstex: texture_2d<u32>;
 #if GATED
@@ -40,31 +42,15 @@ const TT: u32 = 1u;
 
 #include "common/matvec_end.wgsl"
 
-// w . x' over the eight elements of one 4-bit word (or four of a Q8 word: `xb_` unused).
-fn dot_word(v: array<vec4<f32>, 2>, xa: vec4<f32>, xb_: vec4<f32>) -> f32 {
-#if W_Q8
-    return dot(v[0], xa);
-#else
-    return dot(v[0], xa) + dot(v[1], xb_);
-#endif
+// w . x' over one step's eight values (elements 0-3 against xa, 4-7 against xh).
+fn dot8v(v: array<vec4<f32>, 2>, xa: vec4<f32>, xh: vec4<f32>) -> f32 {
+    return dot(v[0], xa) + dot(v[1], xh);
 }
 
-// Four rows' products w . x' over one code word each (`q`: the rows' words, s0-s3 their
-// group scales): elements 0-3 against xa, and for 4-bit words 4-7 against xh.
-fn dot_rows(q: vec4<u32>, s0: vec2<f32>, s1: vec2<f32>, s2: vec2<f32>, s3: vec2<f32>, xa: vec4<f32>, xh: vec4<f32>) -> vec4<f32> {
-#if W_Q8
-    return vec4<f32>(
-        dot(deq(codes_lo(q.x), s0), xa),
-        dot(deq(codes_lo(q.y), s1), xa),
-        dot(deq(codes_lo(q.z), s2), xa),
-        dot(deq(codes_lo(q.w), s3), xa));
-#else
-    return vec4<f32>(
-        dot(deq(codes_lo(q.x), s0), xa) + dot(deq(codes_hi(q.x), s0), xh),
-        dot(deq(codes_lo(q.y), s1), xa) + dot(deq(codes_hi(q.y), s1), xh),
-        dot(deq(codes_lo(q.z), s2), xa) + dot(deq(codes_hi(q.z), s2), xh),
-        dot(deq(codes_lo(q.w), s3), xa) + dot(deq(codes_hi(q.w), s3), xh));
-#endif
+// One row's product over one step: its code bits `b`, group scale `s`.
+fn dot_step(b: vec2<u32>, s: vec2<f32>, xa: vec4<f32>, xh: vec4<f32>) -> f32 {
+    let c = codes8(b);
+    return dot(deq(c[0], s), xa) + dot(deq(c[1], s), xh);
 }
 
 @compute @workgroup_size(WG)
@@ -93,14 +79,12 @@ fn main(
 #else
     let xrow = t;
 #endif
-    // Words per row.
-    let wpr = p.k / EPW;
+    // Words of codes per row.
+    let wpr = row_words();
 #if XBCAST
     rows4_bcast(t, xrow * p.x_stride, wpr, wid, lid);
 #else
     let xb4 = xrow * (p.x_stride / 4u);
-    // vec4s of x per word.
-    let xpw = EPW / 4u;
 #if ROW_PER_WORKGROUP
     let row = wid.y * p.grid_x + wid.x;
     if (row >= p.n_rows) {
@@ -108,16 +92,13 @@ fn main(
     }
     var acc = vec3<f32>(0.0);
     var sum_sq = 0.0;
-    for (var kw = lid; kw < wpr; kw += WG) {
-        let xa = load_x4(xb4, kw * xpw, &sum_sq);
-#if W_Q8
-        let xh = xa;
-#else
-        let xh = load_x4(xb4, kw * xpw + 1u, &sum_sq);
-#endif
-        acc.x += dot_word(w_deq_word(row, kw), xa, xh);
+    for (var s8 = lid; s8 < p.k / 8u; s8 += WG) {
+        let k8 = s8 * 8u;
+        let xa = load_x4(xb4, 2u * s8, &sum_sq);
+        let xh = load_x4(xb4, 2u * s8 + 1u, &sum_sq);
+        acc.x += dot8v(w_deq8(row, k8), xa, xh);
 #if GATED
-        acc.y += dot_word(u_deq_word(row, kw), xa, xh);
+        acc.y += dot8v(u_deq8(row, k8), xa, xh);
 #endif
     }
     acc.z = sum_sq;
@@ -138,7 +119,7 @@ fn main(
     var a = vec4<f32>(0.0);
     var ua = vec4<f32>(0.0);
     var s0 = 0.0;
-    let wpg = p.group / EPW;
+    let spg = p.group / 8u;
     for (var gi = 0u; gi < p.k / p.group; gi++) {
         let s_0 = w_scale(r.x, gi);
         let s_1 = w_scale(r.y, gi);
@@ -150,19 +131,15 @@ fn main(
         let t_2 = u_scale(r.z, gi);
         let t_3 = u_scale(r.w, gi);
 #endif
-        for (var j = 0u; j < wpg; j++) {
-            let kw = gi * wpg + j;
-            let xa = load_x4(xb4, kw * xpw, &s0);
-            let q = vec4<u32>(w[wb.x + kw], w[wb.y + kw], w[wb.z + kw], w[wb.w + kw]);
-#if W_Q8
-            let xh = xa;
-#else
-            let xh = load_x4(xb4, kw * xpw + 1u, &s0);
-#endif
-            a += dot_rows(q, s_0, s_1, s_2, s_3, xa, xh);
+        for (var j = 0u; j < spg; j++) {
+            let k8 = (gi * spg + j) * 8u;
+            let xa = load_x4(xb4, k8 / 4u, &s0);
+            let xh = load_x4(xb4, k8 / 4u + 1u, &s0);
+            a += vec4<f32>(dot_step(w_q8w(wb.x, k8), s_0, xa, xh), dot_step(w_q8w(wb.y, k8), s_1, xa, xh),
+                           dot_step(w_q8w(wb.z, k8), s_2, xa, xh), dot_step(w_q8w(wb.w, k8), s_3, xa, xh));
 #if GATED
-            let qu = vec4<u32>(u[wb.x + kw], u[wb.y + kw], u[wb.z + kw], u[wb.w + kw]);
-            ua += dot_rows(qu, t_0, t_1, t_2, t_3, xa, xh);
+            ua += vec4<f32>(dot_step(u_q8w(wb.x, k8), t_0, xa, xh), dot_step(u_q8w(wb.y, k8), t_1, xa, xh),
+                            dot_step(u_q8w(wb.z, k8), t_2, xa, xh), dot_step(u_q8w(wb.w, k8), t_3, xa, xh));
 #endif
         }
     }
@@ -189,8 +166,6 @@ fn rows4_bcast(t: u32, xb: u32, wpr: u32, wid: vec3<u32>, lid: u32) {
     var a = vec4<f32>(0.0);
     var ua = vec4<f32>(0.0);
     var ss = 0.0;
-    // Words per 8 elements, 8-element steps per group.
-    let w8 = 8u / EPW;
     let spg = p.group / 8u;
     for (var gi = 0u; gi < p.k / p.group; gi++) {
         let s_0 = w_scale(r.x, gi);
@@ -209,22 +184,11 @@ fn rows4_bcast(t: u32, xb: u32, wpr: u32, wid: vec3<u32>, lid: u32) {
             let xv = bcast8(xl);
             let xa = xv[0];
             let xh = xv[1];
-            let kw = k8 / EPW;
-            let q = vec4<u32>(w[wb.x + kw], w[wb.y + kw], w[wb.z + kw], w[wb.w + kw]);
-#if W_Q8
-            let q2 = vec4<u32>(w[wb.x + kw + 1u], w[wb.y + kw + 1u], w[wb.z + kw + 1u], w[wb.w + kw + 1u]);
-            a += dot_rows(q, s_0, s_1, s_2, s_3, xa, xh) + dot_rows(q2, s_0, s_1, s_2, s_3, xh, xh);
-#else
-            a += dot_rows(q, s_0, s_1, s_2, s_3, xa, xh);
-#endif
+            a += vec4<f32>(dot_step(w_q8w(wb.x, k8), s_0, xa, xh), dot_step(w_q8w(wb.y, k8), s_1, xa, xh),
+                           dot_step(w_q8w(wb.z, k8), s_2, xa, xh), dot_step(w_q8w(wb.w, k8), s_3, xa, xh));
 #if GATED
-            let qu = vec4<u32>(u[wb.x + kw], u[wb.y + kw], u[wb.z + kw], u[wb.w + kw]);
-#if W_Q8
-            let qu2 = vec4<u32>(u[wb.x + kw + 1u], u[wb.y + kw + 1u], u[wb.z + kw + 1u], u[wb.w + kw + 1u]);
-            ua += dot_rows(qu, t_0, t_1, t_2, t_3, xa, xh) + dot_rows(qu2, t_0, t_1, t_2, t_3, xh, xh);
-#else
-            ua += dot_rows(qu, t_0, t_1, t_2, t_3, xa, xh);
-#endif
+            ua += vec4<f32>(dot_step(u_q8w(wb.x, k8), t_0, xa, xh), dot_step(u_q8w(wb.y, k8), t_1, xa, xh),
+                            dot_step(u_q8w(wb.z, k8), t_2, xa, xh), dot_step(u_q8w(wb.w, k8), t_3, xa, xh));
 #endif
         }
     }
@@ -243,68 +207,148 @@ fn texel(tex: texture_2d<u32>, i: u32) -> vec4<u32> {
     return textureLoad(tex, vec2<u32>(i % TEXW, i / TEXW), 0);
 }
 
-// (d, m) of group gg of a scale texel.
-fn tex_scale(sc: vec4<u32>, gg: u32) -> vec2<f32> {
-#if W_Q4
-    return scale_of(sc[gg], 0u);
-#else
-    return scale_of(sc[gg >> 1u], gg & 1u);
-#endif
+// Code texels of one row for the 32-element unit `un` (code words of the row from texel
+// `cb`): .lo the low-plane texel (Q8: two, in lo and lo2), .hi the high-plane texel.
+struct Unit {
+    lo: vec4<u32>,
+    lo2: vec4<u32>,
+    hi: vec4<u32>,
 }
 
-// Eight rows of one code word (or, Q8, of two words) dequantized: rows 0-3 / 4-7, elements
-// 0-3 (l) and 4-7 (h).
-struct D8 {
-    la: R4v,
-    ha: R4v,
-    lb: R4v,
-    hb: R4v,
-}
-
-struct R4v {
-    r0: vec4<f32>,
-    r1: vec4<f32>,
-    r2: vec4<f32>,
-    r3: vec4<f32>,
-}
-
-fn deq_lo4(q: vec4<u32>, s0: vec2<f32>, s1: vec2<f32>, s2: vec2<f32>, s3: vec2<f32>) -> R4v {
-    return R4v(deq(codes_lo(q.x), s0), deq(codes_lo(q.y), s1), deq(codes_lo(q.z), s2), deq(codes_lo(q.w), s3));
-}
-
-#ifndef W_Q8
-fn deq_hi4(q: vec4<u32>, s0: vec2<f32>, s1: vec2<f32>, s2: vec2<f32>, s3: vec2<f32>) -> R4v {
-    return R4v(deq(codes_hi(q.x), s0), deq(codes_hi(q.y), s1), deq(codes_hi(q.z), s2), deq(codes_hi(q.w), s3));
-}
-#endif
-
-// Four rows' w . x' over eight elements: l against xa (elements 0-3), h against xh (4-7).
-fn dot8(l: R4v, h: R4v, xa: vec4<f32>, xh: vec4<f32>) -> vec4<f32> {
-    return vec4<f32>(
-        dot(l.r0, xa) + dot(h.r0, xh),
-        dot(l.r1, xa) + dot(h.r1, xh),
-        dot(l.r2, xa) + dot(h.r2, xh),
-        dot(l.r3, xa) + dot(h.r3, xh));
-}
-
-// The eight rows' values of texel slot h (a 4-bit word: its low and high nibbles; Q8: words
-// h and h + 1).
-fn deq8(C0: vec4<u32>, C1: vec4<u32>, C2: vec4<u32>, C3: vec4<u32>, C4: vec4<u32>, C5: vec4<u32>, C6: vec4<u32>, C7: vec4<u32>, h: u32, sa: array<vec2<f32>, 8>) -> D8 {
-    let qa = vec4<u32>(C0[h], C1[h], C2[h], C3[h]);
-    let qb = vec4<u32>(C4[h], C5[h], C6[h], C7[h]);
+fn tex_unit(ct: texture_2d<u32>, cb: u32, un: u32) -> Unit {
+    var o: Unit;
 #if W_Q8
-    let qa2 = vec4<u32>(C0[h + 1u], C1[h + 1u], C2[h + 1u], C3[h + 1u]);
-    let qb2 = vec4<u32>(C4[h + 1u], C5[h + 1u], C6[h + 1u], C7[h + 1u]);
-    return D8(deq_lo4(qa, sa[0], sa[1], sa[2], sa[3]), deq_lo4(qa2, sa[0], sa[1], sa[2], sa[3]),
-              deq_lo4(qb, sa[4], sa[5], sa[6], sa[7]), deq_lo4(qb2, sa[4], sa[5], sa[6], sa[7]));
+    o.lo = texel(ct, cb + 2u * un);
+    o.lo2 = texel(ct, cb + 2u * un + 1u);
 #else
-    return D8(deq_lo4(qa, sa[0], sa[1], sa[2], sa[3]), deq_hi4(qa, sa[0], sa[1], sa[2], sa[3]),
-              deq_lo4(qb, sa[4], sa[5], sa[6], sa[7]), deq_hi4(qb, sa[4], sa[5], sa[6], sa[7]));
+#if W_LO2
+    o.lo = texel(ct, cb + un / 2u);
+#else
+    o.lo = texel(ct, cb + un);
+#endif
+#endif
+#if W_HI1
+    o.hi = texel(ct, cb + lo_words() / 4u + un / 4u);
+#endif
+#if W_HI2
+    o.hi = texel(ct, cb + lo_words() / 4u + un / 2u);
+#endif
+    return o;
+}
+
+// The code bits of step h (0-3) of unit `un` from its texels.
+fn unit_bits(o: Unit, un: u32, h: u32) -> vec2<u32> {
+    let k8 = un * 32u + h * 8u;
+#if W_Q8
+    let lw = select(o.lo, o.lo2, h >= 2u);
+    return step_bits(pick4(lw, (h & 1u) * 2u), pick4(lw, (h & 1u) * 2u + 1u), 0u, k8);
+#else
+#if W_LO2
+    let l = pick4(o.lo, (un & 1u) * 2u + h / 2u);
+#else
+    let l = pick4(o.lo, h);
+#endif
+#if W_HI1
+    let hw = pick4(o.hi, un & 3u);
+#else
+#if W_HI2
+    let hw = pick4(o.hi, (un & 1u) * 2u + h / 2u);
+#else
+    let hw = 0u;
+#endif
+#endif
+    return step_bits(l, 0u, hw, k8);
 #endif
 }
 
-// Per token of the block: row accumulators (rows 0-3, 4-7; GATED: the up rows too) and the
-// sum of squares of its x (NORM).
+// The scale texels of one row (from texel `sb`) that a step needs: .a the texel holding its
+// group's scale word (super-block formats: its super-block's header), .x the extra word
+// (Q6_K's d word, Q2_K's d | dmin). `key` is `scale_key` of the step.
+struct UnitScale {
+    a: vec4<u32>,
+    x: u32,
+}
+
+// Which scale texels step h of unit `un` reads: its super-block, or the texel index of its
+// group's scale word. Steps with the same key share one fetch.
+fn scale_key(un: u32, h: u32) -> u32 {
+#if W_SUPER
+    return un / 8u;
+#else
+    let gi = (un * 32u + h * 8u) / p.group;
+#if W_Q4
+    return gi / 4u;
+#else
+#if W_Q5
+    return gi / 4u;
+#else
+    return gi / 8u;
+#endif
+#endif
+#endif
+}
+
+fn tex_scale_words(st: texture_2d<u32>, sb: u32, key: u32) -> UnitScale {
+    var o: UnitScale;
+#if W_SUPER
+#if W_IQ4XS
+    o.a = texel(st, sb + key / 2u);
+#else
+    o.a = texel(st, sb + key);
+#endif
+    // The extra words start at texel nsb (4 words per super-block before them).
+    let nsb = p.k / 256u;
+#if W_Q6K
+    o.x = pick4(texel(st, sb + nsb + key / 8u), (key / 2u) & 3u);
+#endif
+#if W_Q2K
+    o.x = pick4(texel(st, sb + nsb + key / 4u), key & 3u);
+#endif
+#else
+    o.a = texel(st, sb + key);
+#endif
+    return o;
+}
+
+// (d, m) of step h of unit `un`.
+fn unit_scale(o: UnitScale, un: u32, h: u32) -> vec2<f32> {
+    let gi = (un * 32u + h * 8u) / p.group;
+#if W_SUPER
+    let s = un / 8u;
+#if W_IQ4XS
+    let hd = select(o.a.xy, o.a.zw, (s & 1u) == 1u);
+    let hv = vec4<u32>(hd, 0u, 0u);
+#else
+    let hv = o.a;
+#endif
+    return sb_scale(hv, o.x, s & 1u, gi % groups_per_sb());
+#else
+#if W_Q4
+    return scale_of(pick4(o.a, gi & 3u), 0u);
+#else
+#if W_Q5
+    return scale_of(pick4(o.a, gi & 3u), 0u);
+#else
+    return scale_of(pick4(o.a, (gi / 2u) & 3u), gi & 1u);
+#endif
+#endif
+#endif
+}
+
+// Row r's eight values of step h of unit `un` from its code texels `o` and scale texels `sc`.
+fn row_vals(o: Unit, sc: UnitScale, un: u32, h: u32) -> array<vec4<f32>, 2> {
+    let s = unit_scale(sc, un, h);
+    let c = codes8(unit_bits(o, un, h));
+    return array<vec4<f32>, 2>(deq(c[0], s), deq(c[1], s));
+}
+
+// Four rows' products over one step's eight elements.
+fn dot4r(v0: array<vec4<f32>, 2>, v1: array<vec4<f32>, 2>, v2: array<vec4<f32>, 2>, v3: array<vec4<f32>, 2>, xa: vec4<f32>, xh: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(dot8v(v0, xa, xh), dot8v(v1, xa, xh), dot8v(v2, xa, xh), dot8v(v3, xa, xh));
+}
+
+// Per token of the block: row accumulators (rows 0-3, 4-7; GATED: the up rows too) and the x
+// base of the token.
 var<private> acc_a: array<vec4<f32>, TT>;
 var<private> acc_b: array<vec4<f32>, TT>;
 #if GATED
@@ -315,7 +359,10 @@ var<private> xbase: array<u32, TT>;
 
 // Eight rows per lane from texture-held codes and scales, for tokens t0 .. t0 + TT - 1 (TOK4:
 // four tokens share every texel fetch and dequantization; x of each token shared by
-// subgroupBroadcast).
+// subgroupBroadcast). A unit's code texels are fetched at its first step; scale texels when
+// a step needs other ones than those held (every 4 groups for Q4_1/Q5_1's word per group,
+// every 8 for pairs of f16 d, every super-block). The eight rows are eight named values, not
+// an array: lavapipe turns dynamically indexed private arrays into memory.
 fn rows8_tex(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32) {
     if (t0 >= n_tok) {
         return;
@@ -341,93 +388,81 @@ fn rows8_tex(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32) {
     let last = p.n_rows - 1u;
     let ra = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
     let rb = min(vec4<u32>(row0) + vec4<u32>(4u, 5u, 6u, 7u), vec4<u32>(last));
-    let groups = p.k / p.group;
-    // Texels per row of codes and of scales; groups per scale texel; code texels per group.
-    let tpr = (p.k / EPW + 3u) / 4u;
-#if W_Q4
-    let spr = (groups + 3u) / 4u;
-    let gpt = 4u;
-#else
-    let spr = ((groups + 1u) / 2u + 3u) / 4u;
-    let gpt = 8u;
-#endif
-    let tpg = p.group / (4u * EPW);
+    // Texel bases of the rows' codes and scales.
+    let tpr = (row_words() + 3u) / 4u;
+    let spr = (scale_row_words() + 3u) / 4u;
     let ca = ra * tpr;
     let cb = rb * tpr;
     let sa = ra * spr;
     let sb = rb * spr;
-    for (var st = 0u; st < spr; st++) {
-        let S0 = texel(wstex, sa.x + st);
-        let S1 = texel(wstex, sa.y + st);
-        let S2 = texel(wstex, sa.z + st);
-        let S3 = texel(wstex, sa.w + st);
-        let S4 = texel(wstex, sb.x + st);
-        let S5 = texel(wstex, sb.y + st);
-        let S6 = texel(wstex, sb.z + st);
-        let S7 = texel(wstex, sb.w + st);
+    var c0: Unit; var c1: Unit; var c2: Unit; var c3: Unit;
+    var c4: Unit; var c5: Unit; var c6: Unit; var c7: Unit;
+    var s0: UnitScale; var s1: UnitScale; var s2: UnitScale; var s3: UnitScale;
+    var s4: UnitScale; var s5: UnitScale; var s6: UnitScale; var s7: UnitScale;
 #if GATED
-        let U0 = texel(ustex, sa.x + st);
-        let U1 = texel(ustex, sa.y + st);
-        let U2 = texel(ustex, sa.z + st);
-        let U3 = texel(ustex, sa.w + st);
-        let U4 = texel(ustex, sb.x + st);
-        let U5 = texel(ustex, sb.y + st);
-        let U6 = texel(ustex, sb.z + st);
-        let U7 = texel(ustex, sb.w + st);
+    var d0: Unit; var d1: Unit; var d2: Unit; var d3: Unit;
+    var d4: Unit; var d5: Unit; var d6: Unit; var d7: Unit;
+    var e0: UnitScale; var e1: UnitScale; var e2: UnitScale; var e3: UnitScale;
+    var e4: UnitScale; var e5: UnitScale; var e6: UnitScale; var e7: UnitScale;
 #endif
-        for (var gg = 0u; gg < gpt; gg++) {
-            let gi = st * gpt + gg;
-            if (gi >= groups) {
-                break;
+    // The scale texels held (their `scale_key`).
+    var held = 0xffffffffu;
+    // 32-element units (texture-held rows are whole units: `tex_fits`), four steps of 8
+    // elements each; the step loop has a constant count so that it unrolls.
+    for (var un = 0u; un < p.k / 32u; un++) {
+        c0 = tex_unit(wtex, ca.x, un); c1 = tex_unit(wtex, ca.y, un); c2 = tex_unit(wtex, ca.z, un); c3 = tex_unit(wtex, ca.w, un);
+        c4 = tex_unit(wtex, cb.x, un); c5 = tex_unit(wtex, cb.y, un); c6 = tex_unit(wtex, cb.z, un); c7 = tex_unit(wtex, cb.w, un);
+#if GATED
+        d0 = tex_unit(utex, ca.x, un); d1 = tex_unit(utex, ca.y, un); d2 = tex_unit(utex, ca.z, un); d3 = tex_unit(utex, ca.w, un);
+        d4 = tex_unit(utex, cb.x, un); d5 = tex_unit(utex, cb.y, un); d6 = tex_unit(utex, cb.z, un); d7 = tex_unit(utex, cb.w, un);
+#endif
+        for (var h = 0u; h < 4u; h++) {
+            let key = scale_key(un, h);
+            if (key != held) {
+                held = key;
+                s0 = tex_scale_words(wstex, sa.x, key); s1 = tex_scale_words(wstex, sa.y, key);
+                s2 = tex_scale_words(wstex, sa.z, key); s3 = tex_scale_words(wstex, sa.w, key);
+                s4 = tex_scale_words(wstex, sb.x, key); s5 = tex_scale_words(wstex, sb.y, key);
+                s6 = tex_scale_words(wstex, sb.z, key); s7 = tex_scale_words(wstex, sb.w, key);
+#if GATED
+                e0 = tex_scale_words(ustex, sa.x, key); e1 = tex_scale_words(ustex, sa.y, key);
+                e2 = tex_scale_words(ustex, sa.z, key); e3 = tex_scale_words(ustex, sa.w, key);
+                e4 = tex_scale_words(ustex, sb.x, key); e5 = tex_scale_words(ustex, sb.y, key);
+                e6 = tex_scale_words(ustex, sb.z, key); e7 = tex_scale_words(ustex, sb.w, key);
+#endif
             }
-            let ws = array<vec2<f32>, 8>(tex_scale(S0, gg), tex_scale(S1, gg), tex_scale(S2, gg), tex_scale(S3, gg),
-                                         tex_scale(S4, gg), tex_scale(S5, gg), tex_scale(S6, gg), tex_scale(S7, gg));
+            let v0 = row_vals(c0, s0, un, h);
+            let v1 = row_vals(c1, s1, un, h);
+            let v2 = row_vals(c2, s2, un, h);
+            let v3 = row_vals(c3, s3, un, h);
+            let v4 = row_vals(c4, s4, un, h);
+            let v5 = row_vals(c5, s5, un, h);
+            let v6 = row_vals(c6, s6, un, h);
+            let v7 = row_vals(c7, s7, un, h);
 #if GATED
-            let us = array<vec2<f32>, 8>(tex_scale(U0, gg), tex_scale(U1, gg), tex_scale(U2, gg), tex_scale(U3, gg),
-                                         tex_scale(U4, gg), tex_scale(U5, gg), tex_scale(U6, gg), tex_scale(U7, gg));
+            let g0 = row_vals(d0, e0, un, h);
+            let g1 = row_vals(d1, e1, un, h);
+            let g2 = row_vals(d2, e2, un, h);
+            let g3 = row_vals(d3, e3, un, h);
+            let g4 = row_vals(d4, e4, un, h);
+            let g5 = row_vals(d5, e5, un, h);
+            let g6 = row_vals(d6, e6, un, h);
+            let g7 = row_vals(d7, e7, un, h);
 #endif
-            for (var tt = 0u; tt < tpg; tt++) {
-                let ti = gi * tpg + tt;
-                let C0 = texel(wtex, ca.x + ti);
-                let C1 = texel(wtex, ca.y + ti);
-                let C2 = texel(wtex, ca.z + ti);
-                let C3 = texel(wtex, ca.w + ti);
-                let C4 = texel(wtex, cb.x + ti);
-                let C5 = texel(wtex, cb.y + ti);
-                let C6 = texel(wtex, cb.z + ti);
-                let C7 = texel(wtex, cb.w + ti);
+            let k8 = un * 32u + h * 8u;
+            for (var j = 0u; j < TT; j++) {
+                // (A local, not &acc_ss[j]: naga's SPIR-V writer rejects pointers into a
+                // dynamically indexed local array as call arguments.)
+                var ss_j = acc_ss[j];
+                let xl = load_x1(xbase[j], k8 + lid, &ss_j);
+                acc_ss[j] = ss_j;
+                let xv = bcast8(xl);
+                acc_a[j] += dot4r(v0, v1, v2, v3, xv[0], xv[1]);
+                acc_b[j] += dot4r(v4, v5, v6, v7, xv[0], xv[1]);
 #if GATED
-                let D0 = texel(utex, ca.x + ti);
-                let D1 = texel(utex, ca.y + ti);
-                let D2 = texel(utex, ca.z + ti);
-                let D3 = texel(utex, ca.w + ti);
-                let D4 = texel(utex, cb.x + ti);
-                let D5 = texel(utex, cb.y + ti);
-                let D6 = texel(utex, cb.z + ti);
-                let D7 = texel(utex, cb.w + ti);
+                acc_ua[j] += dot4r(g0, g1, g2, g3, xv[0], xv[1]);
+                acc_ub[j] += dot4r(g4, g5, g6, g7, xv[0], xv[1]);
 #endif
-                // 8 elements (one 4-bit word, two Q8 words) per x broadcast.
-                for (var h = 0u; h < 4u; h += 8u / EPW) {
-                    let k8 = ti * 4u * EPW + h * EPW;
-                    let w8 = deq8(C0, C1, C2, C3, C4, C5, C6, C7, h, ws);
-#if GATED
-                    let u8 = deq8(D0, D1, D2, D3, D4, D5, D6, D7, h, us);
-#endif
-                    for (var j = 0u; j < TT; j++) {
-                        // (A local, not &acc_ss[j]: naga's SPIR-V writer rejects pointers
-                        // into a dynamically indexed local array as call arguments.)
-                        var ss_j = acc_ss[j];
-                        let xl = load_x1(xbase[j], k8 + lid, &ss_j);
-                        acc_ss[j] = ss_j;
-                        let xv = bcast8(xl);
-                        acc_a[j] += dot8(w8.la, w8.ha, xv[0], xv[1]);
-                        acc_b[j] += dot8(w8.lb, w8.hb, xv[0], xv[1]);
-#if GATED
-                        acc_ua[j] += dot8(u8.la, u8.ha, xv[0], xv[1]);
-                        acc_ub[j] += dot8(u8.lb, u8.hb, xv[0], xv[1]);
-#endif
-                    }
-                }
             }
         }
     }

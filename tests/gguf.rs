@@ -516,17 +516,37 @@ fn unknown_and_unsupported_tensor_types() {
         "{e}"
     );
 
+    // A type Lantern does not load (IQ2_XXS, id 16) is named with the tensor.
     let mut w = tiny_model("llama", TINY, ggml::F32);
     let i = w.tensors.iter().position(|t| t.name == "blk.1.ffn_up.weight").unwrap();
     w.tensors[i].dims = vec![256, 8];
-    w.tensors[i].ggml_type = ggml::Q4_K;
-    w.tensors[i].data = vec![0; 8 * 144];
+    w.tensors[i].ggml_type = 16;
+    w.tensors[i].data = vec![0; 8 * 66];
     let e = load_err(&w);
     assert!(
         matches!(&e, LanternError::Gguf(GgufError::UnsupportedTensorType { tensor, ggml_type, .. })
-            if tensor == "blk.1.ffn_up.weight" && ggml_type == "Q4_K"),
+            if tensor == "blk.1.ffn_up.weight" && ggml_type == "IQ2_XXS"),
         "{e}"
     );
+}
+
+/// K-quant tensors: a row length that is not a multiple of the 256-element super-block is
+/// refused while parsing, and so is block data cut short.
+#[test]
+fn k_quant_rows_must_be_whole_super_blocks() {
+    let mut w = GgufWriter::default();
+    w.tensor("blk.0.ffn_down.weight", &[896, 2], ggml::Q4_K, vec![0; 7 * 144]);
+    let e = parse_err(&w.to_bytes());
+    assert!(
+        matches!(&e, GgufError::BadTensorShape { tensor, ggml_type, .. } if tensor == "blk.0.ffn_down.weight" && ggml_type == "Q4_K"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("block size 256"), "{e}");
+
+    let mut w = GgufWriter::default();
+    w.tensor("cut", &[256, 4], 14, vec![0; 4 * 210 - 1]);
+    let e = parse_err(&w.to_bytes());
+    assert!(e.to_string().contains("cut"), "{e}");
 }
 
 #[test]

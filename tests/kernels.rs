@@ -161,12 +161,22 @@ struct HostWeight {
 }
 
 fn quant_kind(format: WeightFormat) -> Option<QuantKind> {
-    match format {
-        WeightFormat::Q8 => Some(QuantKind::Q8),
-        WeightFormat::Q4 => Some(QuantKind::Q4),
-        WeightFormat::Q4Sym => Some(QuantKind::Q4Sym),
-        _ => None,
+    QuantKind::ALL.into_iter().find(|&k| format.is_packed() && WeightFormat::from_quant(k) == format)
+}
+
+/// Random ggml blocks of `kind` for a `rows x k` matrix, repacked: any bits for the codes and
+/// sub-block scales, and f16 scales and minimums of either sign up to 0.05 (so that values
+/// stay of order one).
+fn random_ggml(rng: &mut Rng, kind: QuantKind, rows: usize, k: usize) -> PackedMatrix {
+    let (be, bb) = lantern::quant::ggml::block_size(kind);
+    let mut data: Vec<u8> = (0..rows * k / be * bb).map(|_| rng.next_u64() as u8).collect();
+    for b in data.chunks_exact_mut(bb) {
+        for &at in lantern::quant::ggml::f16_fields(kind) {
+            let v = half::f16::from_f32(0.05 * rng.uniform());
+            b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
     }
+    PackedMatrix::from_gguf_blocks("test", kind, &data, rows, k).expect("repack random blocks")
 }
 
 impl HostWeight {
@@ -180,8 +190,12 @@ impl HostWeight {
                 HostWeight { values, half: Some(bits), packed: None }
             }
             f => {
-                let fmt = QuantFormat::new(quant_kind(f).unwrap(), group);
-                let p = PackedMatrix::quantize("test", &v, rows, k, fmt).expect("quantize");
+                let kind = quant_kind(f).unwrap();
+                let p = if kind.is_rtn() {
+                    PackedMatrix::quantize("test", &v, rows, k, QuantFormat::new(kind, group)).expect("quantize")
+                } else {
+                    random_ggml(rng, kind, rows, k)
+                };
                 HostWeight { values: p.dequantize(), half: None, packed: Some(p) }
             }
         }
@@ -389,7 +403,7 @@ impl Layout {
         let runs = |l: &Layout| match l {
             Layout::RowWg8Subgroups => ctx.caps.subgroups && ctx.caps.subgroup_max_size <= 8,
             Layout::Rows4Bcast | Layout::Blocked88Bcast | Layout::Blocked44Bcast => linear::xbcast_fits(ctx),
-            Layout::Rows8Tex | Layout::Rows8TexTok4 => linear::tex_fits(ctx, QuantFormat::new(QuantKind::Q8, 32)),
+            Layout::Rows8Tex | Layout::Rows8TexTok4 => linear::tex_fits(ctx, 32),
             l => (!l.needs_subgroups() || ctx.caps.subgroups) && (!l.needs_f16() || ctx.caps.shader_f16),
         };
         let (yes, no): (Vec<Layout>, Vec<Layout>) = set.iter().copied().partition(runs);
@@ -689,6 +703,107 @@ fn packed_linear_split_across_bindings_and_auto_layout_match_reference() {
     }
 }
 
+/// The GGUF-only formats (Q5_0, Q5_1, IQ4_NL and the 256-element K-quants and IQ4_XS) from
+/// random blocks, in every packed kernel: (rows, K, tokens) with odd
+/// row counts, one super-block to several (odd counts: Q6_K's paired d words, IQ4_XS's
+/// two headers per texel), token counts for the matvec, the four-token matvec and the
+/// matmuls.
+const GGML_FORMATS: [WeightFormat; 9] = [
+    WeightFormat::Q5Sym,
+    WeightFormat::Q5,
+    WeightFormat::Iq4Nl,
+    WeightFormat::Q2K,
+    WeightFormat::Q3K,
+    WeightFormat::Q4K,
+    WeightFormat::Q5K,
+    WeightFormat::Q6K,
+    WeightFormat::Iq4Xs,
+];
+const GGML_SHAPES: [(usize, usize, usize); 3] = [(7, 256, 3), (65, 768, 9), (333, 512, 1)];
+
+/// The packed layouts the GGUF-only formats are checked in: every kernel and shape the
+/// runtime picks (the blocked matmul's other tile sizes differ from 8x8 only in the
+/// format-independent accumulation).
+const GGML_LAYOUTS: [Layout; 10] = [
+    Layout::Rows4,
+    Layout::Rows4Bcast,
+    Layout::Rows8Tex,
+    Layout::Rows8TexTok4,
+    Layout::Blocked88Bcast,
+    Layout::RowWg64Subgroups,
+    Layout::RowWg64F16,
+    Layout::Matmul,
+    Layout::MatmulF16,
+    Layout::Blocked88,
+];
+
+/// The fused combinations that reach format-specific code: the norm prologue with the gated
+/// pair (two weights), the plain residual store, and gathered rows. Bias and the plain
+/// norm share the epilogue with the 3-format suites above.
+const GGML_COMBOS: [u32; 3] = [NORM_GATED, RESIDUAL, NORM_GATHER];
+
+fn ggml_suite(formats: &[WeightFormat], seed: u64) {
+    let ctx = gpu();
+    for layout in Layout::available_of(&ctx, &GGML_LAYOUTS) {
+        for fl in GGML_COMBOS {
+            if layout.is_matmul() && fl & flags::GATHER != 0 {
+                continue;
+            }
+            for &weights in formats {
+                for (i, &(rows, k, tokens)) in GGML_SHAPES.iter().enumerate() {
+                    let group = quant_kind(weights).unwrap().ggml_group();
+                    let c = LinearCase {
+                        fl,
+                        layout,
+                        weights,
+                        rows,
+                        k,
+                        tokens,
+                        wide: i % 2 == 1,
+                        seed: seed ^ ((i as u64) << 8) ^ ((layout as u64) << 16) ^ ((weights as u64) << 24) ^ ((fl as u64) << 32),
+                        group,
+                    };
+                    check_linear(&ctx, c);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ggml_32_formats_match_reference_in_every_layout() {
+    ggml_suite(&GGML_FORMATS[..3], 41);
+}
+
+#[test]
+fn ggml_k_quants_2_3_4_match_reference_in_every_layout() {
+    ggml_suite(&GGML_FORMATS[3..6], 42);
+}
+
+#[test]
+fn ggml_k_quants_5_6_and_iq4xs_match_reference_in_every_layout() {
+    ggml_suite(&GGML_FORMATS[6..], 43);
+}
+
+/// Binding splits (8 KiB) and the runtime's own layout choice for the GGUF-only formats.
+#[test]
+fn ggml_formats_split_across_bindings_and_auto_layout_match_reference() {
+    let small = gpu_small();
+    for weights in GGML_FORMATS {
+        let group = quant_kind(weights).unwrap().ggml_group();
+        for layout in Layout::available_of(&small, &GGML_LAYOUTS) {
+            for fl in [NORM_GATED, RESIDUAL] {
+                let c = LinearCase { fl, layout, weights, rows: 65, k: 256, tokens: 3, wide: true, seed: 79 ^ fl as u64, group };
+                check_linear(&small, c);
+            }
+        }
+        for (layout, fl) in [(Layout::Auto, NORM_GATHER), (Layout::AutoMatmul, NORM_GATED), (Layout::Auto, NORM_GATED)] {
+            let c = LinearCase { fl, layout, weights, rows: 70, k: 256, tokens: 20, wide: false, seed: 991, group };
+            check_linear(&gpu(), c);
+        }
+    }
+}
+
 /// Bad shapes are refused with errors naming the tensor, never a panic or a wrong result.
 #[test]
 fn packed_linear_rejects_mismatched_shapes() {
@@ -753,6 +868,9 @@ fn embedding_matches_reference() {
     for (i, f) in PACKED_FORMATS.into_iter().enumerate() {
         check_embedding(&ctx, f, 50, 64, 33, 16 + i as u64);
         check_embedding(&ctx, f, 9, 40, 3, 19 + i as u64);
+    }
+    for (i, f) in GGML_FORMATS.into_iter().enumerate() {
+        check_embedding(&ctx, f, 37, 512, 9, 60 + i as u64);
     }
 }
 

@@ -69,6 +69,7 @@ fn group_bound(kind: QuantKind, x: &[f32], d: f32) -> f32 {
             d.abs() / 2.0 + 16.0 * f16_err(amax / 15.0) + f16_err(lo) + ulp
         }
         QuantKind::Q4Sym => d.abs() + 16.0 * f16_err(amax / 8.0) + ulp,
+        other => panic!("{} is not a round-to-nearest kind", other.name()),
     }
 }
 

@@ -9,12 +9,9 @@ mod common;
 
 use std::sync::{Mutex, OnceLock};
 
-use lantern::engine::sampler::argmax;
 use lantern::model::llama::{GpuModel, ModelOptions, Want};
 use lantern::model::load::load_path;
 use lantern::model::tokenizer::Tokenizer;
-
-const TOP20_TOL: f32 = 1e-3;
 
 struct Loaded {
     model: GpuModel,
@@ -49,56 +46,7 @@ fn cases() -> Vec<serde_json::Value> {
 fn every_case_matches_transformers() {
     let mut guard = loaded().lock().unwrap_or_else(|e| e.into_inner());
     let Loaded { model, tokenizer, .. } = &mut *guard;
-    let vocab = model.config.vocab_size;
-    let mut failures = Vec::new();
-    for case in cases() {
-        let name = case["name"].as_str().unwrap().to_string();
-        let prompt = common::ids(&case["input_ids"]);
-        // The tokenizer reproduces the fixture's ids from the text.
-        let text = case["prompt_text"].as_str().unwrap();
-        let ids = if case["chat"].as_bool().unwrap() {
-            tokenizer.encode_chat(text).unwrap()
-        } else {
-            tokenizer.encode(text).unwrap()
-        };
-        if ids != prompt {
-            failures.push(format!("{name}: tokenizer ids differ"));
-        }
-        let greedy = common::ids(&case["greedy_ids"]);
-        let seq = model.new_sequence().unwrap();
-        // The prompt in one pass with every position's logits...
-        let logits = pollster::block_on(model.forward_all_logits(seq, &prompt)).expect("forward");
-        let am: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
-        let l = prompt.len();
-        let want_prompt = common::ids(&case["prompt_argmax"]);
-        if am != want_prompt {
-            let i = (0..l).find(|&i| am[i] != want_prompt[i]).unwrap();
-            failures.push(format!("{name}: prompt argmax differs first at position {i}: {} vs {}", am[i], want_prompt[i]));
-        }
-        // ...then greedy decoding through the KV cache, one token per step.
-        let mut out = vec![am[l - 1]];
-        while out.len() < greedy.len() {
-            let t = *out.last().unwrap();
-            out.push(pollster::block_on(model.forward(seq, &[t], Want::Argmax)).expect("decode").argmax[0]);
-        }
-        model.release_sequence(seq);
-        if out != greedy {
-            let i = (0..greedy.len()).find(|&i| out[i] != greedy[i]).unwrap();
-            failures.push(format!("{name}: greedy token {i} differs: {} vs {}", out[i], greedy[i]));
-        }
-        let last = &logits[(l - 1) * vocab..l * vocab];
-        let mut worst = 0.0f32;
-        for pair in case["last_top20"].as_array().unwrap() {
-            let id = pair[0].as_u64().unwrap() as usize;
-            let want = pair[1].as_f64().unwrap() as f32;
-            worst = worst.max((last[id] - want).abs());
-        }
-        if worst > TOP20_TOL {
-            failures.push(format!("{name}: last-position top-20 logits differ by {worst:e} > {TOP20_TOL:e}"));
-        }
-        eprintln!("{name}: {l} prompt + {} greedy tokens, top-20 max |diff| {worst:e}", greedy.len());
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    common::real::check_cases(model, tokenizer, &cases(), None).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Every GPU allocation of the native load is explained (ledger bytes = weights + KV +

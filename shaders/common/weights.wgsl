@@ -1,8 +1,16 @@
 // Weight loads by storage format. `w` (and `u` for gated kernels) are declared by the
 // including shader: array<f32> for W_F32, array<u32> holding two f16 per word for W_F16,
-// and for the packed integer formats (W_PACKED: W_Q8, W_Q4, W_Q4S) array<u32> of codes with
-// the group scales in `wsc` (and `usc`), laid out as src/quant/mod.rs documents. The
-// including shader's `p` has `k` (row length) and `group` (elements per scale).
+// and for the packed integer formats (W_PACKED) array<u32> of code planes with the group
+// scales in `wsc` (and `usc`), laid out as src/quant/mod.rs documents. The including
+// shader's `p` has `k` (row length) and `group` (elements per scale).
+//
+// Packed formats share one interface, so every kernel serves every format: the kernels
+// walk a row in steps of 8 elements; `w_q8w` loads the step's code bits as a vec2<u32>
+// (.x: the low-plane bits, .y: the high-plane bits, each shifted down to bit 0; Q8: the two
+// words), `codes8` turns them into the eight codes c (raw code plus the format's offset, or
+// its IQ4 table value), `w_scale` gives the group's (d, m) and `deq` computes c d + m. The
+// pure pieces (codes8, the scale decoders) are what the texture kernel shares; only loads
+// differ per binding (w / u / textures).
 #if W_F32
 fn w_load(i: u32) -> f32 {
     return w[i];
@@ -39,27 +47,177 @@ fn u_load2(i: u32) -> vec2<f32> {
 #endif
 #endif
 #if W_PACKED
+// Component i of v by selects: CPU adapters (lavapipe) turn a vector indexed by a value
+// they cannot prove uniform into a per-lane loop through memory.
+fn pick4(v: vec4<u32>, i: u32) -> u32 {
+    return select(select(v.x, v.y, i == 1u), select(v.z, v.w, i == 3u), i >= 2u);
+}
+
+// Elements per low-plane word.
 #if W_Q8
-// Elements per code word.
 const EPW: u32 = 4u;
+#else
+#if W_LO2
+const EPW: u32 = 16u;
 #else
 const EPW: u32 = 8u;
 #endif
+#endif
 
-// Index of the scale word of group `gi` of `row`, and whether its f16 is the high half.
-fn scale_word(row: u32, gi: u32) -> vec2<u32> {
-    let groups = p.k / p.group;
-#if W_Q4
-    return vec2<u32>(row * groups + gi, 0u);
+// Low-plane words per row (where the high plane starts).
+fn lo_words() -> u32 {
+    return p.k / EPW;
+}
+
+// Words of codes per row: the low plane, then the high plane (1 bit: k / 32 words; 2 bits:
+// k / 16).
+fn row_words() -> u32 {
+#if W_HI1
+    return lo_words() + p.k / 32u;
 #else
-    return vec2<u32>(row * ((groups + 1u) / 2u) + (gi >> 1u), gi & 1u);
+#if W_HI2
+    return lo_words() + p.k / 16u;
+#else
+    return lo_words();
+#endif
 #endif
 }
 
-// (d, m) of a group from its scale word: values are q d + m.
+// Scale words per row.
+fn scale_row_words() -> u32 {
+    let sb = p.k / 256u;
+#if W_SUPER
+#if W_Q6K
+    return 4u * sb + (sb + 1u) / 2u;
+#else
+#if W_Q2K
+    return 5u * sb;
+#else
+#if W_IQ4XS
+    return 2u * sb;
+#else
+    return 4u * sb;
+#endif
+#endif
+#endif
+#else
+#if W_Q4
+    return p.k / p.group;
+#else
+#if W_Q5
+    return p.k / p.group;
+#else
+    return (p.k / p.group + 1u) / 2u;
+#endif
+#endif
+#endif
+}
+
+// The code bits of elements k8 .. k8 + 8 (k8 a multiple of 8) from the low-plane word(s)
+// `lo` / `lo2` (Q8: both; 2-bit: `lo` holds 16 elements) and the high-plane word `hi` that
+// hold them: .x low bits, .y high bits, shifted down to bit 0.
+fn step_bits(lo: u32, lo2: u32, hi: u32, k8: u32) -> vec2<u32> {
+    let h = (k8 / 8u) & 3u;
+#if W_Q8
+    return vec2<u32>(lo, lo2);
+#else
+#if W_LO2
+    let l = (lo >> (16u * (h & 1u))) & 0xffffu;
+#else
+    let l = lo;
+#endif
+#if W_HI1
+    return vec2<u32>(l, (hi >> (8u * h)) & 0xffu);
+#else
+#if W_HI2
+    return vec2<u32>(l, (hi >> (16u * (h & 1u))) & 0xffffu);
+#else
+    return vec2<u32>(l, 0u);
+#endif
+#endif
+#endif
+}
+
+// Index (within a row's words) of the low-plane word holding element k8, and of the high-plane word.
+fn lo_index(k8: u32) -> u32 {
+    return k8 / EPW;
+}
+
+fn hi_index(k8: u32) -> u32 {
+#if W_HI2
+    return lo_words() + k8 / 16u;
+#else
+    return lo_words() + k8 / 32u;
+#endif
+}
+
+#if W_TABLE
+// ggml's kvalues_iq4nl.
+const IQ4: array<f32, 16> = array<f32, 16>(-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0, 1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+
+fn iq4(q: vec4<u32>) -> vec4<f32> {
+    return vec4<f32>(IQ4[q.x], IQ4[q.y], IQ4[q.z], IQ4[q.w]);
+}
+#endif
+
+// Codes of four elements from their raw integer codes: the offset or table applied.
+fn code4(q: vec4<u32>) -> vec4<f32> {
+#if W_TABLE
+    return iq4(q);
+#else
+#if W_Q5S
+    return vec4<f32>(q) - 16.0;
+#else
+#if W_Q6K
+    return vec4<f32>(q) - 32.0;
+#else
+#if W_Q3K
+    return vec4<f32>(q) - 4.0;
+#else
+    return vec4<f32>(q);
+#endif
+#endif
+#endif
+#endif
+}
+
+// The eight codes c of one step from its bits (see step_bits): elements 0-3 and 4-7.
+fn codes8(b: vec2<u32>) -> array<vec4<f32>, 2> {
+#if W_Q8
+    return array<vec4<f32>, 2>(
+        vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(b.x) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u)),
+        vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(b.y) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u)));
+#else
+#if W_LO2
+    var lo = (vec4<u32>(b.x) >> vec4<u32>(0u, 2u, 4u, 6u)) & vec4<u32>(3u);
+    var hi = (vec4<u32>(b.x) >> vec4<u32>(8u, 10u, 12u, 14u)) & vec4<u32>(3u);
+#if W_HI1
+    lo |= ((vec4<u32>(b.y) >> vec4<u32>(0u, 1u, 2u, 3u)) & vec4<u32>(1u)) << vec4<u32>(2u);
+    hi |= ((vec4<u32>(b.y) >> vec4<u32>(4u, 5u, 6u, 7u)) & vec4<u32>(1u)) << vec4<u32>(2u);
+#endif
+#else
+    var lo = (vec4<u32>(b.x) >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(15u);
+    var hi = (vec4<u32>(b.x) >> vec4<u32>(16u, 20u, 24u, 28u)) & vec4<u32>(15u);
+#if W_HI1
+    lo |= ((vec4<u32>(b.y) >> vec4<u32>(0u, 1u, 2u, 3u)) & vec4<u32>(1u)) << vec4<u32>(4u);
+    hi |= ((vec4<u32>(b.y) >> vec4<u32>(4u, 5u, 6u, 7u)) & vec4<u32>(1u)) << vec4<u32>(4u);
+#endif
+#if W_HI2
+    lo |= ((vec4<u32>(b.y) >> vec4<u32>(0u, 2u, 4u, 6u)) & vec4<u32>(3u)) << vec4<u32>(4u);
+    hi |= ((vec4<u32>(b.y) >> vec4<u32>(8u, 10u, 12u, 14u)) & vec4<u32>(3u)) << vec4<u32>(4u);
+#endif
+#endif
+    return array<vec4<f32>, 2>(code4(lo), code4(hi));
+#endif
+}
+
+// (d, m) of a 32-element-group format from its scale word (`hi`: which f16 of the word).
 fn scale_of(word: u32, hi: u32) -> vec2<f32> {
     let v = unpack2x16float(word);
 #if W_Q4
+    return v;
+#else
+#if W_Q5
     return v;
 #else
     let d = select(v.x, v.y, hi == 1u);
@@ -69,34 +227,199 @@ fn scale_of(word: u32, hi: u32) -> vec2<f32> {
     return vec2<f32>(d, 0.0);
 #endif
 #endif
+#endif
+}
+
+#if W_SUPER
+// Sub-blocks (groups) per 256-element super-block.
+fn groups_per_sb() -> u32 {
+    return 256u / p.group;
+}
+
+// Byte i of four words.
+fn byte_of(h: vec4<u32>, i: u32) -> u32 {
+    return (pick4(h, i / 4u) >> (8u * (i % 4u))) & 0xffu;
+}
+
+// (d, m) of sub-block j of a super-block from its header `h` (the super-block's scale words:
+// 4, or 2 for IQ4_XS in .xy) and `x` (Q6_K: the word holding its f16 d, in the half `xh`;
+// Q2_K: its d | dmin word; unused otherwise), as src/quant/mod.rs defines them.
+fn sb_scale(h: vec4<u32>, x: u32, xh: u32, j: u32) -> vec2<f32> {
+#if W_Q4K
+    let dm = unpack2x16float(h.x);
+    let sc = sb_scale_min_k4(vec3<u32>(h.y, h.z, h.w), j);
+    return vec2<f32>(dm.x * f32(sc.x), -(dm.y * f32(sc.y)));
+#endif
+#if W_Q5K
+    let dm = unpack2x16float(h.x);
+    let sc = sb_scale_min_k4(vec3<u32>(h.y, h.z, h.w), j);
+    return vec2<f32>(dm.x * f32(sc.x), -(dm.y * f32(sc.y)));
+#endif
+#if W_Q3K
+    let d = unpack2x16float(h.w).x;
+    let lo = (byte_of(h, j % 8u) >> (4u * (j / 8u))) & 15u;
+    let hb = (byte_of(h, 8u + j % 4u) >> (2u * (j / 4u))) & 3u;
+    return vec2<f32>(d * (f32(lo | (hb << 4u)) - 32.0), 0.0);
+#endif
+#if W_Q6K
+    let dv = unpack2x16float(x);
+    let d = select(dv.x, dv.y, xh == 1u);
+    let sc = f32(bitcast<i32>(byte_of(h, j) << 24u) >> 24u);
+    return vec2<f32>(d * sc, 0.0);
+#endif
+#if W_Q2K
+    let dm = unpack2x16float(x);
+    let b = byte_of(h, j);
+    return vec2<f32>(dm.x * f32(b & 15u), -(dm.y * f32(b >> 4u)));
+#endif
+#if W_IQ4XS
+    let d = unpack2x16float(h.x).x;
+    let ls = ((h.y >> (4u * j)) & 15u) | (((h.x >> (16u + 2u * j)) & 3u) << 4u);
+    return vec2<f32>(d * (f32(ls) - 32.0), 0.0);
+#endif
+}
+
+// ggml's get_scale_min_k4: the 6-bit scale and minimum of sub-block j from 12 bytes.
+fn sb_scale_min_k4(q: vec3<u32>, j: u32) -> vec2<u32> {
+    let h = vec4<u32>(q, 0u);
+    if (j < 4u) {
+        return vec2<u32>(byte_of(h, j) & 63u, byte_of(h, j + 4u) & 63u);
+    }
+    return vec2<u32>((byte_of(h, j + 4u) & 15u) | ((byte_of(h, j - 4u) >> 6u) << 4u),
+                     (byte_of(h, j + 4u) >> 4u) | ((byte_of(h, j) >> 6u) << 4u));
+}
+
+// Words of a row's scales: where super-block sb's header starts, and the index and half of
+// its extra word (Q6_K's d, Q2_K's d | dmin).
+fn sb_header_index(sb: u32) -> u32 {
+#if W_IQ4XS
+    return 2u * sb;
+#else
+    return 4u * sb;
+#endif
+}
+
+fn sb_extra_index(sb: u32) -> vec2<u32> {
+    let nsb = p.k / 256u;
+#if W_Q6K
+    return vec2<u32>(4u * nsb + sb / 2u, sb & 1u);
+#else
+    return vec2<u32>(4u * nsb + sb, 0u);
+#endif
+}
+#endif
+
+// (d, m) of group gi of a row whose scale words start at `sb0`, read from `wsc`.
+fn w_scale_at(sb0: u32, gi: u32) -> vec2<f32> {
+#if W_SUPER
+    let sb = gi / groups_per_sb();
+    let hi = sb0 + sb_header_index(sb);
+#if W_IQ4XS
+    let h = vec4<u32>(wsc[hi], wsc[hi + 1u], 0u, 0u);
+#else
+    let h = vec4<u32>(wsc[hi], wsc[hi + 1u], wsc[hi + 2u], wsc[hi + 3u]);
+#endif
+    let xi = sb_extra_index(sb);
+#if W_Q6K
+    let x = wsc[sb0 + xi.x];
+#else
+#if W_Q2K
+    let x = wsc[sb0 + xi.x];
+#else
+    let x = 0u;
+#endif
+#endif
+    return sb_scale(h, x, xi.y, gi % groups_per_sb());
+#else
+#if W_Q4
+    return scale_of(wsc[sb0 + gi], 0u);
+#else
+#if W_Q5
+    return scale_of(wsc[sb0 + gi], 0u);
+#else
+    return scale_of(wsc[sb0 + (gi >> 1u)], gi & 1u);
+#endif
+#endif
+#endif
 }
 
 fn w_scale(row: u32, gi: u32) -> vec2<f32> {
-    let i = scale_word(row, gi);
-    return scale_of(wsc[i.x], i.y);
+    return w_scale_at(row * scale_row_words(), gi);
 }
-#if GATED
-fn u_scale(row: u32, gi: u32) -> vec2<f32> {
-    let i = scale_word(row, gi);
-    return scale_of(usc[i.x], i.y);
-}
-#endif
 
-// Codes of elements 0-3 of a word (Q8: the whole word; Q4: nibbles 0-3) as floats.
-fn codes_lo(q: u32) -> vec4<f32> {
+// The code bits of step k8 of the row whose code words start at `rb`.
+fn w_q8w(rb: u32, k8: u32) -> vec2<u32> {
+    let li = rb + lo_index(k8);
 #if W_Q8
-    return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(q) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
+    return step_bits(w[li], w[li + 1u], 0u, k8);
 #else
-    return vec4<f32>((vec4<u32>(q) >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(15u));
+#if W_HI1
+    return step_bits(w[li], 0u, w[rb + hi_index(k8)], k8);
+#else
+#if W_HI2
+    return step_bits(w[li], 0u, w[rb + hi_index(k8)], k8);
+#else
+    return step_bits(w[li], 0u, 0u, k8);
+#endif
+#endif
 #endif
 }
 
-// Codes of elements 4-7 of a 4-bit word.
-fn codes_hi(q: u32) -> vec4<f32> {
-    return vec4<f32>((vec4<u32>(q) >> vec4<u32>(16u, 20u, 24u, 28u)) & vec4<u32>(15u));
+#if GATED
+// The same for `u` (usc): WGSL cannot pass storage arrays to functions.
+fn u_scale(row: u32, gi: u32) -> vec2<f32> {
+    let sb0 = row * scale_row_words();
+#if W_SUPER
+    let sb = gi / groups_per_sb();
+    let hi = sb0 + sb_header_index(sb);
+#if W_IQ4XS
+    let h = vec4<u32>(usc[hi], usc[hi + 1u], 0u, 0u);
+#else
+    let h = vec4<u32>(usc[hi], usc[hi + 1u], usc[hi + 2u], usc[hi + 3u]);
+#endif
+    let xi = sb_extra_index(sb);
+#if W_Q6K
+    let x = usc[sb0 + xi.x];
+#else
+#if W_Q2K
+    let x = usc[sb0 + xi.x];
+#else
+    let x = 0u;
+#endif
+#endif
+    return sb_scale(h, x, xi.y, gi % groups_per_sb());
+#else
+#if W_Q4
+    return scale_of(usc[sb0 + gi], 0u);
+#else
+#if W_Q5
+    return scale_of(usc[sb0 + gi], 0u);
+#else
+    return scale_of(usc[sb0 + (gi >> 1u)], gi & 1u);
+#endif
+#endif
+#endif
 }
 
-// Dequantized values q d + m, computed in f32 exactly as the CPU reference (q d is exact,
+fn u_q8w(rb: u32, k8: u32) -> vec2<u32> {
+    let li = rb + lo_index(k8);
+#if W_Q8
+    return step_bits(u[li], u[li + 1u], 0u, k8);
+#else
+#if W_HI1
+    return step_bits(u[li], 0u, u[rb + hi_index(k8)], k8);
+#else
+#if W_HI2
+    return step_bits(u[li], 0u, u[rb + hi_index(k8)], k8);
+#else
+    return step_bits(u[li], 0u, 0u, k8);
+#endif
+#endif
+#endif
+}
+#endif
+
+// Dequantized values c d + m, computed in f32 exactly as the CPU reference (c d is exact,
 // so one rounding), or with F16 in half precision (packed math on GPUs; weights rounded to
 // f16 like W_F16).
 fn deq(c: vec4<f32>, s: vec2<f32>) -> vec4<f32> {
@@ -107,61 +430,25 @@ fn deq(c: vec4<f32>, s: vec2<f32>) -> vec4<f32> {
 #endif
 }
 
-// Element c of `row` (one code word and one scale word read per element: for gathers).
+// The eight dequantized elements of step k8 of `row`.
+fn w_deq8(row: u32, k8: u32) -> array<vec4<f32>, 2> {
+    let s = w_scale(row, k8 / p.group);
+    let c = codes8(w_q8w(row * row_words(), k8));
+    return array<vec4<f32>, 2>(deq(c[0], s), deq(c[1], s));
+}
+#if GATED
+fn u_deq8(row: u32, k8: u32) -> array<vec4<f32>, 2> {
+    let s = u_scale(row, k8 / p.group);
+    let c = codes8(u_q8w(row * row_words(), k8));
+    return array<vec4<f32>, 2>(deq(c[0], s), deq(c[1], s));
+}
+#endif
+
+// Element c of `row` (for gathers), exactly as the CPU reference: c d + m in f32.
 fn w_elem(row: u32, c: u32) -> f32 {
-    let q = w[row * (p.k / EPW) + c / EPW];
+    let k8 = c & ~7u;
     let s = w_scale(row, c / p.group);
-#if W_Q8
-    let code = f32(bitcast<i32>(q << (24u - 8u * (c % 4u))) >> 24u);
-#else
-    let code = f32((q >> (4u * (c % 8u))) & 15u);
-#endif
-    return code * s.x + s.y;
+    let v = codes8(w_q8w(row * row_words(), k8));
+    return v[(c >> 2u) & 1u][c & 3u] * s.x + s.y;
 }
-
-// Code word `kw` of `row`, dequantized (Q8 fills only the first vec4).
-fn w_deq_word(row: u32, kw: u32) -> array<vec4<f32>, 2> {
-    let q = w[row * (p.k / EPW) + kw];
-    let s = w_scale(row, kw * EPW / p.group);
-#if W_Q8
-    return array<vec4<f32>, 2>(deq(codes_lo(q), s), vec4<f32>(0.0));
-#else
-    return array<vec4<f32>, 2>(deq(codes_lo(q), s), deq(codes_hi(q), s));
-#endif
-}
-#if GATED
-fn u_deq_word(row: u32, kw: u32) -> array<vec4<f32>, 2> {
-    let q = u[row * (p.k / EPW) + kw];
-    let s = u_scale(row, kw * EPW / p.group);
-#if W_Q8
-    return array<vec4<f32>, 2>(deq(codes_lo(q), s), vec4<f32>(0.0));
-#else
-    return array<vec4<f32>, 2>(deq(codes_lo(q), s), deq(codes_hi(q), s));
-#endif
-}
-#endif
-
-// Eight consecutive elements of `row` from column c (a multiple of 8) as two vec4.
-fn w_deq8(row: u32, c: u32) -> array<vec4<f32>, 2> {
-    let s = w_scale(row, c / p.group);
-    let wi = row * (p.k / EPW) + c / EPW;
-#if W_Q8
-    return array<vec4<f32>, 2>(deq(codes_lo(w[wi]), s), deq(codes_lo(w[wi + 1u]), s));
-#else
-    let q = w[wi];
-    return array<vec4<f32>, 2>(deq(codes_lo(q), s), deq(codes_hi(q), s));
-#endif
-}
-#if GATED
-fn u_deq8(row: u32, c: u32) -> array<vec4<f32>, 2> {
-    let s = u_scale(row, c / p.group);
-    let wi = row * (p.k / EPW) + c / EPW;
-#if W_Q8
-    return array<vec4<f32>, 2>(deq(codes_lo(u[wi]), s), deq(codes_lo(u[wi + 1u]), s));
-#else
-    let q = u[wi];
-    return array<vec4<f32>, 2>(deq(codes_lo(q), s), deq(codes_hi(q), s));
-#endif
-}
-#endif
 #endif

@@ -49,8 +49,13 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) into the cache.
-    Fetch,
+    /// Download a model into the cache and print its path: the default (SmolLM2-135M-Instruct,
+    /// Q4_1 GGUF), or one of the catalogue's by name (qwen2.5-coder-0.5b,
+    /// qwen2.5-coder-1.5b: Q4_K_M GGUFs). `--model NAME` does the same on first use.
+    Fetch {
+        /// A catalogue name; default SmolLM2-135M-Instruct.
+        model: Option<String>,
+    },
     /// Quantize a model (GGUF or Hugging Face folder) to packed q4 / q4sym / q8 weights,
     /// round-to-nearest or AWQ with --calibration, into a safetensors folder.
     Quantize(quantize_cmd::QuantizeArgs),
@@ -118,7 +123,8 @@ fn pipeline_line(p: &lantern::gpu::PipelineStats) -> String {
 struct RunArgs {
     /// The prompt (or the user message with --chat).
     prompt: String,
-    /// A GGUF file or a Hugging Face folder. Default: SmolLM2-135M-Instruct, fetched once.
+    /// A GGUF file, a Hugging Face folder or a catalogue name (qwen2.5-coder-0.5b, ...; fetched
+    /// once). Default: SmolLM2-135M-Instruct, fetched once.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Wrap the prompt in the model's chat template as one user message.
@@ -208,7 +214,7 @@ fn main() {
         Cmd::Eval(c) => eval_cmd::eval(c),
         Cmd::Bench(a) => bench_cmd::run(a),
         Cmd::Serve(a) => serve_cmd::run(a),
-        Cmd::Fetch => lantern::fetch::ensure_default_model(true).map(|p| {
+        Cmd::Fetch { model } => lantern::fetch::resolve_model(model.as_deref().map(std::path::Path::new), true).map(|p| {
             println!("{}", p.display());
         }),
     };
@@ -256,10 +262,7 @@ fn spinner(msg: &str, quiet: bool) -> ProgressBar {
 }
 
 fn run(a: RunArgs) -> Result<()> {
-    let model_path = match &a.model {
-        Some(p) => p.clone(),
-        None => lantern::fetch::ensure_default_model(true).context("fetching the default model")?,
-    };
+    let model_path = lantern::fetch::resolve_model(a.model.as_deref(), true)?;
     let t0 = Instant::now();
     let pb = spinner(&format!("loading {}", model_path.display()), false);
     let loaded = load_path(&model_path).with_context(|| format!("loading {}", model_path.display()))?;

@@ -114,20 +114,64 @@ pub enum WeightFormat {
     Q4,
     /// Packed 4-bit codes with an f16 scale per group, offset 8 (`QuantKind::Q4Sym`, GGUF Q4_0).
     Q4Sym,
+    /// GGUF Q5_0 (`QuantKind::Q5Sym`): 5-bit codes, offset 16, f16 scale per 32.
+    Q5Sym,
+    /// GGUF Q5_1 (`QuantKind::Q5`): 5-bit codes, f16 scale and minimum per 32.
+    Q5,
+    /// GGUF IQ4_NL (`QuantKind::Iq4Nl`): 4-bit indices into the IQ4 table, f16 scale per 32.
+    Iq4Nl,
+    /// GGUF Q2_K: 2-bit codes, 4-bit scales and minimums per 16, f16 d/dmin per 256.
+    Q2K,
+    /// GGUF Q3_K: 3-bit codes, 6-bit scales per 16, f16 d per 256.
+    Q3K,
+    /// GGUF Q4_K: 4-bit codes, 6-bit scales and minimums per 32, f16 d/dmin per 256.
+    Q4K,
+    /// GGUF Q5_K: 5-bit codes, 6-bit scales and minimums per 32, f16 d/dmin per 256.
+    Q5K,
+    /// GGUF Q6_K: 6-bit codes, 8-bit scales per 16, f16 d per 256.
+    Q6K,
+    /// GGUF IQ4_XS: IQ4 table indices, 6-bit scales per 32, f16 d per 256.
+    Iq4Xs,
 }
 
 impl WeightFormat {
     /// Packed integer codes with group scales beside them.
     pub fn is_packed(&self) -> bool {
-        matches!(self, WeightFormat::Q8 | WeightFormat::Q4 | WeightFormat::Q4Sym)
+        !matches!(self, WeightFormat::F32 | WeightFormat::F16)
     }
+
+    /// Every packed format, in the order of `crate::quant::QuantKind::ALL`.
+    pub const PACKED: [WeightFormat; 12] = [
+        WeightFormat::Q8,
+        WeightFormat::Q4,
+        WeightFormat::Q4Sym,
+        WeightFormat::Q5Sym,
+        WeightFormat::Q5,
+        WeightFormat::Iq4Nl,
+        WeightFormat::Q2K,
+        WeightFormat::Q3K,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
+        WeightFormat::Iq4Xs,
+    ];
 
     /// The kernel format of a packed kind.
     pub fn from_quant(kind: crate::quant::QuantKind) -> Self {
+        use crate::quant::QuantKind as K;
         match kind {
-            crate::quant::QuantKind::Q8 => WeightFormat::Q8,
-            crate::quant::QuantKind::Q4 => WeightFormat::Q4,
-            crate::quant::QuantKind::Q4Sym => WeightFormat::Q4Sym,
+            K::Q8 => WeightFormat::Q8,
+            K::Q4 => WeightFormat::Q4,
+            K::Q4Sym => WeightFormat::Q4Sym,
+            K::Q5Sym => WeightFormat::Q5Sym,
+            K::Q5 => WeightFormat::Q5,
+            K::Iq4Nl => WeightFormat::Iq4Nl,
+            K::Q2K => WeightFormat::Q2K,
+            K::Q3K => WeightFormat::Q3K,
+            K::Q4K => WeightFormat::Q4K,
+            K::Q5K => WeightFormat::Q5K,
+            K::Q6K => WeightFormat::Q6K,
+            K::Iq4Xs => WeightFormat::Iq4Xs,
         }
     }
 
@@ -139,6 +183,15 @@ impl WeightFormat {
             WeightFormat::Q8 => "q8",
             WeightFormat::Q4 => "q4",
             WeightFormat::Q4Sym => "q4s",
+            WeightFormat::Q5Sym => "q5s",
+            WeightFormat::Q5 => "q5",
+            WeightFormat::Iq4Nl => "iq4nl",
+            WeightFormat::Q2K => "q2k",
+            WeightFormat::Q3K => "q3k",
+            WeightFormat::Q4K => "q4k",
+            WeightFormat::Q5K => "q5k",
+            WeightFormat::Q6K => "q6k",
+            WeightFormat::Iq4Xs => "iq4xs",
         }
     }
 
@@ -148,7 +201,7 @@ impl WeightFormat {
             WeightFormat::F32 => Some("KV_F32"),
             WeightFormat::F16 => Some("KV_F16"),
             WeightFormat::Q8 => Some("KV_Q8"),
-            WeightFormat::Q4 | WeightFormat::Q4Sym => None,
+            _ => None,
         }
     }
 
@@ -160,6 +213,18 @@ impl WeightFormat {
             WeightFormat::Q8 => &["W_PACKED", "W_Q8"],
             WeightFormat::Q4 => &["W_PACKED", "W_Q4"],
             WeightFormat::Q4Sym => &["W_PACKED", "W_Q4S"],
+            // Every other GGUF format: its own define, plus the plane and scale shape the
+            // shared code paths key on (W_HI1 / W_HI2: a high plane of 1 or 2 bits; W_LO2:
+            // a 2-bit low plane; W_SUPER: 256-element super-blocks; W_TABLE: IQ4 codes).
+            WeightFormat::Q5Sym => &["W_PACKED", "W_Q5S", "W_HI1"],
+            WeightFormat::Q5 => &["W_PACKED", "W_Q5", "W_HI1"],
+            WeightFormat::Iq4Nl => &["W_PACKED", "W_IQ4NL", "W_TABLE"],
+            WeightFormat::Q2K => &["W_PACKED", "W_Q2K", "W_LO2", "W_SUPER"],
+            WeightFormat::Q3K => &["W_PACKED", "W_Q3K", "W_LO2", "W_HI1", "W_SUPER"],
+            WeightFormat::Q4K => &["W_PACKED", "W_Q4K", "W_SUPER"],
+            WeightFormat::Q5K => &["W_PACKED", "W_Q5K", "W_HI1", "W_SUPER"],
+            WeightFormat::Q6K => &["W_PACKED", "W_Q6K", "W_HI2", "W_SUPER"],
+            WeightFormat::Iq4Xs => &["W_PACKED", "W_IQ4XS", "W_TABLE", "W_SUPER"],
         }
     }
 }
@@ -396,7 +461,7 @@ impl PipelineKey {
         // embedding gather (a tied table is also the LM head).
         let f16 = Features { f16: features.f16, subgroups: false };
         let f16_sg = Features { f16: features.f16, subgroups: features.subgroups };
-        for w in [WeightFormat::Q8, WeightFormat::Q4, WeightFormat::Q4Sym] {
+        for w in WeightFormat::PACKED {
             v.push(PipelineKey::new(ShaderOp::Embedding, 64).with_weights(w));
             for &c in &combos {
                 v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4).with_weights(w));

@@ -70,14 +70,13 @@ pub struct TexCopy {
     pub bytes: u64,
 }
 
-/// Whether packed weights in `format` also get texture copies here: CPU adapters with
-/// 8-lane subgroups and texel-aligned groups (a texel holds 32 4-bit or 16 8-bit codes).
-/// `LANTERN_TEX=0` turns it off.
-pub fn tex_fits(ctx: &GpuContext, format: QuantFormat) -> bool {
-    let ept = 4 * format.kind.per_word() as u32;
+/// Whether packed weights with rows of `k` also get texture copies here: CPU adapters with
+/// 8-lane subgroups, rows of whole 32-element units (the texture kernel's step; every GGUF
+/// format's rows are). `LANTERN_TEX=0` turns it off.
+pub fn tex_fits(ctx: &GpuContext, k: usize) -> bool {
     ctx.caps.cpu_like
         && xbcast_fits(ctx)
-        && format.group.is_multiple_of(ept)
+        && k.is_multiple_of(32)
         && ctx.limits.max_texture_dimension_2d >= crate::gpu::buffer::TEX_WIDTH
         && std::env::var("LANTERN_TEX").as_deref() != Ok("0")
 }
@@ -148,7 +147,8 @@ fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usiz
 }
 
 impl GpuLinear {
-    /// Upload a weight (and, for gated layers, the up weight) plus an optional bias.
+    /// Upload a weight (and, for gated layers, the up weight) plus an optional bias, with
+    /// texture copies of packed weights where [`tex_fits`].
     pub fn upload(
         ctx: &GpuContext,
         name: &str,
@@ -157,6 +157,22 @@ impl GpuLinear {
         bias: Option<&[f32]>,
         n_rows: usize,
         k: usize,
+    ) -> Result<GpuLinear, GpuError> {
+        Self::upload_with(ctx, name, w, u, bias, n_rows, k, true)
+    }
+
+    /// [`upload`](Self::upload), with `textures: false` never making texture copies (a model
+    /// too large for its weights to be held twice).
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload_with(
+        ctx: &GpuContext,
+        name: &str,
+        w: HostMatrix,
+        u: Option<HostMatrix>,
+        bias: Option<&[f32]>,
+        n_rows: usize,
+        k: usize,
+        textures: bool,
     ) -> Result<GpuLinear, GpuError> {
         let (format, quant) = match w {
             HostMatrix::F32(_) => (WeightFormat::F32, None),
@@ -210,7 +226,7 @@ impl GpuLinear {
             None => None,
         };
         let tex = match (&w, &u, quant) {
-            (HostMatrix::Packed(pw), u, Some(q)) if tex_fits(ctx, q) => {
+            (HostMatrix::Packed(pw), u, Some(_)) if textures && tex_fits(ctx, k) => {
                 let pu = match u {
                     Some(HostMatrix::Packed(p)) => Some(*p),
                     _ => None,
@@ -328,11 +344,11 @@ pub async fn build(
             if packed && fl & flags::ROWS4 != 0 && w == 8 && xbcast_fits(ctx) {
                 fl |= flags::XBCAST;
                 features.subgroups = true;
-                if lin.tex.is_some() {
-                    fl |= flags::TEX;
-                    if shape == Shape::MatvecBatch {
-                        fl |= flags::TOK4;
-                    }
+                // Batched steps read the texture copies, four tokens per texel fetch; one
+                // token reads storage (measured on lavapipe, SmolLM2 Q4_1 decode: 57 ms per
+                // token from storage, 85 ms from textures).
+                if lin.tex.is_some() && shape == Shape::MatvecBatch {
+                    fl |= flags::TEX | flags::TOK4;
                 }
             }
             features.f16 = packed && fl & flags::ROW_PER_WORKGROUP != 0 && packed_f16(ctx);

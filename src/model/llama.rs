@@ -113,7 +113,9 @@ pub enum WeightPrecision {
 }
 
 struct Layer {
-    qkv: GpuLinear,
+    /// q|k|v: one projection, or runs of parts stored alike, each with the first qkv column
+    /// it writes.
+    qkv: Vec<(GpuLinear, usize)>,
     o: GpuLinear,
     gate_up: GpuLinear,
     down: GpuLinear,
@@ -368,6 +370,19 @@ fn matrix(parts: &[&HostTensor], precision: WeightPrecision) -> Result<Owned> {
     Ok(matrix_float(parts, precision))
 }
 
+/// Whether two tensors load into one kernel format under `precision` (same packed format, or
+/// both float).
+fn same_dtype(a: &HostTensor, b: &HostTensor, precision: WeightPrecision) -> bool {
+    if precision != WeightPrecision::Native {
+        return true;
+    }
+    match (a.dtype.quant_kind(), b.dtype.quant_kind()) {
+        (None, None) => true,
+        (Some(_), Some(_)) => a.dtype == b.dtype,
+        _ => false,
+    }
+}
+
 fn matrix_float(parts: &[&HostTensor], precision: WeightPrecision) -> Owned {
     if precision == WeightPrecision::F16 {
         let mut v = Vec::new();
@@ -448,6 +463,7 @@ impl GpuModel {
         let f = c.intermediate_size;
         let keep = options.weights;
         let mark = ctx.ledger.mark();
+        let textures = Self::weight_textures(&ctx, weights, &options);
         let mut layers = Vec::with_capacity(c.num_layers);
         let norm = |name: &str| -> Result<wgpu::Buffer> {
             let t = get(weights, name)?;
@@ -458,7 +474,6 @@ impl GpuModel {
             let q = get(weights, &format!("{p}.self_attn.q_proj.weight"))?;
             let k = get(weights, &format!("{p}.self_attn.k_proj.weight"))?;
             let v = get(weights, &format!("{p}.self_attn.v_proj.weight"))?;
-            let qkv_w = matrix(&[q, k, v], keep)?;
             let bias = if c.qkv_bias {
                 let mut b = get(weights, &format!("{p}.self_attn.q_proj.bias"))?.to_f32();
                 b.extend(get(weights, &format!("{p}.self_attn.k_proj.bias"))?.to_f32());
@@ -467,10 +482,30 @@ impl GpuModel {
             } else {
                 None
             };
-            let qkv = GpuLinear::upload(&ctx, &format!("{p}.qkv"), qkv_w.as_matrix(), None, bias.as_deref(), qkv_dim, d)
-                .map_err(gpu_err)?;
+            // q|k|v as one projection, or as runs of parts stored alike when a file mixes
+            // formats within the layer (Q4_K_M: q and k in Q4_K, v in Q6_K), each run
+            // writing its columns of the qkv output.
+            let mut qkv = Vec::new();
+            let mut start = 0;
+            let parts = [(q, q_dim), (k, kv_dim), (v, kv_dim)];
+            let mut i = 0;
+            while i < parts.len() {
+                let mut j = i + 1;
+                while j < parts.len() && same_dtype(parts[i].0, parts[j].0, keep) {
+                    j += 1;
+                }
+                let run: Vec<&HostTensor> = parts[i..j].iter().map(|p| p.0).collect();
+                let rows: usize = parts[i..j].iter().map(|p| p.1).sum();
+                let w = matrix(&run, keep)?;
+                let name = if i == 0 && j == parts.len() { format!("{p}.qkv") } else { format!("{p}.qkv[{start}..{}]", start + rows) };
+                let b = bias.as_ref().map(|b| &b[start..start + rows]);
+                let lin = GpuLinear::upload_with(&ctx, &name, w.as_matrix(), None, b, rows, d, textures).map_err(gpu_err)?;
+                qkv.push((lin, start));
+                start += rows;
+                i = j;
+            }
             let o_w = matrix(&[get(weights, &format!("{p}.self_attn.o_proj.weight"))?], keep)?;
-            let o = GpuLinear::upload(&ctx, &format!("{p}.o_proj"), o_w.as_matrix(), None, None, d, q_dim).map_err(gpu_err)?;
+            let o = GpuLinear::upload_with(&ctx, &format!("{p}.o_proj"), o_w.as_matrix(), None, None, d, q_dim, textures).map_err(gpu_err)?;
             let g_t = get(weights, &format!("{p}.mlp.gate_proj.weight"))?;
             let u_t = get(weights, &format!("{p}.mlp.up_proj.weight"))?;
             let g_w = matrix(&[g_t], keep)?;
@@ -481,10 +516,10 @@ impl GpuModel {
             } else {
                 (matrix_float(&[g_t], WeightPrecision::F32), matrix_float(&[u_t], WeightPrecision::F32))
             };
-            let gate_up = GpuLinear::upload(&ctx, &format!("{p}.gate_up"), g_m.as_matrix(), Some(u_m.as_matrix()), None, f, d)
+            let gate_up = GpuLinear::upload_with(&ctx, &format!("{p}.gate_up"), g_m.as_matrix(), Some(u_m.as_matrix()), None, f, d, textures)
                 .map_err(gpu_err)?;
             let dn_w = matrix(&[get(weights, &format!("{p}.mlp.down_proj.weight"))?], keep)?;
-            let down = GpuLinear::upload(&ctx, &format!("{p}.down_proj"), dn_w.as_matrix(), None, None, d, f).map_err(gpu_err)?;
+            let down = GpuLinear::upload_with(&ctx, &format!("{p}.down_proj"), dn_w.as_matrix(), None, None, d, f, textures).map_err(gpu_err)?;
             layers.push(Layer {
                 qkv,
                 o,
@@ -504,12 +539,12 @@ impl GpuModel {
             get(weights, "lm_head.weight")?
         };
         let head_m = matrix(&[head_t], keep)?;
-        let lm_head = GpuLinear::upload(&ctx, "lm_head", head_m.as_matrix(), None, None, c.vocab_size, d).map_err(gpu_err)?;
+        let lm_head = GpuLinear::upload_with(&ctx, "lm_head", head_m.as_matrix(), None, None, c.vocab_size, d, textures).map_err(gpu_err)?;
         let embed_own = if c.tie_word_embeddings {
             None
         } else {
             let m = matrix(&[embed_t], keep)?;
-            let t = GpuLinear::upload(&ctx, "embed_tokens", m.as_matrix(), None, None, c.vocab_size, d).map_err(gpu_err)?;
+            let t = GpuLinear::upload_with(&ctx, "embed_tokens", m.as_matrix(), None, None, c.vocab_size, d, textures).map_err(gpu_err)?;
             Some(t)
         };
         let final_norm = norm("model.norm.weight")?;
@@ -583,7 +618,7 @@ impl GpuModel {
         let mut layers_matvec = Vec::new();
         let mut layers_matmul = Vec::new();
         // The four-token texture matvec exists where the matvec reads textures (CPU adapters).
-        let batch_plans = !options.batch_invariant && layers.iter().any(|l| l.qkv.tex.is_some());
+        let batch_plans = !options.batch_invariant && layers.iter().any(|l| l.qkv.iter().any(|(q, _)| q.tex.is_some()));
         let mut layers_batch = Vec::new();
         for (l, layer) in layers.iter().enumerate() {
             for shape in [Shape::Matvec, Shape::Matmul, Shape::MatvecBatch] {
@@ -647,7 +682,10 @@ impl GpuModel {
         // Where the memory went, checked against every allocation made above.
         let mut memory = MemoryReport::default();
         for layer in &layers {
-            for lin in [&layer.qkv, &layer.o, &layer.gate_up, &layer.down] {
+            for (lin, _) in &layer.qkv {
+                memory.add_linear(lin);
+            }
+            for lin in [&layer.o, &layer.gate_up, &layer.down] {
                 memory.add_linear(lin);
             }
             memory.add_f32_vector(d);
@@ -701,6 +739,19 @@ impl GpuModel {
             logit_rows: r,
             submit_ms_per_dispatch: None,
         })
+    }
+
+    /// Whether packed weights get texture copies (CPU adapters' batched matvec, `TOK4`): only
+    /// while holding the weights twice takes at most 60% of the memory budget, so that a
+    /// large model keeps its room for the KV cache (Qwen2.5-1.5B Q4_K_M on lavapipe's 2 GiB
+    /// heap: 1.1 GB of weights, no copies).
+    fn weight_textures(ctx: &GpuContext, weights: &ModelWeights, options: &ModelOptions) -> bool {
+        let packed: u64 = weights.tensors.values().filter(|t| t.dtype.quant_kind().is_some()).map(|t| t.data.len() as u64).sum();
+        let adapter = crate::gpu::memory::default_budget(&crate::gpu::memory::adapter_memory(ctx)).map(|(b, _)| b);
+        match options.memory_budget.into_iter().chain(adapter).min() {
+            Some(budget) => 2 * packed <= budget / 5 * 3,
+            None => true,
+        }
     }
 
     /// Pages of KV cache for this load: `requested` (max_seqs full contexts), or fewer when
@@ -785,11 +836,11 @@ impl GpuModel {
         let eps = c.rms_norm_eps;
         let io = |x, x_stride, norm, y, out_stride, residual| lin_io(ws, x, x_stride, norm, y, out_stride, residual, eps, None);
         let mut v = Vec::new();
-        v.extend(
-            kernels::linear::build(ctx, &layer.qkv, &io(&ws.hidden, d, Some(&layer.in_norm), &ws.qkv, qkv_dim, false), shape)
-                .await
-                .map_err(gpu_err)?,
-        );
+        for (part, col) in &layer.qkv {
+            let mut pio = io(&ws.hidden, d, Some(&layer.in_norm), &ws.qkv, qkv_dim, false);
+            pio.out_offset = *col;
+            v.extend(kernels::linear::build(ctx, part, &pio, shape).await.map_err(gpu_err)?);
+        }
         let max_pages = kv_cfg.max_pages_per_seq() as u32;
         let kvb = KvBinding { layout: &kv.layout, k: &kv.k[l], v: &kv.v[l] };
         v.extend(

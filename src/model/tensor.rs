@@ -6,10 +6,12 @@
 use std::collections::HashMap;
 
 use super::config::ModelConfig;
-use crate::quant::{PackedMatrix, QuantError, QuantKind};
+use crate::quant::{ggml, PackedMatrix, QuantError, QuantKind};
 pub use crate::quant::QuantFormat;
 
 /// Storage dtype of a host tensor.
+// Variants keep ggml's type names (`Q4_K`, `IQ4_XS`).
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum DType {
     F32,
@@ -21,6 +23,32 @@ pub enum DType {
     Q4_0,
     /// GGUF Q4_1: blocks of 32, f16 scale d, f16 min m, 16 bytes of nibbles (20 bytes), value = q * d + m.
     Q4_1,
+    /// GGUF Q5_0: blocks of 32, f16 scale d, 32 high bits (u32), 16 bytes of low nibbles
+    /// (22 bytes), value = (q - 16) * d.
+    Q5_0,
+    /// GGUF Q5_1: blocks of 32, f16 scale d, f16 min m, 32 high bits, 16 bytes of low nibbles
+    /// (24 bytes), value = q * d + m.
+    Q5_1,
+    /// GGUF Q2_K: super-blocks of 256 (84 bytes), 16 sub-blocks of 16 with 4-bit scale and
+    /// minimum, f16 d and dmin, value = (d * sc) * q - dmin * m, q in 0..=3.
+    Q2_K,
+    /// GGUF Q3_K: super-blocks of 256 (110 bytes), 16 sub-blocks of 16 with 6-bit scales,
+    /// f16 d, value = (d * (sc - 32)) * (q - 4), q in 0..=7.
+    Q3_K,
+    /// GGUF Q4_K: super-blocks of 256 (144 bytes), 8 sub-blocks of 32 with 6-bit scale and
+    /// minimum, f16 d and dmin, value = (d * sc) * q - dmin * m, q in 0..=15.
+    Q4_K,
+    /// GGUF Q5_K: super-blocks of 256 (176 bytes), as Q4_K with 5-bit codes, q in 0..=31.
+    Q5_K,
+    /// GGUF Q6_K: super-blocks of 256 (210 bytes), 16 sub-blocks of 16 with i8 scales, f16 d,
+    /// value = (d * sc) * (q - 32), q in 0..=63.
+    Q6_K,
+    /// GGUF IQ4_NL: blocks of 32, f16 scale d, 16 bytes of nibbles indexing the non-linear
+    /// IQ4 table (18 bytes), value = d * IQ4[q].
+    IQ4_NL,
+    /// GGUF IQ4_XS: super-blocks of 256 (136 bytes), 8 sub-blocks of 32 with 6-bit scales,
+    /// f16 d, value = (d * (ls - 32)) * IQ4[q].
+    IQ4_XS,
     /// Lantern's GPU layout of packed integer weights (a 2-D `[rows, k]` tensor whose data is
     /// `qs` words then `scales` words; see `crate::quant`), as stored by `lantern quantize`.
     Packed(QuantFormat),
@@ -35,6 +63,15 @@ impl DType {
             DType::Q8_0 => (32, 34),
             DType::Q4_0 => (32, 18),
             DType::Q4_1 => (32, 20),
+            DType::Q5_0 => (32, 22),
+            DType::Q5_1 => (32, 24),
+            DType::Q2_K => (256, 84),
+            DType::Q3_K => (256, 110),
+            DType::Q4_K => (256, 144),
+            DType::Q5_K => (256, 176),
+            DType::Q6_K => (256, 210),
+            DType::IQ4_NL => (32, 18),
+            DType::IQ4_XS => (256, 136),
             // Per-row scale padding makes the size depend on the shape: see `bytes_for_shape`.
             DType::Packed(f) => (f.group as usize, 0),
         }
@@ -70,6 +107,15 @@ impl DType {
             DType::Q8_0 => Some(QuantKind::Q8),
             DType::Q4_0 => Some(QuantKind::Q4Sym),
             DType::Q4_1 => Some(QuantKind::Q4),
+            DType::Q5_0 => Some(QuantKind::Q5Sym),
+            DType::Q5_1 => Some(QuantKind::Q5),
+            DType::Q2_K => Some(QuantKind::Q2K),
+            DType::Q3_K => Some(QuantKind::Q3K),
+            DType::Q4_K => Some(QuantKind::Q4K),
+            DType::Q5_K => Some(QuantKind::Q5K),
+            DType::Q6_K => Some(QuantKind::Q6K),
+            DType::IQ4_NL => Some(QuantKind::Iq4Nl),
+            DType::IQ4_XS => Some(QuantKind::Iq4Xs),
             DType::Packed(f) => Some(f.kind),
             _ => None,
         }
@@ -167,6 +213,19 @@ impl HostTensor {
                 }
                 out
             }
+            DType::Q5_0
+            | DType::Q5_1
+            | DType::Q2_K
+            | DType::Q3_K
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::IQ4_NL
+            | DType::IQ4_XS => match self.dtype.quant_kind().map(|kind| ggml::dequantize_blocks(kind, d, n)) {
+                Some(Ok(v)) => v,
+                // Validation rejects GGUF tensors whose size does not fit their blocks.
+                _ => vec![0.0; n],
+            },
         }
     }
 }

@@ -24,7 +24,7 @@ pub enum TokenizerError {
     #[error("{source_name}: tokenizer model {model:?} is not supported (supported: gpt2, llama)")]
     UnsupportedModel { source_name: String, model: String },
     /// `tokenizer.ggml.pre` names a pre-tokenizer Lantern does not know.
-    #[error("{source_name}: pre-tokenizer {pre:?} is not supported (supported: default, gpt2, smollm, starcoder, refact, llama-bpe, llama3, qwen2)")]
+    #[error("{source_name}: pre-tokenizer {pre:?} is not supported (supported: default, gpt2 (gpt-2), smollm, starcoder, refact, llama-bpe, llama3, qwen2)")]
     UnsupportedPreTokenizer { source_name: String, pre: String },
     /// The vocabulary or its metadata is inconsistent (lengths differ, ids out of range...).
     #[error("{source_name}: invalid tokenizer data: {reason}")]
@@ -214,7 +214,8 @@ impl Tokenizer {
                 let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": false, "use_regex": use_regex});
                 let split = |re: &str| json!({"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false});
                 let (pre_tokenizer, ignore_merges) = match pre {
-                    "default" | "gpt2" => (byte_level(true), false),
+                    // "gpt-2": what llama.cpp's converter writes for its own GPT-2 regex hash.
+                    "default" | "gpt2" | "gpt-2" => (byte_level(true), false),
                     "smollm" | "starcoder" | "refact" => (
                         json!({"type": "Sequence", "pretokenizers": [
                             {"type": "Digits", "individual_digits": true}, byte_level(true)]}),

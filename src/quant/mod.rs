@@ -1,23 +1,51 @@
 //! Packed integer weights as the GPU kernels read them, and the CPU reference for them.
 //!
-//! A quantized matrix (`rows x k`) is two arrays of little-endian `u32` words:
+//! A quantized matrix (`rows x k`) is two arrays of little-endian `u32` words, each row
+//! independent and padded to whole words:
 //!
-//! - `qs`, row-major, `k / 8` words per row for 4-bit formats (nibble `n` of word `i` is
-//!   element `8 i + n`) and `k / 4` words per row for 8-bit (byte `b` of word `i` is the
-//!   two's-complement element `4 i + b`);
-//! - `scales`, row-major, one group of `group` consecutive elements of a row per scale:
-//!   `Q4` keeps `(d, m)` as two f16 in one word per group (value = `q d + m`, `q` in 0..15,
-//!   filled from GGUF Q4_1); `Q4Sym` and `Q8` keep one f16 `d` per group, two groups per word,
-//!   each row padded to a whole word (value = `(q - 8) d` for `Q4Sym`, filled from GGUF Q4_0;
-//!   `q d` with `q` in -127..127 for `Q8`, filled from GGUF Q8_0).
+//! - `qs`, row-major, [`QuantFormat::qs_words`] per row: first the **low plane**, then (for
+//!   5-, 6- and 3-bit formats) the **high plane**.
+//!   - low plane, 4-bit formats: `k / 8` words, nibble `n` of word `i` is the low 4 bits of
+//!     element `8 i + n`; 8-bit (`Q8`): `k / 4` words, byte `b` of word `i` is the
+//!     two's-complement element `4 i + b`; 2-bit (`Q2K`, `Q3K`): `k / 16` words, bits
+//!     `2 n .. 2 n + 2` of word `i` are the low 2 bits of element `16 i + n`.
+//!   - high plane, 1 extra bit (`Q5Sym`, `Q5`, `Q5K`: bit 4; `Q3K`: bit 2): `k / 32` words,
+//!     bit `n` of word `i` belongs to element `32 i + n`; 2 extra bits (`Q6K`: bits 4-5):
+//!     `k / 16` words, bits `2 n .. 2 n + 2` of word `i` belong to element `16 i + n`.
+//! - `scales`, row-major, [`QuantFormat::scale_words`] per row, one `(d, m)` per group of
+//!   `group` consecutive elements, stored as:
+//!   - `Q4`, `Q5`: `(d, m)` as two f16 in one word per group (GGUF Q4_1, Q5_1);
+//!   - `Q4Sym`, `Q5Sym`, `Q8`, `Iq4Nl`: one f16 `d` per group, two groups per word (GGUF
+//!     Q4_0, Q5_0, Q8_0, IQ4_NL);
+//!   - super-block formats (256 elements per super-block, `group` 32 or 16 per sub-block):
+//!     - `Q4K`, `Q5K`: 4 words per super-block: `d | dmin << 16`, then the file's 12 bytes of
+//!       6-bit sub-block scales and minimums (ggml's `get_scale_min_k4` packing);
+//!     - `Q3K`: 4 words per super-block: the file's 12 bytes of 6-bit scales, then `d` in
+//!       the low half of the fourth word;
+//!     - `Q6K`: 4 words per super-block of 16 signed 8-bit scales (byte `j` = sub-block `j`),
+//!       then after all super-blocks of the row their f16 `d`, two per word;
+//!     - `Q2K`: 4 words per super-block of the file's 16 scale bytes (low nibble scale, high
+//!       nibble minimum), then after all super-blocks of the row one `d | dmin << 16` word
+//!       each;
+//!     - `Iq4Xs`: 2 words per super-block: `d | scales_h << 16`, then `scales_l`.
+//!
+//! With `q` the element's integer code (low bits | high bits shifted above them), every
+//! format computes `value = c * d_g + m_g` where `c` is `q + offset` (or the IQ4 table
+//! value `IQ4_VALUES[q]`) and `(d_g, m_g)` are the group's scale and minimum in f32, exactly
+//! as ggml's dequantization defines them: `Q5Sym` `(q - 16) d`; `Q5` `q d + m`; `Q4K`/`Q5K`
+//! `(d sc) q - dmin m`; `Q6K` `(d sc)(q - 32)`; `Q3K` `(d (sc - 32))(q - 4)`; `Q2K`
+//! `(d sc) q - dmin m`; `Iq4Nl` `d IQ4[q]`; `Iq4Xs` `(d (ls - 32)) IQ4[q]`.
 //!
 //! The same bytes travel from a GGUF file (repacked block by block, bits only, no floats) or a
-//! quantized safetensors file (stored as is) into GPU buffers. Dequantization here is the
-//! oracle: the kernels compute `q * d + m` in f32 exactly as [`PackedMatrix::dequantize`].
+//! quantized safetensors file (stored as is, `Q8`/`Q4`/`Q4Sym` only) into GPU buffers.
+//! Dequantization here is the oracle: the kernels compute `c d + m` in f32 exactly as
+//! [`PackedMatrix::dequantize`]; [`ggml`] holds the ggml block definitions, read straight
+//! from the file bytes, that the packed layout is checked against.
 
 use half::f16;
 
 pub mod awq;
+pub mod ggml;
 pub mod quantize;
 pub mod safetensors;
 
@@ -27,21 +55,103 @@ pub use quantize::{quantize_model, EmbeddingPolicy, Method, QuantizeOptions, Qua
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum QuantKind {
-    /// 8-bit symmetric: value = q d, q in -127..=127.
+    /// 8-bit symmetric: value = q d, q in -127..=127 (GGUF Q8_0).
     Q8,
     /// 4-bit with scale and minimum: value = q d + m, q in 0..=15 (GGUF Q4_1).
     Q4,
     /// 4-bit symmetric: value = (q - 8) d, q in 0..=15 (GGUF Q4_0).
     Q4Sym,
+    /// 5-bit symmetric: value = (q - 16) d (GGUF Q5_0).
+    Q5Sym,
+    /// 5-bit with scale and minimum: value = q d + m (GGUF Q5_1).
+    Q5,
+    /// 4-bit codes into the non-linear IQ4 table: value = d IQ4[q] (GGUF IQ4_NL).
+    Iq4Nl,
+    /// 2-bit K-quant, 16 sub-blocks of 16 (GGUF Q2_K).
+    Q2K,
+    /// 3-bit K-quant, 16 sub-blocks of 16 (GGUF Q3_K).
+    Q3K,
+    /// 4-bit K-quant, 8 sub-blocks of 32 (GGUF Q4_K).
+    Q4K,
+    /// 5-bit K-quant, 8 sub-blocks of 32 (GGUF Q5_K).
+    Q5K,
+    /// 6-bit K-quant, 16 sub-blocks of 16 (GGUF Q6_K).
+    Q6K,
+    /// IQ4 table codes with 6-bit sub-block scales, 8 sub-blocks of 32 (GGUF IQ4_XS).
+    Iq4Xs,
 }
 
+/// The non-linear code book of IQ4_NL and IQ4_XS (ggml's `kvalues_iq4nl`).
+pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
 impl QuantKind {
-    /// Elements per `u32` of `qs`.
+    /// Every kind, in the order above.
+    pub const ALL: [QuantKind; 12] = [
+        QuantKind::Q8,
+        QuantKind::Q4,
+        QuantKind::Q4Sym,
+        QuantKind::Q5Sym,
+        QuantKind::Q5,
+        QuantKind::Iq4Nl,
+        QuantKind::Q2K,
+        QuantKind::Q3K,
+        QuantKind::Q4K,
+        QuantKind::Q5K,
+        QuantKind::Q6K,
+        QuantKind::Iq4Xs,
+    ];
+
+    /// Elements per `u32` of the low plane of `qs`.
     pub fn per_word(&self) -> usize {
+        32 / self.lo_bits()
+    }
+
+    /// Bits per element in the low plane of `qs`.
+    pub fn lo_bits(&self) -> usize {
         match self {
-            QuantKind::Q8 => 4,
-            QuantKind::Q4 | QuantKind::Q4Sym => 8,
+            QuantKind::Q8 => 8,
+            QuantKind::Q2K | QuantKind::Q3K => 2,
+            _ => 4,
         }
+    }
+
+    /// Bits per element in the high plane of `qs` (0: no high plane).
+    pub fn hi_bits(&self) -> usize {
+        match self {
+            QuantKind::Q5Sym | QuantKind::Q5 | QuantKind::Q5K | QuantKind::Q3K => 1,
+            QuantKind::Q6K => 2,
+            _ => 0,
+        }
+    }
+
+    /// Elements per super-block (the row length must be a multiple of it): 256 for the
+    /// K-quants and IQ4_XS, else the group.
+    pub fn super_block(&self) -> usize {
+        if self.is_super() {
+            256
+        } else {
+            32
+        }
+    }
+
+    /// Whether this kind has 256-element super-blocks holding sub-block scales.
+    pub fn is_super(&self) -> bool {
+        matches!(self, QuantKind::Q2K | QuantKind::Q3K | QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K | QuantKind::Iq4Xs)
+    }
+
+    /// The group (elements per scale) that GGUF files of this kind have; the only group
+    /// possible for every kind but `Q8`, `Q4` and `Q4Sym`.
+    pub fn ggml_group(&self) -> u32 {
+        match self {
+            QuantKind::Q2K | QuantKind::Q3K | QuantKind::Q6K => 16,
+            _ => 32,
+        }
+    }
+
+    /// Whether `lantern quantize` can produce this kind and quantized safetensors store it
+    /// (the others come only from GGUF files, repacked at load).
+    pub fn is_rtn(&self) -> bool {
+        matches!(self, QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym)
     }
 
     pub fn name(&self) -> &'static str {
@@ -49,15 +159,22 @@ impl QuantKind {
             QuantKind::Q8 => "q8",
             QuantKind::Q4 => "q4",
             QuantKind::Q4Sym => "q4sym",
+            QuantKind::Q5Sym => "q5sym",
+            QuantKind::Q5 => "q5",
+            QuantKind::Iq4Nl => "iq4nl",
+            QuantKind::Q2K => "q2k",
+            QuantKind::Q3K => "q3k",
+            QuantKind::Q4K => "q4k",
+            QuantKind::Q5K => "q5k",
+            QuantKind::Q6K => "q6k",
+            QuantKind::Iq4Xs => "iq4xs",
         }
     }
 
     pub fn parse(s: &str) -> Option<QuantKind> {
         match s {
-            "q8" => Some(QuantKind::Q8),
-            "q4" => Some(QuantKind::Q4),
             "q4sym" | "q4s" => Some(QuantKind::Q4Sym),
-            _ => None,
+            _ => QuantKind::ALL.iter().copied().find(|k| k.name() == s),
         }
     }
 }
@@ -81,8 +198,10 @@ impl std::fmt::Display for QuantFormat {
 pub enum QuantError {
     #[error("tensor `{tensor}`: row length {k} is not a multiple of the group size {group} ({format})")]
     GroupMismatch { tensor: String, k: usize, group: u32, format: String },
-    #[error("tensor `{tensor}`: group size {group} must be a positive multiple of 8")]
+    #[error("tensor `{tensor}`: group size {group} must be a positive multiple of 8 (and the format's own group for GGUF-only formats)")]
     BadGroup { tensor: String, group: u32 },
+    #[error("tensor `{tensor}`: row length {k} is not a multiple of the {block}-element super-block of {format}")]
+    SuperBlockMismatch { tensor: String, k: usize, block: usize, format: String },
     #[error("tensor `{tensor}`: {reason}")]
     Invalid { tensor: String, reason: String },
 }
@@ -94,8 +213,11 @@ impl QuantFormat {
 
     /// Check that rows of `k` elements can be stored in this format.
     pub fn check(&self, tensor: &str, k: usize) -> Result<(), QuantError> {
-        if self.group == 0 || !self.group.is_multiple_of(8) {
+        if self.group == 0 || !self.group.is_multiple_of(8) || (!self.kind.is_rtn() && self.group != self.kind.ggml_group()) {
             return Err(QuantError::BadGroup { tensor: tensor.into(), group: self.group });
+        }
+        if !self.kind.is_rtn() && !k.is_multiple_of(self.kind.super_block()) {
+            return Err(QuantError::SuperBlockMismatch { tensor: tensor.into(), k, block: self.kind.super_block(), format: self.to_string() });
         }
         if k == 0 || !k.is_multiple_of(self.group as usize) {
             return Err(QuantError::GroupMismatch {
@@ -113,16 +235,26 @@ impl QuantFormat {
         k / self.group as usize
     }
 
-    /// `qs` words per row.
+    /// `qs` words per row (low plane, then high plane).
     pub fn qs_words(&self, k: usize) -> usize {
-        k / self.kind.per_word()
+        self.lo_words(k) + k * self.kind.hi_bits() / 32
+    }
+
+    /// Words of the low plane of `qs` per row (where the high plane starts).
+    pub fn lo_words(&self, k: usize) -> usize {
+        k * self.kind.lo_bits() / 32
     }
 
     /// `scales` words per row.
     pub fn scale_words(&self, k: usize) -> usize {
+        let sb = k / 256;
         match self.kind {
-            QuantKind::Q4 => self.groups(k),
-            QuantKind::Q8 | QuantKind::Q4Sym => self.groups(k).div_ceil(2),
+            QuantKind::Q4 | QuantKind::Q5 => self.groups(k),
+            QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl => self.groups(k).div_ceil(2),
+            QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q3K => 4 * sb,
+            QuantKind::Q6K => 4 * sb + sb.div_ceil(2),
+            QuantKind::Q2K => 5 * sb,
+            QuantKind::Iq4Xs => 2 * sb,
         }
     }
 
@@ -140,6 +272,26 @@ pub struct PackedMatrix {
     pub k: usize,
     pub qs: Vec<u32>,
     pub scales: Vec<u32>,
+}
+
+/// Scale and minimum of sub-block `j` (0..8) from the 12 bytes of a Q4_K/Q5_K super-block's
+/// 6-bit scales (three words, little-endian): ggml's `get_scale_min_k4`.
+pub fn scale_min_k4(j: usize, w: &[u32]) -> (u8, u8) {
+    let q = |i: usize| (w[i / 4] >> (8 * (i % 4))) as u8;
+    if j < 4 {
+        (q(j) & 63, q(j + 4) & 63)
+    } else {
+        ((q(j + 4) & 15) | ((q(j - 4) >> 6) << 4), (q(j + 4) >> 4) | ((q(j) >> 6) << 4))
+    }
+}
+
+/// The 6-bit scale (0..63, before the -32 offset) of sub-block `j` (0..16) from the 12
+/// bytes of a Q3_K super-block's scales (three words, little-endian).
+pub fn scale_k3(j: usize, w: &[u32]) -> i32 {
+    let q = |i: usize| (w[i / 4] >> (8 * (i % 4))) as u8;
+    let lo = (q(j % 8) >> (4 * (j / 8))) & 15;
+    let hi = (q(8 + j % 4) >> (2 * (j / 4))) & 3;
+    (lo | hi << 4) as i32
 }
 
 fn f16_bits(b: &[u8]) -> u32 {
@@ -189,6 +341,8 @@ fn group_params(kind: QuantKind, x: &[f32]) -> (u32, f32, f32) {
             let d = f16::from_f32((hi - m.to_f32()).max(0.0) / 15.0);
             (d.to_bits() as u32 | (m.to_bits() as u32) << 16, d.to_f32(), m.to_f32())
         }
+        // Only the RTN kinds get here (`check_rtn`); the others share Q8's rule harmlessly.
+        _ => group_params(QuantKind::Q8, x),
     }
 }
 
@@ -212,6 +366,7 @@ fn round_code_f(kind: QuantKind, v: f32, inv: f32, m: f32) -> f32 {
     match kind {
         QuantKind::Q8 => round_clamped(v * inv, -127.0, 127.0),
         QuantKind::Q4Sym | QuantKind::Q4 => round_clamped((v - m) * inv, 0.0, 15.0),
+        _ => round_clamped(v * inv, -127.0, 127.0),
     }
 }
 
@@ -232,11 +387,27 @@ fn non_finite_scale(tensor: &str, r: usize, g: usize, x: &[f32], format: QuantFo
     }
 }
 
+/// Round-to-nearest needs one of the kinds it can produce.
+fn check_rtn(tensor: &str, format: QuantFormat) -> Result<(), QuantError> {
+    if format.kind.is_rtn() {
+        return Ok(());
+    }
+    Err(QuantError::Invalid {
+        tensor: tensor.into(),
+        reason: format!("{} comes only from GGUF files; round-to-nearest quantizes to q8, q4 or q4sym", format.kind.name()),
+    })
+}
+
+/// Arms that `check_rtn` (or the caller's match) rules out.
+#[cold]
+fn unreachable_rtn() {}
+
 /// Round-to-nearest then dequantize, in place, without packing: every element of `values`
 /// (`rows x k`, row-major) becomes exactly what
 /// `PackedMatrix::quantize(..).dequantize()` gives for it (same codes, same f32 `q d + m`).
 /// For searches that score many candidate quantizations (AWQ).
 pub fn fake_quantize(tensor: &str, values: &mut [f32], k: usize, format: QuantFormat) -> Result<(), QuantError> {
+    check_rtn(tensor, format)?;
     format.check(tensor, k)?;
     let group = format.group as usize;
     for (r, row) in values.chunks_exact_mut(k).enumerate() {
@@ -258,7 +429,10 @@ pub fn fake_quantize(tensor: &str, values: &mut [f32], k: usize, format: QuantFo
             match format.kind {
                 QuantKind::Q8 => x.iter_mut().for_each(|v| *v = round_code_f(QuantKind::Q8, *v, inv, m) * d + m),
                 QuantKind::Q4 => x.iter_mut().for_each(|v| *v = round_code_f(QuantKind::Q4, *v, inv, m) * d + m),
-                QuantKind::Q4Sym => x.iter_mut().for_each(|v| *v = round_code_f(QuantKind::Q4Sym, *v, inv, m) * d + m),
+                // (q - 8) d, as `dequantize` and ggml compute it (the same value as q d + m,
+                // m = -8 d, but for the sign of a zero).
+                QuantKind::Q4Sym => x.iter_mut().for_each(|v| *v = (round_code_f(QuantKind::Q4Sym, *v, inv, m) - 8.0) * d),
+                _ => unreachable_rtn(),
             }
         }
     }
@@ -276,40 +450,84 @@ impl PackedMatrix {
         self.scales.len() * 4
     }
 
-    /// `(d, m)` of a group: the values are `q d + m` with the format's `q`.
+    /// `(d, m)` of a group: the values are `c d + m` with [`code`](Self::code)'s `c`.
     pub fn group_scale(&self, row: usize, g: usize) -> (f32, f32) {
         let sw = self.format.scale_words(self.k);
+        let s = &self.scales[row * sw..(row + 1) * sw];
+        let half = |w: u32, hi: bool| f16::from_bits((if hi { w >> 16 } else { w }) as u16).to_f32();
+        // Sub-block j of super-block sb (the super-block formats).
+        let per_sb = 256 / self.format.group as usize;
+        let (sb, j) = (g / per_sb, g % per_sb);
+        let byte = |words: &[u32], i: usize| (words[i / 4] >> (8 * (i % 4))) as u8;
         match self.format.kind {
-            QuantKind::Q4 => {
-                let w = self.scales[row * sw + g];
-                (
-                    f16::from_bits(w as u16).to_f32(),
-                    f16::from_bits((w >> 16) as u16).to_f32(),
-                )
+            QuantKind::Q4 | QuantKind::Q5 => (half(s[g], false), half(s[g], true)),
+            QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl => {
+                let d = half(s[g / 2], g % 2 == 1);
+                // -0.0 adds nothing and keeps the sign of a zero product, as ggml's `d * q`
+                // has it (Q4Sym's offset is in its code, see `code`).
+                (d, -0.0)
             }
-            QuantKind::Q8 | QuantKind::Q4Sym => {
-                let w = self.scales[row * sw + g / 2];
-                let d = f16::from_bits((w >> (16 * (g as u32 & 1))) as u16).to_f32();
-                if self.format.kind == QuantKind::Q4Sym {
-                    (d, -8.0 * d)
-                } else {
-                    (d, 0.0)
-                }
+            QuantKind::Q4K | QuantKind::Q5K => {
+                let h = &s[4 * sb..4 * sb + 4];
+                let (sc, m) = scale_min_k4(j, &h[1..4]);
+                (half(h[0], false) * sc as f32, -(half(h[0], true) * m as f32))
+            }
+            QuantKind::Q3K => {
+                let h = &s[4 * sb..4 * sb + 4];
+                (half(h[3], false) * (scale_k3(j, &h[0..3]) - 32) as f32, -0.0)
+            }
+            QuantKind::Q6K => {
+                let d = half(s[4 * (self.k / 256) + sb / 2], sb % 2 == 1);
+                (d * byte(&s[4 * sb..4 * sb + 4], j) as i8 as f32, -0.0)
+            }
+            QuantKind::Q2K => {
+                let dm = s[4 * (self.k / 256) + sb];
+                let b = byte(&s[4 * sb..4 * sb + 4], j);
+                (half(dm, false) * (b & 15) as f32, -(half(dm, true) * (b >> 4) as f32))
+            }
+            QuantKind::Iq4Xs => {
+                let (w0, w1) = (s[2 * sb], s[2 * sb + 1]);
+                let lo = (w1 >> (4 * j)) & 15;
+                let hi = (w0 >> (16 + 2 * j)) & 3;
+                (half(w0, false) * ((lo | hi << 4) as i32 - 32) as f32, -0.0)
             }
         }
     }
 
-    /// The integer code of element `(row, c)` (0..15 for 4-bit, -127..127 for Q8).
+    /// The integer code `q` of element `(row, c)`: low bits | high bits above them (0..15 for
+    /// 4-bit, -127..127 for Q8, 0..31 for 5-bit, 0..63 for Q6K, 0..7 for Q3K, 0..3 for Q2K).
+    pub fn raw_code(&self, row: usize, c: usize) -> i32 {
+        let kind = self.format.kind;
+        let q = &self.qs[row * self.format.qs_words(self.k)..(row + 1) * self.format.qs_words(self.k)];
+        let (lb, hb) = (kind.lo_bits(), kind.hi_bits());
+        let lo_bit = c * lb;
+        let lo = (q[lo_bit / 32] >> (lo_bit % 32)) & ((1u32 << lb) - 1);
+        if kind == QuantKind::Q8 {
+            return lo as u8 as i8 as i32;
+        }
+        if hb == 0 {
+            return lo as i32;
+        }
+        let hi_bit = c * hb;
+        let hi = (q[self.format.lo_words(self.k) + hi_bit / 32] >> (hi_bit % 32)) & ((1u32 << hb) - 1);
+        (lo | hi << lb) as i32
+    }
+
+    /// The code `c` of element `(row, c)` that multiplies the group scale: the raw code plus
+    /// the format's offset, or its IQ4 table value.
     pub fn code(&self, row: usize, c: usize) -> i32 {
-        let pw = self.format.kind.per_word();
-        let w = self.qs[row * (self.k / pw) + c / pw];
+        let q = self.raw_code(row, c);
         match self.format.kind {
-            QuantKind::Q8 => (w >> (8 * (c % 4))) as u8 as i8 as i32,
-            QuantKind::Q4 | QuantKind::Q4Sym => ((w >> (4 * (c % 8))) & 15) as i32,
+            QuantKind::Q4Sym => q - 8,
+            QuantKind::Q5Sym => q - 16,
+            QuantKind::Q6K => q - 32,
+            QuantKind::Q3K => q - 4,
+            QuantKind::Iq4Nl | QuantKind::Iq4Xs => IQ4_VALUES[q as usize] as i32,
+            _ => q,
         }
     }
 
-    /// The CPU reference: every element as `q d + m` in f32 (what the kernels compute).
+    /// The CPU reference: every element as `c d + m` in f32 (what the kernels compute).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.rows * self.k);
         let group = self.format.group as usize;
@@ -353,14 +571,17 @@ impl PackedMatrix {
 
     /// Repack GGUF blocks (Q8_0, Q4_0, Q4_1; 32 elements per block) of a `rows x k` matrix.
     /// Only bits move: the f16 scales and integer codes are copied, never converted.
+    /// The other GGUF block formats (Q5_0, Q5_1, IQ4_NL and the 256-element K-quants and
+    /// IQ4_XS) are repacked by [`ggml::repack`].
     pub fn from_gguf_blocks(tensor: &str, kind: QuantKind, data: &[u8], rows: usize, k: usize) -> Result<PackedMatrix, QuantError> {
-        let format = QuantFormat::new(kind, 32);
-        format.check(tensor, k)?;
         let block_bytes = match kind {
             QuantKind::Q8 => 34,
             QuantKind::Q4Sym => 18,
             QuantKind::Q4 => 20,
+            _ => return ggml::repack(tensor, kind, data, rows, k),
         };
+        let format = QuantFormat::new(kind, 32);
+        format.check(tensor, k)?;
         let blocks = rows * k / 32;
         if data.len() != blocks * block_bytes {
             return Err(QuantError::Invalid {
@@ -398,6 +619,7 @@ impl PackedMatrix {
                     }
                     qs.extend_from_slice(&words);
                 }
+                _ => unreachable_rtn(),
             }
         }
         Ok(PackedMatrix { format, rows, k, qs, scales })
@@ -408,6 +630,7 @@ impl PackedMatrix {
     /// `|w - deq(w)| <= d / 2` per element (Q8, Q4Sym inside the clamp) and `<= d / 2 + ulp`
     /// for Q4 (see `tests/quant.rs` for the measured bounds).
     pub fn quantize(tensor: &str, values: &[f32], rows: usize, k: usize, format: QuantFormat) -> Result<PackedMatrix, QuantError> {
+        check_rtn(tensor, format)?;
         format.check(tensor, k)?;
         if values.len() != rows * k {
             return Err(QuantError::Invalid {

@@ -335,6 +335,12 @@ fn entries<'a>(
                     });
                 }
             },
+            other => {
+                return Err(LanternError::Other(format!(
+                    "tensor `{name}` is {}: quantized safetensors hold q8, q4 and q4sym packs only (run from the GGUF file itself)",
+                    other.name()
+                )))
+            }
         }
     }
     meta.tensors.retain(|n, _| {

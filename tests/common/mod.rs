@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod random;
+pub mod real;
 
 use std::path::PathBuf;
 

@@ -23,7 +23,8 @@ use super::{spinner, DeviceArgs, KvArg};
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// A GGUF file or a Hugging Face folder. Default: SmolLM2-135M-Instruct, fetched once.
+    /// A GGUF file, a Hugging Face folder or a catalogue name (qwen2.5-coder-0.5b, ...; fetched
+    /// once). Default: SmolLM2-135M-Instruct, fetched once.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Requests in the workload (per concurrency level with --sweep).
@@ -247,10 +248,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     let levels: Vec<usize> = if a.sweep.is_empty() { vec![a.concurrency.max(1)] } else { a.sweep.iter().map(|&c| c.max(1)).collect() };
-    let model_path = match &a.model {
-        Some(p) => p.clone(),
-        None => lantern::fetch::ensure_default_model(true).context("fetching the default model")?,
-    };
+    let model_path = lantern::fetch::resolve_model(a.model.as_deref(), true)?;
     let pb = spinner(&format!("loading {}", model_path.display()), false);
     let loaded = load_path(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = Arc::new(loaded.tokenizer.with_context(|| format!("{} has no tokenizer", model_path.display()))?);

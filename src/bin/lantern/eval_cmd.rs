@@ -27,7 +27,8 @@ pub enum EvalCmd {
 
 #[derive(Args)]
 pub struct PplArgs {
-    /// A GGUF file or a Hugging Face folder. Default: SmolLM2-135M-Instruct, fetched once.
+    /// A GGUF file, a Hugging Face folder or a catalogue name (qwen2.5-coder-0.5b, ...; fetched
+    /// once). Default: SmolLM2-135M-Instruct, fetched once.
     #[arg(long)]
     model: Option<PathBuf>,
     /// UTF-8 text file, tokenized as a whole with the model's tokenizer.
@@ -106,10 +107,7 @@ fn precision(w: Weights) -> WeightPrecision {
 }
 
 fn default_model(p: Option<PathBuf>) -> Result<PathBuf> {
-    match p {
-        Some(p) => Ok(p),
-        None => lantern::fetch::ensure_default_model(true).context("fetching the default model"),
-    }
+    lantern::fetch::resolve_model(p.as_deref(), true)
 }
 
 fn gpu(device: &DeviceArgs) -> Result<Arc<GpuContext>> {

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 
 use lantern::model::load::load_path;
@@ -12,7 +12,8 @@ use lantern::model::DType;
 
 #[derive(Args)]
 pub struct InfoArgs {
-    /// A GGUF file or a Hugging Face folder. Default: SmolLM2-135M-Instruct, fetched once.
+    /// A GGUF file, a Hugging Face folder or a catalogue name (qwen2.5-coder-0.5b, ...; fetched
+    /// once). Default: SmolLM2-135M-Instruct, fetched once.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Print one JSON object.
@@ -59,10 +60,7 @@ pub fn by_dtype(w: &lantern::model::ModelWeights, path: &std::path::Path) -> Res
 }
 
 pub fn info(a: InfoArgs) -> Result<()> {
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => lantern::fetch::ensure_default_model(!a.json).context("fetching the default model")?,
-    };
+    let path = lantern::fetch::resolve_model(a.model.as_deref(), !a.json)?;
     let loaded = load_path(&path)?;
     let w = &loaded.weights;
     let (file, gpu) = by_dtype(w, &path)?;

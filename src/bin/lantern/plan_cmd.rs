@@ -130,10 +130,7 @@ pub fn parse_bytes(s: &str) -> Result<u64> {
 }
 
 pub fn run(a: PlanArgs) -> Result<()> {
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => lantern::fetch::ensure_default_model(!a.json).context("fetching the default model")?,
-    };
+    let path = lantern::fetch::resolve_model(a.model.as_deref(), !a.json)?;
     let kv_dtype = KvDtype::parse(&a.kv_dtype).context("--kv-dtype")?;
     // A config.json (file, or a folder holding only a config): no weights to count.
     let config_only = if path.is_file() && path.extension().is_some_and(|e| e == "json") {

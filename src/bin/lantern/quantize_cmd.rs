@@ -17,7 +17,8 @@ use lantern::quant::QuantKind;
 
 #[derive(Args)]
 pub struct QuantizeArgs {
-    /// A GGUF file or a Hugging Face folder. Default: SmolLM2-135M-Instruct, fetched once.
+    /// A GGUF file, a Hugging Face folder or a catalogue name (qwen2.5-coder-0.5b, ...; fetched
+    /// once). Default: SmolLM2-135M-Instruct, fetched once.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Format of the linear layers: q4 (4-bit, scale + minimum), q4sym (4-bit symmetric),
@@ -51,10 +52,7 @@ fn mib(b: usize) -> String {
 
 pub fn quantize(a: QuantizeArgs) -> Result<()> {
     let t0 = Instant::now();
-    let model_path = match &a.model {
-        Some(p) => p.clone(),
-        None => lantern::fetch::ensure_default_model(true).context("fetching the default model")?,
-    };
+    let model_path = lantern::fetch::resolve_model(a.model.as_deref(), true)?;
     let kind = QuantKind::parse(&a.to).with_context(|| format!("unknown --to {}", a.to))?;
     let embeddings = EmbeddingPolicy::parse(&a.embeddings)
         .with_context(|| format!("unknown --embeddings {}", a.embeddings))?;

@@ -45,7 +45,8 @@ use super::{plan_cmd, spinner, DeviceArgs, KvArg};
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// A GGUF file or a Hugging Face folder. Default: SmolLM2-135M-Instruct, fetched once.
+    /// A GGUF file, a Hugging Face folder or a catalogue name (qwen2.5-coder-0.5b, ...; fetched
+    /// once). Default: SmolLM2-135M-Instruct, fetched once.
     #[arg(long)]
     model: Option<PathBuf>,
     /// The model id clients send and /v1/models lists. Default: the model file's stem (the
@@ -102,10 +103,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
-    let model_path = match &a.model {
-        Some(p) => p.clone(),
-        None => lantern::fetch::ensure_default_model(true).context("fetching the default model")?,
-    };
+    let model_path = lantern::fetch::resolve_model(a.model.as_deref(), true)?;
     if a.max_seqs == 0 {
         anyhow::bail!("--max-seqs must be at least 1");
     }

@@ -81,8 +81,8 @@ pub enum GgufError {
     /// A ggml type id this reader does not know (so its size cannot be computed).
     #[error("{file}: tensor `{tensor}` has unknown ggml type id {type_id}")]
     UnknownTensorType { file: String, tensor: String, type_id: u32 },
-    /// A known ggml type that Lantern cannot load (e.g. the K-quants).
-    #[error("{file}: tensor `{tensor}` has ggml type {ggml_type}, which Lantern does not load (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
+    /// A known ggml type that Lantern cannot load (IQ1/IQ2/IQ3, TQ, MXFP4, Q8_K, ...).
+    #[error("{file}: tensor `{tensor}` has ggml type {ggml_type}, which Lantern does not load (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)")]
     UnsupportedTensorType {
         file: String,
         tensor: String,
@@ -572,6 +572,15 @@ impl GgmlType {
             GgmlType::Q8_0 => Some(DType::Q8_0),
             GgmlType::Q4_0 => Some(DType::Q4_0),
             GgmlType::Q4_1 => Some(DType::Q4_1),
+            GgmlType::Q5_0 => Some(DType::Q5_0),
+            GgmlType::Q5_1 => Some(DType::Q5_1),
+            GgmlType::Q2_K => Some(DType::Q2_K),
+            GgmlType::Q3_K => Some(DType::Q3_K),
+            GgmlType::Q4_K => Some(DType::Q4_K),
+            GgmlType::Q5_K => Some(DType::Q5_K),
+            GgmlType::Q6_K => Some(DType::Q6_K),
+            GgmlType::IQ4_NL => Some(DType::IQ4_NL),
+            GgmlType::IQ4_XS => Some(DType::IQ4_XS),
             _ => None,
         }
     }
@@ -586,6 +595,15 @@ impl GgmlType {
             DType::Q8_0 => GgmlType::Q8_0,
             DType::Q4_0 => GgmlType::Q4_0,
             DType::Q4_1 => GgmlType::Q4_1,
+            DType::Q5_0 => GgmlType::Q5_0,
+            DType::Q5_1 => GgmlType::Q5_1,
+            DType::Q2_K => GgmlType::Q2_K,
+            DType::Q3_K => GgmlType::Q3_K,
+            DType::Q4_K => GgmlType::Q4_K,
+            DType::Q5_K => GgmlType::Q5_K,
+            DType::Q6_K => GgmlType::Q6_K,
+            DType::IQ4_NL => GgmlType::IQ4_NL,
+            DType::IQ4_XS => GgmlType::IQ4_XS,
             DType::Packed(_) => return None,
         })
     }
