@@ -96,7 +96,7 @@ struct Case {
 /// Every weight dtype the kernels read: f32, f16 and every packed format.
 fn formats() -> Vec<WeightFormat> {
     let mut v = vec![WeightFormat::F32, WeightFormat::F16];
-    v.extend(WeightFormat::PACKED);
+    v.extend(WeightFormat::packed());
     v
 }
 
@@ -188,7 +188,7 @@ fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext) -> Option<PipelineKey> {
 /// of any workgroup.
 fn check(ctx: &Arc<GpuContext>) {
     let mut cases = vec![(WeightFormat::F32, 101, 77), (WeightFormat::F16, 37, 130)];
-    cases.extend(WeightFormat::PACKED.into_iter().map(|f| (f, 37, 512)));
+    cases.extend(WeightFormat::packed().map(|f| (f, 37, 512)));
     for (fmt, n, k) in cases {
         let (c, w, x) = case(ctx, n, k, fmt, 1);
         for l in LAYOUTS {

@@ -81,3 +81,46 @@ async fn corrupt_and_truncated_files_are_clear_errors() {
     let e = lantern::web::Lantern::load_bytes(js_sys::Uint8Array::new_with_length(0), "empty.gguf".into(), opts, None).await.err().expect("an error");
     assert!(!message(e.into()).is_empty());
 }
+
+/// The GGUF block formats in the browser (Tint compiles every format's kernels, SwiftShader
+/// runs them): the ggml-types fixture's tiny Llama in each GGUF-only type, every position's
+/// logits within the fixture's bound (1e-4 of the row's max |logit|) of transformers'.
+#[wasm_bindgen_test]
+async fn every_gguf_block_format_matches_transformers_in_the_browser() {
+    macro_rules! fixture {
+        ($t:literal) => {
+            (
+                $t,
+                &include_bytes!(concat!("fixtures/ggml-types/tiny-", $t, ".gguf"))[..],
+                &include_bytes!(concat!("fixtures/ggml-types/", $t, ".logits.f32"))[..],
+            )
+        };
+    }
+    let input: [u32; 24] = [303, 211, 294, 53, 204, 372, 152, 505, 143, 177, 279, 233, 154, 30, 171, 158, 236, 380, 282, 374, 442, 120, 368, 476];
+    let ctx = browser_gpu().await;
+    for (ty, gguf, logits) in [
+        fixture!("Q5_0"),
+        fixture!("Q5_1"),
+        fixture!("IQ4_NL"),
+        fixture!("Q2_K"),
+        fixture!("Q3_K"),
+        fixture!("Q4_K"),
+        fixture!("Q5_K"),
+        fixture!("Q6_K"),
+        fixture!("IQ4_XS"),
+    ] {
+        let file = lantern::model::gguf::GgufFile::parse(gguf, format!("tiny-{ty}.gguf")).expect("parse");
+        let w = lantern::model::gguf::hf_map::weights_from_gguf(&file, ty).expect("weights");
+        let want: Vec<f32> = logits.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let opts = ModelOptions { context: Some(64), max_batch_tokens: 8, max_logit_rows: 8, ..Default::default() };
+        let mut m = GpuModel::load(ctx.clone(), &w, opts).await.expect("load");
+        let seq = m.new_sequence().unwrap();
+        let got = m.forward_all_logits(seq, &input).await.expect("forward");
+        let vocab = w.config.vocab_size;
+        for (r, (g, t)) in got.chunks_exact(vocab).zip(want.chunks_exact(vocab)).enumerate() {
+            let scale = t.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let worst = g.iter().zip(t).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            assert!(worst <= 1e-4 * scale, "{ty}: position {r} off by {worst:e} (row max |logit| {scale})");
+        }
+    }
+}

@@ -309,22 +309,43 @@ fn sb_extra_index(sb: u32) -> vec2<u32> {
 }
 #endif
 
-// (d, m) of group gi of a row whose scale words start at `sb0`, read from `wsc`.
-fn w_scale_at(sb0: u32, gi: u32) -> vec2<f32> {
+// Word i of the scales and of the codes of matrix `m` (0: w, 1: u with GATED): WGSL cannot
+// pass storage arrays to functions, and `m` is a constant at every call, so the branch
+// folds away.
+fn scale_word(m: u32, i: u32) -> u32 {
+#if GATED
+    if (m == 1u) {
+        return usc[i];
+    }
+#endif
+    return wsc[i];
+}
+
+fn code_word(m: u32, i: u32) -> u32 {
+#if GATED
+    if (m == 1u) {
+        return u[i];
+    }
+#endif
+    return w[i];
+}
+
+// (d, m) of group gi of a row of matrix `m` whose scale words start at `sb0`.
+fn scale_at(m: u32, sb0: u32, gi: u32) -> vec2<f32> {
 #if W_SUPER
     let sb = gi / groups_per_sb();
     let hi = sb0 + sb_header_index(sb);
 #if W_IQ4XS
-    let h = vec4<u32>(wsc[hi], wsc[hi + 1u], 0u, 0u);
+    let h = vec4<u32>(scale_word(m, hi), scale_word(m, hi + 1u), 0u, 0u);
 #else
-    let h = vec4<u32>(wsc[hi], wsc[hi + 1u], wsc[hi + 2u], wsc[hi + 3u]);
+    let h = vec4<u32>(scale_word(m, hi), scale_word(m, hi + 1u), scale_word(m, hi + 2u), scale_word(m, hi + 3u));
 #endif
     let xi = sb_extra_index(sb);
 #if W_Q6K
-    let x = wsc[sb0 + xi.x];
+    let x = scale_word(m, sb0 + xi.x);
 #else
 #if W_Q2K
-    let x = wsc[sb0 + xi.x];
+    let x = scale_word(m, sb0 + xi.x);
 #else
     let x = 0u;
 #endif
@@ -332,90 +353,50 @@ fn w_scale_at(sb0: u32, gi: u32) -> vec2<f32> {
     return sb_scale(h, x, xi.y, gi % groups_per_sb());
 #else
 #if W_Q4
-    return scale_of(wsc[sb0 + gi], 0u);
+    return scale_of(scale_word(m, sb0 + gi), 0u);
 #else
 #if W_Q5
-    return scale_of(wsc[sb0 + gi], 0u);
+    return scale_of(scale_word(m, sb0 + gi), 0u);
 #else
-    return scale_of(wsc[sb0 + (gi >> 1u)], gi & 1u);
+    return scale_of(scale_word(m, sb0 + (gi >> 1u)), gi & 1u);
+#endif
+#endif
+#endif
+}
+
+// The code bits of step k8 of the row of matrix `m` whose code words start at `rb`.
+fn step_words(m: u32, rb: u32, k8: u32) -> vec2<u32> {
+    let li = rb + lo_index(k8);
+#if W_Q8
+    return step_bits(code_word(m, li), code_word(m, li + 1u), 0u, k8);
+#else
+#if W_HI1
+    return step_bits(code_word(m, li), 0u, code_word(m, rb + hi_index(k8)), k8);
+#else
+#if W_HI2
+    return step_bits(code_word(m, li), 0u, code_word(m, rb + hi_index(k8)), k8);
+#else
+    return step_bits(code_word(m, li), 0u, 0u, k8);
 #endif
 #endif
 #endif
 }
 
 fn w_scale(row: u32, gi: u32) -> vec2<f32> {
-    return w_scale_at(row * scale_row_words(), gi);
+    return scale_at(0u, row * scale_row_words(), gi);
 }
 
-// The code bits of step k8 of the row whose code words start at `rb`.
 fn w_q8w(rb: u32, k8: u32) -> vec2<u32> {
-    let li = rb + lo_index(k8);
-#if W_Q8
-    return step_bits(w[li], w[li + 1u], 0u, k8);
-#else
-#if W_HI1
-    return step_bits(w[li], 0u, w[rb + hi_index(k8)], k8);
-#else
-#if W_HI2
-    return step_bits(w[li], 0u, w[rb + hi_index(k8)], k8);
-#else
-    return step_bits(w[li], 0u, 0u, k8);
-#endif
-#endif
-#endif
+    return step_words(0u, rb, k8);
 }
 
 #if GATED
-// The same for `u` (usc): WGSL cannot pass storage arrays to functions.
 fn u_scale(row: u32, gi: u32) -> vec2<f32> {
-    let sb0 = row * scale_row_words();
-#if W_SUPER
-    let sb = gi / groups_per_sb();
-    let hi = sb0 + sb_header_index(sb);
-#if W_IQ4XS
-    let h = vec4<u32>(usc[hi], usc[hi + 1u], 0u, 0u);
-#else
-    let h = vec4<u32>(usc[hi], usc[hi + 1u], usc[hi + 2u], usc[hi + 3u]);
-#endif
-    let xi = sb_extra_index(sb);
-#if W_Q6K
-    let x = usc[sb0 + xi.x];
-#else
-#if W_Q2K
-    let x = usc[sb0 + xi.x];
-#else
-    let x = 0u;
-#endif
-#endif
-    return sb_scale(h, x, xi.y, gi % groups_per_sb());
-#else
-#if W_Q4
-    return scale_of(usc[sb0 + gi], 0u);
-#else
-#if W_Q5
-    return scale_of(usc[sb0 + gi], 0u);
-#else
-    return scale_of(usc[sb0 + (gi >> 1u)], gi & 1u);
-#endif
-#endif
-#endif
+    return scale_at(1u, row * scale_row_words(), gi);
 }
 
 fn u_q8w(rb: u32, k8: u32) -> vec2<u32> {
-    let li = rb + lo_index(k8);
-#if W_Q8
-    return step_bits(u[li], u[li + 1u], 0u, k8);
-#else
-#if W_HI1
-    return step_bits(u[li], 0u, u[rb + hi_index(k8)], k8);
-#else
-#if W_HI2
-    return step_bits(u[li], 0u, u[rb + hi_index(k8)], k8);
-#else
-    return step_bits(u[li], 0u, 0u, k8);
-#endif
-#endif
-#endif
+    return step_words(1u, rb, k8);
 }
 #endif
 
@@ -430,17 +411,19 @@ fn deq(c: vec4<f32>, s: vec2<f32>) -> vec4<f32> {
 #endif
 }
 
-// The eight dequantized elements of step k8 of `row`.
-fn w_deq8(row: u32, k8: u32) -> array<vec4<f32>, 2> {
-    let s = w_scale(row, k8 / p.group);
-    let c = codes8(w_q8w(row * row_words(), k8));
+// The eight dequantized elements of step k8 of `row` of matrix `m`.
+fn deq8_of(m: u32, row: u32, k8: u32) -> array<vec4<f32>, 2> {
+    let s = scale_at(m, row * scale_row_words(), k8 / p.group);
+    let c = codes8(step_words(m, row * row_words(), k8));
     return array<vec4<f32>, 2>(deq(c[0], s), deq(c[1], s));
+}
+
+fn w_deq8(row: u32, k8: u32) -> array<vec4<f32>, 2> {
+    return deq8_of(0u, row, k8);
 }
 #if GATED
 fn u_deq8(row: u32, k8: u32) -> array<vec4<f32>, 2> {
-    let s = u_scale(row, k8 / p.group);
-    let c = codes8(u_q8w(row * row_words(), k8));
-    return array<vec4<f32>, 2>(deq(c[0], s), deq(c[1], s));
+    return deq8_of(1u, row, k8);
 }
 #endif
 

@@ -141,20 +141,9 @@ impl WeightFormat {
     }
 
     /// Every packed format, in the order of `crate::quant::QuantKind::ALL`.
-    pub const PACKED: [WeightFormat; 12] = [
-        WeightFormat::Q8,
-        WeightFormat::Q4,
-        WeightFormat::Q4Sym,
-        WeightFormat::Q5Sym,
-        WeightFormat::Q5,
-        WeightFormat::Iq4Nl,
-        WeightFormat::Q2K,
-        WeightFormat::Q3K,
-        WeightFormat::Q4K,
-        WeightFormat::Q5K,
-        WeightFormat::Q6K,
-        WeightFormat::Iq4Xs,
-    ];
+    pub fn packed() -> impl Iterator<Item = WeightFormat> {
+        crate::quant::QuantKind::ALL.into_iter().map(WeightFormat::from_quant)
+    }
 
     /// The kernel format of a packed kind.
     pub fn from_quant(kind: crate::quant::QuantKind) -> Self {
@@ -461,7 +450,7 @@ impl PipelineKey {
         // embedding gather (a tied table is also the LM head).
         let f16 = Features { f16: features.f16, subgroups: false };
         let f16_sg = Features { f16: features.f16, subgroups: features.subgroups };
-        for w in WeightFormat::PACKED {
+        for w in WeightFormat::packed() {
             v.push(PipelineKey::new(ShaderOp::Embedding, 64).with_weights(w));
             for &c in &combos {
                 v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4).with_weights(w));

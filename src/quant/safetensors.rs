@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use serde::{Deserialize, Serialize};
 
-use super::{QuantFormat, QuantKind};
+use super::{QuantError, QuantFormat, QuantKind};
 use crate::error::LanternError;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{DType, HostTensor, LoadError, ModelConfig, ModelWeights};
@@ -336,10 +336,11 @@ fn entries<'a>(
                 }
             },
             other => {
-                return Err(LanternError::Other(format!(
-                    "tensor `{name}` is {}: quantized safetensors hold q8, q4 and q4sym packs only (run from the GGUF file itself)",
-                    other.name()
-                )))
+                return Err(QuantError::Invalid {
+                    tensor: name.clone(),
+                    reason: format!("is {}: quantized safetensors hold q8, q4 and q4sym packs only (run from the GGUF file itself)", other.name()),
+                }
+                .into())
             }
         }
     }
