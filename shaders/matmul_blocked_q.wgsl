@@ -23,14 +23,8 @@ const TN: u32 = 8u;
 const TN: u32 = 4u;
 #endif
 
-// Scales (d, m) of four rows, and four consecutive dequantized values of four rows.
-struct S4 {
-    s0: vec2<f32>,
-    s1: vec2<f32>,
-    s2: vec2<f32>,
-    s3: vec2<f32>,
-}
-
+// Four consecutive dequantized values of four rows (their scales: common/weights.wgsl's
+// Scales4).
 struct R4 {
     r0: vec4<f32>,
     r1: vec4<f32>,
@@ -54,14 +48,14 @@ struct Wk {
 
 // The scales of one group of the row block.
 struct Sk {
-    a: S4,
+    a: Scales4,
 #if BLOCK_N8
-    b: S4,
+    b: Scales4,
 #endif
 #if GATED
-    ua: S4,
+    ua: Scales4,
 #if BLOCK_N8
-    ub: S4,
+    ub: Scales4,
 #endif
 #endif
 }
@@ -85,27 +79,19 @@ var<private> xb: array<u32, TM>;
 var<private> lane: u32;
 #endif
 
-fn w_scales(r: vec4<u32>, gi: u32) -> S4 {
-    return S4(w_scale(r.x, gi), w_scale(r.y, gi), w_scale(r.z, gi), w_scale(r.w, gi));
-}
-
 // Values of four rows (code word bases `r`) at step k8: elements 0-3 (lo) and 4-7 (hi).
-fn w_vals(r: vec4<u32>, k8: u32, s: S4) -> array<R4, 2> {
+fn w_vals(r: vec4<u32>, k8: u32, s: Scales4) -> array<R4, 2> {
     return vals4(codes8(w_q8w(r.x, k8)), codes8(w_q8w(r.y, k8)), codes8(w_q8w(r.z, k8)), codes8(w_q8w(r.w, k8)), s);
 }
 
 #if GATED
-fn u_scales(r: vec4<u32>, gi: u32) -> S4 {
-    return S4(u_scale(r.x, gi), u_scale(r.y, gi), u_scale(r.z, gi), u_scale(r.w, gi));
-}
-
-fn u_vals(r: vec4<u32>, k8: u32, s: S4) -> array<R4, 2> {
+fn u_vals(r: vec4<u32>, k8: u32, s: Scales4) -> array<R4, 2> {
     return vals4(codes8(u_q8w(r.x, k8)), codes8(u_q8w(r.y, k8)), codes8(u_q8w(r.z, k8)), codes8(u_q8w(r.w, k8)), s);
 }
 #endif
 
 // Four rows' codes of one step dequantized with their scales.
-fn vals4(c0: array<vec4<f32>, 2>, c1: array<vec4<f32>, 2>, c2: array<vec4<f32>, 2>, c3: array<vec4<f32>, 2>, s: S4) -> array<R4, 2> {
+fn vals4(c0: array<vec4<f32>, 2>, c1: array<vec4<f32>, 2>, c2: array<vec4<f32>, 2>, c3: array<vec4<f32>, 2>, s: Scales4) -> array<R4, 2> {
     return array<R4, 2>(
         R4(deq(c0[0], s.s0), deq(c1[0], s.s1), deq(c2[0], s.s2), deq(c3[0], s.s3)),
         R4(deq(c0[1], s.s0), deq(c1[1], s.s1), deq(c2[1], s.s2), deq(c3[1], s.s3)));
@@ -232,16 +218,22 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 #if BLOCK_N8
     let wb = rb * wpr;
 #endif
+    // Super-block scale words of the rows, read once per super-block.
+    let srw = scale_row_words();
+    var ha: Heads4;
+    var hb: Heads4;
+    var hua: Heads4;
+    var hub: Heads4;
     for (var gi = 0u; gi < p.k / p.group; gi++) {
         var s: Sk;
-        s.a = w_scales(ra, gi);
+        s.a = scales4(0u, ra * srw, gi, &ha);
 #if BLOCK_N8
-        s.b = w_scales(rb, gi);
+        s.b = scales4(0u, rb * srw, gi, &hb);
 #endif
 #if GATED
-        s.ua = u_scales(ra, gi);
+        s.ua = scales4(1u, ra * srw, gi, &hua);
 #if BLOCK_N8
-        s.ub = u_scales(rb, gi);
+        s.ub = scales4(1u, rb * srw, gi, &hub);
 #endif
 #endif
         for (var j = 0u; j < spg; j++) {

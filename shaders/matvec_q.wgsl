@@ -120,16 +120,23 @@ fn main(
     var ua = vec4<f32>(0.0);
     var s0 = 0.0;
     let spg = p.group / 8u;
-    for (var gi = 0u; gi < p.k / p.group; gi++) {
-        let s_0 = w_scale(r.x, gi);
-        let s_1 = w_scale(r.y, gi);
-        let s_2 = w_scale(r.z, gi);
-        let s_3 = w_scale(r.w, gi);
+    let sb0 = r * scale_row_words();
+    var wh: Heads4;
 #if GATED
-        let t_0 = u_scale(r.x, gi);
-        let t_1 = u_scale(r.y, gi);
-        let t_2 = u_scale(r.z, gi);
-        let t_3 = u_scale(r.w, gi);
+    var uh: Heads4;
+#endif
+    for (var gi = 0u; gi < p.k / p.group; gi++) {
+        let sw4 = scales4(0u, sb0, gi, &wh);
+        let s_0 = sw4.s0;
+        let s_1 = sw4.s1;
+        let s_2 = sw4.s2;
+        let s_3 = sw4.s3;
+#if GATED
+        let su4 = scales4(1u, sb0, gi, &uh);
+        let t_0 = su4.s0;
+        let t_1 = su4.s1;
+        let t_2 = su4.s2;
+        let t_3 = su4.s3;
 #endif
         for (var j = 0u; j < spg; j++) {
             let k8 = (gi * spg + j) * 8u;
@@ -163,32 +170,41 @@ fn rows4_bcast(t: u32, xb: u32, wpr: u32, wid: vec3<u32>, lid: u32) {
     let last = p.n_rows - 1u;
     let r = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
     let wb = r * wpr;
+    let sb0 = r * scale_row_words();
     var a = vec4<f32>(0.0);
     var ua = vec4<f32>(0.0);
     var ss = 0.0;
     let spg = p.group / 8u;
-    for (var gi = 0u; gi < p.k / p.group; gi++) {
-        let s_0 = w_scale(r.x, gi);
-        let s_1 = w_scale(r.y, gi);
-        let s_2 = w_scale(r.z, gi);
-        let s_3 = w_scale(r.w, gi);
+    // Super-block scale words and high-plane words, read once per super-block / HI_SPAN
+    // elements (the row is walked in order).
+    var wh: Heads4;
+    var hw = vec4<u32>(0u);
 #if GATED
-        let t_0 = u_scale(r.x, gi);
-        let t_1 = u_scale(r.y, gi);
-        let t_2 = u_scale(r.z, gi);
-        let t_3 = u_scale(r.w, gi);
+    var uh: Heads4;
+    var hu = vec4<u32>(0u);
+#endif
+    for (var gi = 0u; gi < p.k / p.group; gi++) {
+        let s = scales4(0u, sb0, gi, &wh);
+#if GATED
+        let su = scales4(1u, sb0, gi, &uh);
 #endif
         for (var j = 0u; j < spg; j++) {
             let k8 = (gi * spg + j) * 8u;
+            if (HI_SPAN != 0u && k8 % max(HI_SPAN, 1u) == 0u) {
+                hw = vec4<u32>(hi_word(0u, wb.x, k8), hi_word(0u, wb.y, k8), hi_word(0u, wb.z, k8), hi_word(0u, wb.w, k8));
+#if GATED
+                hu = vec4<u32>(hi_word(1u, wb.x, k8), hi_word(1u, wb.y, k8), hi_word(1u, wb.z, k8), hi_word(1u, wb.w, k8));
+#endif
+            }
             let xl = load_x1(xb, k8 + lid, &ss);
             let xv = bcast8(xl);
             let xa = xv[0];
             let xh = xv[1];
-            a += vec4<f32>(dot_step(w_q8w(wb.x, k8), s_0, xa, xh), dot_step(w_q8w(wb.y, k8), s_1, xa, xh),
-                           dot_step(w_q8w(wb.z, k8), s_2, xa, xh), dot_step(w_q8w(wb.w, k8), s_3, xa, xh));
+            a += vec4<f32>(dot_step(step_words_hi(0u, wb.x, k8, hw.x), s.s0, xa, xh), dot_step(step_words_hi(0u, wb.y, k8, hw.y), s.s1, xa, xh),
+                           dot_step(step_words_hi(0u, wb.z, k8, hw.z), s.s2, xa, xh), dot_step(step_words_hi(0u, wb.w, k8, hw.w), s.s3, xa, xh));
 #if GATED
-            ua += vec4<f32>(dot_step(u_q8w(wb.x, k8), t_0, xa, xh), dot_step(u_q8w(wb.y, k8), t_1, xa, xh),
-                            dot_step(u_q8w(wb.z, k8), t_2, xa, xh), dot_step(u_q8w(wb.w, k8), t_3, xa, xh));
+            ua += vec4<f32>(dot_step(step_words_hi(1u, wb.x, k8, hu.x), su.s0, xa, xh), dot_step(step_words_hi(1u, wb.y, k8, hu.y), su.s1, xa, xh),
+                            dot_step(step_words_hi(1u, wb.z, k8, hu.z), su.s2, xa, xh), dot_step(step_words_hi(1u, wb.w, k8, hu.w), su.s3, xa, xh));
 #endif
         }
     }

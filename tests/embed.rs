@@ -259,6 +259,10 @@ fn a_work_budget_caps_the_dispatches_per_call() {
     let mut h = e.submit(request(prompt, 6)).unwrap();
     let (mut calls, mut steps, mut most) = (0usize, 0usize, 0usize);
     let mut got = Vec::new();
+    // Bounded by time, not by calls: a call that finds the readback not yet mapped returns at
+    // once, so on a loaded 2-core machine (lavapipe runs the work on the same cores) a step
+    // can take very many calls.
+    let started = std::time::Instant::now();
     while !e.is_idle() {
         let r = pollster::block_on(e.step_within(FrameBudget::dispatches(3))).unwrap();
         most = most.max(r.submitted);
@@ -269,7 +273,7 @@ fn a_work_budget_caps_the_dispatches_per_call() {
                 got.push(id);
             }
         }
-        assert!(calls < 100_000, "no progress");
+        assert!(started.elapsed() < std::time::Duration::from_secs(300), "no progress after {calls} calls");
     }
     assert_eq!(got, want);
     assert!(most <= 3 && most > 0, "at most 3 dispatches per call, got {most}");

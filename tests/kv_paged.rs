@@ -187,7 +187,8 @@ fn budget_sizes_the_cache_and_a_full_cache_refuses_with_a_message() {
     use lantern::kv::plan::{kv_bytes_per_token, reserve_bytes, workspace_bytes};
     let l = load_path(&common::smollm2_gguf()).expect("load SmolLM2 GGUF");
     let c = l.weights.config.clone();
-    let opts = ModelOptions { context: Some(64), max_seqs: 3, ..Default::default() };
+    // Texture copies either way (the default decides by the budget, which this test varies).
+    let opts = ModelOptions { context: Some(64), max_seqs: 3, weight_textures: Some(true), ..Default::default() };
     // Weight bytes as the load counts them, from a load without a budget.
     let ctx = common::gpu_with(&Default::default());
     let probe = pollster::block_on(GpuModel::load(ctx.clone(), &l.weights, opts.clone())).expect("upload");

@@ -72,6 +72,10 @@ pub struct ModelOptions {
     /// The budget is the smaller of this and 90% of what the adapter reports
     /// (`gpu::memory`); the KV cache gets what is left, up to `max_seqs` full contexts.
     pub memory_budget: Option<u64>,
+    /// CPU adapters: hold packed weights a second time as textures for the batched matvec
+    /// (`Some(true)`), never (`Some(false)`), or only while holding them twice takes at most
+    /// 60% of the memory budget (`None`, the default).
+    pub weight_textures: Option<bool>,
 }
 
 impl Default for ModelOptions {
@@ -92,6 +96,7 @@ impl Default for ModelOptions {
             batch_max_tokens: None,
             kv_pages: None,
             memory_budget: None,
+            weight_textures: None,
         }
     }
 }
@@ -741,11 +746,15 @@ impl GpuModel {
         })
     }
 
-    /// Whether packed weights get texture copies (CPU adapters' batched matvec, `TOK4`): only
-    /// while holding the weights twice takes at most 60% of the memory budget, so that a
+    /// Whether packed weights get texture copies (CPU adapters' batched matvec, `TOK4`): as
+    /// `options.weight_textures` says, by default only while holding the weights twice takes
+    /// at most 60% of the memory budget, so that a
     /// large model keeps its room for the KV cache (Qwen2.5-1.5B Q4_K_M on lavapipe's 2 GiB
     /// heap: 1.1 GB of weights, no copies).
     fn weight_textures(ctx: &GpuContext, weights: &ModelWeights, options: &ModelOptions) -> bool {
+        if let Some(t) = options.weight_textures {
+            return t;
+        }
         let packed: u64 = weights.tensors.values().filter(|t| t.dtype.quant_kind().is_some()).map(|t| t.data.len() as u64).sum();
         let adapter = crate::gpu::memory::default_budget(&crate::gpu::memory::adapter_memory(ctx)).map(|(b, _)| b);
         match options.memory_budget.into_iter().chain(adapter).min() {
