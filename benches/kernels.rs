@@ -304,6 +304,9 @@ fn main() {
             continue;
         }
         for &fmt in &formats {
+            if quant_kind(fmt).is_some_and(|q| !k.is_multiple_of(q.super_block())) {
+                continue; // rows of whole 256-element super-blocks only
+            }
             let tokens = 64;
             let (c, _, _) = case(&ctx, n, k, fmt, tokens);
             for m in MATMULS {
