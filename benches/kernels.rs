@@ -433,6 +433,7 @@ fn attention_bench(ctx: &Arc<GpuContext>, reps: usize, copy: f64) {
         max_pages: pages as u32,
         out_stride: heads * hd,
         scale: 0.125,
+        window: 0,
     };
     let step = step_buffer(ctx);
     let qkv = storage(ctx, bytemuck::cast_slice(&data(p.qkv_stride as usize, 1)));

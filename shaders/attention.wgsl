@@ -37,6 +37,11 @@ struct Params {
     n_shards: u32,
     // KV_Q8: first word of the scales in a shard buffer.
     scale_base: u32,
+    // Keys a query sees, itself included (sliding-window layers); 0: every earlier key.
+    window: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 #include "common/kv.wgsl"
@@ -59,15 +64,17 @@ const NEG: f32 = -0x1.fffffep+127f;
 // (n_tokens, n_heads, n_shards * n_splits, head_dim + 2): output, m, l per part.
 @group(0) @binding(9) var<storage, read_write> partials: array<f32>;
 
-// Parts (shard x split) of each token's keys, and this workgroup's key range [k0, k1).
+// Parts (shard x split) of each token's keys.
 fn n_parts() -> u32 {
     return p.n_shards * max(step.n_splits, 1u);
 }
 
+// A sliding-window layer's query at key count n_keys sees keys [n_keys - window, n_keys).
 fn key_range(n_keys: u32, split: u32, align: u32) -> vec2<u32> {
+    let first = select(0u, n_keys - min(p.window, n_keys), p.window != 0u);
     let splits = max(step.n_splits, 1u);
-    let per = ((n_keys + splits - 1u) / splits + align - 1u) / align * align;
-    let k0 = min(split * per, n_keys);
+    let per = ((n_keys - first + splits - 1u) / splits + align - 1u) / align * align;
+    let k0 = min(first + split * per, n_keys);
     return vec2<u32>(k0, min(k0 + per, n_keys));
 }
 

@@ -1,5 +1,6 @@
-// Embedding gather: y[t, :] = table[ids[t], :] for the ids that fall in this chunk of rows
-// (packed tables are dequantized element by element, exactly as the CPU reference).
+// Embedding gather: y[t, :] = table[ids[t], :] * scale for the ids that fall in this chunk
+// of rows (packed tables are dequantized element by element, exactly as the CPU reference;
+// scale is 1 except for models that scale their embedding, e.g. Gemma's sqrt(hidden)).
 #include "common/step.wgsl"
 
 struct Params {
@@ -11,6 +12,11 @@ struct Params {
     n_rows: u32,
     // Elements per scale of packed tables (W_PACKED).
     group: u32,
+    // Multiplies every gathered value (1.0: exact copy).
+    scale: f32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> step: Step;
@@ -40,8 +46,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
 #if W_PACKED
-    y[t * p.k + c] = w_elem(id - p.row_offset, c);
+    y[t * p.k + c] = w_elem(id - p.row_offset, c) * p.scale;
 #else
-    y[t * p.k + c] = w_load((id - p.row_offset) * p.k + c);
+    y[t * p.k + c] = w_load((id - p.row_offset) * p.k + c) * p.scale;
 #endif
 }

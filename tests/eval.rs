@@ -51,6 +51,7 @@ fn random_model(seed: u64, vocab: usize, noise: f32) -> ModelWeights {
         qkv_bias: false,
         bos_token_id: None,
         eos_token_ids: vec![],
+        block: Default::default(),
     };
     let mut rng = Rng::new(seed);
     let mut nrng = Rng::new(seed ^ 0xABCDEF);

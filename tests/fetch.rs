@@ -479,7 +479,7 @@ fn split_models_assemble_resume_and_verify() {
         fetch::WheelPart { package: "demo-part1", version: "1.0", member: "demo_pkg/part01.bin" },
         fetch::WheelPart { package: "demo-part2", version: "1.0", member: "demo_pkg/part02.bin" },
     ];
-    let spec = fetch::ModelSpec { name: "demo", file: "demo.gguf", size: payload.len() as u64, sha256: sha, parts: PARTS };
+    let spec = fetch::ModelSpec { name: "demo", file: "demo.gguf", size: payload.len() as u64, sha256: sha, parts: PARTS, family: "llama", params: "1", format: "F32", license: "none" };
     let dir = tempdir("parts");
     std::env::set_var("LANTERN_CACHE_DIR", &dir);
     std::env::remove_var("LANTERN_OFFLINE");

@@ -267,20 +267,20 @@ fn llama3_rope_freqs_tensor_is_recognised() {
 #[test]
 fn name_mapping() {
     assert_eq!(
-        hf_tensor_name("blk.12.ffn_down.weight").unwrap(),
+        hf_tensor_name("blk.12.ffn_down.weight", lantern::model::Arch::Llama).unwrap(),
         "model.layers.12.mlp.down_proj.weight"
     );
     assert_eq!(
-        hf_tensor_name("blk.0.attn_v.bias").unwrap(),
+        hf_tensor_name("blk.0.attn_v.bias", lantern::model::Arch::Llama).unwrap(),
         "model.layers.0.self_attn.v_proj.bias"
     );
     assert_eq!(
-        hf_tensor_name("blk.3.ffn_norm.weight").unwrap(),
+        hf_tensor_name("blk.3.ffn_norm.weight", lantern::model::Arch::Llama).unwrap(),
         "model.layers.3.post_attention_layernorm.weight"
     );
-    assert_eq!(hf_tensor_name("output.weight").unwrap(), "lm_head.weight");
-    assert_eq!(hf_tensor_name("rope_freqs.weight"), None);
-    assert_eq!(hf_tensor_name("blk.x.attn_q.weight"), None);
+    assert_eq!(hf_tensor_name("output.weight", lantern::model::Arch::Llama).unwrap(), "lm_head.weight");
+    assert_eq!(hf_tensor_name("rope_freqs.weight", lantern::model::Arch::Llama), None);
+    assert_eq!(hf_tensor_name("blk.x.attn_q.weight", lantern::model::Arch::Llama), None);
 }
 
 #[test]

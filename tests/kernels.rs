@@ -850,7 +850,7 @@ fn check_embedding(ctx: &Arc<GpuContext>, format: WeightFormat, vocab: usize, di
     let step = step_buffer(ctx);
     let idb = buf_u32(ctx, "ids", &ids);
     let y = create_zeroed(ctx, "y", (t * dim * 4) as u64).unwrap();
-    let d = block_on(kernels::embedding::build(ctx, &step, &idb, &lin, &y)).expect("build embedding");
+    let d = block_on(kernels::embedding::build(ctx, &step, &idb, &lin, &y, 1.0)).expect("build embedding");
     submit(ctx, &step, t as u32, t as u32, &d);
     let got = read_f32s(ctx, &y, t * dim);
     assert_close(&what, &got, &ops::embedding(&w.values, vocab, dim, &ids), EXACT);
@@ -913,7 +913,7 @@ fn rmsnorm_matches_reference() {
             let xb = buf_f32(&ctx, "x", &x);
             let gb = buf_f32(&ctx, "g", &g);
             let y = create_zeroed(&ctx, "y", (t * k * 4) as u64).unwrap();
-            let d = block_on(kernels::rmsnorm::build(&ctx, &step, &xb, &gb, &y, k, EPS)).expect("build rmsnorm");
+            let d = block_on(kernels::rmsnorm::build(&ctx, &step, &xb, &gb, &y, kernels::rmsnorm::RowLayout::dense(k), EPS, kernels::rmsnorm::Mode::Write)).expect("build rmsnorm");
             submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
             let got = read_f32s(&ctx, &y, t * k);
             assert_close(&format!("rmsnorm k {k} tokens {t}"), &got, &ops::rmsnorm(&x, &g, EPS), RMSNORM_TOL);
@@ -1374,6 +1374,7 @@ fn attention_params(heads: Heads, paged: &Paged, qkv_stride: usize, out_stride: 
         max_pages: paged.max_pages as u32,
         out_stride: out_stride as u32,
         scale: 1.0 / (heads.head_dim as f32).sqrt(),
+        window: 0,
     }
 }
 

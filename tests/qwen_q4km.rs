@@ -12,42 +12,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
 use lantern::model::llama::{GpuModel, ModelOptions};
-use lantern::model::load::load_path;
 
-fn fixtures(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
 
-fn model(var: &str, name: &str) -> PathBuf {
-    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
-        lantern::fetch::model_path(lantern::fetch::find_model(name).expect("catalogue entry"))
-    });
-    assert!(path.is_file(), "{} not found: run `lantern fetch {name}` (the README's test command does) or set {var}", path.display());
-    path
-}
-
-fn json(dir: &str, file: &str) -> serde_json::Value {
-    common::read_json(&fixtures(dir).join(file))
-}
-
-/// GPU weight bytes by dtype against the file's, and no float copy of a quantized tensor.
-fn check_memory(path: &Path, model: &GpuModel) {
-    let l = load_path(path).unwrap();
-    let file_quant: u64 = l.weights.tensors.values().filter(|t| t.dtype.quant_kind().is_some()).map(|t| t.data.len() as u64).sum();
-    let file_f32: u64 = l.weights.tensors.values().filter(|t| t.dtype.quant_kind().is_none()).map(|t| t.data.len() as u64).sum();
-    let m = model.memory();
-    let gpu_quant: u64 = m.weights.iter().filter(|(k, _)| k.as_str() != "f32").map(|(_, w)| w.bytes + w.scale_bytes).sum();
-    let ratio = gpu_quant as f64 / file_quant as f64;
-    eprintln!("{}: quantized weights {gpu_quant} bytes on the GPU for {file_quant} in the file ({:+.3}%); by dtype {:?}", path.display(), 100.0 * (ratio - 1.0), m.weights.keys());
-    assert!((ratio - 1.0).abs() <= 0.02, "GPU weight bytes {gpu_quant} vs file {file_quant}");
-    // f32 norms and biases only: an f32 copy of any matrix would add its size here.
-    assert!(m.weights.get("f32").map_or(0, |w| w.bytes) <= file_f32, "f32 weights {:?} beyond the file's f32 tensors ({file_f32})", m.weights.get("f32"));
-    assert!(!m.weights.contains_key("f16"));
-    assert!(m.weight_textures == 0 || model.ctx.caps.cpu_like, "texture copies on CPU adapters only");
-}
+use common::real::{check_memory, json, model};
 
 #[test]
 fn qwen_0_5b_q4km_matches_transformers() {
@@ -62,7 +30,7 @@ fn qwen_0_5b_q4km_matches_transformers() {
     let cases = json(dir, "cases.json").as_array().unwrap().clone();
     let reports = common::real::check_cases(&mut m, tok, &cases, None).unwrap_or_else(|e| panic!("{e}"));
     let worst = reports.iter().map(|r| r.top20_diff).fold(0.0, f32::max);
-    let text = std::fs::read_to_string(fixtures(dir).join("perplexity.txt")).unwrap();
+    let text = std::fs::read_to_string(common::real::fixtures(dir).join("perplexity.txt")).unwrap();
     let (ppl, want, rel) = common::real::check_perplexity(&mut m, tok, &text, &json(dir, "perplexity.json"));
     eprintln!("qwen 0.5b: worst top-20 |diff| {worst:e}; perplexity {ppl:.4} vs {want:.4} ({rel:.2e})");
     assert!(rel <= 0.005, "perplexity {ppl} vs transformers {want}");

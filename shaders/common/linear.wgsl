@@ -63,6 +63,13 @@ fn silu(v: f32) -> f32 {
     return v / (1.0 + exp(-v));
 }
 
+// GELU, tanh approximation (PyTorch `gelu_pytorch_tanh`). tanh(u) is written as
+// 1 - 2 / (exp(2u) + 1), which saturates to +-1 instead of dividing infinities.
+fn gelu_tanh(v: f32) -> f32 {
+    let u = 0.7978845608028654 * (v + 0.044715 * v * v * v);
+    return 0.5 * v * (2.0 - 2.0 / (exp(2.0 * u) + 1.0));
+}
+
 #if X_VEC4
 // x'[4 i .. 4 i + 4] of the input row starting at vec4 `xb4`: with NORM scaled by the norm
 // weight, their squares added to `*sum_sq` (which is left alone otherwise).
@@ -117,7 +124,11 @@ fn inv_rms(sum_sq: f32) -> f32 {
 fn store_out(t: u32, row: u32, a_raw: f32, b_raw: f32, r: f32) {
     var a = a_raw * r;
 #if GATED
+#if GELU
+    a = gelu_tanh(a) * (b_raw * r);
+#else
     a = silu(a) * (b_raw * r);
+#endif
 #endif
 #if BIAS
     a += bias[row];

@@ -252,6 +252,10 @@ pub mod flags {
     /// Texture matvec for a few tokens (CPU adapters' batched decode): four tokens per
     /// invocation share every texel fetch and dequantization.
     pub const TOK4: u32 = 2048;
+    /// GATED with GELU-tanh instead of SiLU: `gelu_tanh(gate x) * (up x)` (Gemma).
+    pub const GELU: u32 = 4096;
+    /// RMSNorm rows normalized in place (q/k heads inside the fused q|k|v rows).
+    pub const IN_PLACE: u32 = 8192;
     /// Every flag with its define name, in a stable order.
     pub const ALL: &[(u32, &str)] = &[
         (NORM, "NORM"),
@@ -266,6 +270,8 @@ pub mod flags {
         (XBCAST, "XBCAST"),
         (TEX, "TEX"),
         (TOK4, "TOK4"),
+        (GELU, "GELU"),
+        (IN_PLACE, "IN_PLACE"),
     ];
 }
 
@@ -404,7 +410,9 @@ impl PipelineKey {
         let mut v = Vec::new();
         let sg = Features { f16: false, subgroups: features.subgroups };
         v.push(PipelineKey::new(ShaderOp::Embedding, 64));
-        v.push(PipelineKey::new(ShaderOp::RmsNorm, 64));
+        for mode in [crate::kernels::rmsnorm::Mode::Write, crate::kernels::rmsnorm::Mode::Residual, crate::kernels::rmsnorm::Mode::InPlace] {
+            v.push(crate::kernels::rmsnorm::key(mode));
+        }
         for kv in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8] {
             v.push(PipelineKey::new(ShaderOp::RopeKv, 64).with_weights(kv));
             v.push(PipelineKey::new(ShaderOp::Attention, 64).with_weights(kv));
@@ -420,6 +428,7 @@ impl PipelineKey {
             0,
             RESIDUAL,
             NORM | GATED,
+            NORM | GATED | GELU,
             NORM | GATHER,
             NORM,
             BIAS,

@@ -24,6 +24,8 @@ pub struct AttentionParams {
     pub out_stride: u32,
     /// 1 / sqrt(head_dim) (or the model's attention scale).
     pub scale: f32,
+    /// Keys a query sees, itself included (sliding-window layers); 0: all earlier keys.
+    pub window: u32,
 }
 
 /// Mirrors `struct Params` in attention.wgsl.
@@ -42,6 +44,8 @@ struct AttentionUniform {
     shard: u32,
     n_shards: u32,
     scale_base: u32,
+    window: u32,
+    _pad: [u32; 3],
 }
 
 /// Mirrors `struct Params` in attention_reduce.wgsl.
@@ -176,6 +180,8 @@ pub async fn build_variant(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionP
             pages_per_shard: layout.pages_per_shard as u32,
             shard: shard as u32,
             n_shards: layout.n_shards as u32,
+            window: p.window,
+            _pad: [0; 3],
             scale_base: layout.scale_base() as u32,
         };
         let ubuf = create_uniform(ctx, "attention.params", &u);

@@ -16,16 +16,21 @@ pub struct EmbeddingParams {
     pub n_rows: u32,
     /// Elements per scale of packed tables (0 otherwise).
     pub group: u32,
+    /// Multiplies every gathered value.
+    pub scale: f32,
+    pub _pad: [u32; 3],
 }
 
-/// `y[t] = table[ids[t]]` for a table (vocab x k, any weight format) held as a linear layer,
-/// so a tied table is the LM head's own buffers.
+/// `y[t] = table[ids[t]] * scale` for a table (vocab x k, any weight format) held as a linear
+/// layer, so a tied table is the LM head's own buffers (`scale`: 1.0, or the model's
+/// embedding scale).
 pub async fn build(
     ctx: &GpuContext,
     step: &wgpu::Buffer,
     ids: &wgpu::Buffer,
     table: &GpuLinear,
     y: &wgpu::Buffer,
+    scale: f32,
 ) -> Result<Vec<Dispatch>, GpuError> {
     let k = table.k;
     let key = PipelineKey::new(ShaderOp::Embedding, 64).with_weights(table.format);
@@ -37,6 +42,8 @@ pub async fn build(
             row_offset: c.row_offset as u32,
             n_rows: c.rows as u32,
             group: table.quant.map_or(0, |q| q.group),
+            scale,
+            _pad: [0; 3],
         };
         let ubuf = create_uniform(ctx, "embedding.params", &params);
         let mut entries = vec![(0, step), (1, &ubuf), (2, ids), (3, &c.buffer), (4, y)];

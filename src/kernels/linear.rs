@@ -51,6 +51,8 @@ pub struct GpuLinear {
     pub bias: Option<Vec<wgpu::Buffer>>,
     /// CPU adapters: the packed codes and scales again as textures for the TEX matvec.
     pub tex: Option<TexCopy>,
+    /// Gated layers: GELU-tanh instead of SiLU on the gate (`flags::GELU`).
+    pub gelu: bool,
 }
 
 /// The textures of one weight chunk (codes and scales of w, and of u when gated), each row
@@ -247,6 +249,7 @@ impl GpuLinear {
             u_scales,
             bias,
             tex,
+            gelu: false,
         })
     }
 
@@ -318,6 +321,9 @@ pub async fn build(
     }
     if lin.u.is_some() {
         fl |= flags::GATED;
+        if lin.gelu {
+            fl |= flags::GELU;
+        }
     }
     if io.rows.is_some() {
         if shape == Shape::Matmul {

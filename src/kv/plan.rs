@@ -69,7 +69,10 @@ pub fn param_count(c: &ModelConfig) -> ParamCount {
     let kv = (c.num_kv_heads * c.head_dim) as u64;
     let f = c.intermediate_size as u64;
     let bias = if c.qkv_bias { q + 2 * kv } else { 0 };
-    let per_layer = d * q + 2 * d * kv + q * d + bias + 3 * d * f + 2 * d;
+    // Two norms per layer, four with sandwich norms, plus the q/k norms.
+    let norms = if c.block.norms == crate::model::NormPlacement::Sandwich { 4 * d } else { 2 * d };
+    let qk_norm = if c.block.qk_norm { 2 * c.head_dim as u64 } else { 0 };
+    let per_layer = d * q + 2 * d * kv + q * d + bias + 3 * d * f + norms + qk_norm;
     let embedding = c.vocab_size as u64 * d;
     let lm_head = if c.tie_word_embeddings { 0 } else { embedding };
     let layers = c.num_layers as u64 * per_layer;
@@ -85,8 +88,9 @@ pub fn param_count(c: &ModelConfig) -> ParamCount {
 
 /// Activation bytes of one forward step of `max_batch_tokens` tokens with `logit_rows` rows
 /// of logits, as `GpuModel::load` allocates them (f32 hidden, q|k|v, attention output, MLP
-/// activation, logits, step inputs, RoPE table of `context` positions; the block table's
-/// few bytes per sequence are left out).
+/// activation, logits, step inputs, RoPE table of `context` positions, and for sandwich-norm
+/// models the sublayer output and sliding layers' RoPE table; the block table's few bytes per
+/// sequence are left out).
 pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usize, context: usize) -> u64 {
     let t = max_batch_tokens.max(1) as u64;
     let r = logit_rows.max(1).min(max_batch_tokens.max(1)) as u64;
@@ -94,8 +98,10 @@ pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usi
     let act = t * (d + c.qkv_dim() as u64 + (c.num_heads * c.head_dim) as u64 + c.intermediate_size as u64) * 4;
     let logits = r * c.vocab_size as u64 * 4;
     let inputs = t * 4 * 4 + r * 4;
-    let rope = context as u64 * c.head_dim as u64 * 4;
-    act + logits + inputs + rope
+    let tables = if c.has_local_rope() { 2 } else { 1 };
+    let rope = tables * context as u64 * c.head_dim as u64 * 4;
+    let branch = if c.block.norms == crate::model::NormPlacement::Sandwich { t * d * 4 } else { 0 };
+    act + logits + inputs + rope + branch
 }
 
 /// Memory held back from a budget for the driver, fragmentation and small allocations: 5%,

@@ -4,8 +4,9 @@
 
 use serde::Serialize;
 
-/// Supported decoder-only architectures. All share the Llama block
-/// (RMSNorm, RoPE attention with grouped-query heads, SiLU-gated MLP).
+/// Supported decoder-only architectures. All share one block shape (RMSNorm, RoPE attention
+/// with grouped-query heads, a gated MLP); how each differs from Llama is data, in
+/// [`BlockSpec`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
@@ -15,6 +16,123 @@ pub enum Arch {
     Mistral,
     /// Qwen2: Llama block with q/k/v projection biases.
     Qwen2,
+    /// Gemma 3 (text): sandwich norms, q/k norms, GELU-tanh, a scaled embedding, and
+    /// sliding-window attention on five layers of every six.
+    Gemma3,
+}
+
+impl Arch {
+    /// The name GGUF's `general.architecture` uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// Where the block's RMSNorms sit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NormPlacement {
+    /// `x += f(norm(x))` for attention and MLP (Llama).
+    Pre,
+    /// `x += norm_post(f(norm_pre(x)))` for both (Gemma 2/3): four norms per layer.
+    Sandwich,
+}
+
+/// The gated MLP's activation: `down(act(gate x) * up x)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// `x * sigmoid(x)` (Llama, Qwen, Mistral).
+    Silu,
+    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (Gemma: `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// What one layer's attention sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerAttention {
+    /// Every earlier key (full causal attention), RoPE base `rope_theta`.
+    Full,
+    /// The query and the `sliding_window - 1` keys before it, RoPE base
+    /// `rope_local_theta` (Gemma 3's local layers).
+    Sliding,
+}
+
+/// How an architecture's decoder block differs from Llama's, as data the forward passes
+/// (GPU and CPU reference) read instead of branching on [`Arch`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BlockSpec {
+    pub norms: NormPlacement,
+    /// RMSNorm over each q and k head after the projection, before RoPE (Gemma 3, Qwen3).
+    pub qk_norm: bool,
+    pub activation: Activation,
+    /// The embedding output is multiplied by this (Gemma: sqrt(hidden) rounded to f32); the
+    /// tied LM head reads the unscaled table.
+    pub embedding_scale: Option<f32>,
+    /// Attention scores are multiplied by this (default `1/sqrt(head_dim)`; Gemma:
+    /// `query_pre_attn_scalar^-1/2`).
+    pub attention_scale: Option<f32>,
+    /// Per layer: full or sliding-window attention (empty: every layer full).
+    pub layer_attention: Vec<LayerAttention>,
+    /// Keys a sliding layer's query sees, itself included.
+    pub sliding_window: Option<usize>,
+    /// RoPE base of the sliding layers (Gemma 3: 10000, while global layers use 1e6).
+    pub rope_local_theta: Option<f64>,
+}
+
+impl Default for BlockSpec {
+    /// The Llama block.
+    fn default() -> Self {
+        BlockSpec {
+            norms: NormPlacement::Pre,
+            qk_norm: false,
+            activation: Activation::Silu,
+            embedding_scale: None,
+            attention_scale: None,
+            layer_attention: Vec::new(),
+            sliding_window: None,
+            rope_local_theta: None,
+        }
+    }
+}
+
+impl BlockSpec {
+    /// Gemma 3's block for a model of `num_layers` layers of width `hidden`, with a local
+    /// window of `window` keys (pattern 6: layer i is global iff (i + 1) % 6 == 0).
+    pub fn gemma3(num_layers: usize, hidden: usize, window: usize, query_pre_attn_scalar: f64, local_theta: f64) -> Self {
+        BlockSpec {
+            norms: NormPlacement::Sandwich,
+            qk_norm: true,
+            activation: Activation::GeluTanh,
+            // transformers: `torch.tensor(hidden ** 0.5, dtype=float32)`.
+            embedding_scale: Some((hidden as f64).sqrt() as f32),
+            attention_scale: Some((1.0 / query_pre_attn_scalar.sqrt()) as f32),
+            layer_attention: (0..num_layers)
+                .map(|i| if (i + 1) % 6 == 0 { LayerAttention::Full } else { LayerAttention::Sliding })
+                .collect(),
+            sliding_window: Some(window),
+            rope_local_theta: Some(local_theta),
+        }
+    }
+
+    /// Layer `l`'s attention kind.
+    pub fn attention(&self, l: usize) -> LayerAttention {
+        self.layer_attention.get(l).copied().unwrap_or(LayerAttention::Full)
+    }
+
+    /// Keys layer `l`'s query may see (itself included): `None` for full attention.
+    pub fn window(&self, l: usize) -> Option<usize> {
+        match self.attention(l) {
+            LayerAttention::Full => None,
+            LayerAttention::Sliding => self.sliding_window,
+        }
+    }
 }
 
 /// RoPE frequency scaling.
@@ -73,18 +191,44 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// Tokens that end generation.
     pub eos_token_ids: Vec<u32>,
+    /// How the block differs from Llama's (norm placement, q/k norms, activation, scales,
+    /// sliding-window layers).
+    pub block: BlockSpec,
 }
 
 impl ModelConfig {
     /// The exact inverse frequencies used by RoPE (length `head_dim / 2`), computed as
     /// transformers does (float32), including Llama 3 / linear scaling.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
+        self.rope_inv_freq_with(self.rope_theta, self.rope_scaling)
+    }
+
+    /// The inverse frequencies of layer `l` (sliding layers may have their own base, and are
+    /// never scaled).
+    pub fn layer_rope_inv_freq(&self, l: usize) -> Vec<f32> {
+        match (self.block.attention(l), self.block.rope_local_theta) {
+            (LayerAttention::Sliding, Some(theta)) => self.rope_inv_freq_with(theta, None),
+            _ => self.rope_inv_freq(),
+        }
+    }
+
+    /// Whether any layer uses a RoPE table other than the global one.
+    pub fn has_local_rope(&self) -> bool {
+        self.block.rope_local_theta.is_some() && self.block.layer_attention.contains(&LayerAttention::Sliding)
+    }
+
+    /// Attention's score scale.
+    pub fn attention_scale(&self) -> f32 {
+        self.block.attention_scale.unwrap_or((1.0 / (self.head_dim as f64).sqrt()) as f32)
+    }
+
+    fn rope_inv_freq_with(&self, theta: f64, scaling: Option<RopeScaling>) -> Vec<f32> {
         let dim = self.head_dim;
-        let base = self.rope_theta as f32;
+        let base = theta as f32;
         let mut inv: Vec<f32> = (0..dim / 2)
             .map(|i| 1.0f32 / base.powf((2 * i) as f32 / dim as f32))
             .collect();
-        match self.rope_scaling {
+        match scaling {
             None => {}
             Some(RopeScaling::Linear { factor }) => {
                 for f in &mut inv {
@@ -210,6 +354,7 @@ mod hf_json {
             "LlamaForCausalLM" => Some(Arch::Llama),
             "MistralForCausalLM" => Some(Arch::Mistral),
             "Qwen2ForCausalLM" => Some(Arch::Qwen2),
+            "Gemma3ForCausalLM" => Some(Arch::Gemma3),
             _ => None,
         };
         let classes: Vec<&str> = match get(o, "architectures") {
@@ -222,6 +367,12 @@ mod hf_json {
             Some("llama") => Arch::Llama,
             Some("mistral") => Arch::Mistral,
             Some("qwen2") => Arch::Qwen2,
+            Some("gemma3_text") => Arch::Gemma3,
+            Some("gemma3") => {
+                return Err(LanternError::UnsupportedArchitecture {
+                    arch: "gemma3 (the multimodal Gemma3ForConditionalGeneration; its text model, model_type gemma3_text, is supported)".into(),
+                })
+            }
             Some(other) => {
                 return Err(LanternError::UnsupportedArchitecture {
                     arch: other.to_string(),
@@ -268,7 +419,8 @@ mod hf_json {
                 ))
             }
         };
-        // Per-layer-type form ({"full_attention": {...}}): these archs only use full attention.
+        // Per-layer-type form ({"full_attention": {...}, "sliding_attention": {...}}): the
+        // global layers' parameters here; `gemma3_block` reads the sliding ones.
         if let Some(p) = params {
             if !p.contains_key("rope_type") && !p.contains_key("rope_theta") {
                 if let Some(Value::Object(full)) = p.get("full_attention") {
@@ -385,13 +537,16 @@ mod hf_json {
         let o = &o;
         let arch = arch(o, file)?;
 
-        if let Some(act) = get(o, "hidden_act").or_else(|| get(o, "hidden_activation")) {
-            if act.as_str() != Some("silu") {
-                return Err(cfg_err(
-                    file,
-                    "hidden_act",
-                    format!("only `silu` is supported, got {act}"),
-                ));
+        let want_act = if arch == Arch::Gemma3 { "gelu_pytorch_tanh" } else { "silu" };
+        for key in ["hidden_act", "hidden_activation"] {
+            if let Some(act) = get(o, key) {
+                if act.as_str() != Some(want_act) {
+                    return Err(cfg_err(
+                        file,
+                        key,
+                        format!("a {arch:?} model runs `{want_act}`, got {act}"),
+                    ));
+                }
             }
         }
 
@@ -450,6 +605,7 @@ mod hf_json {
             Arch::Llama => 2048,
             Arch::Mistral => 4096 * 32,
             Arch::Qwen2 => 32768,
+            Arch::Gemma3 => 131072,
         };
         let max_position_embeddings =
             usize_field(o, "max_position_embeddings", file)?.unwrap_or(default_max_pos);
@@ -472,6 +628,12 @@ mod hf_json {
         let qkv_bias = match arch {
             Arch::Qwen2 => true,
             Arch::Mistral => false,
+            Arch::Gemma3 => {
+                if bool_field(o, "attention_bias", file)? == Some(true) {
+                    return Err(cfg_err(file, "attention_bias", "Gemma 3 attention biases are not supported"));
+                }
+                false
+            }
             Arch::Llama => {
                 // In transformers' LlamaAttention `attention_bias` puts a bias on o_proj as
                 // well as q/k/v, and an o_proj bias has no place in this runtime's block.
@@ -516,8 +678,14 @@ mod hf_json {
                     ));
                 }
             }
+            Arch::Gemma3 => {}
         }
-        if let Some(Value::Array(types)) = get(o, "layer_types") {
+        let block = if arch == Arch::Gemma3 {
+            gemma3_block(o, file, num_layers, hidden_size, head_dim)?
+        } else {
+            super::BlockSpec::default()
+        };
+        if let (Some(Value::Array(types)), false) = (get(o, "layer_types"), arch == Arch::Gemma3) {
             if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
                 return Err(cfg_err(
                     file,
@@ -557,7 +725,65 @@ mod hf_json {
             qkv_bias,
             bos_token_id,
             eos_token_ids,
+            block,
         })
+    }
+
+    /// Gemma 3's block from its config: window, layer types (or the 6-layer pattern), local
+    /// RoPE base (per-layer-type `rope_parameters` or legacy `rope_local_base_freq`),
+    /// `query_pre_attn_scalar`; soft-capping refused.
+    fn gemma3_block(o: &Obj, file: &str, num_layers: usize, hidden: usize, head_dim: usize) -> Result<super::BlockSpec, LanternError> {
+        for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if get(o, key).is_some() {
+                return Err(cfg_err(file, key, "logit soft-capping is not supported"));
+            }
+        }
+        if bool_field(o, "use_bidirectional_attention", file)? == Some(true) {
+            return Err(cfg_err(file, "use_bidirectional_attention", "bidirectional attention is not supported"));
+        }
+        let window = required_usize(o, "sliding_window", file)?;
+        let scalar = f64_field(o, "query_pre_attn_scalar", "query_pre_attn_scalar", file)?.unwrap_or(head_dim as f64);
+        if !(scalar.is_finite() && scalar > 0.0) {
+            return Err(cfg_err(file, "query_pre_attn_scalar", format!("must be a positive number, got {scalar}")));
+        }
+        let local = match get(o, "rope_parameters").and_then(|p| p.get("sliding_attention")) {
+            Some(Value::Object(sl)) => {
+                if get(sl, "rope_type").and_then(Value::as_str).is_some_and(|t| t != "default") {
+                    return Err(cfg_err(file, "rope_parameters.sliding_attention.rope_type", "only `default` is supported"));
+                }
+                f64_field(sl, "rope_theta", "rope_parameters.sliding_attention.rope_theta", file)?
+            }
+            _ => f64_field(o, "rope_local_base_freq", "rope_local_base_freq", file)?,
+        }
+        .unwrap_or(10000.0);
+        let mut block = super::BlockSpec::gemma3(num_layers, hidden, window, scalar, local);
+        match get(o, "layer_types") {
+            Some(Value::Array(types)) => {
+                if types.len() != num_layers {
+                    return Err(cfg_err(file, "layer_types", format!("has {} entries for {num_layers} layers", types.len())));
+                }
+                block.layer_attention = types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("full_attention") => Ok(super::LayerAttention::Full),
+                        Some("sliding_attention") => Ok(super::LayerAttention::Sliding),
+                        _ => Err(cfg_err(file, "layer_types", format!("unknown layer type {t}"))),
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
+            Some(v) => return Err(cfg_err(file, "layer_types", format!("expected a list, got {v}"))),
+            None => {
+                if let Some(n) = usize_field(o, "sliding_window_pattern", file)? {
+                    if n == 0 {
+                        return Err(cfg_err(file, "sliding_window_pattern", "must be positive, got 0"));
+                    }
+                    block.layer_attention = (0..num_layers)
+                        .map(|i| if (i + 1) % n == 0 { super::LayerAttention::Full } else { super::LayerAttention::Sliding })
+                        .collect();
+                }
+            }
+        }
+        Ok(block)
     }
 }
 
@@ -600,6 +826,7 @@ impl ModelConfig {
             Arch::Llama => ("llama", "LlamaForCausalLM"),
             Arch::Mistral => ("mistral", "MistralForCausalLM"),
             Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+            Arch::Gemma3 => ("gemma3_text", "Gemma3ForCausalLM"),
         };
         // The shortest decimal that reads back as the same f32 (1e-5, not 9.99999974e-6).
         let eps: f64 = format!("{}", self.rms_norm_eps)
@@ -639,7 +866,10 @@ impl ModelConfig {
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": match self.block.activation {
+                Activation::Silu => "silu",
+                Activation::GeluTanh => "gelu_pytorch_tanh",
+            },
             "rms_norm_eps": eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": scaling,
@@ -658,6 +888,25 @@ impl ModelConfig {
             Arch::Llama => o["attention_bias"] = json!(false),
             Arch::Mistral => o["sliding_window"] = Value::Null,
             Arch::Qwen2 => o["use_sliding_window"] = json!(false),
+            Arch::Gemma3 => {
+                let b = &self.block;
+                o["attention_bias"] = json!(false);
+                o["sliding_window"] = json!(b.sliding_window);
+                o["layer_types"] = json!(b.layer_attention.iter().map(|a| match a {
+                    LayerAttention::Full => "full_attention",
+                    LayerAttention::Sliding => "sliding_attention",
+                }).collect::<Vec<_>>());
+                // 1/scale^2 (the scale is stored as f32; the scalar is an integer in practice).
+                let scale = self.attention_scale() as f64;
+                o["query_pre_attn_scalar"] = json!((1.0 / (scale * scale)).round());
+                o["rope_local_base_freq"] = json!(b.rope_local_theta.unwrap_or(10000.0));
+                o["rope_parameters"] = json!({
+                    "full_attention": o["rope_parameters"].clone(),
+                    "sliding_attention": {"rope_type": "default", "rope_theta": b.rope_local_theta.unwrap_or(10000.0)},
+                });
+                o["final_logit_softcapping"] = Value::Null;
+                o["attn_logit_softcapping"] = Value::Null;
+            }
         }
         serde_json::to_string_pretty(&o)
             .map_err(|e| crate::LanternError::Other(format!("config.json: {e}")))

@@ -124,8 +124,16 @@ struct Layer {
     o: GpuLinear,
     gate_up: GpuLinear,
     down: GpuLinear,
+    /// The attention input's norm (folded into the q|k|v projection).
     in_norm: wgpu::Buffer,
+    /// The MLP input's norm (folded into gate/up).
     post_norm: wgpu::Buffer,
+    /// q norm | k norm (2 head_dim floats), applied in place to each head.
+    qk_norm: Option<wgpu::Buffer>,
+    /// Sandwich norms of the attention and MLP outputs, applied as they are added into the
+    /// residual stream.
+    attn_out_norm: Option<wgpu::Buffer>,
+    mlp_out_norm: Option<wgpu::Buffer>,
 }
 
 /// Per-step host inputs.
@@ -145,6 +153,10 @@ struct Workspace {
     /// GPU top-k pairs of the logit rows (`2 TOPK_MAX` words per row).
     topk: wgpu::Buffer,
     rope: wgpu::Buffer,
+    /// The sliding layers' cos/sin table when their RoPE base differs (Gemma 3).
+    rope_local: Option<wgpu::Buffer>,
+    /// A sublayer's output before its post-norm (sandwich-norm models), `t x hidden`.
+    branch: Option<wgpu::Buffer>,
     /// Attention's partial results when keys are split (a 4-byte stand-in otherwise).
     partials: wgpu::Buffer,
 }
@@ -525,13 +537,26 @@ impl GpuModel {
                 .map_err(gpu_err)?;
             let dn_w = matrix(&[get(weights, &format!("{p}.mlp.down_proj.weight"))?], keep)?;
             let down = GpuLinear::upload_with(&ctx, &format!("{p}.down_proj"), dn_w.as_matrix(), None, None, d, f, textures).map_err(gpu_err)?;
+            let norms = crate::model::validate::layer_norm_names(&c, l);
+            let qk_norm = if c.block.qk_norm {
+                let mut v = get(weights, &format!("{p}.self_attn.q_norm.weight"))?.to_f32();
+                v.extend(get(weights, &format!("{p}.self_attn.k_norm.weight"))?.to_f32());
+                Some(create_storage(&ctx, &format!("{p}.qk_norm"), bytemuck::cast_slice(&v)).map_err(gpu_err)?)
+            } else {
+                None
+            };
+            let mut gate_up = gate_up;
+            gate_up.gelu = c.block.activation == crate::model::Activation::GeluTanh;
             layers.push(Layer {
                 qkv,
                 o,
                 gate_up,
                 down,
-                in_norm: norm(&format!("{p}.input_layernorm.weight"))?,
-                post_norm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+                in_norm: norm(&norms.attn_in)?,
+                post_norm: norm(&norms.mlp_in)?,
+                qk_norm,
+                attn_out_norm: norms.attn_out.as_deref().map(norm).transpose()?,
+                mlp_out_norm: norms.mlp_out.as_deref().map(norm).transpose()?,
             });
             // Flush this layer's uploads so staging memory stays about one layer's worth.
             ctx.queue.submit(std::iter::empty());
@@ -585,7 +610,7 @@ impl GpuModel {
         } else {
             options.attention_splits.unwrap_or(if ctx.caps.cpu_like { 1 } else { 16 }).max(1)
         };
-        let attn_p = Self::attention_params(&c, kv_cfg);
+        let attn_p = Self::attention_params(&c, kv_cfg, 0);
         let t_max = options.max_batch_tokens.max(1);
         let partials_bytes = kernels::attention::partials_bytes(&attn_p, &layout, t_max, 1)
             .max(kernels::attention::partials_bytes(&attn_p, &layout, t_max.min(SPLIT_MAX_TOKENS), attention_splits));
@@ -611,13 +636,24 @@ impl GpuModel {
             topk: create_zeroed(&ctx, "topk", (r * 2 * kernels::topk::TOPK_MAX * 4) as u64).map_err(gpu_err)?,
             rope: create_storage(&ctx, "rope", bytemuck::cast_slice(&rope_table(&c.rope_inv_freq(), context)))
                 .map_err(gpu_err)?,
+            rope_local: match (c.has_local_rope(), c.block.layer_attention.iter().position(|a| *a == crate::model::LayerAttention::Sliding)) {
+                (true, Some(l)) => Some(
+                    create_storage(&ctx, "rope.local", bytemuck::cast_slice(&rope_table(&c.layer_rope_inv_freq(l), context))).map_err(gpu_err)?,
+                ),
+                _ => None,
+            },
+            branch: if c.block.norms == crate::model::NormPlacement::Sandwich {
+                Some(create_zeroed(&ctx, "branch", (t * d * 4) as u64).map_err(gpu_err)?)
+            } else {
+                None
+            },
             partials: create_zeroed(&ctx, "attention.partials", partials_bytes.max(4)).map_err(gpu_err)?,
         };
         let _ = kv_dim;
 
         // Plans.
         let embed_src = embed_own.as_ref().unwrap_or(&lm_head);
-        let embed = kernels::embedding::build(&ctx, &ws.step, &ws.ids, embed_src, &ws.hidden)
+        let embed = kernels::embedding::build(&ctx, &ws.step, &ws.ids, embed_src, &ws.hidden, c.block.embedding_scale.unwrap_or(1.0))
             .await
             .map_err(gpu_err)?;
         let mut layers_matvec = Vec::new();
@@ -695,6 +731,9 @@ impl GpuModel {
             }
             memory.add_f32_vector(d);
             memory.add_f32_vector(d);
+            for b in [&layer.qk_norm, &layer.attn_out_norm, &layer.mlp_out_norm].into_iter().flatten() {
+                memory.add_f32_vector(b.size() as usize / 4);
+            }
         }
         memory.add_linear(&lm_head);
         if let Some(e) = &embed_own {
@@ -715,7 +754,8 @@ impl GpuModel {
         ]
         .iter()
         .map(|b| b.size())
-        .sum();
+        .sum::<u64>()
+            + [&ws.rope_local, &ws.branch].into_iter().flatten().map(|b| b.size()).sum::<u64>();
         let allocs = ctx.ledger.since(mark);
         let usage_bytes = |u: crate::gpu::AllocUsage| allocs.iter().filter(|a| a.usage == u).map(|a| a.bytes).sum::<u64>();
         memory.uniforms = usage_bytes(crate::gpu::AllocUsage::Uniform);
@@ -815,7 +855,8 @@ impl GpuModel {
         Ok((fit.min(requested), budget))
     }
 
-    fn attention_params(c: &ModelConfig, kv_cfg: KvConfig) -> AttentionParams {
+    /// Layer `l`'s attention sizes, scale and window.
+    fn attention_params(c: &ModelConfig, kv_cfg: KvConfig, l: usize) -> AttentionParams {
         AttentionParams {
             n_heads: c.num_heads as u32,
             n_kv_heads: c.num_kv_heads as u32,
@@ -823,19 +864,20 @@ impl GpuModel {
             qkv_stride: c.qkv_dim() as u32,
             max_pages: kv_cfg.max_pages_per_seq() as u32,
             out_stride: (c.num_heads * c.head_dim) as u32,
-            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            scale: c.attention_scale(),
+            window: c.block.window(l).map_or(0, |w| w as u32),
         }
     }
 
     #[allow(clippy::too_many_arguments)]
-    async fn layer_plan(
+    async fn layer_plan<'a>(
         ctx: &GpuContext,
         c: &ModelConfig,
-        ws: &Workspace,
+        ws: &'a Workspace,
         kv: &KvStore,
         kv_cfg: KvConfig,
         l: usize,
-        layer: &Layer,
+        layer: &'a Layer,
         shape: Shape,
     ) -> Result<Vec<Dispatch>> {
         let d = c.hidden_size;
@@ -850,6 +892,13 @@ impl GpuModel {
             pio.out_offset = *col;
             v.extend(kernels::linear::build(ctx, part, &pio, shape).await.map_err(gpu_err)?);
         }
+        if let Some(g) = &layer.qk_norm {
+            // Every q head, then every k head, of each token's q|k|v row.
+            let rows = kernels::rmsnorm::RowLayout { k: hd, rows: c.num_heads + c.num_kv_heads, row_stride: hd, token_stride: qkv_dim, split: c.num_heads };
+            v.push(kernels::rmsnorm::build(ctx, &ws.step, &ws.qkv, g, &ws.qkv, rows, eps, kernels::rmsnorm::Mode::InPlace).await.map_err(gpu_err)?);
+        }
+        let local = c.block.attention(l) == crate::model::LayerAttention::Sliding;
+        let rope = ws.rope_local.as_ref().filter(|_| local).unwrap_or(&ws.rope);
         let max_pages = kv_cfg.max_pages_per_seq() as u32;
         let kvb = KvBinding { layout: &kv.layout, k: &kv.k[l], v: &kv.v[l] };
         v.extend(
@@ -858,7 +907,7 @@ impl GpuModel {
                 &RopeKvIo {
                     step: &ws.step,
                     qkv: &ws.qkv,
-                    rope: &ws.rope,
+                    rope,
                     positions: &ws.positions,
                     token_seq: &ws.token_seq,
                     block_table: &ws.block_table,
@@ -889,16 +938,32 @@ impl GpuModel {
                     out: &ws.attn,
                     partials: &ws.partials,
                 },
-                Self::attention_params(c, kv_cfg),
+                Self::attention_params(c, kv_cfg, l),
             )
             .await
             .map_err(gpu_err)?,
         );
-        v.extend(
-            kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, &ws.hidden, d, true), shape)
+        // A sublayer's output goes into the residual stream directly, or (sandwich norms)
+        // through `branch` and its post-norm.
+        let post = |out_norm: &'a Option<wgpu::Buffer>| -> Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)> {
+            out_norm.as_ref().zip(ws.branch.as_ref())
+        };
+        let add_normed = async |g: &wgpu::Buffer, b: &wgpu::Buffer| {
+            kernels::rmsnorm::build(ctx, &ws.step, b, g, &ws.hidden, kernels::rmsnorm::RowLayout::dense(d), eps, kernels::rmsnorm::Mode::Residual)
                 .await
-                .map_err(gpu_err)?,
-        );
+                .map_err(gpu_err)
+        };
+        match post(&layer.attn_out_norm) {
+            Some((g, b)) => {
+                v.extend(kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, b, d, false), shape).await.map_err(gpu_err)?);
+                v.push(add_normed(g, b).await?);
+            }
+            None => v.extend(
+                kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, &ws.hidden, d, true), shape)
+                    .await
+                    .map_err(gpu_err)?,
+            ),
+        }
         v.extend(
             kernels::linear::build(
                 ctx,
@@ -909,11 +974,17 @@ impl GpuModel {
             .await
             .map_err(gpu_err)?,
         );
-        v.extend(
-            kernels::linear::build(ctx, &layer.down, &io(&ws.act, c.intermediate_size, None, &ws.hidden, d, true), shape)
-                .await
-                .map_err(gpu_err)?,
-        );
+        match post(&layer.mlp_out_norm) {
+            Some((g, b)) => {
+                v.extend(kernels::linear::build(ctx, &layer.down, &io(&ws.act, c.intermediate_size, None, b, d, false), shape).await.map_err(gpu_err)?);
+                v.push(add_normed(g, b).await?);
+            }
+            None => v.extend(
+                kernels::linear::build(ctx, &layer.down, &io(&ws.act, c.intermediate_size, None, &ws.hidden, d, true), shape)
+                    .await
+                    .map_err(gpu_err)?,
+            ),
+        }
         Ok(v)
     }
 

@@ -10,7 +10,7 @@ pub mod validate;
 pub mod llama;
 pub mod load;
 
-pub use config::{Arch, ModelConfig, RopeScaling};
+pub use config::{Activation, Arch, BlockSpec, LayerAttention, ModelConfig, NormPlacement, RopeScaling};
 pub use tensor::{DType, HostTensor, ModelWeights};
 
 /// Errors while loading weights from a safetensors folder or while mapping tensors to the

@@ -2,7 +2,7 @@
 //! present with the exact expected shape and a byte size matching its dtype, and no bias the
 //! config does not account for is silently ignored.
 
-use super::config::ModelConfig;
+use super::config::{ModelConfig, NormPlacement};
 use super::tensor::ModelWeights;
 use super::LoadError;
 use crate::error::LanternError;
@@ -10,36 +10,88 @@ use crate::error::LanternError;
 /// Every tensor the forward pass reads, with its expected shape (Hugging Face names,
 /// Linear weights as `[out_features, in_features]`).
 pub fn expected_tensors(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, hd) = (c.hidden_size, c.head_dim);
-    let q = c.num_heads * hd;
-    let kv = c.num_kv_heads * hd;
-    let ffn = c.intermediate_size;
-    let mut out = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![c.vocab_size, h],
-    )];
+    let mut out = expected_global_tensors(c);
     for l in 0..c.num_layers {
-        let p = format!("model.layers.{l}");
-        out.push((format!("{p}.input_layernorm.weight"), vec![h]));
-        out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
-        out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
-        out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
-        if c.qkv_bias {
-            out.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
-            out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
-            out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
-        }
-        out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
-        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-        out.push((format!("{p}.mlp.gate_proj.weight"), vec![ffn, h]));
-        out.push((format!("{p}.mlp.up_proj.weight"), vec![ffn, h]));
-        out.push((format!("{p}.mlp.down_proj.weight"), vec![h, ffn]));
+        out.extend(expected_layer_tensors(c, l));
     }
-    out.push(("model.norm.weight".to_string(), vec![h]));
+    out
+}
+
+/// The tensors outside the layers: embedding, final norm, and the head unless tied.
+pub fn expected_global_tensors(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let h = c.hidden_size;
+    let mut out = vec![
+        ("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h]),
+        ("model.norm.weight".to_string(), vec![h]),
+    ];
     if !c.tie_word_embeddings {
         out.push(("lm_head.weight".to_string(), vec![c.vocab_size, h]));
     }
     out
+}
+
+/// Layer `l`'s tensors, as the architecture's block ([`ModelConfig::block`]) has them.
+pub fn expected_layer_tensors(c: &ModelConfig, l: usize) -> Vec<(String, Vec<usize>)> {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let q = c.num_heads * hd;
+    let kv = c.num_kv_heads * hd;
+    let ffn = c.intermediate_size;
+    let p = format!("model.layers.{l}");
+    let mut out = vec![
+        (format!("{p}.input_layernorm.weight"), vec![h]),
+        (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+        (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+        (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+    ];
+    if c.qkv_bias {
+        out.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+        out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+        out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+    }
+    if c.block.qk_norm {
+        out.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+        out.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+    }
+    out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+    out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+    if c.block.norms == NormPlacement::Sandwich {
+        out.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
+        out.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
+    }
+    out.push((format!("{p}.mlp.gate_proj.weight"), vec![ffn, h]));
+    out.push((format!("{p}.mlp.up_proj.weight"), vec![ffn, h]));
+    out.push((format!("{p}.mlp.down_proj.weight"), vec![h, ffn]));
+    out
+}
+
+/// The norm weights of layer `l` in the order the block applies them: the attention
+/// input's, then (sandwich) the attention output's, then the MLP input's, then (sandwich) the
+/// MLP output's.
+pub fn layer_norm_names(c: &ModelConfig, l: usize) -> LayerNorms {
+    let p = format!("model.layers.{l}");
+    match c.block.norms {
+        NormPlacement::Pre => LayerNorms {
+            attn_in: format!("{p}.input_layernorm.weight"),
+            attn_out: None,
+            mlp_in: format!("{p}.post_attention_layernorm.weight"),
+            mlp_out: None,
+        },
+        NormPlacement::Sandwich => LayerNorms {
+            attn_in: format!("{p}.input_layernorm.weight"),
+            attn_out: Some(format!("{p}.post_attention_layernorm.weight")),
+            mlp_in: format!("{p}.pre_feedforward_layernorm.weight"),
+            mlp_out: Some(format!("{p}.post_feedforward_layernorm.weight")),
+        },
+    }
+}
+
+/// One layer's norm tensor names (Hugging Face names; see [`layer_norm_names`]).
+#[derive(Debug, Clone)]
+pub struct LayerNorms {
+    pub attn_in: String,
+    pub attn_out: Option<String>,
+    pub mlp_in: String,
+    pub mlp_out: Option<String>,
 }
 
 /// True for a bias tensor the runtime would not apply under this config.

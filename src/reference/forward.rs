@@ -1,7 +1,10 @@
-//! The whole Llama-family forward pass as plain loops over f32 weights (f64 accumulation):
-//! the oracle for the GPU forward pass. Mirrors transformers' `LlamaForCausalLM` /
-//! `Qwen2ForCausalLM` / `MistralForCausalLM` (eager attention, full causal mask):
-//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/llama/modeling_llama.py>.
+//! The whole forward pass as plain loops over f32 weights (f64 accumulation): the oracle for
+//! the GPU forward pass. Mirrors transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM` /
+//! `MistralForCausalLM` (eager attention, full causal mask):
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/llama/modeling_llama.py>,
+//! and `Gemma3ForCausalLM` (`models/gemma3/modeling_gemma3.py`) through the config's
+//! [`BlockSpec`](crate::model::BlockSpec): sandwich norms, q/k norms, GELU-tanh, the
+//! embedding scale, sliding-window layers with their own RoPE base.
 
 use super::ops;
 use crate::error::LanternError;
@@ -18,7 +21,15 @@ struct RefLayer {
     k_bias: Option<Vec<f32>>, // (n_kv_heads * head_dim)
     v_bias: Option<Vec<f32>>, // (n_kv_heads * head_dim)
     o: Vec<f32>,              // (hidden, n_heads * head_dim)
+    /// q/k norms over each head (head_dim), with `BlockSpec::qk_norm`.
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    /// Sandwich norms of the attention and MLP outputs (hidden each).
+    attn_out_norm: Option<Vec<f32>>,
+    mlp_out_norm: Option<Vec<f32>>,
+    /// The MLP input's norm.
     post_norm: Vec<f32>,      // (hidden)
+    inv_freq: Vec<f32>,       // (head_dim / 2): this layer's RoPE
+    window: Option<usize>,
     gate: Vec<f32>,           // (intermediate, hidden)
     up: Vec<f32>,             // (intermediate, hidden)
     down: Vec<f32>,           // (hidden, intermediate)
@@ -31,7 +42,6 @@ pub struct ReferenceModel {
     layers: Vec<RefLayer>,
     norm: Vec<f32>,            // (hidden)
     lm_head: Option<Vec<f32>>, // (vocab, hidden); None when tied to `embed`
-    inv_freq: Vec<f32>,        // (head_dim / 2)
 }
 
 impl ReferenceModel {
@@ -53,8 +63,14 @@ impl ReferenceModel {
                         None
                     }
                 };
+                let norms = crate::model::validate::layer_norm_names(&c, l);
                 RefLayer {
-                    input_norm: get(&format!("{p}.input_layernorm.weight")),
+                    qk_norm: c.block.qk_norm.then(|| (get(&format!("{p}.self_attn.q_norm.weight")), get(&format!("{p}.self_attn.k_norm.weight")))),
+                    attn_out_norm: norms.attn_out.as_deref().map(get),
+                    mlp_out_norm: norms.mlp_out.as_deref().map(get),
+                    inv_freq: c.layer_rope_inv_freq(l),
+                    window: c.block.window(l),
+                    input_norm: get(&norms.attn_in),
                     q: get(&format!("{p}.self_attn.q_proj.weight")),
                     k: get(&format!("{p}.self_attn.k_proj.weight")),
                     v: get(&format!("{p}.self_attn.v_proj.weight")),
@@ -62,7 +78,7 @@ impl ReferenceModel {
                     k_bias: bias("k"),
                     v_bias: bias("v"),
                     o: get(&format!("{p}.self_attn.o_proj.weight")),
-                    post_norm: get(&format!("{p}.post_attention_layernorm.weight")),
+                    post_norm: get(&norms.mlp_in),
                     gate: get(&format!("{p}.mlp.gate_proj.weight")),
                     up: get(&format!("{p}.mlp.up_proj.weight")),
                     down: get(&format!("{p}.mlp.down_proj.weight")),
@@ -77,7 +93,6 @@ impl ReferenceModel {
             } else {
                 Some(get("lm_head.weight"))
             },
-            inv_freq: c.rope_inv_freq(),
             layers,
             config: c,
         })
@@ -98,27 +113,30 @@ impl ReferenceModel {
         let q = ops::linear(&n, &layer.q, layer.q_bias.as_deref(), h, qd);
         let k = ops::linear(&n, &layer.k, layer.k_bias.as_deref(), h, kvd);
         let v = ops::linear(&n, &layer.v, layer.v_bias.as_deref(), h, kvd);
-        let q = ops::rope(&q, positions, c.num_heads, hd, &self.inv_freq);
-        let k = ops::rope(&k, positions, c.num_kv_heads, hd, &self.inv_freq);
-        let scale = (1.0 / (hd as f64).sqrt()) as f32;
-        let a = ops::attention(
-            &q,
-            &k,
-            &v,
-            positions,
-            c.num_heads,
-            c.num_kv_heads,
-            hd,
-            scale,
-        );
-        let x = ops::add(x, &ops::linear(&a, &layer.o, None, qd, h));
+        // q/k norms run over each head's head_dim values.
+        let (q, k) = match &layer.qk_norm {
+            Some((qn, kn)) => (ops::rmsnorm(&q, qn, c.rms_norm_eps), ops::rmsnorm(&k, kn, c.rms_norm_eps)),
+            None => (q, k),
+        };
+        let q = ops::rope(&q, positions, c.num_heads, hd, &layer.inv_freq);
+        let k = ops::rope(&k, positions, c.num_kv_heads, hd, &layer.inv_freq);
+        let a = ops::attention_windowed(&q, &k, &v, positions, c.num_heads, c.num_kv_heads, hd, c.attention_scale(), layer.window);
+        let out_norm = |y: Vec<f32>, w: &Option<Vec<f32>>| match w {
+            Some(w) => ops::rmsnorm(&y, w, c.rms_norm_eps),
+            None => y,
+        };
+        let x = ops::add(x, &out_norm(ops::linear(&a, &layer.o, None, qd, h), &layer.attn_out_norm));
 
         let n = ops::rmsnorm(&x, &layer.post_norm, c.rms_norm_eps);
         let ffn = c.intermediate_size;
         let g = ops::linear(&n, &layer.gate, None, h, ffn);
         let u = ops::linear(&n, &layer.up, None, h, ffn);
-        let m = ops::linear(&ops::silu_mul(&g, &u), &layer.down, None, ffn, h);
-        ops::add(&x, &m)
+        let act = match c.block.activation {
+            crate::model::Activation::Silu => ops::silu_mul(&g, &u),
+            crate::model::Activation::GeluTanh => ops::gelu_tanh_mul(&g, &u),
+        };
+        let m = ops::linear(&act, &layer.down, None, ffn, h);
+        ops::add(&x, &out_norm(m, &layer.mlp_out_norm))
     }
 
     /// The residual stream of a full causal pass over `tokens` (positions `0..T`): element 0
@@ -131,12 +149,12 @@ impl ReferenceModel {
         let c = &self.config;
         let positions: Vec<usize> = (0..tokens.len()).collect();
         let mut states = Vec::with_capacity(c.num_layers + 1);
-        states.push(ops::embedding(
-            &self.embed,
-            c.vocab_size,
-            c.hidden_size,
-            tokens,
-        ));
+        let mut e = ops::embedding(&self.embed, c.vocab_size, c.hidden_size, tokens);
+        if let Some(scale) = c.block.embedding_scale {
+            // transformers multiplies in the activation dtype (f32).
+            e.iter_mut().for_each(|v| *v *= scale);
+        }
+        states.push(e);
         for layer in &self.layers {
             let next = self.layer(
                 layer,

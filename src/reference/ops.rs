@@ -139,6 +139,23 @@ pub fn attention(
     head_dim: usize,
     scale: f32,
 ) -> Vec<f32> {
+    attention_windowed(q, k, v, q_positions, n_heads, n_kv_heads, head_dim, scale, None)
+}
+
+/// [`attention`] where, with `window = Some(w)`, query position `i` sees only keys `j` with
+/// `i - w < j <= i` (sliding-window attention: itself and the `w - 1` keys before it).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_windowed(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    q_positions: &[usize],
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    window: Option<usize>,
+) -> Vec<f32> {
     assert!(
         n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
         "attention: heads not a multiple of kv heads"
@@ -164,24 +181,25 @@ pub fn attention(
             "attention: query position {pos} has no key (S = {s})"
         );
         let n_keys = pos + 1;
+        let first = window.map_or(0, |w| n_keys.saturating_sub(w.max(1)));
         for h in 0..n_heads {
             let kvh = h / group;
             let qr = &q[t * qw + h * head_dim..t * qw + (h + 1) * head_dim];
             let mut max = f64::NEG_INFINITY;
-            for (j, sc) in scores[..n_keys].iter_mut().enumerate() {
+            for (j, sc) in scores[..n_keys].iter_mut().enumerate().skip(first) {
                 let kr = &k[j * kw + kvh * head_dim..j * kw + (kvh + 1) * head_dim];
                 let dot: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
                 *sc = dot * scale as f64;
                 max = max.max(*sc);
             }
             let mut denom = 0.0f64;
-            for sc in &mut scores[..n_keys] {
+            for sc in &mut scores[first..n_keys] {
                 *sc = (*sc - max).exp();
                 denom += *sc;
             }
             for d in 0..head_dim {
                 let mut acc = 0.0f64;
-                for (j, &p) in scores[..n_keys].iter().enumerate() {
+                for (j, &p) in scores[..n_keys].iter().enumerate().skip(first) {
                     acc += p * v[j * kw + kvh * head_dim + d] as f64;
                 }
                 out[t * qw + h * head_dim + d] = (acc / denom) as f32;
@@ -211,6 +229,19 @@ pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
         .zip(up)
         .map(|(&g, &u)| (silu_f64(g as f64) * u as f64) as f32)
         .collect()
+}
+
+/// GELU with the tanh approximation (PyTorch `gelu(approximate="tanh")`,
+/// `gelu_pytorch_tanh`), in f64.
+pub fn gelu_tanh(v: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    0.5 * v * (1.0 + (c * (v + 0.044715 * v * v * v)).tanh())
+}
+
+/// Gated MLP activation `gelu_tanh(gate) * up`, elementwise (Gemma).
+pub fn gelu_tanh_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    assert_eq!(gate.len(), up.len(), "gelu_tanh_mul: gate and up differ in length");
+    gate.iter().zip(up).map(|(&g, &u)| (gelu_tanh(g as f64) * u as f64) as f32).collect()
 }
 
 /// Elementwise `a + b` (the residual add); both have the same length.

@@ -59,6 +59,7 @@ pub fn random_model(s: Spec) -> ModelWeights {
         qkv_bias: s.bias,
         bos_token_id: None,
         eos_token_ids: vec![],
+        block: Default::default(),
     };
     let mut tensors = HashMap::new();
     let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32, rng: &mut Rng, matrix: bool| {

@@ -7,6 +7,44 @@ use lantern::engine::sampler::argmax;
 use lantern::eval::{perplexity, Window};
 use lantern::model::llama::{GpuModel, Want};
 use lantern::model::tokenizer::Tokenizer;
+use lantern::model::load::load_path;
+use std::path::{Path, PathBuf};
+
+/// A vendored fixture folder, `tests/fixtures/NAME`.
+pub fn fixtures(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// A catalogue model file (`lantern fetch NAME`), or the path in `$var`.
+pub fn model(var: &str, name: &str) -> PathBuf {
+    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        lantern::fetch::model_path(lantern::fetch::find_model(name).expect("catalogue entry"))
+    });
+    assert!(path.is_file(), "{} not found: run `lantern fetch {name}` (the README's test command does) or set {var}", path.display());
+    path
+}
+
+/// A JSON file of a vendored fixture folder.
+pub fn json(dir: &str, file: &str) -> serde_json::Value {
+    super::read_json(&fixtures(dir).join(file))
+}
+
+/// GPU weight bytes by dtype against the file's, and no float copy of a quantized tensor.
+pub fn check_memory(path: &Path, model: &GpuModel) {
+    let l = load_path(path).unwrap();
+    let file_quant: u64 = l.weights.tensors.values().filter(|t| t.dtype.quant_kind().is_some()).map(|t| t.data.len() as u64).sum();
+    let file_f32: u64 = l.weights.tensors.values().filter(|t| t.dtype.quant_kind().is_none()).map(|t| t.data.len() as u64).sum();
+    let m = model.memory();
+    let gpu_quant: u64 = m.weights.iter().filter(|(k, _)| k.as_str() != "f32").map(|(_, w)| w.bytes + w.scale_bytes).sum();
+    let ratio = gpu_quant as f64 / file_quant as f64;
+    eprintln!("{}: quantized weights {gpu_quant} bytes on the GPU for {file_quant} in the file ({:+.3}%); by dtype {:?}", path.display(), 100.0 * (ratio - 1.0), m.weights.keys());
+    assert!((ratio - 1.0).abs() <= 0.02, "GPU weight bytes {gpu_quant} vs file {file_quant}");
+    // f32 norms and biases only: an f32 copy of any matrix would add its size here.
+    assert!(m.weights.get("f32").map_or(0, |w| w.bytes) <= file_f32, "f32 weights {:?} beyond the file's f32 tensors ({file_f32})", m.weights.get("f32"));
+    assert!(!m.weights.contains_key("f16"));
+    assert!(m.weight_textures == 0 || model.ctx.caps.cpu_like, "texture copies on CPU adapters only");
+}
+
 
 /// Last-position top-20 logits bound (the fixtures' "about 1e-3 absolute").
 pub const TOP20_TOL: f32 = 1e-3;

@@ -4,9 +4,11 @@
 
 use super::*;
 
-/// The Hugging Face name for a llama.cpp tensor name, or `None` for names with no HF
-/// counterpart (e.g. `rope_freqs.weight`).
-pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
+/// The Hugging Face name for a llama.cpp tensor name in a file of architecture `arch`, or
+/// `None` for names with no HF counterpart (e.g. `rope_freqs.weight`). `ffn_norm` is the
+/// MLP's input norm: Llama's `post_attention_layernorm`, Gemma's
+/// `pre_feedforward_layernorm` (where `post_attention_norm` is the attention output's norm).
+pub fn hf_tensor_name(gguf_name: &str, arch: Arch) -> Option<String> {
     match gguf_name {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
         "output_norm.weight" => return Some("model.norm.weight".into()),
@@ -22,7 +24,12 @@ pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
     }
     let hf = match module {
         "attn_norm" => "input_layernorm",
+        "ffn_norm" if arch == Arch::Gemma3 => "pre_feedforward_layernorm",
         "ffn_norm" => "post_attention_layernorm",
+        "post_attention_norm" if arch == Arch::Gemma3 => "post_attention_layernorm",
+        "post_ffw_norm" if arch == Arch::Gemma3 => "post_feedforward_layernorm",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
         "attn_q" => "self_attn.q_proj",
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
@@ -89,6 +96,7 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         "llama" => Arch::Llama,
         "mistral" => Arch::Mistral,
         "qwen2" => Arch::Qwen2,
+        "gemma3" => Arch::Gemma3,
         other => {
             return Err(LanternError::UnsupportedArchitecture {
                 arch: other.to_string(),
@@ -184,6 +192,22 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         }
     }
     let qkv_bias = arch == Arch::Qwen2 || g.tensor_info("blk.0.attn_q.bias").is_some();
+    let block = match arch {
+        Arch::Gemma3 => {
+            // As llama.cpp reads these files: a window from the metadata, pattern 6, local
+            // RoPE base 10000 (not stored), scores scaled by 1/sqrt(head_dim) (the 27B model's
+            // query_pre_attn_scalar differs; it is not stored either).
+            let window = nonzero(g, &k("attention.sliding_window"))?;
+            if rope_scaling.is_some() {
+                return Err(config_err(&k("rope.scaling.type"), "RoPE scaling on Gemma 3 is not supported"));
+            }
+            if g.get_f32_opt(&k("final_logit_softcapping"))?.is_some() || g.get_f32_opt(&k("attn_logit_softcapping"))?.is_some() {
+                return Err(config_err(&k("final_logit_softcapping"), "logit soft-capping is not supported"));
+            }
+            BlockSpec::gemma3(num_layers, hidden_size, window, head_dim as f64, 10000.0)
+        }
+        _ => BlockSpec::default(),
+    };
     Ok(ModelConfig {
         arch,
         vocab_size,
@@ -201,6 +225,7 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         qkv_bias,
         bos_token_id,
         eos_token_ids,
+        block,
     })
 }
 
@@ -329,7 +354,7 @@ pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWe
     let permuted = matches!(config.arch, Arch::Llama | Arch::Mistral);
     let mut tensors = HashMap::with_capacity(gguf.tensors().len());
     for info in gguf.tensors() {
-        let Some(hf) = hf_tensor_name(&info.name) else {
+        let Some(hf) = hf_tensor_name(&info.name, config.arch) else {
             if info.name != "rope_freqs.weight" {
                 log::warn!(
                     "{file_name}: ignoring tensor `{}` (no Hugging Face counterpart)",
@@ -388,17 +413,12 @@ pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWe
     })
 }
 
-/// Every tensor the forward pass needs is present with the shape the config implies.
-/// Checked layer by layer, so a corrupt `block_count` fails at the first missing layer
-/// instead of building a huge list.
+/// Every tensor the forward pass needs is present with the shape the config implies
+/// ([`crate::model::validate::expected_layer_tensors`]). Checked layer by layer, so a
+/// corrupt `block_count` fails at the first missing layer instead of building a huge list.
 fn check_tensor_set(c: &ModelConfig, tensors: &HashMap<String, HostTensor>, file: &str) -> Result<(), LanternError> {
-    let (h, q, kv, ff) = (
-        c.hidden_size,
-        c.num_heads * c.head_dim,
-        c.num_kv_heads * c.head_dim,
-        c.intermediate_size,
-    );
-    let check = |name: String, shape: Vec<usize>| -> Result<(), LanternError> {
+    use crate::model::validate::{expected_global_tensors, expected_layer_tensors};
+    let check = |(name, shape): (String, Vec<usize>)| -> Result<(), LanternError> {
         match tensors.get(&name) {
             None => Err(LoadError::MissingTensor {
                 file: file.to_string(),
@@ -415,26 +435,12 @@ fn check_tensor_set(c: &ModelConfig, tensors: &HashMap<String, HostTensor>, file
             Some(_) => Ok(()),
         }
     };
-    check("model.embed_tokens.weight".into(), vec![c.vocab_size, h])?;
-    check("model.norm.weight".into(), vec![h])?;
-    if !c.tie_word_embeddings {
-        check("lm_head.weight".into(), vec![c.vocab_size, h])?;
+    for t in expected_global_tensors(c) {
+        check(t)?;
     }
     for l in 0..c.num_layers {
-        let p = |s: &str| format!("model.layers.{l}.{s}");
-        check(p("input_layernorm.weight"), vec![h])?;
-        check(p("post_attention_layernorm.weight"), vec![h])?;
-        check(p("self_attn.q_proj.weight"), vec![q, h])?;
-        check(p("self_attn.k_proj.weight"), vec![kv, h])?;
-        check(p("self_attn.v_proj.weight"), vec![kv, h])?;
-        check(p("self_attn.o_proj.weight"), vec![h, q])?;
-        check(p("mlp.gate_proj.weight"), vec![ff, h])?;
-        check(p("mlp.up_proj.weight"), vec![ff, h])?;
-        check(p("mlp.down_proj.weight"), vec![h, ff])?;
-        if c.qkv_bias {
-            check(p("self_attn.q_proj.bias"), vec![q])?;
-            check(p("self_attn.k_proj.bias"), vec![kv])?;
-            check(p("self_attn.v_proj.bias"), vec![kv])?;
+        for t in expected_layer_tensors(c, l) {
+            check(t)?;
         }
     }
     Ok(())

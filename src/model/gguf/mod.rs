@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use super::config::{Arch, ModelConfig, RopeScaling};
+use super::config::{Arch, BlockSpec, ModelConfig, RopeScaling};
 use super::tensor::{DType, HostTensor, ModelWeights};
 use super::LoadError;
 use crate::error::LanternError;
