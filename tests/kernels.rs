@@ -921,6 +921,45 @@ fn rmsnorm_matches_reference() {
     }
 }
 
+#[test]
+fn rmsnorm_residual_and_in_place_head_modes() {
+    use kernels::rmsnorm::{Mode, RowLayout};
+    let ctx = gpu();
+    let step = step_buffer(&ctx);
+    let mut rng = Rng::new(77);
+    // Residual: y += norm(x) * g over dense rows.
+    let (t, k) = (5usize, 70usize);
+    let x = rng.vec(t * k);
+    let y0 = rng.vec(t * k);
+    let g: Vec<f32> = (0..k).map(|_| 1.0 + rng.uniform()).collect();
+    let (xb, gb) = (buf_f32(&ctx, "x", &x), buf_f32(&ctx, "g", &g));
+    let y = buf_f32(&ctx, "y", &y0);
+    let d = block_on(kernels::rmsnorm::build(&ctx, &step, &xb, &gb, &y, RowLayout::dense(k), EPS, Mode::Residual)).unwrap();
+    submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
+    let want: Vec<f32> = ops::rmsnorm(&x, &g, EPS).iter().zip(&y0).map(|(n, y)| n + y).collect();
+    assert_close("rmsnorm residual", &read_f32s(&ctx, &y, t * k), &want, RMSNORM_TOL);
+    // In place over heads inside wider rows: 3 "q" heads with one weight, 2 "k" heads with
+    // the other, then 6 floats that must stay untouched.
+    let (hd, qh, kh, extra) = (12usize, 3usize, 2usize, 6usize);
+    let stride = (qh + kh) * hd + extra;
+    let rows = rng.vec(t * stride);
+    let g2: Vec<f32> = (0..2 * hd).map(|_| 0.5 + rng.uniform()).collect();
+    let yb = buf_f32(&ctx, "rows", &rows);
+    let gb2 = buf_f32(&ctx, "g2", &g2);
+    let layout = RowLayout { k: hd, rows: qh + kh, row_stride: hd, token_stride: stride, split: qh };
+    let d = block_on(kernels::rmsnorm::build(&ctx, &step, &xb, &gb2, &yb, layout, EPS, Mode::InPlace)).unwrap();
+    submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
+    let mut want = rows.clone();
+    for tt in 0..t {
+        for h in 0..qh + kh {
+            let at = tt * stride + h * hd;
+            let w = if h < qh { &g2[..hd] } else { &g2[hd..] };
+            want[at..at + hd].copy_from_slice(&ops::rmsnorm(&rows[at..at + hd], w, EPS));
+        }
+    }
+    assert_close("rmsnorm in place over heads", &read_f32s(&ctx, &yb, t * stride), &want, RMSNORM_TOL);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Argmax.
 // ---------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 //! The GPU forward pass against the CPU reference forward pass (f64 accumulation) on seeded
 //! random models with shapes the fixtures do not cover: widths that are not multiples of any
 //! tile size, GQA/MQA/MHA, q/k/v biases, tied and untied heads, f16 weights, Llama 3 RoPE
-//! scaling, and prompts processed in uneven chunks through pages of odd size.
+//! scaling, Gemma 3's block (sandwich norms, q/k norms, GELU-tanh, scaled embedding, sliding
+//! window layers with their own RoPE base), and prompts processed in uneven chunks through
+//! pages of odd size.
 
 mod common;
 
@@ -52,6 +54,7 @@ const BASE: Spec = Spec {
     tied: false,
     f16: false,
     llama3: false,
+    gemma: false,
 };
 
 #[test]
@@ -110,4 +113,28 @@ fn f16_weight_storage_stays_close_to_the_f32_reference() {
         m.weight_bytes(),
         f32_model.weight_bytes()
     );
+}
+
+#[test]
+fn gemma_block_with_windows_in_uneven_chunks() {
+    // 23 tokens through a 5-key window: chunks of 7 and pages of 3 cut across it.
+    let s = Spec { seed: 6, vocab: 120, hidden: 48, ffn: 80, layers: 3, heads: 4, kv_heads: 2, head_dim: 16, tied: true, gemma: true, ..BASE };
+    check(s, 23, ModelOptions { context: Some(32), page_size: 3, max_batch_tokens: 7, max_logit_rows: 7, ..Default::default() });
+}
+
+#[test]
+fn gemma_block_decoding_token_by_token_with_split_keys() {
+    // Single-token steps (the decode kernels) with each token's keys cut into ranges of 2:
+    // most ranges of a windowed layer are empty and must not count.
+    let s = Spec { seed: 7, vocab: 90, hidden: 64, ffn: 96, layers: 2, heads: 2, kv_heads: 1, head_dim: 32, f16: true, gemma: true, ..BASE };
+    let opts = ModelOptions {
+        context: Some(24),
+        page_size: 4,
+        max_batch_tokens: 1,
+        max_logit_rows: 1,
+        attention_splits: Some(6),
+        attention_split_keys: 2,
+        ..Default::default()
+    };
+    check(s, 17, opts);
 }

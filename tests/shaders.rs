@@ -106,6 +106,10 @@ fn every_variant_translates_to_spirv_msl_and_hlsl() {
 /// embedding gather) rather than one per fused combination.
 fn snapshotted(key: &PipelineKey) -> bool {
     use lantern::gpu::shader::{flags, ShaderOp, WeightFormat};
+    if key.flags & flags::GELU != 0 {
+        // One shared epilogue line: the f32 variants show it in every kernel file.
+        return key.weights == WeightFormat::F32;
+    }
     if !key.weights.is_packed() || matches!(key.weights, WeightFormat::Q8 | WeightFormat::Q4 | WeightFormat::Q4Sym) {
         return true;
     }

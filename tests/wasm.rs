@@ -50,7 +50,7 @@ async fn the_browser_offers_a_webgpu_adapter() {
 
 #[wasm_bindgen_test]
 async fn forward_matches_the_reference_mqa_odd_widths_uneven_chunks() {
-    let w = random_model(Spec { seed: 1, vocab: 97, hidden: 40, ffn: 72, layers: 2, heads: 5, kv_heads: 1, head_dim: 8, bias: false, tied: false, f16: false, llama3: false });
+    let w = random_model(Spec { seed: 1, vocab: 97, hidden: 40, ffn: 72, layers: 2, heads: 5, kv_heads: 1, head_dim: 8, bias: false, tied: false, f16: false, llama3: false, gemma: false });
     let opts = ModelOptions { context: Some(64), page_size: 5, max_batch_tokens: 7, max_logit_rows: 7, ..Default::default() };
     check_against_reference(&w, 23, opts, 2e-4).await;
 }
@@ -59,7 +59,7 @@ async fn forward_matches_the_reference_mqa_odd_widths_uneven_chunks() {
 async fn forward_matches_the_reference_gqa_f16_weights_without_shader_f16() {
     // f16 weights are read with unpack2x16float: no shader-f16 needed (SwiftShader has none);
     // with q/k/v biases, a tied head and Llama 3 RoPE scaling.
-    let w = random_model(Spec { seed: 3, vocab: 130, hidden: 64, ffn: 130, layers: 2, heads: 4, kv_heads: 2, head_dim: 16, bias: true, tied: true, f16: true, llama3: true });
+    let w = random_model(Spec { seed: 3, vocab: 130, hidden: 64, ffn: 130, layers: 2, heads: 4, kv_heads: 2, head_dim: 16, bias: true, tied: true, f16: true, llama3: true, gemma: false });
     let opts = ModelOptions { context: Some(64), page_size: 16, max_batch_tokens: 16, max_logit_rows: 16, ..Default::default() };
     check_against_reference(&w, 20, opts, 2e-4).await;
 }

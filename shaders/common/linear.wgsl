@@ -62,6 +62,7 @@ struct Params {
 fn silu(v: f32) -> f32 {
     return v / (1.0 + exp(-v));
 }
+#if GELU
 
 // GELU, tanh approximation (PyTorch `gelu_pytorch_tanh`). tanh(u) is written as
 // 1 - 2 / (exp(2u) + 1), which saturates to +-1 instead of dividing infinities.
@@ -69,6 +70,7 @@ fn gelu_tanh(v: f32) -> f32 {
     let u = 0.7978845608028654 * (v + 0.044715 * v * v * v);
     return 0.5 * v * (2.0 - 2.0 / (exp(2.0 * u) + 1.0));
 }
+#endif
 
 #if X_VEC4
 // x'[4 i .. 4 i + 4] of the input row starting at vec4 `xb4`: with NORM scaled by the norm

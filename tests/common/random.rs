@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use lantern::model::{Arch, DType, HostTensor, ModelConfig, ModelWeights, RopeScaling};
+use lantern::model::{Arch, BlockSpec, DType, HostTensor, LayerAttention, ModelConfig, ModelWeights, RopeScaling};
 
 /// xorshift64, uniform in [-1, 1).
 pub struct Rng(pub u64);
@@ -32,13 +32,16 @@ pub struct Spec {
     pub tied: bool,
     pub f16: bool,
     pub llama3: bool,
+    /// Gemma 3's block: sandwich norms, q/k norms, GELU-tanh, scaled embedding, a 5-key
+    /// window on layers 0, 2, 4, ... (RoPE base 10000 there, 1e6 on the full layers).
+    pub gemma: bool,
 }
 
 /// A seeded random model: Llama (Qwen2 with `bias`), weights uniform around small offsets.
 pub fn random_model(s: Spec) -> ModelWeights {
     let mut rng = Rng(s.seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
     let config = ModelConfig {
-        arch: if s.bias { Arch::Qwen2 } else { Arch::Llama },
+        arch: if s.gemma { Arch::Gemma3 } else if s.bias { Arch::Qwen2 } else { Arch::Llama },
         vocab_size: s.vocab,
         hidden_size: s.hidden,
         intermediate_size: s.ffn,
@@ -47,7 +50,7 @@ pub fn random_model(s: Spec) -> ModelWeights {
         num_kv_heads: s.kv_heads,
         head_dim: s.head_dim,
         rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
+        rope_theta: if s.gemma { 1e6 } else { 10000.0 },
         rope_scaling: s.llama3.then_some(RopeScaling::Llama3 {
             factor: 8.0,
             low_freq_factor: 1.0,
@@ -59,7 +62,13 @@ pub fn random_model(s: Spec) -> ModelWeights {
         qkv_bias: s.bias,
         bos_token_id: None,
         eos_token_ids: vec![],
-        block: Default::default(),
+        block: if s.gemma {
+            let mut b = BlockSpec::gemma3(s.layers, s.hidden, 5, s.head_dim as f64, 10000.0);
+            b.layer_attention = (0..s.layers).map(|l| if l % 2 == 0 { LayerAttention::Sliding } else { LayerAttention::Full }).collect();
+            b
+        } else {
+            BlockSpec::default()
+        },
     };
     let mut tensors = HashMap::new();
     let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32, rng: &mut Rng, matrix: bool| {
@@ -88,6 +97,12 @@ pub fn random_model(s: Spec) -> ModelWeights {
             add(format!("{p}.self_attn.v_proj.bias"), vec![s.kv_heads * hd], 0.1, 0.0, &mut rng, false);
         }
         add(format!("{p}.self_attn.o_proj.weight"), vec![d, s.heads * hd], 0.2, 0.0, &mut rng, true);
+        if s.gemma {
+            add(format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.3, 1.0, &mut rng, false);
+            add(format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.3, 1.0, &mut rng, false);
+            add(format!("{p}.pre_feedforward_layernorm.weight"), vec![d], 0.2, 1.0, &mut rng, false);
+            add(format!("{p}.post_feedforward_layernorm.weight"), vec![d], 0.2, 1.0, &mut rng, false);
+        }
         add(format!("{p}.mlp.gate_proj.weight"), vec![f, d], 0.2, 0.0, &mut rng, true);
         add(format!("{p}.mlp.up_proj.weight"), vec![f, d], 0.2, 0.0, &mut rng, true);
         add(format!("{p}.mlp.down_proj.weight"), vec![d, f], 0.2, 0.0, &mut rng, true);
