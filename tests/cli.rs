@@ -199,3 +199,37 @@ fn pipeline_cache_is_saved_then_loaded_by_the_next_process() {
     assert!(lantern::gpu::pipeline::unseal(&std::fs::read(&files[0]).unwrap()).is_ok());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn models_lists_the_catalogue_and_what_is_downloaded() {
+    let dir = std::env::temp_dir().join(format!("lantern-models-{}", std::process::id()));
+    let models = dir.join("models");
+    std::fs::create_dir_all(&models).unwrap();
+    let list = |dir: &std::path::Path| -> Vec<serde_json::Value> {
+        let out = lantern().args(["models", "--json"]).env("LANTERN_CACHE_DIR", dir).output().unwrap();
+        assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap().as_array().unwrap().clone()
+    };
+    let v = list(&dir);
+    let names: Vec<&str> = v.iter().map(|m| m["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"]);
+    assert!(v.iter().all(|m| m["downloaded"] == false), "an empty cache holds nothing: {v:?}");
+    assert_eq!(v[3]["family"], "gemma3");
+    assert_eq!(v[3]["format"], "Q4_K_M");
+    assert_eq!(v[0]["default"], true);
+    // A file of the right size with the sidecar a completed fetch writes counts; a file of
+    // the wrong size does not.
+    let spec = lantern::fetch::find_model("gemma3-270m").unwrap();
+    let path = models.join(spec.file);
+    std::fs::File::create(&path).unwrap().set_len(spec.size).unwrap();
+    std::fs::write(lantern::fetch::sidecar_path(&path), format!("{}  {}\n", spec.sha256, spec.file)).unwrap();
+    let short = models.join(lantern::fetch::find_model("qwen2.5-coder-0.5b").unwrap().file);
+    std::fs::write(&short, b"partial").unwrap();
+    let v = list(&dir);
+    assert_eq!(v[3]["downloaded"], true);
+    assert_eq!(v[1]["downloaded"], false);
+    let text = lantern().arg("models").env("LANTERN_CACHE_DIR", &dir).output().unwrap();
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(text.lines().any(|l| l.starts_with("gemma3-270m") && l.contains("yes")), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -49,12 +49,19 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Download a model into the cache and print its path: the default (SmolLM2-135M-Instruct,
-    /// Q4_1 GGUF), or one of the catalogue's by name (qwen2.5-coder-0.5b,
-    /// qwen2.5-coder-1.5b: Q4_K_M GGUFs). `--model NAME` does the same on first use.
+    /// Download a model into the cache and print its path: the default (smollm2-135m:
+    /// SmolLM2-135M-Instruct, Q4_1 GGUF), or one of the catalogue's by name (`lantern models`
+    /// lists them). `--model NAME` does the same on first use.
     Fetch {
-        /// A catalogue name; default SmolLM2-135M-Instruct.
+        /// A catalogue name; default smollm2-135m.
         model: Option<String>,
+    },
+    /// The models Lantern knows by name: family, size, format, license, and whether each is
+    /// already downloaded.
+    Models {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Quantize a model (GGUF or Hugging Face folder) to packed q4 / q4sym / q8 weights,
     /// round-to-nearest or AWQ with --calibration, into a safetensors folder.
@@ -214,6 +221,7 @@ fn main() {
         Cmd::Eval(c) => eval_cmd::eval(c),
         Cmd::Bench(a) => bench_cmd::run(a),
         Cmd::Serve(a) => serve_cmd::run(a),
+        Cmd::Models { json } => models(json),
         Cmd::Fetch { model } => lantern::fetch::resolve_model(model.as_deref().map(std::path::Path::new), true).map(|p| {
             println!("{}", p.display());
         }),
@@ -222,6 +230,22 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+fn models(json: bool) -> Result<()> {
+    let list = lantern::fetch::listing();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+        return Ok(());
+    }
+    println!("{:<20} {:<8} {:>7} {:<8} {:<11} {:>9}  {}", "NAME", "FAMILY", "PARAMS", "FORMAT", "LICENSE", "SIZE", "DOWNLOADED");
+    for m in &list {
+        let name = if m.default { format!("{} *", m.name) } else { m.name.to_string() };
+        let have = if m.downloaded { format!("yes  {}", m.path.display()) } else { "no".to_string() };
+        println!("{:<20} {:<8} {:>7} {:<8} {:<11} {:>6} MB  {}", name, m.family, m.params, m.format, m.license, m.bytes / 1_000_000, have);
+    }
+    println!("* the default model. `lantern fetch NAME` downloads one; `--model NAME` does on first use.");
+    Ok(())
 }
 
 fn devices(backend: Option<String>, json: bool) -> Result<()> {
