@@ -1134,3 +1134,36 @@ fn gpu_runs_quantized_folders() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// A Gemma 3 model written as a Hugging Face folder: config.json says gemma3_text with its
+/// block (layer types, window, local RoPE base, query_pre_attn_scalar), norm weights are
+/// stored in HF's convention (`w`, applied as `1 + w`), and the folder loads back into the
+/// same weights and config. AWQ refuses the block (its calibration forward is Llama's).
+#[test]
+fn gemma3_folder_round_trip_uses_the_hf_norm_convention() {
+    use common::random::{random_model, Spec};
+    let w = random_model(Spec {
+        seed: 11, vocab: 64, hidden: 32, ffn: 64, layers: 2, heads: 2, kv_heads: 1, head_dim: 16,
+        bias: false, tied: true, f16: false, llama3: false, gemma: true,
+    });
+    let q = quantize_model(&w, &QuantizeOptions::new(QuantKind::Q8), None, &mut no_progress()).unwrap();
+    let dir = tmp_dir("gemma3-folder");
+    write_model_folder(&dir, &q.weights, &q.metadata, None).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model_type"], "gemma3_text");
+    assert_eq!(cfg["hidden_activation"].as_str().or(cfg["hidden_act"].as_str()), Some("gelu_pytorch_tanh"));
+    assert_eq!(cfg["layer_types"][0], "sliding_attention");
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let stored: Vec<f32> = bytemuck::cast_slice(st.tensor("model.layers.0.input_layernorm.weight").unwrap().data()).to_vec();
+    let ours = w.tensors["model.layers.0.input_layernorm.weight"].to_f32();
+    assert!(stored.iter().zip(&ours).all(|(s, o)| *s == o - 1.0), "HF stores w for 1 + w");
+    let loaded = load_path(&dir).unwrap();
+    assert_eq!(loaded.weights.config, q.weights.config);
+    assert_same_weights(&q.weights, &loaded.weights);
+    let mut awq = QuantizeOptions::new(QuantKind::Q4);
+    awq.method = lantern::quant::quantize::Method::Awq;
+    let e = quantize_model(&w, &awq, Some(&[1, 2, 3]), &mut no_progress()).err().expect("AWQ refuses Gemma");
+    assert!(e.to_string().contains("Llama block"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -84,6 +84,10 @@ pub struct BlockSpec {
     pub sliding_window: Option<usize>,
     /// RoPE base of the sliding layers (Gemma 3: 10000, while global layers use 1e6).
     pub rope_local_theta: Option<f64>,
+    /// Hugging Face checkpoints of this architecture store every `*norm.weight` as `w` and
+    /// apply `1 + w` (Gemma); Lantern, like GGUF, holds the applied value, so the HF loader
+    /// adds this and the HF writer subtracts it. 0 elsewhere.
+    pub hf_norm_offset: f32,
 }
 
 impl Default for BlockSpec {
@@ -98,6 +102,7 @@ impl Default for BlockSpec {
             layer_attention: Vec::new(),
             sliding_window: None,
             rope_local_theta: None,
+            hf_norm_offset: 0.0,
         }
     }
 }
@@ -118,7 +123,13 @@ impl BlockSpec {
                 .collect(),
             sliding_window: Some(window),
             rope_local_theta: Some(local_theta),
+            hf_norm_offset: 1.0,
         }
+    }
+
+    /// Whether a tensor is a norm weight (what [`BlockSpec::hf_norm_offset`] applies to).
+    pub fn is_norm_weight(name: &str) -> bool {
+        name.ends_with("norm.weight")
     }
 
     /// Layer `l`'s attention kind.

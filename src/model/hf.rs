@@ -283,13 +283,29 @@ pub fn load_hf_buffers(
         [(one, _)] => one.to_string(),
         _ => format!("{} safetensors files", files.len()),
     };
-    let weights = ModelWeights {
+    let mut weights = ModelWeights {
         config,
         tensors,
         source,
     };
+    apply_norm_offset(&mut weights);
     validate(&weights)?;
     Ok(weights)
+}
+
+/// HF norm weights into Lantern's convention: `w + hf_norm_offset` (Gemma stores `w` and
+/// applies `1 + w`), as f32. Nothing happens for architectures without an offset.
+pub(crate) fn apply_norm_offset(weights: &mut ModelWeights) {
+    let off = weights.config.block.hf_norm_offset;
+    if off == 0.0 {
+        return;
+    }
+    for (name, t) in weights.tensors.iter_mut() {
+        if crate::model::BlockSpec::is_norm_weight(name) && t.dtype.quant_kind().is_none() {
+            let v: Vec<f32> = t.to_f32().into_iter().map(|x| x + off).collect();
+            *t = crate::model::HostTensor::from_f32(name.clone(), t.shape.clone(), &v);
+        }
+    }
 }
 
 #[cfg(not(target_arch = "wasm32"))]
@@ -401,11 +417,13 @@ mod native {
             }
             .into());
         }
-        Ok(ModelWeights {
+        let mut weights = ModelWeights {
             config,
             tensors,
             source: dir.display().to_string(),
-        })
+        };
+        super::apply_norm_offset(&mut weights);
+        Ok(weights)
     }
 
     /// Loads a Hugging Face model folder (`config.json` plus `model.safetensors`, or shards

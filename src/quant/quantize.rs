@@ -319,6 +319,12 @@ pub fn quantize_model(
     let mut floats: FloatWeights = HashMap::new();
     let mut results: Vec<[SiteResult; 4]> = Vec::new();
     if opts.method == Method::Awq {
+        if c.block != crate::model::BlockSpec::default() {
+            return Err(LanternError::Config {
+                field: "method".into(),
+                reason: format!("AWQ's calibration forward runs the Llama block only, not {:?}'s; use round-to-nearest", c.arch),
+            });
+        }
         let tokens = calibration
             .ok_or_else(|| LanternError::Other("AWQ needs calibration tokens".into()))?;
         let tokens = calibration_slice(tokens, &opts.awq, c.max_position_embeddings);

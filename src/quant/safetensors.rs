@@ -284,7 +284,19 @@ fn entries<'a>(
                 data: s,
             });
         };
+        let off = weights.config.block.hf_norm_offset;
         match t.dtype {
+            // Norm weights in the checkpoint's own convention (Gemma stores w for 1 + w).
+            DType::F32 | DType::F16 | DType::BF16 if off != 0.0 && crate::model::BlockSpec::is_norm_weight(name) => {
+                meta.float_tensors.insert(name.clone(), DType::F32.name());
+                let v: Vec<f32> = t.to_f32().into_iter().map(|x| x - off).collect();
+                out.push(Entry {
+                    name: name.clone(),
+                    dtype: StDtype::F32,
+                    shape: t.shape.clone(),
+                    data: bytemuck::cast_slice::<f32, u8>(&v).to_vec().into(),
+                });
+            }
             DType::F32 | DType::F16 | DType::BF16 => {
                 let dtype = match t.dtype {
                     DType::F32 => StDtype::F32,
