@@ -833,7 +833,7 @@ fn packed_linear_rejects_mismatched_shapes() {
 /// boundary) from a random table and compare with `ops::embedding`; returns the chunk count.
 fn check_embedding(ctx: &Arc<GpuContext>, format: WeightFormat, vocab: usize, dim: usize, tokens: usize, seed: u64) -> usize {
     let mut rng = Rng::new(seed);
-    let group = if dim % 32 == 0 { 32 } else { 8 };
+    let group = if dim.is_multiple_of(32) { 32 } else { 8 };
     let w = HostWeight::random(&mut rng, vocab, dim, format, group);
     let lin = GpuLinear::upload(ctx, "embed", w.matrix(), None, None, vocab, dim).expect("upload table");
     let table = &lin.w;

@@ -90,7 +90,7 @@ fn forked_sequences_copy_on_write_and_decode_the_same_tokens() {
     let prompt = common::ids(&case["input_ids"]);
     let want = common::ids(&case["greedy_ids"]);
     let n = want.len().min(8);
-    assert!(prompt.len() % 16 != 0, "the prompt must end inside a page");
+    assert!(!prompt.len().is_multiple_of(16), "the prompt must end inside a page");
     let a = m.new_sequence().unwrap();
     let first = pollster::block_on(m.forward(a, &prompt, Want::Argmax)).unwrap().argmax[0];
     assert_eq!(first, want[0]);

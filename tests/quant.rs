@@ -1163,7 +1163,7 @@ fn gemma3_folder_round_trip_uses_the_hf_norm_convention() {
     assert_same_weights(&q.weights, &loaded.weights);
     let mut awq = QuantizeOptions::new(QuantKind::Q4);
     awq.method = lantern::quant::quantize::Method::Awq;
-    let e = quantize_model(&w, &awq, Some(&[1, 2, 3]), &mut no_progress()).err().expect("AWQ refuses Gemma");
+    let e = quantize_model(&w, &awq, Some(&[1, 2, 3]), &mut no_progress()).expect_err("AWQ refuses Gemma");
     assert!(e.to_string().contains("Llama block"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -13,9 +13,8 @@
 mod common;
 
 use lantern::model::llama::{GpuModel, ModelOptions};
-
-
 use common::real::{check_memory, json, model};
+use lantern::model::load::load_path;
 
 #[test]
 fn qwen_0_5b_q4km_matches_transformers() {

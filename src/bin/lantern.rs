@@ -238,7 +238,7 @@ fn models(json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&list)?);
         return Ok(());
     }
-    println!("{:<20} {:<8} {:>7} {:<8} {:<11} {:>9}  {}", "NAME", "FAMILY", "PARAMS", "FORMAT", "LICENSE", "SIZE", "DOWNLOADED");
+    println!("{:<20} {:<8} {:>7} {:<8} {:<11} {:>9}  DOWNLOADED", "NAME", "FAMILY", "PARAMS", "FORMAT", "LICENSE", "SIZE");
     for m in &list {
         let name = if m.default { format!("{} *", m.name) } else { m.name.to_string() };
         let have = if m.downloaded { format!("yes  {}", m.path.display()) } else { "no".to_string() };

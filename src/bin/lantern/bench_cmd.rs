@@ -139,9 +139,12 @@ fn workload(a: &BenchArgs, vocab: usize, seed: u64) -> Result<Vec<Planned>> {
     Ok(out)
 }
 
+/// What a run produced: every request's record, and (ms since start, tokens) samples.
+type Driven = (Vec<RequestRecord>, Vec<(f64, usize)>);
+
 /// Run `plan` on `engine` at `concurrency` (closed loop) or at the planned arrival times
 /// (open loop); every request's record, times from the run's start.
-fn drive(engine: &mut Engine, plan: Vec<Planned>, concurrency: Option<usize>, pb: &ProgressBar) -> Result<(Vec<RequestRecord>, Vec<(f64, usize)>)> {
+fn drive(engine: &mut Engine, plan: Vec<Planned>, concurrency: Option<usize>, pb: &ProgressBar) -> Result<Driven> {
     let start = Instant::now();
     let ms = |t: Instant| t.saturating_duration_since(start).as_secs_f64() * 1e3;
     let total = plan.len();

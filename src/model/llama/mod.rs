@@ -1,0 +1,226 @@
+//! The Llama-family forward pass on the GPU (Llama 1/2/3, SmolLM2, TinyLlama, Mistral without
+//! sliding window, Qwen2 with q/k/v biases), mirroring Hugging Face transformers'
+//! `modeling_llama.py` (https://github.com/huggingface/transformers) and the paper
+//! "LLaMA: Open and Efficient Foundation Language Models" (arXiv:2302.13971).
+//!
+//! Per layer, six dispatches, each a fused op:
+//! 1. `qkv = rmsnorm(x) W_qkv^T (+ b)`   (norm folded into the q|k|v projection)
+//! 2. RoPE on q and k; k and v written into the paged KV cache
+//! 3. causal GQA attention over the cache
+//! 4. `x += attn W_o^T`                  (residual add fused)
+//! 5. `act = silu(n W_gate^T) * (n W_up^T)`, `n = rmsnorm(x)` (norm and gate fused)
+//! 6. `x += act W_down^T`
+//!
+//! plus the embedding gather before and `logits = rmsnorm(x) W_head^T` and the GPU argmax
+//! after: 6 L + 3 dispatches per step, all recorded into one command submission.
+
+//! The code is split by job: `options` (what a caller chooses), `upload` (weights onto the
+//! GPU), `memory` (accounting and the KV budget), `plan` (workspace and recorded
+//! dispatches), `step` (sequences and step execution).
+
+use std::sync::Arc;
+
+use crate::gpu::buffer::Readback;
+use crate::gpu::{GpuContext, GpuError};
+use crate::kernels::linear::GpuLinear;
+use crate::kernels::{self, StepUniform};
+use crate::kv::cache::{KvCache, KvLayout, KvStore};
+use crate::kv::{KvConfig, PageAllocator};
+use crate::model::{ModelConfig, ModelWeights};
+
+use plan::{Plans, Workspace};
+use step::SPLIT_MAX_TOKENS;
+use crate::{LanternError, Result};
+
+mod memory;
+mod options;
+mod plan;
+mod step;
+mod upload;
+
+pub use memory::{DtypeBytes, MemoryReport};
+pub use options::{ModelOptions, StepOutput, Want, WeightPrecision};
+pub use step::{PendingStep, DISPATCHES_PER_SUBMIT};
+
+struct Layer {
+    /// q|k|v: one projection, or runs of parts stored alike, each with the first qkv column
+    /// it writes.
+    qkv: Vec<(GpuLinear, usize)>,
+    o: GpuLinear,
+    gate_up: GpuLinear,
+    down: GpuLinear,
+    /// The attention input's norm (folded into the q|k|v projection).
+    in_norm: wgpu::Buffer,
+    /// The MLP input's norm (folded into gate/up).
+    post_norm: wgpu::Buffer,
+    /// q norm | k norm (2 head_dim floats), applied in place to each head.
+    qk_norm: Option<wgpu::Buffer>,
+    /// Sandwich norms of the attention and MLP outputs, applied as they are added into the
+    /// residual stream.
+    attn_out_norm: Option<wgpu::Buffer>,
+    mlp_out_norm: Option<wgpu::Buffer>,
+}
+
+/// A model resident on the GPU with its KV cache.
+pub struct GpuModel {
+    pub ctx: Arc<GpuContext>,
+    pub config: ModelConfig,
+    pub options: ModelOptions,
+    pub kv: KvCache,
+    // Weights stay owned here for the model's lifetime (the plans' bind groups use them).
+    #[allow(dead_code)]
+    weights: upload::GpuWeights,
+    ws: Workspace,
+    plans: Plans,
+    readback: Readback,
+    memory: MemoryReport,
+    /// Measured milliseconds one dispatch costs the caller on the frame-budgeted path.
+    submit_ms_per_dispatch: Option<f64>,
+    /// Steps where the matvec path runs (n_tokens at or below this).
+    pub matvec_max_tokens: usize,
+    /// Steps above `matvec_max_tokens` and up to this use the four-token texture matvec
+    /// (CPU adapters; 0 where there is none).
+    pub batch_max_tokens: usize,
+    /// Most key splits per token in a decode step's attention.
+    pub attention_splits: usize,
+    /// Rows of logits one step can produce (`max_logit_rows` within the binding limit).
+    pub logit_rows: usize,
+}
+
+fn gpu_err(e: GpuError) -> LanternError {
+    LanternError::Gpu(e)
+}
+
+impl GpuModel {
+    /// Upload `weights` and build the step plans.
+    pub async fn load(ctx: Arc<GpuContext>, weights: &ModelWeights, options: ModelOptions) -> Result<GpuModel> {
+        Self::load_with_progress(ctx, weights, options, &mut |_, _| {}).await
+    }
+    /// [`GpuModel::load`], calling `progress(layers uploaded, layers)` after each layer's
+    /// weights are on their way to the GPU (a browser page shows it as the upload bar).
+    pub async fn load_with_progress(
+        ctx: Arc<GpuContext>,
+        weights: &ModelWeights,
+        options: ModelOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<GpuModel> {
+        let c = weights.config.clone();
+        let hd = c.head_dim;
+        let mark = ctx.ledger.mark();
+        let textures = Self::weight_textures(&ctx, weights, &options);
+        let w = upload::upload_weights(&ctx, weights, options.weights, textures, progress)?;
+
+        // KV cache.
+        let context = options
+            .context
+            .unwrap_or(c.max_position_embeddings.min(2048))
+            .max(1);
+        let page_size = options.page_size.max(1);
+        let max_seqs = options.max_seqs.max(1);
+        let requested_pages = options.kv_pages.unwrap_or(max_seqs * context.div_ceil(page_size)).max(1);
+        let weights_bytes: u64 = ctx.ledger.since(mark).iter().map(|a| a.bytes).sum();
+        let (num_pages, budget) = Self::size_kv(&ctx, &c, &options, context, requested_pages, weights_bytes)?;
+        let kv_cfg = KvConfig { page_size, num_pages, max_seqs, context };
+        let layout = KvLayout::new(options.kv_dtype, kv_cfg.page_size, c.num_kv_heads, hd, kv_cfg.num_pages, ctx.max_binding())
+            .map_err(gpu_err)?;
+        // The cache is the big allocation: one the driver cannot honour is found here, at
+        // load, not mid-generation.
+        let oom = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let store = KvStore::new(&ctx, layout, c.num_layers).map_err(gpu_err)?;
+        if let Some(e) = oom.pop().await {
+            return Err(LanternError::Gpu(GpuError::Allocation {
+                what: format!("the KV cache ({} pages of {} tokens)", kv_cfg.num_pages, page_size),
+                bytes: store.bytes(),
+                reason: e.to_string(),
+            }));
+        }
+        let kv = KvCache { alloc: PageAllocator::new(kv_cfg), store };
+        // Batch invariance: a token's key splits must not depend on the step it is in.
+        let attention_splits = if options.batch_invariant {
+            1
+        } else {
+            options.attention_splits.unwrap_or(if ctx.caps.cpu_like { 1 } else { 16 }).max(1)
+        };
+        let attn_p = Self::attention_params(&c, kv_cfg, 0);
+        let t_max = options.max_batch_tokens.max(1);
+        let partials_bytes = kernels::attention::partials_bytes(&attn_p, &layout, t_max, 1)
+            .max(kernels::attention::partials_bytes(&attn_p, &layout, t_max.min(SPLIT_MAX_TOKENS), attention_splits));
+
+        let (ws, r) = plan::Workspace::new(&ctx, &c, &options, kv_cfg, context, partials_bytes)?;
+        let (plans, batch_max_tokens) = plan::build_plans(&ctx, &c, &options, &ws, &kv, kv_cfg, &w).await?;
+        let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size.max(2 * kernels::topk::TOPK_MAX) * 4) as u64);
+        // CPU adapters: the blocked matmul already beats one matvec per token at 2 tokens
+        // (SmolLM2-135M on lavapipe, layer linears: 1.67 s blocked vs 2 x 1.04 s matvec).
+        let matvec_max_tokens = if options.batch_invariant {
+            0
+        } else if let Some(n) = options.matvec_max_tokens {
+            n
+        } else if ctx.caps.cpu_like {
+            1
+        } else {
+            4
+        };
+
+        // Where the memory went, checked against every allocation made above.
+        let mut memory = MemoryReport::default();
+        memory.add_weights(&w, c.hidden_size);
+        memory.kv_cache = kv.bytes();
+        memory.budget = budget.as_ref().map(|b| b.0);
+        memory.budget_source = budget.map(|b| b.1).unwrap_or_else(|| "none (the adapter reports no memory size; set memory_budget)".into());
+        memory.kv_pages = kv_cfg.num_pages;
+        memory.kv_pages_requested = requested_pages;
+        memory.kv_page_size = page_size;
+        memory.kv_dtype = options.kv_dtype;
+        memory.kv_buffers_per_layer = layout.n_shards;
+        let allocs = ctx.ledger.since(mark);
+        let usage_bytes = |u: crate::gpu::AllocUsage| allocs.iter().filter(|a| a.usage == u).map(|a| a.bytes).sum::<u64>();
+        memory.uniforms = usage_bytes(crate::gpu::AllocUsage::Uniform);
+        memory.readback = usage_bytes(crate::gpu::AllocUsage::Readback);
+        memory.ledger_bytes = allocs.iter().map(|a| a.bytes).sum();
+        memory.allocations = allocs.len();
+        if let Some(a) = allocs.iter().max_by_key(|a| a.bytes) {
+            memory.largest = (a.label.clone(), a.bytes);
+        }
+        memory.workspace = ws.bytes();
+        Ok(GpuModel {
+            ctx,
+            config: c,
+            options,
+            kv,
+            weights: w,
+            ws,
+            plans,
+            readback,
+            memory,
+            matvec_max_tokens,
+            batch_max_tokens,
+            attention_splits,
+            logit_rows: r,
+            submit_ms_per_dispatch: None,
+        })
+    }
+
+    /// Where the GPU memory of this model went (weights by dtype with scales, KV cache,
+    /// workspace, uniforms, readback), and what the allocation ledger saw.
+    pub fn memory(&self) -> &MemoryReport {
+        &self.memory
+    }
+
+    /// Bytes of weights on the GPU (values or codes, scales, norms, biases).
+    pub fn weight_bytes(&self) -> u64 {
+        self.memory.weight_bytes()
+    }
+
+    /// Dispatches recorded for one decode step (one token of one sequence).
+    /// (one token of one sequence, a short context: no key splits).
+    pub fn dispatches_per_decode_step(&self) -> usize {
+        let s = StepUniform::new(1, 1);
+        self.plans.embed.iter().chain(&self.plans.layers_matvec).chain(&self.plans.head_gather).filter(|d| d.runs(&s)).count() + 1
+    }
+
+    /// Dispatches recorded for one prefill step (of `max_batch_tokens` tokens).
+    pub fn dispatches_per_prefill_step(&self) -> usize {
+        let s = StepUniform::new(self.options.max_batch_tokens.max(1) as u32, 1);
+        self.plans.embed.iter().chain(&self.plans.layers_matmul).chain(&self.plans.head_gather).filter(|d| d.runs(&s)).count() + 1
+    }
+}

@@ -1,0 +1,336 @@
+//! The step plans: the workspace buffers a step reads and writes, and for each step shape
+//! (decode matvec, CPU adapters' batched matvec, prefill matmul) the dispatches of every layer
+//! and of the head, with their bind groups, built once at load.
+
+use crate::gpu::buffer::{create_storage, create_zeroed};
+use crate::gpu::GpuContext;
+use crate::kernels::attention::{AttentionIo, AttentionParams, KvBinding};
+use crate::kernels::linear::{LinearIo, Shape};
+use crate::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
+use crate::kernels::{self, Dispatch};
+use crate::kv::cache::{KvCache, KvStore};
+use crate::kv::KvConfig;
+use crate::model::ModelConfig;
+use crate::Result;
+
+use super::upload::GpuWeights;
+use super::{gpu_err, GpuModel, Layer, ModelOptions};
+
+/// Per-step host inputs.
+pub(super) struct Workspace {
+    pub step: wgpu::Buffer,
+    pub ids: wgpu::Buffer,
+    pub positions: wgpu::Buffer,
+    pub token_seq: wgpu::Buffer,
+    pub block_table: wgpu::Buffer,
+    pub logit_rows: wgpu::Buffer,
+    pub hidden: wgpu::Buffer,
+    pub qkv: wgpu::Buffer,
+    pub attn: wgpu::Buffer,
+    pub act: wgpu::Buffer,
+    pub logits: wgpu::Buffer,
+    pub argmax: wgpu::Buffer,
+    /// GPU top-k pairs of the logit rows (`2 TOPK_MAX` words per row).
+    pub topk: wgpu::Buffer,
+    pub rope: wgpu::Buffer,
+    /// The sliding layers' cos/sin table when their RoPE base differs (Gemma 3).
+    pub rope_local: Option<wgpu::Buffer>,
+    /// A sublayer's output before its post-norm (sandwich-norm models), `t x hidden`.
+    pub branch: Option<wgpu::Buffer>,
+    /// Attention's partial results when keys are split (a 4-byte stand-in otherwise).
+    pub partials: wgpu::Buffer,
+}
+
+pub(super) struct Plans {
+    pub embed: Vec<Dispatch>,
+    pub layers_matvec: Vec<Dispatch>,
+    pub layers_matmul: Vec<Dispatch>,
+    pub head_gather: Vec<Dispatch>,
+    /// CPU adapters with texture-held weights: the four-token texture matvec for steps of a
+    /// few tokens (batched decode) and its LM head; None elsewhere.
+    pub layers_batch: Option<Vec<Dispatch>>,
+    pub head_gather_batch: Option<Vec<Dispatch>>,
+    pub head_all: Vec<Dispatch>,
+    pub argmax: Dispatch,
+    pub topk: Dispatch,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn lin_io<'a>(
+    ws: &'a Workspace,
+    x: &'a wgpu::Buffer,
+    x_stride: usize,
+    norm: Option<&'a wgpu::Buffer>,
+    y: &'a wgpu::Buffer,
+    out_stride: usize,
+    residual: bool,
+    eps: f32,
+    rows: Option<&'a wgpu::Buffer>,
+) -> LinearIo<'a> {
+    LinearIo {
+        step: &ws.step,
+        x,
+        x_stride,
+        norm,
+        eps,
+        y,
+        out_stride,
+        out_offset: 0,
+        residual,
+        rows,
+    }
+}
+
+impl Workspace {
+    /// The buffers of steps of up to `max_batch_tokens` tokens; also returns the rows of
+    /// logits one step can produce.
+    pub(super) fn new(ctx: &GpuContext, c: &ModelConfig, options: &ModelOptions, kv_cfg: KvConfig, context: usize, partials_bytes: u64) -> Result<(Workspace, usize)> {
+        let (d, f) = (c.hidden_size, c.intermediate_size);
+        let qkv_dim = c.qkv_dim();
+        let q_dim = c.num_heads * c.head_dim;
+        let t = options.max_batch_tokens.max(1);
+        // Rows of logits per step: as asked, within one storage binding.
+        let r = options.max_logit_rows.max(1).min(t).min((ctx.max_binding() / (c.vocab_size as u64 * 4)).max(1) as usize);
+        let ws = Workspace {
+            step: kernels::step_buffer(ctx),
+            ids: create_zeroed(ctx, "ids", (t * 4) as u64).map_err(gpu_err)?,
+            positions: create_zeroed(ctx, "positions", (t * 4) as u64).map_err(gpu_err)?,
+            token_seq: create_zeroed(ctx, "token_seq", (t * 4) as u64).map_err(gpu_err)?,
+            block_table: create_zeroed(ctx, "block_table", (kv_cfg.max_seqs * kv_cfg.max_pages_per_seq() * 4) as u64)
+                .map_err(gpu_err)?,
+            logit_rows: create_zeroed(ctx, "logit_rows", (r * 4) as u64).map_err(gpu_err)?,
+            hidden: create_zeroed(ctx, "hidden", (t * d * 4) as u64).map_err(gpu_err)?,
+            qkv: create_zeroed(ctx, "qkv", (t * qkv_dim * 4) as u64).map_err(gpu_err)?,
+            attn: create_zeroed(ctx, "attn", (t * q_dim * 4) as u64).map_err(gpu_err)?,
+            act: create_zeroed(ctx, "act", (t * f * 4) as u64).map_err(gpu_err)?,
+            logits: create_zeroed(ctx, "logits", (r * c.vocab_size * 4) as u64).map_err(gpu_err)?,
+            argmax: create_zeroed(ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
+            topk: create_zeroed(ctx, "topk", (r * 2 * kernels::topk::TOPK_MAX * 4) as u64).map_err(gpu_err)?,
+            rope: create_storage(ctx, "rope", bytemuck::cast_slice(&rope_table(&c.rope_inv_freq(), context)))
+                .map_err(gpu_err)?,
+            rope_local: match (c.has_local_rope(), c.block.layer_attention.iter().position(|a| *a == crate::model::LayerAttention::Sliding)) {
+                (true, Some(l)) => Some(
+                    create_storage(ctx, "rope.local", bytemuck::cast_slice(&rope_table(&c.layer_rope_inv_freq(l), context))).map_err(gpu_err)?,
+                ),
+                _ => None,
+            },
+            branch: if c.block.norms == crate::model::NormPlacement::Sandwich {
+                Some(create_zeroed(ctx, "branch", (t * d * 4) as u64).map_err(gpu_err)?)
+            } else {
+                None
+            },
+            partials: create_zeroed(ctx, "attention.partials", partials_bytes.max(4)).map_err(gpu_err)?,
+        };
+        Ok((ws, r))
+    }
+
+    /// Bytes of every buffer.
+    pub(super) fn bytes(&self) -> u64 {
+        [
+            &self.ids, &self.positions, &self.token_seq, &self.block_table, &self.logit_rows, &self.hidden, &self.qkv, &self.attn,
+            &self.act, &self.logits, &self.argmax, &self.topk, &self.rope, &self.partials,
+        ]
+        .iter()
+        .map(|b| b.size())
+        .sum::<u64>()
+            + [&self.rope_local, &self.branch].into_iter().flatten().map(|b| b.size()).sum::<u64>()
+    }
+}
+
+/// Every plan of a load; also returns the most tokens the batched matvec takes (0 without it).
+pub(super) async fn build_plans(ctx: &GpuContext, c: &ModelConfig, options: &ModelOptions, ws: &Workspace, kv: &KvCache, kv_cfg: KvConfig, w: &GpuWeights) -> Result<(Plans, usize)> {
+    let d = c.hidden_size;
+    let (layers, lm_head, final_norm) = (&w.layers, &w.lm_head, &w.final_norm);
+    let embed_own = &w.embed_own;
+        let embed_src = embed_own.as_ref().unwrap_or(lm_head);
+    let embed = kernels::embedding::build(ctx, &ws.step, &ws.ids, embed_src, &ws.hidden, c.block.embedding_scale.unwrap_or(1.0))
+        .await
+        .map_err(gpu_err)?;
+    let mut layers_matvec = Vec::new();
+    let mut layers_matmul = Vec::new();
+    // The four-token texture matvec exists where the matvec reads textures (CPU adapters).
+    let batch_plans = !options.batch_invariant && layers.iter().any(|l| l.qkv.iter().any(|(q, _)| q.tex.is_some()));
+    let mut layers_batch = Vec::new();
+    for (l, layer) in layers.iter().enumerate() {
+        for shape in [Shape::Matvec, Shape::Matmul, Shape::MatvecBatch] {
+            if shape == Shape::MatvecBatch && !batch_plans {
+                continue;
+            }
+            let list = GpuModel::layer_plan(ctx, c, ws, &kv.store, kv_cfg, l, layer, shape).await?;
+            match shape {
+                Shape::Matvec => layers_matvec.extend(list),
+                Shape::Matmul => layers_matmul.extend(list),
+                Shape::MatvecBatch => layers_batch.extend(list),
+            }
+        }
+    }
+    let batch_max_tokens = if batch_plans { options.batch_max_tokens.unwrap_or(16) } else { 0 };
+    let head_gather_batch = if batch_plans {
+        Some(
+            kernels::linear::build(ctx, lm_head, &lin_io(ws, &ws.hidden, d, Some(final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, Some(&ws.logit_rows)), Shape::MatvecBatch)
+                .await
+                .map_err(gpu_err)?,
+        )
+    } else {
+        None
+    };
+    let head_gather = kernels::linear::build(ctx, lm_head, &lin_io(ws, &ws.hidden, d, Some(final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, Some(&ws.logit_rows)), Shape::Matvec)
+        .await
+        .map_err(gpu_err)?;
+    let head_all = kernels::linear::build(ctx, lm_head, &lin_io(ws, &ws.hidden, d, Some(final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, None), Shape::Matmul)
+        .await
+        .map_err(gpu_err)?;
+    let argmax = kernels::argmax::build(ctx, &ws.step, &ws.logits, &ws.argmax, c.vocab_size)
+        .await
+        .map_err(gpu_err)?;
+    let topk = kernels::topk::build(ctx, &ws.step, &ws.logits, &ws.topk, c.vocab_size, kernels::topk::TOPK_MAX)
+        .await
+        .map_err(gpu_err)?;
+    let plans = Plans {
+        embed,
+        layers_matvec,
+        layers_matmul,
+        head_gather,
+        layers_batch: batch_plans.then_some(layers_batch),
+        head_gather_batch,
+        head_all,
+        argmax,
+        topk,
+    };
+    Ok((plans, batch_max_tokens))
+}
+
+impl GpuModel {
+    /// Layer `l`'s attention sizes, scale and window.
+    pub(super) fn attention_params(c: &ModelConfig, kv_cfg: KvConfig, l: usize) -> AttentionParams {
+        AttentionParams {
+            n_heads: c.num_heads as u32,
+            n_kv_heads: c.num_kv_heads as u32,
+            head_dim: c.head_dim as u32,
+            qkv_stride: c.qkv_dim() as u32,
+            max_pages: kv_cfg.max_pages_per_seq() as u32,
+            out_stride: (c.num_heads * c.head_dim) as u32,
+            scale: c.attention_scale(),
+            window: c.block.window(l).map_or(0, |w| w as u32),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn layer_plan<'a>(
+        ctx: &GpuContext,
+        c: &ModelConfig,
+        ws: &'a Workspace,
+        kv: &KvStore,
+        kv_cfg: KvConfig,
+        l: usize,
+        layer: &'a Layer,
+        shape: Shape,
+    ) -> Result<Vec<Dispatch>> {
+        let d = c.hidden_size;
+        let hd = c.head_dim;
+        let qkv_dim = c.qkv_dim();
+        let q_dim = c.num_heads * hd;
+        let eps = c.rms_norm_eps;
+        let io = |x, x_stride, norm, y, out_stride, residual| lin_io(ws, x, x_stride, norm, y, out_stride, residual, eps, None);
+        let mut v = Vec::new();
+        for (part, col) in &layer.qkv {
+            let mut pio = io(&ws.hidden, d, Some(&layer.in_norm), &ws.qkv, qkv_dim, false);
+            pio.out_offset = *col;
+            v.extend(kernels::linear::build(ctx, part, &pio, shape).await.map_err(gpu_err)?);
+        }
+        if let Some(g) = &layer.qk_norm {
+            // Every q head, then every k head, of each token's q|k|v row.
+            let rows = kernels::rmsnorm::RowLayout { k: hd, rows: c.num_heads + c.num_kv_heads, row_stride: hd, token_stride: qkv_dim, split: c.num_heads };
+            v.push(kernels::rmsnorm::build(ctx, &ws.step, &ws.qkv, g, &ws.qkv, rows, eps, kernels::rmsnorm::Mode::InPlace).await.map_err(gpu_err)?);
+        }
+        let local = c.block.attention(l) == crate::model::LayerAttention::Sliding;
+        let rope = ws.rope_local.as_ref().filter(|_| local).unwrap_or(&ws.rope);
+        let max_pages = kv_cfg.max_pages_per_seq() as u32;
+        let kvb = KvBinding { layout: &kv.layout, k: &kv.k[l], v: &kv.v[l] };
+        v.extend(
+            kernels::rope_kv::build(
+                ctx,
+                &RopeKvIo {
+                    step: &ws.step,
+                    qkv: &ws.qkv,
+                    rope,
+                    positions: &ws.positions,
+                    token_seq: &ws.token_seq,
+                    block_table: &ws.block_table,
+                    kv: kvb,
+                },
+                RopeKvParams {
+                    n_heads: c.num_heads as u32,
+                    n_kv_heads: c.num_kv_heads as u32,
+                    head_dim: hd as u32,
+                    qkv_stride: qkv_dim as u32,
+                    max_pages,
+                    n_positions: kv_cfg.context as u32,
+                },
+            )
+            .await
+            .map_err(gpu_err)?,
+        );
+        v.extend(
+            kernels::attention::build(
+                ctx,
+                &AttentionIo {
+                    step: &ws.step,
+                    qkv: &ws.qkv,
+                    positions: &ws.positions,
+                    token_seq: &ws.token_seq,
+                    block_table: &ws.block_table,
+                    kv: kvb,
+                    out: &ws.attn,
+                    partials: &ws.partials,
+                },
+                Self::attention_params(c, kv_cfg, l),
+            )
+            .await
+            .map_err(gpu_err)?,
+        );
+        // A sublayer's output goes into the residual stream directly, or (sandwich norms)
+        // through `branch` and its post-norm.
+        let post = |out_norm: &'a Option<wgpu::Buffer>| -> Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)> {
+            out_norm.as_ref().zip(ws.branch.as_ref())
+        };
+        let add_normed = async |g: &wgpu::Buffer, b: &wgpu::Buffer| {
+            kernels::rmsnorm::build(ctx, &ws.step, b, g, &ws.hidden, kernels::rmsnorm::RowLayout::dense(d), eps, kernels::rmsnorm::Mode::Residual)
+                .await
+                .map_err(gpu_err)
+        };
+        match post(&layer.attn_out_norm) {
+            Some((g, b)) => {
+                v.extend(kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, b, d, false), shape).await.map_err(gpu_err)?);
+                v.push(add_normed(g, b).await?);
+            }
+            None => v.extend(
+                kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, &ws.hidden, d, true), shape)
+                    .await
+                    .map_err(gpu_err)?,
+            ),
+        }
+        v.extend(
+            kernels::linear::build(
+                ctx,
+                &layer.gate_up,
+                &io(&ws.hidden, d, Some(&layer.post_norm), &ws.act, c.intermediate_size, false),
+                shape,
+            )
+            .await
+            .map_err(gpu_err)?,
+        );
+        match post(&layer.mlp_out_norm) {
+            Some((g, b)) => {
+                v.extend(kernels::linear::build(ctx, &layer.down, &io(&ws.act, c.intermediate_size, None, b, d, false), shape).await.map_err(gpu_err)?);
+                v.push(add_normed(g, b).await?);
+            }
+            None => v.extend(
+                kernels::linear::build(ctx, &layer.down, &io(&ws.act, c.intermediate_size, None, &ws.hidden, d, true), shape)
+                    .await
+                    .map_err(gpu_err)?,
+            ),
+        }
+        Ok(v)
+    }
+}

@@ -1,0 +1,529 @@
+//! Step execution: sequences in the KV cache, the forward steps (one sequence or a batch),
+//! the frame-budgeted path that submits a step a few dispatches at a time, warm-up and
+//! per-dispatch profiling.
+
+use crate::gpu::GpuError;
+use crate::kernels::{self, Dispatch, StepUniform};
+use crate::kv::KvError;
+use crate::{LanternError, Result};
+
+use super::{gpu_err, GpuModel, StepOutput, Want};
+
+/// Most dispatches recorded per submission on the frame-budgeted path. Fewer go into one
+/// submission when the measured cost per dispatch says more would overrun the frame budget.
+pub const DISPATCHES_PER_SUBMIT: usize = 8;
+
+impl PendingStep {
+    /// Dispatches submitted so far.
+    pub fn submitted(&self) -> usize {
+        self.next
+    }
+}
+
+/// A step started with [`GpuModel::begin_step_batch`] and driven by [`GpuModel::advance`].
+pub struct PendingStep {
+    s: StepUniform,
+    want: Want,
+    /// Dispatches submitted so far.
+    next: usize,
+    submissions: usize,
+    mapping: Option<futures_channel::oneshot::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>>,
+}
+
+/// Steps of at most this many tokens may split each token's keys (flash-decoding); larger
+/// steps have enough tokens to fill the device.
+pub(super) const SPLIT_MAX_TOKENS: usize = 4;
+
+impl GpuModel {
+    /// Run one step of each plan shape (decode; the batched and the matmul prefill), with
+    /// argmax and top-k readback, on a scratch sequence that is released afterwards: drivers
+    /// that compile a shader at its first dispatch (llvmpipe) and first touches of weight
+    /// memory then happen here, at load time, and not inside a host's frame. Returns the
+    /// milliseconds it took.
+    pub async fn warm_up(&mut self) -> Result<f64> {
+        let t0 = web_time::Instant::now();
+        let context = self.kv.alloc.config.context;
+        let mut sizes = vec![1usize, self.matvec_max_tokens + 1, self.batch_max_tokens.max(self.matvec_max_tokens) + 1];
+        sizes.dedup();
+        sizes.retain(|&n| n <= self.options.max_batch_tokens);
+        let seq = self.new_sequence()?;
+        let mut run = async || -> Result<()> {
+            let mut used = 0;
+            for (i, &n) in sizes.iter().enumerate() {
+                if used + n + 1 > context {
+                    break;
+                }
+                self.forward(seq, &vec![0u32; n], Want::Argmax).await?;
+                used += n;
+                if i == 0 {
+                    self.forward(seq, &[0u32], Want::TopK).await?;
+                    used += 1;
+                }
+            }
+            Ok(())
+        };
+        let r = run().await;
+        self.release_sequence(seq);
+        r.map(|_| t0.elapsed().as_secs_f64() * 1e3)
+    }
+
+    /// Start a new sequence in the KV cache.
+    pub fn new_sequence(&mut self) -> Result<usize> {
+        self.kv.alloc.create().map_err(LanternError::Kv)
+    }
+
+    /// End a sequence, freeing its pages (full pages registered in the prefix cache stay
+    /// there, evictable, until memory is needed).
+    pub fn release_sequence(&mut self, seq: usize) {
+        self.kv.alloc.release(seq);
+    }
+
+    /// A new sequence sharing every page of `seq` (parallel samples of one prompt); the
+    /// partial last page is copied when either writes to it.
+    pub fn fork_sequence(&mut self, seq: usize) -> Result<usize> {
+        self.kv.alloc.fork(seq).map_err(LanternError::Kv)
+    }
+
+    /// Attach the longest cached prefix of `prompt` (whole pages, never the whole prompt) to
+    /// the empty sequence `seq`; returns the tokens that need no computing.
+    pub fn attach_cached_prefix(&mut self, seq: usize, prompt: &[u32]) -> Result<usize> {
+        self.kv.alloc.match_prefix(seq, prompt).map_err(LanternError::Kv)
+    }
+
+    /// Offer the full pages of `tokens` (positions 0.. of `seq`) to the prefix cache.
+    pub fn cache_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize> {
+        self.kv.alloc.register_prefix(seq, tokens).map_err(LanternError::Kv)
+    }
+
+    /// Record the copy-on-write page copies the allocator queued (before the step's
+    /// dispatches, so the new tokens land on the copies).
+    fn encode_pending_copies(&mut self, enc: &mut wgpu::CommandEncoder) {
+        for c in self.kv.alloc.take_copies() {
+            self.kv.store.encode_page_copy(enc, c.src as usize, c.dst as usize, c.tokens);
+        }
+    }
+
+    /// Tokens stored for a sequence.
+    pub fn sequence_len(&self, seq: usize) -> Result<usize> {
+        self.kv.alloc.len(seq).map_err(LanternError::Kv)
+    }
+
+    /// Append `tokens` to sequence `seq`, running as many steps as the batch limit needs,
+    /// and return the argmax (and logits, if asked) of the last token.
+    pub async fn forward(&mut self, seq: usize, tokens: &[u32], want: Want) -> Result<StepOutput> {
+        if tokens.is_empty() {
+            return Err(LanternError::Other("forward called with no tokens".into()));
+        }
+        let chunk = self.options.max_batch_tokens.max(1);
+        let mut outs = self.run_chunks(seq, tokens, chunk, want, false).await?;
+        Ok(outs.pop().unwrap_or_default())
+    }
+
+    /// Append `tokens` to `seq` and return the logits of every position (`tokens x vocab`),
+    /// for evaluation (perplexity) and reference comparisons.
+    pub async fn forward_all_logits(&mut self, seq: usize, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let chunk = self.logit_rows;
+        let outs = self.run_chunks(seq, tokens, chunk, Want::Logits, true).await?;
+        Ok(outs.into_iter().flat_map(|o| o.logits.unwrap_or_default()).collect())
+    }
+
+    /// Append `tokens` to `seq` in steps of at most `chunk` tokens. With `every_row` each
+    /// step returns all its rows' outputs, else only the last step returns its last row.
+    /// Pages are reserved up front (a full cache is reported before any work) and released
+    /// again if a step fails, so the sequence is left as it was.
+    async fn run_chunks(&mut self, seq: usize, tokens: &[u32], chunk: usize, want: Want, every_row: bool) -> Result<Vec<StepOutput>> {
+        self.check_ids(tokens)?;
+        let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
+        let n_chunks = tokens.len().div_ceil(chunk);
+        let mut outs = Vec::with_capacity(if every_row { n_chunks } else { 1 });
+        for (ci, part) in tokens.chunks(chunk).enumerate() {
+            let rows: Vec<u32> = if every_row {
+                (0..part.len() as u32).collect()
+            } else if ci + 1 == n_chunks {
+                vec![(part.len() - 1) as u32]
+            } else {
+                vec![]
+            };
+            match self.step(seq, part, start + ci * chunk, &rows, want, every_row).await {
+                Ok(o) => {
+                    if !rows.is_empty() {
+                        outs.push(o);
+                    }
+                }
+                Err(e) => {
+                    let _ = self.kv.alloc.truncate(seq, start);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(outs)
+    }
+
+    /// Write one step's inputs: the step uniform, token ids, positions, sequence of each
+    /// token, the block table and the rows whose logits are wanted.
+    fn write_step_inputs(&self, seq: usize, part: &[u32], pos0: usize, rows: &[u32]) -> StepUniform {
+        let n = part.len() as u32;
+        let positions: Vec<u32> = (0..n).map(|i| pos0 as u32 + i).collect();
+        let seqs = vec![seq as u32; part.len()];
+        self.write_batch_inputs(part, &positions, &seqs, rows)
+    }
+
+    /// [`Self::write_step_inputs`] for tokens of any sequences: id, position and sequence per
+    /// token.
+    fn write_batch_inputs(&self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32]) -> StepUniform {
+        let q = &self.ctx.queue;
+        let n = ids.len() as u32;
+        let max_keys = positions.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
+        let mut step = StepUniform::new(n, rows.len() as u32);
+        step.n_splits = self.splits_for(ids.len(), max_keys) as u32;
+        q.write_buffer(&self.ws.step, 0, bytemuck::bytes_of(&step));
+        q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(ids));
+        q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(positions));
+        q.write_buffer(&self.ws.token_seq, 0, bytemuck::cast_slice(seqs));
+        q.write_buffer(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
+        if !rows.is_empty() {
+            q.write_buffer(&self.ws.logit_rows, 0, bytemuck::cast_slice(rows));
+        }
+        step
+    }
+
+    /// Key splits for a step of `n_tokens` whose longest sequence has `max_keys` keys: one
+    /// per `attention_split_keys` keys, up to `attention_splits`, in decode-sized steps only.
+    fn splits_for(&self, n_tokens: usize, max_keys: usize) -> usize {
+        if n_tokens > SPLIT_MAX_TOKENS {
+            return 1;
+        }
+        max_keys.div_ceil(self.options.attention_split_keys.max(1)).clamp(1, self.attention_splits)
+    }
+
+    /// The layer dispatches for a step of `n` tokens: matvec for decode-sized steps, matmul
+    /// otherwise.
+    fn layer_plan_for(&self, n: usize) -> &[Dispatch] {
+        if n <= self.matvec_max_tokens {
+            &self.plans.layers_matvec
+        } else if n <= self.batch_max_tokens {
+            self.plans.layers_batch.as_deref().unwrap_or(&self.plans.layers_matmul)
+        } else {
+            &self.plans.layers_matmul
+        }
+    }
+
+    fn check_ids(&self, tokens: &[u32]) -> Result<()> {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            return Err(LanternError::Other(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.config.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// One step: `part` tokens of `seq` at positions `pos0..`, logits for `rows` (indices
+    /// into `part`). Pages must already be reserved.
+    async fn step(&mut self, seq: usize, part: &[u32], pos0: usize, rows: &[u32], want: Want, all_rows: bool) -> Result<StepOutput> {
+        let s = self.write_step_inputs(seq, part, pos0, rows);
+        self.run_step(s, want, all_rows).await
+    }
+
+    /// One step over tokens of several sequences (continuous batching): `ids[i]` at
+    /// `positions[i]` of sequence `seqs[i]`, whose pages must already be reserved
+    /// (`kv.alloc.append`); argmax (and logits with `Want::Logits`) of the tokens at indices
+    /// `rows`. At most `options.max_batch_tokens` tokens and `logit_rows` rows.
+    fn validate_batch(&self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32]) -> Result<()> {
+        let bad = |m: String| Err(LanternError::Other(m));
+        if ids.is_empty() || ids.len() != positions.len() || ids.len() != seqs.len() {
+            return bad(format!("step_batch: {} ids, {} positions, {} sequence indices", ids.len(), positions.len(), seqs.len()));
+        }
+        if ids.len() > self.options.max_batch_tokens.max(1) || rows.len() > self.logit_rows {
+            return bad(format!(
+                "step_batch: {} tokens and {} logit rows exceed the step's {} tokens / {} rows",
+                ids.len(),
+                rows.len(),
+                self.options.max_batch_tokens,
+                self.logit_rows
+            ));
+        }
+        if let Some(&r) = rows.iter().find(|&&r| r as usize >= ids.len()) {
+            return bad(format!("step_batch: logit row {r} outside the step's {} tokens", ids.len()));
+        }
+        self.check_ids(ids)?;
+        for (&s, &p) in seqs.iter().zip(positions) {
+            let len = self.kv.alloc.len(s as usize).map_err(LanternError::Kv)?;
+            if p as usize >= len {
+                return bad(format!("step_batch: position {p} of sequence {s}, which has room for {len} tokens (reserve pages first)"));
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn step_batch(&mut self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32], want: Want) -> Result<StepOutput> {
+        self.validate_batch(ids, positions, seqs, rows)?;
+        let s = self.write_batch_inputs(ids, positions, seqs, rows);
+        self.run_step(s, want, false).await
+    }
+
+    async fn run_step(&mut self, s: StepUniform, want: Want, all_rows: bool) -> Result<StepOutput> {
+        let ctx = self.ctx.clone();
+        ctx.check_lost().map_err(LanternError::Gpu)?;
+        let r = self.run_step_inner(s, want, all_rows).await;
+        // Whatever failed on a lost device, the loss is the error to report.
+        match (r, ctx.check_lost()) {
+            (Err(_), Err(lost)) => Err(LanternError::Gpu(lost)),
+            (r, _) => r,
+        }
+    }
+
+    /// The dispatches of a step, in order.
+    fn step_dispatches(&self, s: &StepUniform, want: Want, all_rows: bool) -> Vec<&Dispatch> {
+        let mut v: Vec<&Dispatch> = self.plans.embed.iter().chain(self.layer_plan_for(s.n_tokens as usize)).collect();
+        if s.n_out > 0 {
+            let head = if all_rows {
+                &self.plans.head_all
+            } else if s.n_out > 1 && self.plans.head_gather_batch.is_some() {
+                self.plans.head_gather_batch.as_deref().unwrap_or(&self.plans.head_gather)
+            } else {
+                &self.plans.head_gather
+            };
+            v.extend(head.iter());
+            v.push(&self.plans.argmax);
+            if want == Want::TopK {
+                v.push(&self.plans.topk);
+            }
+        }
+        v
+    }
+
+    /// What a step reads back: (source buffer, bytes).
+    fn readback_source(&self, n_out: u32, want: Want) -> (&wgpu::Buffer, u64) {
+        let n = n_out as u64;
+        match want {
+            Want::Logits => (&self.ws.logits, n * self.config.vocab_size as u64 * 4),
+            Want::TopK => (&self.ws.topk, n * (kernels::topk::TOPK_MAX * 2) as u64 * 4),
+            Want::Argmax => (&self.ws.argmax, n * 4),
+        }
+    }
+
+    /// The step's output from the bytes read back.
+    fn parse_output(&self, bytes: &[u8], n_out: u32, want: Want) -> StepOutput {
+        if n_out == 0 {
+            return StepOutput::default();
+        }
+        match want {
+            Want::Logits => {
+                let logits: Vec<f32> = bytemuck::cast_slice(bytes).to_vec();
+                let argmax = logits.chunks_exact(self.config.vocab_size).map(crate::engine::sampler::argmax).collect();
+                StepOutput { argmax, logits: Some(logits), top: None }
+            }
+            Want::TopK => {
+                let words: &[u32] = bytemuck::cast_slice(bytes);
+                let top: Vec<Vec<(u32, f32)>> = words
+                    .chunks_exact(kernels::topk::TOPK_MAX * 2)
+                    .map(|w| kernels::topk::decode_row(w, kernels::topk::TOPK_MAX))
+                    .collect();
+                // The best pair is the argmax (same order: value, then lower id).
+                let argmax = top.iter().map(|t| t.first().map_or(0, |p| p.0)).collect();
+                StepOutput { argmax, logits: None, top: Some(top) }
+            }
+            Want::Argmax => StepOutput { argmax: bytemuck::cast_slice(bytes).to_vec(), logits: None, top: None },
+        }
+    }
+
+    async fn run_step_inner(&mut self, s: StepUniform, want: Want, all_rows: bool) -> Result<StepOutput> {
+        let ctx = self.ctx.clone();
+        let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
+        self.encode_pending_copies(&mut enc);
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("forward"),
+                timestamp_writes: None,
+            });
+            for d in self.step_dispatches(&s, want, all_rows) {
+                d.encode(&mut pass, &s);
+            }
+        }
+        let (src, bytes) = self.readback_source(s.n_out, want);
+        if s.n_out > 0 {
+            self.readback.copy_from(&mut enc, src, 0, bytes);
+        }
+        ctx.queue.submit([enc.finish()]);
+        if let Some(e) = scope.pop().await {
+            return Err(LanternError::Gpu(GpuError::Validation {
+                context: "forward step".into(),
+                message: e.to_string(),
+            }));
+        }
+        if s.n_out == 0 {
+            return Ok(StepOutput::default());
+        }
+        let data = self.readback.read(&ctx, bytes).await.map_err(gpu_err)?;
+        Ok(self.parse_output(&data[..bytes as usize], s.n_out, want))
+    }
+
+    /// Start a step of tokens of several sequences without running it (the frame-budgeted
+    /// path): inputs are written and page copies submitted; [`Self::advance`] then submits
+    /// its dispatches a few at a time and collects the result without ever waiting.
+    pub fn begin_step_batch(&mut self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32], want: Want) -> Result<PendingStep> {
+        self.ctx.check_lost().map_err(LanternError::Gpu)?;
+        self.validate_batch(ids, positions, seqs, rows)?;
+        let s = self.write_batch_inputs(ids, positions, seqs, rows);
+        let mut enc = self.ctx.device.create_command_encoder(&Default::default());
+        self.encode_pending_copies(&mut enc);
+        self.ctx.queue.submit([enc.finish()]);
+        Ok(PendingStep { s, want, next: 0, mapping: None, submissions: 0 })
+    }
+
+    /// Submit more of `p`'s dispatches until `deadline` or `max_dispatches` (at least one
+    /// dispatch per call; submissions of at most [`DISPATCHES_PER_SUBMIT`], fewer when the
+    /// measured cost per dispatch says more would pass the deadline), then its readback,
+    /// then check without waiting whether the result has arrived: `Some` once it has. Never
+    /// blocks on the GPU.
+    pub async fn advance(&mut self, p: &mut PendingStep, deadline: web_time::Instant, max_dispatches: usize) -> Result<Option<StepOutput>> {
+        let ctx = self.ctx.clone();
+        ctx.check_lost().map_err(LanternError::Gpu)?;
+        let dispatches = self.step_dispatches(&p.s, p.want, false);
+        let total = dispatches.len();
+        let mut this_call = 0;
+        let mut cost = self.submit_ms_per_dispatch;
+        while p.next < total && this_call < max_dispatches.max(1) {
+            let now = web_time::Instant::now();
+            if this_call > 0 && now >= deadline {
+                break;
+            }
+            // As many dispatches as the measured cost says fit in what is left of the
+            // budget (at least one per call, so a step always progresses).
+            let left_ms = deadline.saturating_duration_since(now).as_secs_f64() * 1e3;
+            let fit = match cost {
+                Some(c) if c > 0.0 => ((left_ms / c).floor() as usize).clamp(1, DISPATCHES_PER_SUBMIT),
+                _ => 1,
+            };
+            let n = fit.min(max_dispatches.max(1) - this_call).min(total - p.next).max(1);
+            let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
+            let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step part") });
+            let end = p.next + n;
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                for d in &dispatches[p.next..end] {
+                    d.encode(&mut pass, &p.s);
+                }
+            }
+            if end == total && p.s.n_out > 0 {
+                let (src, bytes) = self.readback_source(p.s.n_out, p.want);
+                self.readback.copy_from(&mut enc, src, 0, bytes);
+            }
+            ctx.queue.submit([enc.finish()]);
+            if let Some(e) = scope.pop().await {
+                return Err(LanternError::Gpu(GpuError::Validation { context: "forward step".into(), message: e.to_string() }));
+            }
+            // What one dispatch costs the caller here (encoding and submitting; on CPU
+            // adapters the work itself runs inside submit): a moving average over the
+            // submissions after a call's first, since the first also waits for whatever the
+            // host queued before the call (its own frame), which more dispatches do not add.
+            if this_call > 0 || cost.is_none() {
+                let per = now.elapsed().as_secs_f64() * 1e3 / n as f64;
+                cost = Some(match cost {
+                    Some(c) => 0.7 * c + 0.3 * per,
+                    None => per,
+                });
+            }
+            p.next = end;
+            p.submissions += 1;
+            this_call += n;
+        }
+        self.submit_ms_per_dispatch = cost;
+        if p.next < total {
+            return Ok(None);
+        }
+        if p.s.n_out == 0 {
+            return Ok(Some(StepOutput::default()));
+        }
+        let (_, bytes) = self.readback_source(p.s.n_out, p.want);
+        if p.mapping.is_none() {
+            p.mapping = Some(self.readback.start_map(bytes));
+        }
+        // Let the device make progress and deliver the map callback, without waiting.
+        #[cfg(not(target_arch = "wasm32"))]
+        let _ = ctx.device.poll(wgpu::PollType::Poll);
+        match p.mapping.as_mut().map(|rx| rx.try_recv()) {
+            Some(Ok(Some(r))) => r.map_err(|e| LanternError::Gpu(GpuError::Readback(e.to_string())))?,
+            Some(Ok(None)) => return Ok(None),
+            _ => return Err(LanternError::Gpu(GpuError::Readback("map callback dropped (device lost?)".into()))),
+        }
+        let data = self.readback.take_mapped(bytes).map_err(gpu_err)?;
+        Ok(Some(self.parse_output(&data[..bytes as usize], p.s.n_out, p.want)))
+    }
+
+    /// Time every dispatch of one step separately (one submission and wait per dispatch):
+    /// wall-clock milliseconds per dispatch label, summed over layers. Appends `tokens` to
+    /// `seq` like `forward`. For profiling only: it is much slower than a real step.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn profile_step(&mut self, seq: usize, tokens: &[u32]) -> Result<Vec<(String, f64, usize)>> {
+        self.check_ids(tokens)?;
+        let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
+        let n = tokens.len() as u32;
+        let s = self.write_step_inputs(seq, tokens, start, &[n - 1]);
+        let ctx = self.ctx.clone();
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        self.encode_pending_copies(&mut enc);
+        ctx.queue.submit([enc.finish()]);
+        let layers = self.layer_plan_for(tokens.len());
+        let all: Vec<&Dispatch> = self
+            .plans
+            .embed
+            .iter()
+            .chain(layers.iter())
+            .chain(self.plans.head_gather.iter())
+            .chain(std::iter::once(&self.plans.argmax))
+            .collect();
+        let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
+        let mut acc: Vec<(String, f64, usize)> = Vec::new();
+        for d in all {
+            let t0 = web_time::Instant::now();
+            let mut enc = ctx.device.create_command_encoder(&Default::default());
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                d.encode(&mut pass, &s);
+            }
+            ctx.queue.submit([enc.finish()]);
+            let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            // Group by kernel variant and weight name without the layer index.
+            let key = d
+                .label
+                .split_whitespace()
+                .map(|w| {
+                    w.split('.')
+                        .filter(|p| p.parse::<usize>().is_err() && *p != "model" && *p != "layers")
+                        .collect::<Vec<_>>()
+                        .join(".")
+                })
+                .collect::<Vec<_>>()
+                .join(" ");
+            match acc.iter_mut().find(|e| e.0 == key) {
+                Some(e) => {
+                    e.1 += ms;
+                    e.2 += 1;
+                }
+                None => acc.push((key, ms, 1)),
+            }
+        }
+        Ok(acc)
+    }
+
+    /// The KV error of trying to add `n` tokens to `seq`, if it would fail.
+    pub fn check_fits(&self, seq: usize, n: usize) -> std::result::Result<(), KvError> {
+        let needed = self.kv.alloc.pages_needed(seq, n)?;
+        if needed > self.kv.alloc.free_pages() {
+            return Err(KvError::Full {
+                needed,
+                free: self.kv.alloc.free_pages(),
+                total: self.kv.alloc.config.num_pages,
+                page_size: self.kv.alloc.config.page_size,
+            });
+        }
+        Ok(())
+    }
+}
