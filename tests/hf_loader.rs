@@ -367,16 +367,22 @@ fn unsupported_model_types_are_refused() {
 }
 
 #[test]
-fn mistral_sliding_window_is_refused() {
+fn mistral_sliding_window_puts_every_layer_behind_it() {
+    use lantern::model::LayerAttention;
     let mut c = config_of("mistral");
     c["sliding_window"] = json!(4096);
     c["max_position_embeddings"] = json!(32768);
-    let e = must_fail(parse(&c), "mistral sliding window");
-    assert!(matches!(e, LanternError::Config { .. }), "{e:?}");
-    assert_mentions(&e, &["sliding_window", "4096"]);
+    let cfg = parse(&c).unwrap();
+    assert_eq!(cfg.block.sliding_window, Some(4096));
+    assert!((0..cfg.num_layers).all(|l| cfg.block.window(l) == Some(4096)));
+    // The same RoPE on every layer.
+    assert_eq!(cfg.layer_rope_inv_freq(0, 1), cfg.rope_inv_freq());
     // A window covering the whole context is plain full attention.
     c["sliding_window"] = json!(32768);
-    parse(&c).unwrap();
+    let cfg = parse(&c).unwrap();
+    assert!((0..cfg.num_layers).all(|l| cfg.block.attention(l) == LayerAttention::Full));
+    c["sliding_window"] = json!(0);
+    assert_mentions(&must_fail(parse(&c), "zero window"), &["sliding_window"]);
 }
 
 #[test]

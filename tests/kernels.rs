@@ -1311,7 +1311,7 @@ fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Rang
 
     let step = step_buffer(&ctx);
     let qkv_b = buf_f32(&ctx, "qkv", &qkv);
-    let rope_b = buf_f32(&ctx, "rope", &rope_table(&freq, n_positions));
+    let rope_b = buf_f32(&ctx, "rope", &rope_table(&freq, n_positions, 1.0));
     let pos_b = buf_u32(&ctx, "positions", &positions);
     let seq_b = buf_u32(&ctx, "token_seq", &seqs);
     let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
@@ -1612,7 +1612,7 @@ fn rope_kv_then_attention_continue_a_paged_sequence() {
 
         let step = step_buffer(&ctx);
         let qkv_b = buf_f32(&ctx, "qkv", &qkv);
-        let rope_b = buf_f32(&ctx, "rope", &rope_table(&freq, n_positions));
+        let rope_b = buf_f32(&ctx, "rope", &rope_table(&freq, n_positions, 1.0));
         let pos_b = buf_u32(&ctx, "positions", &positions);
         let seq_b = buf_u32(&ctx, "token_seq", &vec![seq as u32; new]);
         let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);

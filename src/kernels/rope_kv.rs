@@ -38,16 +38,17 @@ struct RopeKvUniform {
     _pad: [u32; 2],
 }
 
-/// cos/sin table: row `pos` holds cos(pos * inv_freq[i]) for i < hd/2, then the sines.
-/// The angle is formed in f32 (as transformers does), the cos/sin taken in f64.
-pub fn rope_table(inv_freq: &[f32], n_positions: usize) -> Vec<f32> {
+/// cos/sin table: row `pos` holds cos(pos * inv_freq[i]) for i < hd/2, then the sines, each
+/// times `mscale` (LongRoPE's attention factor; 1 otherwise). The angle is formed in f32 (as
+/// transformers does), the cos/sin taken in f64.
+pub fn rope_table(inv_freq: &[f32], n_positions: usize, mscale: f32) -> Vec<f32> {
     let half = inv_freq.len();
     let mut t = vec![0.0f32; n_positions * half * 2];
     for pos in 0..n_positions {
         for (i, &f) in inv_freq.iter().enumerate() {
             let angle = (pos as f32 * f) as f64;
-            t[pos * 2 * half + i] = angle.cos() as f32;
-            t[pos * 2 * half + half + i] = angle.sin() as f32;
+            t[pos * 2 * half + i] = angle.cos() as f32 * mscale;
+            t[pos * 2 * half + half + i] = angle.sin() as f32 * mscale;
         }
     }
     t

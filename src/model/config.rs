@@ -19,6 +19,11 @@ pub enum Arch {
     /// Gemma 3 (text): sandwich norms, q/k norms, GELU-tanh, a scaled embedding, and
     /// sliding-window attention on five layers of every six.
     Gemma3,
+    /// Qwen3: the Llama block with q/k norms over each head, no biases.
+    Qwen3,
+    /// Phi-3: the Llama block with fused q|k|v and gate|up tensors (split at load) and
+    /// LongRoPE scaling on the long-context models.
+    Phi3,
 }
 
 impl Arch {
@@ -29,6 +34,8 @@ impl Arch {
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3 => "qwen3",
+            Arch::Phi3 => "phi3",
         }
     }
 }
@@ -147,7 +154,7 @@ impl BlockSpec {
 }
 
 /// RoPE frequency scaling.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub enum RopeScaling {
     /// Llama 3 scaling: low frequencies divided by `factor`, a smooth band in between.
     Llama3 {
@@ -164,6 +171,22 @@ pub enum RopeScaling {
     Linear {
         /// Divisor applied to every frequency.
         factor: f64,
+    },
+    /// Frequency `i` divided by `divisors[i]`: a GGUF's `rope_freqs.weight` taken as it is,
+    /// when it matches no Llama 3 parameters Lantern can infer (llama.cpp applies the same
+    /// tensor directly).
+    Divisors {
+        divisors: Vec<f32>,
+    },
+    /// LongRoPE (Phi-3 128k): frequency `i` divided by `short_factor[i]` for sequences within
+    /// `original_max_position_embeddings`, by `long_factor[i]` beyond, and cos/sin scaled by
+    /// `attention_factor`. transformers switches sets with the current sequence length; Lantern
+    /// picks one set per load, by the context it is loaded for (as llama.cpp does).
+    LongRope {
+        short_factor: Vec<f32>,
+        long_factor: Vec<f32>,
+        original_max_position_embeddings: f64,
+        attention_factor: f64,
     },
 }
 
@@ -211,15 +234,30 @@ impl ModelConfig {
     /// The exact inverse frequencies used by RoPE (length `head_dim / 2`), computed as
     /// transformers does (float32), including Llama 3 / linear scaling.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
-        self.rope_inv_freq_with(self.rope_theta, self.rope_scaling)
+        self.rope_inv_freq_for(0)
     }
 
-    /// The inverse frequencies of layer `l` (sliding layers may have their own base, and are
-    /// never scaled).
-    pub fn layer_rope_inv_freq(&self, l: usize) -> Vec<f32> {
+    /// The inverse frequencies for sequences of up to `seq_len` tokens (LongRoPE takes its
+    /// long factors when `seq_len` passes the original context; other scalings ignore it).
+    pub fn rope_inv_freq_for(&self, seq_len: usize) -> Vec<f32> {
+        self.rope_inv_freq_with(self.rope_theta, self.rope_scaling.as_ref(), seq_len)
+    }
+
+    /// The inverse frequencies of layer `l` for sequences of up to `seq_len` tokens (sliding
+    /// layers may have their own base, and are then never scaled).
+    pub fn layer_rope_inv_freq(&self, l: usize, seq_len: usize) -> Vec<f32> {
         match (self.block.attention(l), self.block.rope_local_theta) {
-            (LayerAttention::Sliding, Some(theta)) => self.rope_inv_freq_with(theta, None),
-            _ => self.rope_inv_freq(),
+            (LayerAttention::Sliding, Some(theta)) => self.rope_inv_freq_with(theta, None, seq_len),
+            _ => self.rope_inv_freq_for(seq_len),
+        }
+    }
+
+    /// The factor RoPE's cos and sin are multiplied by (LongRoPE's attention factor; 1
+    /// otherwise).
+    pub fn rope_attention_factor(&self) -> f32 {
+        match &self.rope_scaling {
+            Some(RopeScaling::LongRope { attention_factor, .. }) => *attention_factor as f32,
+            _ => 1.0,
         }
     }
 
@@ -233,7 +271,7 @@ impl ModelConfig {
         self.block.attention_scale.unwrap_or((1.0 / (self.head_dim as f64).sqrt()) as f32)
     }
 
-    fn rope_inv_freq_with(&self, theta: f64, scaling: Option<RopeScaling>) -> Vec<f32> {
+    fn rope_inv_freq_with(&self, theta: f64, scaling: Option<&RopeScaling>, seq_len: usize) -> Vec<f32> {
         let dim = self.head_dim;
         let base = theta as f32;
         let mut inv: Vec<f32> = (0..dim / 2)
@@ -243,10 +281,22 @@ impl ModelConfig {
             None => {}
             Some(RopeScaling::Linear { factor }) => {
                 for f in &mut inv {
-                    *f /= factor as f32;
+                    *f /= *factor as f32;
                 }
             }
-            Some(RopeScaling::Llama3 {
+            Some(RopeScaling::Divisors { divisors }) => {
+                for (f, d) in inv.iter_mut().zip(divisors) {
+                    *f /= *d;
+                }
+            }
+            Some(RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, .. }) => {
+                // transformers: 1 / (ext * base ** (2i / dim)), in f32.
+                let ext = if seq_len as f64 > *original_max_position_embeddings { long_factor } else { short_factor };
+                for (i, f) in inv.iter_mut().enumerate() {
+                    *f = 1.0f32 / (ext[i] * base.powf((2 * i) as f32 / dim as f32));
+                }
+            }
+            Some(&RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
@@ -366,6 +416,8 @@ mod hf_json {
             "MistralForCausalLM" => Some(Arch::Mistral),
             "Qwen2ForCausalLM" => Some(Arch::Qwen2),
             "Gemma3ForCausalLM" => Some(Arch::Gemma3),
+            "Qwen3ForCausalLM" => Some(Arch::Qwen3),
+            "Phi3ForCausalLM" => Some(Arch::Phi3),
             _ => None,
         };
         let classes: Vec<&str> = match get(o, "architectures") {
@@ -379,6 +431,8 @@ mod hf_json {
             Some("mistral") => Arch::Mistral,
             Some("qwen2") => Arch::Qwen2,
             Some("gemma3_text") => Arch::Gemma3,
+            Some("qwen3") => Arch::Qwen3,
+            Some("phi3") => Arch::Phi3,
             Some("gemma3") => {
                 return Err(LanternError::UnsupportedArchitecture {
                     arch: "gemma3 (the multimodal Gemma3ForConditionalGeneration; its text model, model_type gemma3_text, is supported)".into(),
@@ -522,14 +576,46 @@ mod hf_json {
                     original_max_position_embeddings: num("original_max_position_embeddings")?,
                 })
             }
+            "longrope" | "su" => {
+                let factors = |key: &str| -> Result<Vec<f32>, LanternError> {
+                    let field = format!("{prefix}.{key}");
+                    let a = get(s, key).and_then(Value::as_array).ok_or_else(|| cfg_err(file, &field, "missing (needed by LongRoPE)"))?;
+                    a.iter()
+                        .map(|v| v.as_f64().filter(|f| f.is_finite() && *f > 0.0).map(|f| f as f32))
+                        .collect::<Option<Vec<f32>>>()
+                        .ok_or_else(|| cfg_err(file, &field, "expected a list of positive numbers"))
+                };
+                let orig = match f64_field(s, "original_max_position_embeddings", &format!("{prefix}.original_max_position_embeddings"), file)? {
+                    Some(v) => v,
+                    None => f64_field(o, "original_max_position_embeddings", "original_max_position_embeddings", file)?
+                        .ok_or_else(|| cfg_err(file, "original_max_position_embeddings", "missing (needed by LongRoPE)"))?,
+                };
+                if !(orig.is_finite() && orig >= 1.0) {
+                    return Err(cfg_err(file, "original_max_position_embeddings", format!("must be a positive number, got {orig}")));
+                }
+                Some(RopeScaling::LongRope {
+                    short_factor: factors("short_factor")?,
+                    long_factor: factors("long_factor")?,
+                    original_max_position_embeddings: orig,
+                    // 0: not given; `parse` derives it from the context ratio.
+                    attention_factor: f64_field(s, "attention_factor", &format!("{prefix}.attention_factor"), file)?.unwrap_or(0.0),
+                })
+            }
             other => {
                 return Err(cfg_err(
                     file,
                     &format!("{prefix}.rope_type"),
-                    format!("unsupported RoPE type `{other}` (supported: default, linear, llama3)"),
+                    format!("unsupported RoPE type `{other}` (supported: default, linear, llama3, longrope)"),
                 ))
             }
         };
+        for p in [Some(s), Some(o)].into_iter().flatten() {
+            if let Some(f) = f64_field(p, "partial_rotary_factor", "partial_rotary_factor", file)? {
+                if f != 1.0 {
+                    return Err(cfg_err(file, "partial_rotary_factor", format!("partial rotary embeddings ({f}) are not supported")));
+                }
+            }
+        }
         Ok((theta, scaling))
     }
 
@@ -617,6 +703,8 @@ mod hf_json {
             Arch::Mistral => 4096 * 32,
             Arch::Qwen2 => 32768,
             Arch::Gemma3 => 131072,
+            Arch::Qwen3 => 40960,
+            Arch::Phi3 => 4096,
         };
         let max_position_embeddings =
             usize_field(o, "max_position_embeddings", file)?.unwrap_or(default_max_pos);
@@ -639,9 +727,10 @@ mod hf_json {
         let qkv_bias = match arch {
             Arch::Qwen2 => true,
             Arch::Mistral => false,
-            Arch::Gemma3 => {
+            Arch::Gemma3 | Arch::Qwen3 | Arch::Phi3 => {
+                // Qwen3's `attention_bias` also biases o_proj; none of these has biases.
                 if bool_field(o, "attention_bias", file)? == Some(true) {
-                    return Err(cfg_err(file, "attention_bias", "Gemma 3 attention biases are not supported"));
+                    return Err(cfg_err(file, "attention_bias", format!("{arch:?} attention biases (o_proj included) are not supported")));
                 }
                 false
             }
@@ -664,23 +753,28 @@ mod hf_json {
             }
         }
 
-        // Sliding-window attention is not implemented: only full causal attention.
+        // Mistral and Phi-3 may put every layer behind one window (Mistral 7B v0.1: 4096,
+        // Phi-3-mini: 2047); Llama has none.
+        let mut uniform_window = None;
         match arch {
-            Arch::Mistral | Arch::Llama => {
+            Arch::Mistral | Arch::Phi3 => {
                 if let Some(w) = usize_field(o, "sliding_window", file)? {
+                    if w == 0 {
+                        return Err(cfg_err(file, "sliding_window", "must be positive, got 0"));
+                    }
                     if w < max_position_embeddings {
-                        return Err(cfg_err(
-                            file,
-                            "sliding_window",
-                            format!(
-                                "sliding-window attention (window {w} < max_position_embeddings {max_position_embeddings}) \
-                                 is not supported; only full causal attention is"
-                            ),
-                        ));
+                        uniform_window = Some(w);
                     }
                 }
             }
-            Arch::Qwen2 => {
+            Arch::Llama => {
+                if let Some(w) = usize_field(o, "sliding_window", file)? {
+                    if w < max_position_embeddings {
+                        return Err(cfg_err(file, "sliding_window", format!("Llama has no sliding window (got {w})")));
+                    }
+                }
+            }
+            Arch::Qwen2 | Arch::Qwen3 => {
                 if bool_field(o, "use_sliding_window", file)? == Some(true) {
                     return Err(cfg_err(
                         file,
@@ -691,10 +785,34 @@ mod hf_json {
             }
             Arch::Gemma3 => {}
         }
-        let block = if arch == Arch::Gemma3 {
-            gemma3_block(o, file, num_layers, hidden_size, head_dim)?
-        } else {
-            super::BlockSpec::default()
+        let mut block = match arch {
+            Arch::Gemma3 => gemma3_block(o, file, num_layers, hidden_size, head_dim)?,
+            Arch::Qwen3 => super::BlockSpec { qk_norm: true, ..Default::default() },
+            _ => super::BlockSpec::default(),
+        };
+        if let Some(w) = uniform_window {
+            block.sliding_window = Some(w);
+            block.layer_attention = vec![super::LayerAttention::Sliding; num_layers];
+        }
+        let rope_scaling = match rope_scaling {
+            Some(RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings: orig, attention_factor }) => {
+                let n = head_dim / 2;
+                if short_factor.len() != n || long_factor.len() != n {
+                    return Err(cfg_err(file, "rope_parameters.short_factor", format!("LongRoPE needs head_dim / 2 = {n} factors, got {} short and {} long", short_factor.len(), long_factor.len())));
+                }
+                // transformers: factor = max_position_embeddings / original, attention factor
+                // sqrt(1 + ln(factor) / ln(original)) unless given.
+                let factor = max_position_embeddings as f64 / orig;
+                let attention_factor = if attention_factor > 0.0 {
+                    attention_factor
+                } else if factor <= 1.0 {
+                    1.0
+                } else {
+                    (1.0 + factor.ln() / orig.ln()).sqrt()
+                };
+                Some(RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings: orig, attention_factor })
+            }
+            other => other,
         };
         if let (Some(Value::Array(types)), false) = (get(o, "layer_types"), arch == Arch::Gemma3) {
             if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
@@ -838,14 +956,36 @@ impl ModelConfig {
             Arch::Mistral => ("mistral", "MistralForCausalLM"),
             Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
             Arch::Gemma3 => ("gemma3_text", "Gemma3ForCausalLM"),
+            Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+            Arch::Phi3 => {
+                // Its folders hold fused qkv_proj / gate_up_proj tensors, which the writer
+                // does not produce.
+                return Err(crate::LanternError::Config {
+                    field: "arch".into(),
+                    reason: "writing Phi-3 folders is not supported (its checkpoints fuse q|k|v and gate|up)".into(),
+                });
+            }
         };
         // The shortest decimal that reads back as the same f32 (1e-5, not 9.99999974e-6).
         let eps: f64 = format!("{}", self.rms_norm_eps)
             .parse()
             .unwrap_or(self.rms_norm_eps as f64);
         let mut rope = json!({"rope_theta": self.rope_theta, "rope_type": "default"});
-        let scaling = match self.rope_scaling {
+        let scaling = match self.rope_scaling.clone() {
             None => Value::Null,
+            Some(RopeScaling::Divisors { .. }) => {
+                return Err(crate::LanternError::Config {
+                    field: "rope_scaling".into(),
+                    reason: "per-frequency RoPE divisors from a GGUF have no config.json form".into(),
+                })
+            }
+            Some(RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor }) => json!({
+                "rope_type": "longrope",
+                "short_factor": short_factor,
+                "long_factor": long_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+                "attention_factor": attention_factor,
+            }),
             Some(RopeScaling::Linear { factor }) => {
                 json!({"rope_type": "linear", "factor": factor})
             }
@@ -897,8 +1037,9 @@ impl ModelConfig {
         });
         match self.arch {
             Arch::Llama => o["attention_bias"] = json!(false),
-            Arch::Mistral => o["sliding_window"] = Value::Null,
-            Arch::Qwen2 => o["use_sliding_window"] = json!(false),
+            Arch::Mistral => o["sliding_window"] = json!(self.block.sliding_window),
+            Arch::Qwen2 | Arch::Qwen3 => o["use_sliding_window"] = json!(false),
+            Arch::Phi3 => {}
             Arch::Gemma3 => {
                 let b = &self.block;
                 o["attention_bias"] = json!(false);

@@ -289,6 +289,7 @@ pub fn load_hf_buffers(
         source,
     };
     apply_norm_offset(&mut weights);
+    weights.unfuse()?;
     validate(&weights)?;
     Ok(weights)
 }
@@ -423,6 +424,7 @@ mod native {
             source: dir.display().to_string(),
         };
         super::apply_norm_offset(&mut weights);
+        weights.unfuse()?;
         Ok(weights)
     }
 

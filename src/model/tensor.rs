@@ -3,6 +3,7 @@
 //! Tensors keep their file dtype (including GGUF block-quantized formats) so that later
 //! stages can upload packed data without going through floats; `to_f32` dequantizes.
 
+use super::LoadError;
 use std::collections::HashMap;
 
 use super::config::ModelConfig;
@@ -240,4 +241,62 @@ pub struct ModelWeights {
     pub tensors: HashMap<String, HostTensor>,
     /// Where the weights came from (file or folder), for error messages.
     pub source: String,
+}
+
+impl ModelWeights {
+    /// Split the row-stacked tensor `name` into consecutive row ranges named as `parts` says
+    /// (rows each), replacing it. Float and GGUF block dtypes split on byte boundaries (a row
+    /// is a whole number of blocks); a missing tensor is left alone.
+    pub fn split_rows(&mut self, name: &str, parts: &[(String, usize)]) -> Result<(), LoadError> {
+        let Some(t) = self.tensors.remove(name) else {
+            return Ok(());
+        };
+        let invalid = |reason: String| LoadError::Invalid { file: self.source.clone(), reason: format!("tensor `{name}`: {reason}") };
+        let rows: usize = parts.iter().map(|p| p.1).sum();
+        let (r, rest) = match t.shape.split_first() {
+            Some((r, rest)) => (*r, rest.to_vec()),
+            None => return Err(invalid("is a scalar".into())),
+        };
+        if r != rows {
+            return Err(LoadError::WrongShape {
+                file: self.source.clone(),
+                tensor: name.to_string(),
+                got: t.shape.clone(),
+                expected: [vec![rows], rest].concat(),
+            });
+        }
+        if matches!(t.dtype, DType::Packed(_)) {
+            return Err(invalid("fused Lantern-packed tensors cannot be split".into()));
+        }
+        let row_bytes = t.dtype.bytes_for_shape(&[&[1usize][..], &rest].concat()).ok_or_else(|| invalid("rows are not whole blocks".into()))?;
+        if row_bytes * rows != t.data.len() {
+            return Err(invalid(format!("holds {} bytes, expected {rows} rows of {row_bytes}", t.data.len())));
+        }
+        let mut at = 0;
+        for (part, n) in parts {
+            let shape = [vec![*n], rest.clone()].concat();
+            let data = t.data[at * row_bytes..(at + n) * row_bytes].to_vec();
+            self.tensors.insert(part.clone(), HostTensor { name: part.clone(), shape, dtype: t.dtype, data });
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Fused tensors of the architecture (Phi-3's `qkv_proj` and `gate_up_proj`) as the
+    /// separate q/k/v and gate/up tensors every other part of Lantern reads.
+    pub fn unfuse(&mut self) -> Result<(), LoadError> {
+        if self.config.arch != super::Arch::Phi3 {
+            return Ok(());
+        }
+        let c = self.config.clone();
+        let (q, kv, f) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            let qkv = [(format!("{p}.self_attn.q_proj.weight"), q), (format!("{p}.self_attn.k_proj.weight"), kv), (format!("{p}.self_attn.v_proj.weight"), kv)];
+            self.split_rows(&format!("{p}.self_attn.qkv_proj.weight"), &qkv)?;
+            let gu = [(format!("{p}.mlp.gate_proj.weight"), f), (format!("{p}.mlp.up_proj.weight"), f)];
+            self.split_rows(&format!("{p}.mlp.gate_up_proj.weight"), &gu)?;
+        }
+        Ok(())
+    }
 }

@@ -28,7 +28,6 @@ struct RefLayer {
     mlp_out_norm: Option<Vec<f32>>,
     /// The MLP input's norm.
     post_norm: Vec<f32>,      // (hidden)
-    inv_freq: Vec<f32>,       // (head_dim / 2): this layer's RoPE
     window: Option<usize>,
     gate: Vec<f32>,           // (intermediate, hidden)
     up: Vec<f32>,             // (intermediate, hidden)
@@ -68,7 +67,6 @@ impl ReferenceModel {
                     qk_norm: c.block.qk_norm.then(|| (get(&format!("{p}.self_attn.q_norm.weight")), get(&format!("{p}.self_attn.k_norm.weight")))),
                     attn_out_norm: norms.attn_out.as_deref().map(get),
                     mlp_out_norm: norms.mlp_out.as_deref().map(get),
-                    inv_freq: c.layer_rope_inv_freq(l),
                     window: c.block.window(l),
                     input_norm: get(&norms.attn_in),
                     q: get(&format!("{p}.self_attn.q_proj.weight")),
@@ -104,7 +102,8 @@ impl ReferenceModel {
     }
 
     /// One decoder block applied to the residual stream `x` (`[T, hidden]`, positions `0..T`).
-    fn layer(&self, layer: &RefLayer, x: &[f32], positions: &[usize]) -> Vec<f32> {
+    /// `inv_freq`: this layer's RoPE frequencies for the sequence's length.
+    fn layer(&self, layer: &RefLayer, x: &[f32], positions: &[usize], inv_freq: &[f32]) -> Vec<f32> {
         let c = &self.config;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
@@ -118,8 +117,9 @@ impl ReferenceModel {
             Some((qn, kn)) => (ops::rmsnorm(&q, qn, c.rms_norm_eps), ops::rmsnorm(&k, kn, c.rms_norm_eps)),
             None => (q, k),
         };
-        let q = ops::rope(&q, positions, c.num_heads, hd, &layer.inv_freq);
-        let k = ops::rope(&k, positions, c.num_kv_heads, hd, &layer.inv_freq);
+        let m = c.rope_attention_factor();
+        let q = ops::rope_scaled(&q, positions, c.num_heads, hd, inv_freq, m);
+        let k = ops::rope_scaled(&k, positions, c.num_kv_heads, hd, inv_freq, m);
         let a = ops::attention_windowed(&q, &k, &v, positions, c.num_heads, c.num_kv_heads, hd, c.attention_scale(), layer.window);
         let out_norm = |y: Vec<f32>, w: &Option<Vec<f32>>| match w {
             Some(w) => ops::rmsnorm(&y, w, c.rms_norm_eps),
@@ -155,11 +155,14 @@ impl ReferenceModel {
             e.iter_mut().for_each(|v| *v *= scale);
         }
         states.push(e);
-        for layer in &self.layers {
+        for (l, layer) in self.layers.iter().enumerate() {
+            // transformers picks LongRoPE's factor set by the sequence's length.
+            let inv_freq = c.layer_rope_inv_freq(l, tokens.len());
             let next = self.layer(
                 layer,
                 states.last().map(Vec::as_slice).unwrap_or(&[]),
                 &positions,
+                &inv_freq,
             );
             states.push(next);
         }

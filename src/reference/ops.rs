@@ -92,6 +92,19 @@ pub fn rope(
     head_dim: usize,
     inv_freq: &[f32],
 ) -> Vec<f32> {
+    rope_scaled(x, positions, n_heads, head_dim, inv_freq, 1.0)
+}
+
+/// [`rope`] with cos and sin multiplied by `mscale` (in f32, as transformers applies
+/// LongRoPE's attention factor).
+pub fn rope_scaled(
+    x: &[f32],
+    positions: &[usize],
+    n_heads: usize,
+    head_dim: usize,
+    inv_freq: &[f32],
+    mscale: f32,
+) -> Vec<f32> {
     let half = head_dim / 2;
     let width = n_heads * head_dim;
     assert!(
@@ -108,7 +121,7 @@ pub fn rope(
     for (t, &pos) in positions.iter().enumerate() {
         for i in 0..half {
             let angle = pos as f32 * inv_freq[i];
-            let (sin, cos) = (angle.sin() as f64, angle.cos() as f64);
+            let (sin, cos) = ((angle.sin() * mscale) as f64, (angle.cos() * mscale) as f64);
             for h in 0..n_heads {
                 let base = t * width + h * head_dim;
                 let a = x[base + i] as f64;

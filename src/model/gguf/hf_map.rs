@@ -28,6 +28,8 @@ pub fn hf_tensor_name(gguf_name: &str, arch: Arch) -> Option<String> {
         "ffn_norm" => "post_attention_layernorm",
         "post_attention_norm" if arch == Arch::Gemma3 => "post_attention_layernorm",
         "post_ffw_norm" if arch == Arch::Gemma3 => "post_feedforward_layernorm",
+        "attn_qkv" => "self_attn.qkv_proj",
+        "ffn_up" if arch == Arch::Phi3 => "mlp.gate_up_proj",
         "attn_q_norm" => "self_attn.q_norm",
         "attn_k_norm" => "self_attn.k_norm",
         "attn_q" => "self_attn.q_proj",
@@ -97,6 +99,8 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         "mistral" => Arch::Mistral,
         "qwen2" => Arch::Qwen2,
         "gemma3" => Arch::Gemma3,
+        "qwen3" => Arch::Qwen3,
+        "phi3" => Arch::Phi3,
         other => {
             return Err(LanternError::UnsupportedArchitecture {
                 arch: other.to_string(),
@@ -204,7 +208,18 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
             if g.get_f32_opt(&k("final_logit_softcapping"))?.is_some() || g.get_f32_opt(&k("attn_logit_softcapping"))?.is_some() {
                 return Err(config_err(&k("final_logit_softcapping"), "logit soft-capping is not supported"));
             }
-            BlockSpec::gemma3(num_layers, hidden_size, window, head_dim as f64, 10000.0)
+            let local_theta = g.get_f32_opt(&k("rope.freq_base_swa"))?.map_or(10000.0, f64::from);
+            BlockSpec::gemma3(num_layers, hidden_size, window, head_dim as f64, local_theta)
+        }
+        Arch::Qwen3 => BlockSpec { qk_norm: true, ..Default::default() },
+        Arch::Phi3 | Arch::Mistral => {
+            // One window on every layer (0 or absent: none).
+            let mut b = BlockSpec::default();
+            if let Some(w) = g.get_u32_opt(&k("attention.sliding_window"))?.filter(|&w| w > 0 && (w as usize) < max_position_embeddings) {
+                b.sliding_window = Some(w as usize);
+                b.layer_attention = vec![crate::model::LayerAttention::Sliding; num_layers];
+            }
+            b
         }
         _ => BlockSpec::default(),
     };
@@ -238,6 +253,24 @@ fn rope_scaling_from_gguf(
     head_dim: usize,
 ) -> Result<Option<RopeScaling>, LanternError> {
     let k = |s: &str| format!("{arch}.{s}");
+    // LongRoPE (llama.cpp's Phi-3 conversion): both factor sets as tensors, the original
+    // context and the attention factor as metadata.
+    if let (Some(long), Some(short)) = (g.host_tensor("rope_factors_long.weight")?, g.host_tensor("rope_factors_short.weight")?) {
+        let (long, short) = (long.to_f32(), short.to_f32());
+        if long.len() != head_dim / 2 || short.len() != head_dim / 2 {
+            return Err(config_err("rope_factors_long.weight", format!("{} long and {} short factors, expected head_dim / 2 = {}", long.len(), short.len(), head_dim / 2)));
+        }
+        let orig = g
+            .get_u32_opt(&k("rope.scaling.original_context_length"))?
+            .ok_or_else(|| config_err(&k("rope.scaling.original_context_length"), "missing (needed by LongRoPE)"))?;
+        let attn = g.get_f32_opt(&k("rope.scaling.attn_factor"))?.unwrap_or(1.0);
+        return Ok(Some(RopeScaling::LongRope {
+            short_factor: short,
+            long_factor: long,
+            original_max_position_embeddings: orig as f64,
+            attention_factor: attn as f64,
+        }));
+    }
     let ty = g.get_str_opt(&k("rope.scaling.type"))?;
     let factor = g.get_f32_opt(&k("rope.scaling.factor"))?.map(f64::from);
     let orig = g.get_u32_opt(&k("rope.scaling.original_context_length"))?;
@@ -311,10 +344,8 @@ fn rope_scaling_from_gguf(
         .map(|(&a, &b)| ((a as f64 - b) / b).abs())
         .fold(0.0, f64::max);
     if worst > 1e-3 {
-        return Err(config_err(
-            "rope_freqs.weight",
-            format!("factors do not match Llama 3 scaling {scaling:?} (worst relative error {worst:.3e})"),
-        ));
+        // Another original context than the default: apply the file's divisors as they are.
+        return Ok(Some(RopeScaling::Divisors { divisors: ff }));
     }
     Ok(Some(scaling))
 }
@@ -355,7 +386,7 @@ pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWe
     let mut tensors = HashMap::with_capacity(gguf.tensors().len());
     for info in gguf.tensors() {
         let Some(hf) = hf_tensor_name(&info.name, config.arch) else {
-            if info.name != "rope_freqs.weight" {
+            if !matches!(info.name.as_str(), "rope_freqs.weight" | "rope_factors_long.weight" | "rope_factors_short.weight") {
                 log::warn!(
                     "{file_name}: ignoring tensor `{}` (no Hugging Face counterpart)",
                     info.name
@@ -405,12 +436,14 @@ pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWe
             },
         );
     }
-    check_tensor_set(&config, &tensors, file_name)?;
-    Ok(ModelWeights {
+    let mut weights = ModelWeights {
         config,
         tensors,
         source: file_name.to_string(),
-    })
+    };
+    weights.unfuse()?;
+    check_tensor_set(&weights.config, &weights.tensors, file_name)?;
+    Ok(weights)
 }
 
 /// Every tensor the forward pass needs is present with the shape the config implies

@@ -106,11 +106,11 @@ impl Workspace {
             logits: create_zeroed(ctx, "logits", (r * c.vocab_size * 4) as u64).map_err(gpu_err)?,
             argmax: create_zeroed(ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
             topk: create_zeroed(ctx, "topk", (r * 2 * kernels::topk::TOPK_MAX * 4) as u64).map_err(gpu_err)?,
-            rope: create_storage(ctx, "rope", bytemuck::cast_slice(&rope_table(&c.rope_inv_freq(), context)))
+            rope: create_storage(ctx, "rope", bytemuck::cast_slice(&rope_table(&c.rope_inv_freq_for(context), context, c.rope_attention_factor())))
                 .map_err(gpu_err)?,
             rope_local: match (c.has_local_rope(), c.block.layer_attention.iter().position(|a| *a == crate::model::LayerAttention::Sliding)) {
                 (true, Some(l)) => Some(
-                    create_storage(ctx, "rope.local", bytemuck::cast_slice(&rope_table(&c.layer_rope_inv_freq(l), context))).map_err(gpu_err)?,
+                    create_storage(ctx, "rope.local", bytemuck::cast_slice(&rope_table(&c.layer_rope_inv_freq(l, context), context, 1.0))).map_err(gpu_err)?,
                 ),
                 _ => None,
             },
