@@ -98,6 +98,28 @@ fn plan_fits_pages_into_what_the_budget_leaves() {
 }
 
 #[test]
+fn sliding_window_layers_say_what_a_windowed_cache_would_save() {
+    // Gemma 3 270M's shape: 18 layers, 15 behind a 512-key window, 1 KV head of 256.
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-archs/gemma3");
+    let mut c = lantern::model::load::load_path(&dir).unwrap().weights.config;
+    c.num_layers = 18;
+    c.num_kv_heads = 1;
+    c.head_dim = 256;
+    c.block = lantern::model::BlockSpec::gemma3(18, c.hidden_size, 512, 256.0, 10000.0);
+    let w = lantern::kv::plan::window_saving(&c, KvDtype::F32, 8192, 128).unwrap();
+    let per_layer_token = 2 * 256 * 4;
+    assert_eq!((w.sliding_layers, w.layers, w.window), (15, 18, 512));
+    assert_eq!(w.bytes_per_sequence, 18 * 8192 * per_layer_token);
+    assert_eq!(w.bytes_per_sequence_windowed, (3 * 8192 + 15 * (512 + 127)) * per_layer_token);
+    // A context inside the window saves nothing.
+    let w = lantern::kv::plan::window_saving(&c, KvDtype::F32, 300, 1).unwrap();
+    assert_eq!(w.bytes_per_sequence, w.bytes_per_sequence_windowed);
+    // Full attention everywhere: nothing to say.
+    c.block = Default::default();
+    assert!(lantern::kv::plan::window_saving(&c, KvDtype::F32, 8192, 1).is_none());
+}
+
+#[test]
 fn cli_plans_a_model_from_its_config_json_alone() {
     let dir = config_dir("plan", LLAMA_33_70B);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_lantern"))

@@ -135,6 +135,44 @@ pub struct Plan {
     pub max_sequences_at_context: u64,
     /// Whether `batch` sequences of `context` tokens fit.
     pub fits: bool,
+    /// Models with sliding-window layers: what a cache keeping only their windows would take
+    /// (for one-token steps; [`window_saving`] takes a step size).
+    pub window: Option<WindowSaving>,
+}
+
+/// What sliding-window layers could save. A sliding layer never reads keys older than its
+/// window, so a cache that kept only those (a ring of pages per sequence) would hold
+/// `min(window + step - 1, context)` tokens for it instead of `context`. Lantern's paged
+/// cache shares one block table across layers, so today every layer keeps every token: this
+/// is the saving not yet taken.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct WindowSaving {
+    pub sliding_layers: usize,
+    pub layers: usize,
+    pub window: usize,
+    /// KV bytes of one sequence of `context` tokens as the cache holds it.
+    pub bytes_per_sequence: u64,
+    /// The same if sliding layers kept only their window (plus one step of tokens).
+    pub bytes_per_sequence_windowed: u64,
+}
+
+/// [`WindowSaving`] for sequences of `context` tokens written in steps of up to `step` tokens.
+pub fn window_saving(c: &ModelConfig, kv_dtype: KvDtype, context: usize, step: usize) -> Option<WindowSaving> {
+    let window = c.block.sliding_window?;
+    let sliding = (0..c.num_layers).filter(|&l| c.block.window(l).is_some()).count();
+    if sliding == 0 {
+        return None;
+    }
+    let per_layer_token = kv_bytes_per_token(1, c.num_kv_heads, c.head_dim, kv_dtype);
+    let kept = (window + step.max(1) - 1).min(context) as u64;
+    let full = (c.num_layers - sliding) as u64 * context as u64;
+    Some(WindowSaving {
+        sliding_layers: sliding,
+        layers: c.num_layers,
+        window,
+        bytes_per_sequence: per_layer_token * c.num_layers as u64 * context as u64,
+        bytes_per_sequence_windowed: per_layer_token * (full + sliding as u64 * kept),
+    })
 }
 
 /// Size the KV cache for a budget.
@@ -176,5 +214,6 @@ pub fn plan(
         max_context_one_sequence: (pages * page_size as u64).min(c.max_position_embeddings as u64),
         max_sequences_at_context: max_seqs,
         fits: max_seqs >= batch as u64,
+        window: window_saving(c, kv_dtype, context, 1),
     }
 }

@@ -171,6 +171,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let (budget, source) = resolve_budget(user_budget, mem.as_ref());
     let reserve = if budget > 0 { lantern::kv::plan::reserve_bytes(budget) } else { 0 };
     let mut p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, budget, source);
+    p.window = lantern::kv::plan::window_saving(&config, kv_dtype, context, a.max_batch_tokens);
     let mut probed: Option<Probe> = None;
     if let (true, Some(ctx)) = (a.probe, &ctx) {
         let want = planned_kv_bytes(&p);
@@ -184,6 +185,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
             );
             let b = weight_bytes + ws + reserve + r.allocated_bytes;
             p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, b, src);
+            p.window = lantern::kv::plan::window_saving(&config, kv_dtype, context, a.max_batch_tokens);
         }
         probed = Some(r);
     }
@@ -231,6 +233,17 @@ pub fn run(a: PlanArgs) -> Result<()> {
         p.kv_bytes_per_token, kv_dtype, config.num_layers, config.num_kv_heads, config.head_dim
     );
     println!("  KV for {} x {} tokens {:10.3} GB", a.batch, context, gb(p.kv_bytes_requested));
+    if let Some(w) = &p.window {
+        println!(
+            "  sliding window   {} of {} layers see only the last {} keys: a cache keeping just those would hold {:.3} GB per sequence instead of {:.3} GB ({:.1}x less; not done yet: the paged cache shares one block table across layers)",
+            w.sliding_layers,
+            w.layers,
+            w.window,
+            gb(w.bytes_per_sequence_windowed),
+            gb(w.bytes_per_sequence),
+            w.bytes_per_sequence as f64 / w.bytes_per_sequence_windowed.max(1) as f64
+        );
+    }
     println!("  workspace        {:10.3} GB  (steps of {} tokens)", gb(p.workspace_bytes), a.max_batch_tokens);
     if let (Some(ctx), Some(mem)) = (&ctx, &mem) {
         println!("  adapter          {} ({:?}, {:?})", ctx.info.name, ctx.info.backend, ctx.info.device_type);
