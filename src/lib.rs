@@ -6,6 +6,7 @@
 //! (one file per GPU op), `gpu` (the only code that touches wgpu), and `reference`
 //! (plain-loop CPU oracle for every op and for the whole forward pass).
 
+pub mod catalogue;
 pub mod error;
 #[cfg(feature = "cli")] pub mod fetch;
 pub mod model;
