@@ -126,3 +126,50 @@ fn tensors_split_across_small_bindings_give_the_same_logits() {
     let got = pollster::block_on(m.forward_all_logits(seq, &input)).unwrap();
     assert_close("llama-gqa split", &got, &want, w.config.vocab_size, TOL);
 }
+
+/// The streamed load (the browser's: the GGUF header from the file's first bytes, then one
+/// layer's tensors at a time read by byte range, each uploaded and dropped) gives the same
+/// logits, bit for bit, as loading the whole file, on SmolLM2 and on llama.cpp's Phi-3 GGUF
+/// (whose fused tensors are split per part).
+#[test]
+fn streamed_gguf_load_equals_the_whole_file_load() {
+    use lantern::model::gguf::{config_from_gguf, convert_tensor, packed_bytes, part_tensors, weights_part, GgufError, GgufFile};
+    let phi3 = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-archs/phi3/model.gguf");
+    for path in [common::smollm2_gguf(), phi3] {
+        let bytes = std::fs::read(&path).unwrap();
+        let name = path.display().to_string();
+        // The header from a prefix, grown until it holds the metadata and tensor infos.
+        let mut n = 4096usize;
+        let g = loop {
+            match GgufFile::parse_prefix(&bytes[..n.min(bytes.len())], bytes.len() as u64, name.as_str()) {
+                Ok(g) => break g,
+                Err(GgufError::Truncated { .. }) if n < bytes.len() => n *= 4,
+                Err(e) => panic!("{e}"),
+            }
+        };
+        let config = config_from_gguf(&g).unwrap();
+        let opts = ModelOptions { context: Some(64), ..Default::default() };
+        let mut parts_read = 0;
+        let mut fetch = async |layer: Option<usize>| {
+            parts_read += 1;
+            let mut ts = Vec::new();
+            for info in part_tensors(&g, layer) {
+                let (a, b) = g.tensor_range(info);
+                if let Some(t) = convert_tensor(&config, info, g.loadable_dtype(info)?, &bytes[a as usize..b as usize], &name)? {
+                    ts.push(t);
+                }
+            }
+            weights_part(&config, layer, ts, &name)
+        };
+        let mut streamed = pollster::block_on(GpuModel::load_streamed(common::gpu(), config.clone(), packed_bytes(&g), opts.clone(), &mut fetch, &mut |_, _| {})).unwrap();
+        assert_eq!(parts_read, config.num_layers + 1);
+        let whole = lantern::model::load::load_path(&path).unwrap();
+        let mut m = pollster::block_on(GpuModel::load(common::gpu(), &whole.weights, opts)).unwrap();
+        let ids = [1u32, 5, 9, 2, 7, 3];
+        let (s1, s2) = (streamed.new_sequence().unwrap(), m.new_sequence().unwrap());
+        let a = pollster::block_on(streamed.forward_all_logits(s1, &ids)).unwrap();
+        let b = pollster::block_on(m.forward_all_logits(s2, &ids)).unwrap();
+        assert_eq!(a, b, "{name}");
+        assert_eq!(streamed.memory().weights, m.memory().weights);
+    }
+}

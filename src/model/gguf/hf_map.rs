@@ -382,59 +382,11 @@ fn llama3_rope_factors(s: &RopeScaling, theta: f64, head_dim: usize) -> Vec<f64>
 /// for the llama/mistral architectures. `file_name` becomes [`ModelWeights::source`].
 pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWeights, LanternError> {
     let config = config_from_gguf(gguf)?;
-    let permuted = matches!(config.arch, Arch::Llama | Arch::Mistral);
     let mut tensors = HashMap::with_capacity(gguf.tensors().len());
     for info in gguf.tensors() {
-        let Some(hf) = hf_tensor_name(&info.name, config.arch) else {
-            if !matches!(info.name.as_str(), "rope_freqs.weight" | "rope_factors_long.weight" | "rope_factors_short.weight") {
-                log::warn!(
-                    "{file_name}: ignoring tensor `{}` (no Hugging Face counterpart)",
-                    info.name
-                );
-            }
-            continue;
-        };
-        let dtype = gguf.loadable_dtype(info)?;
-        let shape = info.shape();
-        let raw = gguf.tensor_data(info)?;
-        let heads = if hf.contains(".self_attn.q_proj.") {
-            Some(config.num_heads)
-        } else if hf.contains(".self_attn.k_proj.") {
-            Some(config.num_kv_heads)
-        } else {
-            None
-        };
-        let data = match heads {
-            Some(n_head) if permuted => {
-                let rows = shape.first().copied().unwrap_or(0);
-                if rows != n_head * config.head_dim {
-                    return Err(LoadError::WrongShape {
-                        file: file_name.to_string(),
-                        tensor: info.name.clone(),
-                        got: shape.clone(),
-                        expected: [vec![n_head * config.head_dim], shape[1..].to_vec()].concat(),
-                    }
-                    .into());
-                }
-                unpermute_qk_rows(raw, rows, n_head).ok_or_else(|| LoadError::Invalid {
-                    file: file_name.to_string(),
-                    reason: format!(
-                        "tensor `{}` cannot be split into {rows} rows of {n_head} heads",
-                        info.name
-                    ),
-                })?
-            }
-            _ => raw.to_vec(),
-        };
-        tensors.insert(
-            hf.clone(),
-            HostTensor {
-                name: hf,
-                shape,
-                dtype,
-                data,
-            },
-        );
+        if let Some(t) = convert_tensor(&config, info, gguf.loadable_dtype(info)?, gguf.tensor_data(info)?, file_name)? {
+            tensors.insert(t.name.clone(), t);
+        }
     }
     let mut weights = ModelWeights {
         config,
@@ -446,35 +398,105 @@ pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWe
     Ok(weights)
 }
 
+/// The layer a GGUF tensor belongs to (`blk.N.*`), or `None` for the tensors outside the
+/// layers (embedding, output norm and head, RoPE factors): how a streaming loader groups the
+/// file's tensors into parts.
+pub fn gguf_layer(gguf_name: &str) -> Option<usize> {
+    gguf_name.strip_prefix("blk.")?.split_once('.')?.0.parse().ok()
+}
+
+/// The tensors of one streamed part: layer `l`'s (`Some(l)`) or those outside the layers.
+pub fn part_tensors<'g>(gguf: &'g GgufFile<'_>, layer: Option<usize>) -> Vec<&'g GgufTensorInfo> {
+    gguf.tensors().iter().filter(|t| gguf_layer(&t.name) == layer).collect()
+}
+
+/// Bytes of the file's quantized tensors (what a load keeps packed).
+pub fn packed_bytes(gguf: &GgufFile<'_>) -> u64 {
+    gguf.tensors()
+        .iter()
+        .filter(|t| gguf.loadable_dtype(t).ok().and_then(|d| d.quant_kind()).is_some())
+        .map(|t| t.size)
+        .sum()
+}
+
+/// One GGUF tensor as Lantern holds it: its Hugging Face name, file dtype, and bytes (with
+/// llama.cpp's Q/K row permutation undone for llama/mistral), from its raw bytes `raw`;
+/// `None` for tensors with no counterpart (RoPE factor tensors are read into the config).
+pub fn convert_tensor(config: &ModelConfig, info: &GgufTensorInfo, dtype: DType, raw: &[u8], file_name: &str) -> Result<Option<HostTensor>, LanternError> {
+    let Some(hf) = hf_tensor_name(&info.name, config.arch) else {
+        if !matches!(info.name.as_str(), "rope_freqs.weight" | "rope_factors_long.weight" | "rope_factors_short.weight") {
+            log::warn!("{file_name}: ignoring tensor `{}` (no Hugging Face counterpart)", info.name);
+        }
+        return Ok(None);
+    };
+    let permuted = matches!(config.arch, Arch::Llama | Arch::Mistral);
+    let shape = info.shape();
+    if raw.len() as u64 != info.size {
+        return Err(LoadError::Invalid { file: file_name.to_string(), reason: format!("tensor `{}`: {} bytes, expected {}", info.name, raw.len(), info.size) }.into());
+    }
+    let heads = if hf.contains(".self_attn.q_proj.") {
+        Some(config.num_heads)
+    } else if hf.contains(".self_attn.k_proj.") {
+        Some(config.num_kv_heads)
+    } else {
+        None
+    };
+    let data = match heads {
+        Some(n_head) if permuted => {
+            let rows = shape.first().copied().unwrap_or(0);
+            if rows != n_head * config.head_dim {
+                return Err(LoadError::WrongShape {
+                    file: file_name.to_string(),
+                    tensor: info.name.clone(),
+                    got: shape.clone(),
+                    expected: [vec![n_head * config.head_dim], shape[1..].to_vec()].concat(),
+                }
+                .into());
+            }
+            unpermute_qk_rows(raw, rows, n_head).ok_or_else(|| LoadError::Invalid {
+                file: file_name.to_string(),
+                reason: format!("tensor `{}` cannot be split into {rows} rows of {n_head} heads", info.name),
+            })?
+        }
+        _ => raw.to_vec(),
+    };
+    Ok(Some(HostTensor { name: hf, shape, dtype, data }))
+}
+
+/// The tensors of one part of a streamed GGUF load ([`gguf_layer`]), converted
+/// ([`convert_tensor`]), unfused and checked against the part's expected set.
+pub fn weights_part(config: &ModelConfig, layer: Option<usize>, tensors: Vec<HostTensor>, file_name: &str) -> Result<ModelWeights, LanternError> {
+    let mut w = ModelWeights { config: config.clone(), tensors: tensors.into_iter().map(|t| (t.name.clone(), t)).collect(), source: file_name.to_string() };
+    w.unfuse()?;
+    let expected = match layer {
+        Some(l) => crate::model::validate::expected_layer_tensors(config, l),
+        None => crate::model::validate::expected_global_tensors(config),
+    };
+    check_expected(&w.tensors, expected, file_name)?;
+    Ok(w)
+}
+
+fn check_expected(tensors: &HashMap<String, HostTensor>, expected: Vec<(String, Vec<usize>)>, file: &str) -> Result<(), LanternError> {
+    for (name, shape) in expected {
+        match tensors.get(&name) {
+            None => return Err(LoadError::MissingTensor { file: file.to_string(), tensor: name }.into()),
+            Some(t) if t.shape != shape => {
+                return Err(LoadError::WrongShape { file: file.to_string(), tensor: name, got: t.shape.clone(), expected: shape }.into())
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
 /// Every tensor the forward pass needs is present with the shape the config implies
 /// ([`crate::model::validate::expected_layer_tensors`]). Checked layer by layer, so a
 /// corrupt `block_count` fails at the first missing layer instead of building a huge list.
 fn check_tensor_set(c: &ModelConfig, tensors: &HashMap<String, HostTensor>, file: &str) -> Result<(), LanternError> {
     use crate::model::validate::{expected_global_tensors, expected_layer_tensors};
-    let check = |(name, shape): (String, Vec<usize>)| -> Result<(), LanternError> {
-        match tensors.get(&name) {
-            None => Err(LoadError::MissingTensor {
-                file: file.to_string(),
-                tensor: name,
-            }
-            .into()),
-            Some(t) if t.shape != shape => Err(LoadError::WrongShape {
-                file: file.to_string(),
-                tensor: name,
-                got: t.shape.clone(),
-                expected: shape,
-            }
-            .into()),
-            Some(_) => Ok(()),
-        }
-    };
-    for t in expected_global_tensors(c) {
-        check(t)?;
-    }
+    check_expected(tensors, expected_global_tensors(c), file)?;
     for l in 0..c.num_layers {
-        for t in expected_layer_tensors(c, l) {
-            check(t)?;
-        }
+        check_expected(tensors, expected_layer_tensors(c, l), file)?;
     }
     Ok(())
 }

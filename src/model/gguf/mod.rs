@@ -14,7 +14,7 @@ use super::LoadError;
 use crate::error::LanternError;
 
 pub mod hf_map;
-pub use hf_map::{config_from_gguf, hf_tensor_name, unpermute_qk_rows, weights_from_gguf};
+pub use hf_map::{config_from_gguf, convert_tensor, gguf_layer, hf_tensor_name, packed_bytes, part_tensors, unpermute_qk_rows, weights_from_gguf, weights_part};
 
 /// The four bytes every GGUF file starts with.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
@@ -645,6 +645,8 @@ pub struct GgufFile<'a> {
     version: u32,
     alignment: u64,
     data_offset: u64,
+    /// Length of the whole file (`bytes` may be only its beginning: [`GgufFile::parse_prefix`]).
+    file_len: u64,
     metadata: Vec<(String, GgufValue)>,
     key_index: HashMap<String, usize>,
     tensors: Vec<GgufTensorInfo>,
@@ -656,11 +658,19 @@ struct Reader<'a, 'n> {
     bytes: &'a [u8],
     pos: usize,
     file: &'n str,
+    /// Length of the whole file (`bytes` may be its beginning only).
+    file_len: u64,
 }
 
 impl<'a> Reader<'a, '_> {
+    /// Bytes left in `bytes` (what reads can take).
     fn remaining(&self) -> u64 {
         (self.bytes.len() - self.pos) as u64
+    }
+
+    /// Bytes left in the whole file (what counts are checked against).
+    fn remaining_in_file(&self) -> u64 {
+        self.file_len.saturating_sub(self.pos as u64)
     }
 
     fn take(&mut self, n: u64, what: impl FnOnce() -> String) -> Result<&'a [u8], GgufError> {
@@ -698,7 +708,7 @@ impl<'a> Reader<'a, '_> {
     /// A count that must fit in what is left, given each item needs at least `min_size` bytes.
     fn count(&mut self, min_size: u64, what: impl Fn() -> String) -> Result<u64, GgufError> {
         let n = self.u64(&what)?;
-        let limit = self.remaining() / min_size.max(1);
+        let limit = self.remaining_in_file() / min_size.max(1);
         if n > limit {
             return Err(GgufError::TooLarge {
                 file: self.file.to_string(),
@@ -823,9 +833,19 @@ impl<'a> GgufFile<'a> {
     /// Validates the header, every metadata value, every tensor info (dims, type, block
     /// geometry, alignment) and that all tensor data lies inside `bytes`.
     pub fn parse(bytes: &'a [u8], file_name: impl Into<String>) -> Result<Self, GgufError> {
+        Self::parse_prefix(bytes, bytes.len() as u64, file_name)
+    }
+
+    /// [`GgufFile::parse`] from the first bytes of a file of `file_len` bytes: the header
+    /// (metadata and tensor infos) must lie in `prefix` (else [`GgufError::Truncated`]: read
+    /// more and try again), tensors are checked against `file_len`, and only tensors inside
+    /// the prefix can be read with [`GgufFile::tensor_data`]; the others' byte ranges are
+    /// [`GgufFile::tensor_range`], for a caller that streams them (the browser, reading a
+    /// large file in pieces).
+    pub fn parse_prefix(bytes: &'a [u8], file_len: u64, file_name: impl Into<String>) -> Result<Self, GgufError> {
         let name = file_name.into();
         let file = name.as_str();
-        let mut r = Reader { bytes, pos: 0, file };
+        let mut r = Reader { bytes, pos: 0, file, file_len: file_len.max(bytes.len() as u64) };
         let magic: [u8; 4] = r.array(|| "magic".into())?;
         if magic != GGUF_MAGIC {
             return Err(GgufError::BadMagic {
@@ -894,7 +914,7 @@ impl<'a> GgufFile<'a> {
             tensors.push(info);
         }
 
-        let file_len = bytes.len() as u64;
+        let file_len = file_len.max(bytes.len() as u64);
         let end_of_infos = r.pos as u64;
         // align_up cannot overflow: end_of_infos <= file_len and alignment <= u32::MAX.
         let data_offset = end_of_infos.div_ceil(alignment) * alignment;
@@ -920,6 +940,7 @@ impl<'a> GgufFile<'a> {
             version,
             alignment,
             data_offset: data_offset.min(file_len),
+            file_len,
             metadata,
             key_index,
             tensors,
@@ -1080,6 +1101,18 @@ impl<'a> GgufFile<'a> {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
 
+    /// Absolute byte range `[start, end)` of a tensor's data in the file (checked against the
+    /// file length by the parse).
+    pub fn tensor_range(&self, info: &GgufTensorInfo) -> (u64, u64) {
+        let start = self.data_offset + info.offset;
+        (start, start + info.size)
+    }
+
+    /// Length of the whole file.
+    pub fn file_len(&self) -> u64 {
+        self.file_len
+    }
+
     /// The raw bytes of a tensor (bounds were checked by [`GgufFile::parse`]).
     pub fn tensor_data(&self, info: &GgufTensorInfo) -> Result<&'a [u8], GgufError> {
         let start = self.data_offset.checked_add(info.offset);
@@ -1111,7 +1144,7 @@ impl<'a> GgufFile<'a> {
         }))
     }
 
-    fn loadable_dtype(&self, info: &GgufTensorInfo) -> Result<DType, GgufError> {
+    pub fn loadable_dtype(&self, info: &GgufTensorInfo) -> Result<DType, GgufError> {
         info.ggml_type
             .to_dtype()
             .ok_or_else(|| GgufError::UnsupportedTensorType {

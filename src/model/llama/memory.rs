@@ -5,7 +5,7 @@
 use crate::gpu::GpuContext;
 use crate::kernels::linear::GpuLinear;
 use crate::kv::plan::KvDtype;
-use crate::model::{ModelConfig, ModelWeights};
+use crate::model::ModelConfig;
 use crate::{LanternError, Result};
 
 use super::upload::GpuWeights;
@@ -120,11 +120,11 @@ impl GpuModel {
     /// at most 60% of the memory budget, so that a
     /// large model keeps its room for the KV cache (Qwen2.5-1.5B Q4_K_M on lavapipe's 2 GiB
     /// heap: 1.1 GB of weights, no copies).
-    pub(super) fn weight_textures(ctx: &GpuContext, weights: &ModelWeights, options: &ModelOptions) -> bool {
+    /// `packed`: bytes of the file's quantized tensors.
+    pub(super) fn weight_textures(ctx: &GpuContext, packed: u64, options: &ModelOptions) -> bool {
         if let Some(t) = options.weight_textures {
             return t;
         }
-        let packed: u64 = weights.tensors.values().filter(|t| t.dtype.quant_kind().is_some()).map(|t| t.data.len() as u64).sum();
         let adapter = crate::gpu::memory::default_budget(&crate::gpu::memory::adapter_memory(ctx)).map(|(b, _)| b);
         match options.memory_budget.into_iter().chain(adapter).min() {
             Some(budget) => 2 * packed <= budget / 5 * 3,

@@ -104,11 +104,48 @@ impl GpuModel {
         options: ModelOptions,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<GpuModel> {
-        let c = weights.config.clone();
-        let hd = c.head_dim;
         let mark = ctx.ledger.mark();
-        let textures = Self::weight_textures(&ctx, weights, &options);
+        let packed: u64 = weights.tensors.values().filter(|t| t.dtype.quant_kind().is_some()).map(|t| t.data.len() as u64).sum();
+        let textures = Self::weight_textures(&ctx, packed, &options);
         let w = upload::upload_weights(&ctx, weights, options.weights, textures, progress)?;
+        Self::finish_load(ctx, weights.config.clone(), options, mark, w).await
+    }
+
+    /// [`GpuModel::load_with_progress`] without the whole model in host memory: `fetch(Some(l))`
+    /// yields layer `l`'s tensors and `fetch(None)` the embedding, head and final norm (each
+    /// a [`ModelWeights`] holding just those, under Hugging Face names), and each part is
+    /// uploaded and dropped before the next is asked for. `packed_bytes` is the size of the
+    /// model's quantized tensors (for the texture-copy rule). The browser streams a large
+    /// GGUF this way, tensor by tensor out of a `Blob`.
+    pub async fn load_streamed(
+        ctx: Arc<GpuContext>,
+        config: ModelConfig,
+        packed_bytes: u64,
+        options: ModelOptions,
+        fetch: &mut impl AsyncFnMut(Option<usize>) -> Result<ModelWeights>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<GpuModel> {
+        let mark = ctx.ledger.mark();
+        let textures = Self::weight_textures(&ctx, packed_bytes, &options);
+        let keep = options.weights;
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for l in 0..config.num_layers {
+            let part = fetch(Some(l)).await?;
+            layers.push(upload::upload_layer(&ctx, &part, l, keep, textures)?);
+            drop(part);
+            ctx.queue.submit(std::iter::empty());
+            progress(l + 1, config.num_layers);
+        }
+        let part = fetch(None).await?;
+        let (lm_head, embed_own, final_norm) = upload::upload_globals(&ctx, &part, keep, textures)?;
+        drop(part);
+        let w = upload::GpuWeights { layers, lm_head, embed_own, final_norm };
+        Self::finish_load(ctx, config, options, mark, w).await
+    }
+
+    /// The KV cache, workspace, plans and memory report of a load whose weights are up.
+    async fn finish_load(ctx: Arc<GpuContext>, c: ModelConfig, options: ModelOptions, mark: usize, w: upload::GpuWeights) -> Result<GpuModel> {
+        let hd = c.head_dim;
 
         // KV cache.
         let context = options

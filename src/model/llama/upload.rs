@@ -120,92 +120,110 @@ pub(super) fn upload_weights(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<GpuWeights> {
     let c = &weights.config;
+    let mut layers = Vec::with_capacity(c.num_layers);
+    for l in 0..c.num_layers {
+        layers.push(upload_layer(ctx, weights, l, keep, textures)?);
+        // Flush this layer's uploads so staging memory stays about one layer's worth.
+        ctx.queue.submit(std::iter::empty());
+        progress(l + 1, c.num_layers);
+    }
+    let (lm_head, embed_own, final_norm) = upload_globals(ctx, weights, keep, textures)?;
+    Ok(GpuWeights { layers, lm_head, embed_own, final_norm })
+}
+
+/// An f32 norm (or other vector) weight.
+fn upload_norm(ctx: &GpuContext, weights: &ModelWeights, name: &str) -> Result<wgpu::Buffer> {
+    let t = get(weights, name)?;
+    create_storage(ctx, name, bytemuck::cast_slice(&t.to_f32())).map_err(gpu_err)
+}
+
+/// Layer `l` from `weights` (which may hold only that layer's tensors).
+pub(super) fn upload_layer(ctx: &GpuContext, weights: &ModelWeights, l: usize, keep: WeightPrecision, textures: bool) -> Result<Layer> {
+    let c = &weights.config;
     let d = c.hidden_size;
     let hd = c.head_dim;
     let q_dim = c.num_heads * hd;
     let kv_dim = c.num_kv_heads * hd;
     let f = c.intermediate_size;
-    let mut layers = Vec::with_capacity(c.num_layers);
-    let norm = |name: &str| -> Result<wgpu::Buffer> {
-        let t = get(weights, name)?;
-        create_storage(ctx, name, bytemuck::cast_slice(&t.to_f32())).map_err(gpu_err)
+    let norm = |name: &str| upload_norm(ctx, weights, name);
+    let p = format!("model.layers.{l}");
+    let q = get(weights, &format!("{p}.self_attn.q_proj.weight"))?;
+    let k = get(weights, &format!("{p}.self_attn.k_proj.weight"))?;
+    let v = get(weights, &format!("{p}.self_attn.v_proj.weight"))?;
+    let bias = if c.qkv_bias {
+        let mut b = get(weights, &format!("{p}.self_attn.q_proj.bias"))?.to_f32();
+        b.extend(get(weights, &format!("{p}.self_attn.k_proj.bias"))?.to_f32());
+        b.extend(get(weights, &format!("{p}.self_attn.v_proj.bias"))?.to_f32());
+        Some(b)
+    } else {
+        None
     };
-    for l in 0..c.num_layers {
-        let p = format!("model.layers.{l}");
-        let q = get(weights, &format!("{p}.self_attn.q_proj.weight"))?;
-        let k = get(weights, &format!("{p}.self_attn.k_proj.weight"))?;
-        let v = get(weights, &format!("{p}.self_attn.v_proj.weight"))?;
-        let bias = if c.qkv_bias {
-            let mut b = get(weights, &format!("{p}.self_attn.q_proj.bias"))?.to_f32();
-            b.extend(get(weights, &format!("{p}.self_attn.k_proj.bias"))?.to_f32());
-            b.extend(get(weights, &format!("{p}.self_attn.v_proj.bias"))?.to_f32());
-            Some(b)
-        } else {
-            None
-        };
-        // q|k|v as one projection, or as runs of parts stored alike when a file mixes
-        // formats within the layer (Q4_K_M: q and k in Q4_K, v in Q6_K), each run
-        // writing its columns of the qkv output.
-        let mut qkv = Vec::new();
-        let mut start = 0;
-        let parts = [(q, q_dim), (k, kv_dim), (v, kv_dim)];
-        let mut i = 0;
-        while i < parts.len() {
-            let mut j = i + 1;
-            while j < parts.len() && same_dtype(parts[i].0, parts[j].0, keep) {
-                j += 1;
-            }
-            let run: Vec<&HostTensor> = parts[i..j].iter().map(|p| p.0).collect();
-            let rows: usize = parts[i..j].iter().map(|p| p.1).sum();
-            let w = matrix(&run, keep)?;
-            let name = if i == 0 && j == parts.len() { format!("{p}.qkv") } else { format!("{p}.qkv[{start}..{}]", start + rows) };
-            let b = bias.as_ref().map(|b| &b[start..start + rows]);
-            let lin = GpuLinear::upload_with(ctx, &name, w.as_matrix(), None, b, rows, d, textures).map_err(gpu_err)?;
-            qkv.push((lin, start));
-            start += rows;
-            i = j;
+    // q|k|v as one projection, or as runs of parts stored alike when a file mixes
+    // formats within the layer (Q4_K_M: q and k in Q4_K, v in Q6_K), each run
+    // writing its columns of the qkv output.
+    let mut qkv = Vec::new();
+    let mut start = 0;
+    let parts = [(q, q_dim), (k, kv_dim), (v, kv_dim)];
+    let mut i = 0;
+    while i < parts.len() {
+        let mut j = i + 1;
+        while j < parts.len() && same_dtype(parts[i].0, parts[j].0, keep) {
+            j += 1;
         }
-        let o_w = matrix(&[get(weights, &format!("{p}.self_attn.o_proj.weight"))?], keep)?;
-        let o = GpuLinear::upload_with(ctx, &format!("{p}.o_proj"), o_w.as_matrix(), None, None, d, q_dim, textures).map_err(gpu_err)?;
-        let g_t = get(weights, &format!("{p}.mlp.gate_proj.weight"))?;
-        let u_t = get(weights, &format!("{p}.mlp.up_proj.weight"))?;
-        let g_w = matrix(&[g_t], keep)?;
-        let u_w = matrix(&[u_t], keep)?;
-        // One gated kernel reads both: if they are stored differently, both go to f32.
-        let (g_m, u_m) = if g_w.same_storage(&u_w) {
-            (g_w, u_w)
-        } else {
-            (matrix_float(&[g_t], WeightPrecision::F32), matrix_float(&[u_t], WeightPrecision::F32))
-        };
-        let gate_up = GpuLinear::upload_with(ctx, &format!("{p}.gate_up"), g_m.as_matrix(), Some(u_m.as_matrix()), None, f, d, textures)
-            .map_err(gpu_err)?;
-        let dn_w = matrix(&[get(weights, &format!("{p}.mlp.down_proj.weight"))?], keep)?;
-        let down = GpuLinear::upload_with(ctx, &format!("{p}.down_proj"), dn_w.as_matrix(), None, None, d, f, textures).map_err(gpu_err)?;
-        let norms = crate::model::validate::layer_norm_names(c, l);
-        let qk_norm = if c.block.qk_norm {
-            let mut v = get(weights, &format!("{p}.self_attn.q_norm.weight"))?.to_f32();
-            v.extend(get(weights, &format!("{p}.self_attn.k_norm.weight"))?.to_f32());
-            Some(create_storage(ctx, &format!("{p}.qk_norm"), bytemuck::cast_slice(&v)).map_err(gpu_err)?)
-        } else {
-            None
-        };
-        let mut gate_up = gate_up;
-        gate_up.gelu = c.block.activation == crate::model::Activation::GeluTanh;
-        layers.push(Layer {
-            qkv,
-            o,
-            gate_up,
-            down,
-            in_norm: norm(&norms.attn_in)?,
-            post_norm: norm(&norms.mlp_in)?,
-            qk_norm,
-            attn_out_norm: norms.attn_out.as_deref().map(norm).transpose()?,
-            mlp_out_norm: norms.mlp_out.as_deref().map(norm).transpose()?,
-        });
-        // Flush this layer's uploads so staging memory stays about one layer's worth.
-        ctx.queue.submit(std::iter::empty());
-        progress(l + 1, c.num_layers);
+        let run: Vec<&HostTensor> = parts[i..j].iter().map(|p| p.0).collect();
+        let rows: usize = parts[i..j].iter().map(|p| p.1).sum();
+        let w = matrix(&run, keep)?;
+        let name = if i == 0 && j == parts.len() { format!("{p}.qkv") } else { format!("{p}.qkv[{start}..{}]", start + rows) };
+        let b = bias.as_ref().map(|b| &b[start..start + rows]);
+        let lin = GpuLinear::upload_with(ctx, &name, w.as_matrix(), None, b, rows, d, textures).map_err(gpu_err)?;
+        qkv.push((lin, start));
+        start += rows;
+        i = j;
     }
+    let o_w = matrix(&[get(weights, &format!("{p}.self_attn.o_proj.weight"))?], keep)?;
+    let o = GpuLinear::upload_with(ctx, &format!("{p}.o_proj"), o_w.as_matrix(), None, None, d, q_dim, textures).map_err(gpu_err)?;
+    let g_t = get(weights, &format!("{p}.mlp.gate_proj.weight"))?;
+    let u_t = get(weights, &format!("{p}.mlp.up_proj.weight"))?;
+    let g_w = matrix(&[g_t], keep)?;
+    let u_w = matrix(&[u_t], keep)?;
+    // One gated kernel reads both: if they are stored differently, both go to f32.
+    let (g_m, u_m) = if g_w.same_storage(&u_w) {
+        (g_w, u_w)
+    } else {
+        (matrix_float(&[g_t], WeightPrecision::F32), matrix_float(&[u_t], WeightPrecision::F32))
+    };
+    let gate_up = GpuLinear::upload_with(ctx, &format!("{p}.gate_up"), g_m.as_matrix(), Some(u_m.as_matrix()), None, f, d, textures)
+        .map_err(gpu_err)?;
+    let dn_w = matrix(&[get(weights, &format!("{p}.mlp.down_proj.weight"))?], keep)?;
+    let down = GpuLinear::upload_with(ctx, &format!("{p}.down_proj"), dn_w.as_matrix(), None, None, d, f, textures).map_err(gpu_err)?;
+    let norms = crate::model::validate::layer_norm_names(c, l);
+    let qk_norm = if c.block.qk_norm {
+        let mut v = get(weights, &format!("{p}.self_attn.q_norm.weight"))?.to_f32();
+        v.extend(get(weights, &format!("{p}.self_attn.k_norm.weight"))?.to_f32());
+        Some(create_storage(ctx, &format!("{p}.qk_norm"), bytemuck::cast_slice(&v)).map_err(gpu_err)?)
+    } else {
+        None
+    };
+    let mut gate_up = gate_up;
+    gate_up.gelu = c.block.activation == crate::model::Activation::GeluTanh;
+    Ok(Layer {
+        qkv,
+        o,
+        gate_up,
+        down,
+        in_norm: norm(&norms.attn_in)?,
+        post_norm: norm(&norms.mlp_in)?,
+        qk_norm,
+        attn_out_norm: norms.attn_out.as_deref().map(norm).transpose()?,
+        mlp_out_norm: norms.mlp_out.as_deref().map(norm).transpose()?,
+    })
+}
+
+/// The embedding, head and final norm from `weights` (which may hold only those).
+pub(super) fn upload_globals(ctx: &GpuContext, weights: &ModelWeights, keep: WeightPrecision, textures: bool) -> Result<(GpuLinear, Option<GpuLinear>, wgpu::Buffer)> {
+    let c = &weights.config;
+    let d = c.hidden_size;
+    let norm = |name: &str| upload_norm(ctx, weights, name);
     let embed_t = get(weights, "model.embed_tokens.weight")?;
     let head_t = if c.tie_word_embeddings {
         embed_t
@@ -222,5 +240,5 @@ pub(super) fn upload_weights(
         Some(t)
     };
     let final_norm = norm("model.norm.weight")?;
-    Ok(GpuWeights { layers, lm_head, embed_own, final_norm })
+    Ok((lm_head, embed_own, final_norm))
 }
