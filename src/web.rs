@@ -3,11 +3,14 @@
 //!
 //! - `Lantern.adapter()`: the WebGPU adapter the browser offers (name, features, limits), or
 //!   a plain-sentence error when there is none.
+//! - `Lantern.catalogue()`: the models Lantern knows by name (`crate::catalogue`).
 //! - `Lantern.loadUrl(url, options, progress)`, `loadFile(file, ...)`, `loadBytes(bytes,
-//!   name, ...)`: a GGUF model onto the GPU. `loadUrl` keeps the file in Cache Storage
-//!   (`lantern-models-v1`), so a reload reads it from there instead of the network.
-//!   `progress({phase, done, total})` reports `download` / `cache` bytes, then `upload`
-//!   layers.
+//!   name, ...)`: a GGUF model onto the GPU. `loadUrl` downloads the file into Cache Storage
+//!   (`lantern-models-v1`) once; later loads read it from there. The file is never held
+//!   whole in wasm memory: the header is parsed from its first bytes, then each layer's
+//!   tensors are read from the `Blob` by byte range, uploaded and dropped (a 1.1 GB model
+//!   loads with about one layer in wasm memory). `progress({phase, done, total})` reports
+//!   `download` bytes, then `upload` layers.
 //! - `generate(prompt, options, onText)`: greedy or sampled generation, `onText(piece)` per
 //!   piece of text; resolves to ids, text, finish reason and TTFT/TPOT/tokens per second.
 //! - `cancel()`: ends the running generation at its next token (`finish_reason: "cancelled"`).
@@ -121,52 +124,60 @@ impl Lantern {
         }
     }
 
-    /// Download a GGUF from `url` (same origin), from Cache Storage when an earlier load kept
-    /// it, and load it.
+    /// The models Lantern knows by name: `[{ name, file, bytes, family, params, format,
+    /// license, default }]` (the demo offers those its site serves under `models/`).
+    pub fn catalogue() -> Result<JsValue, JsError> {
+        to_js(&crate::catalogue::entries())
+    }
+
+    /// Load the GGUF at `url` (same origin): from Cache Storage when an earlier load kept it,
+    /// else downloaded into Cache Storage first (where the browser keeps it on disk).
     #[wasm_bindgen(js_name = loadUrl)]
     pub async fn load_url(url: String, options: JsValue, progress: Option<Function>) -> Result<Lantern, JsError> {
-        let (bytes, source) = fetch_cached(&url, &progress).await?;
+        let (blob, source) = fetch_cached(&url, &progress).await?;
         let name = url.rsplit('/').next().unwrap_or(&url).to_string();
-        Self::load_inner(bytes, name, source, options, progress).await
+        Self::load_blob(blob, name, source, options, progress).await
     }
 
     /// Load a GGUF the user picked (`<input type=file>` or drag and drop).
     #[wasm_bindgen(js_name = loadFile)]
     pub async fn load_file(file: web_sys::File, options: JsValue, progress: Option<Function>) -> Result<Lantern, JsError> {
-        let total = file.size();
-        let mut bytes = Vec::with_capacity(total as usize);
-        let step = 16.0 * 1024.0 * 1024.0;
-        let mut at = 0.0;
-        while at < total {
-            let end = (at + step).min(total);
-            let blob = file.slice_with_f64_and_f64(at, end).map_err(|e| JsError::new(&format!("reading {}: {e:?}", file.name())))?;
-            let buf = JsFuture::from(blob.array_buffer()).await.map_err(|e| JsError::new(&format!("reading {}: {e:?}", file.name())))?;
-            bytes.extend_from_slice(&Uint8Array::new(&buf).to_vec());
-            at = end;
-            report(&progress, "read", at, total);
-        }
-        Self::load_inner(bytes, file.name(), "file".into(), options, progress).await
+        let name = file.name();
+        Self::load_blob(file.into(), name, "file".into(), options, progress).await
     }
 
     /// Load a GGUF already in memory.
     #[wasm_bindgen(js_name = loadBytes)]
     pub async fn load_bytes(bytes: Uint8Array, name: String, options: JsValue, progress: Option<Function>) -> Result<Lantern, JsError> {
-        Self::load_inner(bytes.to_vec(), name, "bytes".into(), options, progress).await
+        let parts = js_sys::Array::of1(&bytes);
+        let blob = web_sys::Blob::new_with_u8_array_sequence(&parts).map_err(|e| JsError::new(&format!("{name}: {e:?}")))?;
+        Self::load_blob(blob, name, "bytes".into(), options, progress).await
     }
 
-    async fn load_inner(bytes: Vec<u8>, name: String, source: String, options: JsValue, progress: Option<Function>) -> Result<Lantern, JsError> {
+    /// The streamed load: header from the first bytes (grown until it holds the metadata),
+    /// then one layer's tensors at a time read from `blob` by byte range.
+    async fn load_blob(blob: web_sys::Blob, name: String, source: String, options: JsValue, progress: Option<Function>) -> Result<Lantern, JsError> {
+        use crate::model::gguf::{config_from_gguf, convert_tensor, packed_bytes, part_tensors, weights_part, GgufError};
         let opts: LoadOptions = if options.is_undefined() || options.is_null() {
             LoadOptions::default()
         } else {
             serde_wasm_bindgen::from_value(options).map_err(|e| JsError::new(&format!("load options: {e}")))?
         };
-        let file_bytes = bytes.len() as u64;
-        let (weights, tokenizer) = {
-            let gguf = GgufFile::parse(&bytes, name.clone()).map_err(|e| JsError::new(&format!("{name} is not a usable GGUF model: {e}")))?;
-            let weights = crate::model::gguf::weights_from_gguf(&gguf, &name).map_err(js_err)?;
-            let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|e| JsError::new(&format!("{name}: no usable tokenizer: {e}")))?;
-            (weights, tokenizer)
+        let total = blob.size() as u64;
+        let file_bytes = total;
+        let bad = |e: &dyn std::fmt::Display| JsError::new(&format!("{name} is not a usable GGUF model: {e}"));
+        let mut n = 4u64 << 20;
+        let prefix = loop {
+            let prefix = read_range(&blob, 0, n.min(total)).await.map_err(|e| JsError::new(&format!("reading {name}: {e}")))?;
+            match GgufFile::parse_prefix(&prefix, total, name.clone()) {
+                Ok(_) => break prefix,
+                Err(GgufError::Truncated { .. }) if n < total => n *= 4,
+                Err(e) => return Err(bad(&e)),
+            }
         };
+        let gguf = GgufFile::parse_prefix(&prefix, total, name.clone()).map_err(|e| bad(&e))?;
+        let config = config_from_gguf(&gguf).map_err(|e| bad(&e))?;
+        let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|e| JsError::new(&format!("{name}: no usable tokenizer: {e}")))?;
         let ctx = GpuContext::new(&DeviceOptions { backend: Some("webgpu".into()), ..Default::default() }).await.map_err(js_err)?;
         let kv_dtype = match opts.kv_dtype.as_deref() {
             None | Some("f32") => crate::kv::plan::KvDtype::F32,
@@ -181,11 +192,21 @@ impl Lantern {
             Some(o) => return Err(JsError::new(&format!("weights must be native, f32 or f16, not {o}"))),
         };
         let options = ModelOptions { context: opts.context, max_seqs: 1, kv_dtype, weights: precision, memory_budget: opts.memory_budget, ..Default::default() };
-        let model = GpuModel::load_with_progress(ctx.clone(), &weights, options, &mut |done, total| report(&progress, "upload", done as f64, total as f64))
-            .await
-            .map_err(js_err)?;
-        drop(weights);
-        drop(bytes);
+        let mut fetch = async |layer: Option<usize>| -> crate::Result<crate::model::ModelWeights> {
+            let mut tensors = Vec::new();
+            for info in part_tensors(&gguf, layer) {
+                let (a, b) = gguf.tensor_range(info);
+                let raw = read_range(&blob, a, b).await.map_err(|e| crate::LanternError::Other(format!("reading {name}: {e}")))?;
+                let dtype = gguf.loadable_dtype(info).map_err(crate::LanternError::from)?;
+                tensors.extend(convert_tensor(&config, info, dtype, &raw, &name)?);
+            }
+            weights_part(&config, layer, tensors, &name)
+        };
+        let model = GpuModel::load_streamed(ctx.clone(), config.clone(), packed_bytes(&gguf), options, &mut fetch, &mut |done, total| {
+            report(&progress, "upload", done as f64, total as f64)
+        })
+        .await
+        .map_err(js_err)?;
         Ok(Lantern { model: RefCell::new(Some(model)), tokenizer: Arc::new(tokenizer), ctx, cancel: Rc::new(Cell::new(false)), name, file_bytes, source })
     }
 
@@ -320,11 +341,26 @@ fn cache_storage() -> Option<web_sys::CacheStorage> {
     js_sys::Reflect::get(&g, &"caches".into()).ok().and_then(|c| c.dyn_into::<web_sys::CacheStorage>().ok())
 }
 
-async fn read_body(resp: &web_sys::Response, phase: &str, progress: &Option<Function>) -> Result<Vec<u8>, JsError> {
+/// Bytes `[start, end)` of `blob`.
+async fn read_range(blob: &web_sys::Blob, start: u64, end: u64) -> Result<Vec<u8>, String> {
+    let part = blob.slice_with_f64_and_f64(start as f64, end as f64).map_err(|e| format!("{e:?}"))?;
+    let buf = JsFuture::from(part.array_buffer()).await.map_err(|e| format!("{e:?}"))?;
+    let view = Uint8Array::new(&buf);
+    let mut out = vec![0u8; view.length() as usize];
+    view.copy_to(&mut out);
+    if out.len() as u64 != end - start {
+        return Err(format!("read {} bytes at {start}, expected {}", out.len(), end - start));
+    }
+    Ok(out)
+}
+
+/// Read `resp`'s body to the end, reporting bytes as `phase` (the download's progress),
+/// keeping none of it.
+async fn drain_counting(resp: &web_sys::Response, phase: &str, progress: &Option<Function>) -> Result<u64, JsError> {
     let total = resp.headers().get("content-length").ok().flatten().and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
     let body = resp.body().ok_or_else(|| JsError::new("the response has no body"))?;
     let reader: web_sys::ReadableStreamDefaultReader = body.get_reader().unchecked_into();
-    let mut out = Vec::with_capacity(total as usize);
+    let mut done_bytes = 0u64;
     loop {
         let chunk = JsFuture::from(reader.read()).await.map_err(|e| JsError::new(&format!("download interrupted: {e:?}")))?;
         let done = js_sys::Reflect::get(&chunk, &"done".into()).ok().and_then(|d| d.as_bool()).unwrap_or(true);
@@ -332,20 +368,24 @@ async fn read_body(resp: &web_sys::Response, phase: &str, progress: &Option<Func
             break;
         }
         let value: Uint8Array = js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| JsError::new("bad stream chunk"))?.unchecked_into();
-        let at = out.len();
-        out.resize(at + value.length() as usize, 0);
-        value.copy_to(&mut out[at..]);
-        report(progress, phase, out.len() as f64, total.max(out.len() as f64));
+        done_bytes += value.length() as u64;
+        report(progress, phase, done_bytes as f64, total.max(done_bytes as f64));
     }
-    if total > 0.0 && (out.len() as f64) < total {
-        return Err(JsError::new(&format!("download truncated: {} of {} bytes", out.len(), total)));
+    if total > 0.0 && (done_bytes as f64) < total {
+        return Err(JsError::new(&format!("download truncated: {done_bytes} of {total} bytes")));
     }
-    Ok(out)
+    Ok(done_bytes)
 }
 
-/// The bytes of `url`: from Cache Storage when present ("cache"), else from the network
-/// ("network"), kept in Cache Storage for next time.
-async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(Vec<u8>, String), JsError> {
+async fn response_blob(resp: &web_sys::Response, url: &str) -> Result<web_sys::Blob, JsError> {
+    let b = JsFuture::from(resp.blob().map_err(|e| JsError::new(&format!("{url}: {e:?}")))?).await.map_err(|e| JsError::new(&format!("{url}: {e:?}")))?;
+    Ok(b.unchecked_into())
+}
+
+/// `url` as a `Blob`: from Cache Storage when present ("cache"), else downloaded into it
+/// ("network"; the body streams into the cache while a clone of it counts the progress) and
+/// read back from there. Without Cache Storage the response itself is the blob.
+async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(web_sys::Blob, String), JsError> {
     let cache = match cache_storage() {
         Some(cs) => JsFuture::from(cs.open(CACHE_NAME)).await.ok().map(|c| c.unchecked_into::<web_sys::Cache>()),
         None => None,
@@ -353,8 +393,8 @@ async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(Vec<u8>
     if let Some(c) = &cache {
         if let Ok(hit) = JsFuture::from(c.match_with_str(url)).await {
             if let Ok(resp) = hit.dyn_into::<web_sys::Response>() {
-                if let Ok(bytes) = read_body(&resp, "cache", progress).await {
-                    return Ok((bytes, "cache".into()));
+                if let Ok(blob) = response_blob(&resp, url).await {
+                    return Ok((blob, "cache".into()));
                 }
             }
         }
@@ -368,13 +408,22 @@ async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(Vec<u8>
     if !resp.ok() {
         return Err(JsError::new(&format!("could not download {url}: HTTP {} {}", resp.status(), resp.status_text())));
     }
-    let bytes = read_body(&resp, "download", progress).await?;
     if let Some(c) = &cache {
-        // Keep a copy for the next page load; failing to (quota) only costs a download.
-        let mut copy = bytes.clone();
-        if let Ok(stored) = web_sys::Response::new_with_opt_u8_array(Some(&mut copy)) {
-            let _ = JsFuture::from(c.put_with_str(url, &stored)).await;
+        let counted = resp.clone().map_err(|e| JsError::new(&format!("{url}: {e:?}")))?;
+        let put = JsFuture::from(c.put_with_str(url, &resp));
+        drain_counting(&counted, "download", progress).await?;
+        // Failing to store (quota) only costs a download next time: read the response again.
+        if put.await.is_ok() {
+            if let Ok(hit) = JsFuture::from(c.match_with_str(url)).await {
+                if let Ok(stored) = hit.dyn_into::<web_sys::Response>() {
+                    return Ok((response_blob(&stored, url).await?, "network".into()));
+                }
+            }
         }
+        let again = JsFuture::from(js_sys::Promise::from(fetch.call1(&g, &url.into()).map_err(|e| JsError::new(&format!("fetching {url}: {e:?}")))?))
+            .await
+            .map_err(|e| JsError::new(&format!("could not download {url}: {e:?}")))?;
+        return Ok((response_blob(&again.unchecked_into(), url).await?, "network".into()));
     }
-    Ok((bytes, "network".into()))
+    Ok((response_blob(&resp, url).await?, "network".into()))
 }

@@ -1,9 +1,10 @@
 //! The browser demo end to end: the wasm package (built by `scripts/web.sh`, which the
 //! README's test command runs first) served on loopback, the real page driven in Debian's
-//! Chromium by `web/e2e.mjs` (playwright-core), a tiny generated model and SmolLM2 loaded
-//! from the page and generated from greedily; the browser's token ids must equal the native
-//! runtime's for the same prompts, a second page load must read the model from the browser's
-//! cache, and a screenshot is kept as `target/test-artifacts/web-demo.png`.
+//! Chromium by `web/e2e.mjs` (playwright-core), a tiny generated model, SmolLM2, Gemma 3 270M
+//! and Qwen2.5-Coder-1.5B (1.1 GB, streamed into the GPU a layer at a time) loaded from the
+//! page and generated from greedily; the browser's token ids must equal the native runtime's
+//! for the same prompts, a second page load must read the model from the browser's cache,
+//! and a screenshot is kept as `target/test-artifacts/web-demo.png`.
 
 mod common;
 
@@ -111,12 +112,23 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     tiny_web_gguf(&dir.join("tiny-web.gguf"));
-    let smol = dir.join(common::SMOLLM2_FILE);
-    std::fs::hard_link(common::smollm2_gguf(), &smol).or_else(|_| std::fs::copy(common::smollm2_gguf(), &smol).map(|_| ())).unwrap();
+    let link = |from: &Path, name: &str| {
+        let to = dir.join(name);
+        std::fs::hard_link(from, &to).or_else(|_| std::fs::copy(from, &to).map(|_| ())).unwrap();
+        to
+    };
+    let smol = link(&common::smollm2_gguf(), common::SMOLLM2_FILE);
+    let gemma_file = lantern::catalogue::find_model("gemma3-270m").unwrap().file;
+    let gemma = link(&common::real::model("LANTERN_GEMMA3_GGUF", "gemma3-270m"), gemma_file);
+    let qwen_file = lantern::catalogue::find_model("qwen2.5-coder-1.5b").unwrap().file;
+    let qwen = link(&common::real::model("LANTERN_QWEN15_GGUF", "qwen2.5-coder-1.5b"), qwen_file);
 
     let cases = serde_json::json!([
         { "model": "tiny-web.gguf", "prompt": "Hello, browser!", "maxTokens": 12, "expect": native_ids(&dir.join("tiny-web.gguf"), "Hello, browser!", 12) },
         { "model": common::SMOLLM2_FILE, "prompt": "Once upon a time", "maxTokens": 6, "expect": native_ids(&smol, "Once upon a time", 6) },
+        { "model": gemma_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": native_ids(&gemma, "def reverse(s):", 3) },
+        // The last case is also reloaded (from Cache Storage) and chatted with.
+        { "model": qwen_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": native_ids(&qwen, "def reverse(s):", 3) },
     ]);
     let cases_path = dir.join("cases.json");
     std::fs::write(&cases_path, serde_json::to_vec_pretty(&cases).unwrap()).unwrap();
@@ -139,10 +151,15 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("e2e printed no report ({e}): {}", String::from_utf8_lossy(&out.stdout)));
     assert!(out.status.success() && report["ok"] == true, "browser e2e failed: {}", serde_json::to_string_pretty(&report).unwrap());
     let results = report["results"].as_array().unwrap();
-    assert_eq!(results.len(), 6);
-    assert_eq!(results[5]["chat"], true);
-    assert_eq!(results[2]["badFile"], true);
-    assert_eq!(results[3]["stop"], true);
-    assert_eq!(results[4]["source"], "cache", "the reload read the model from Cache Storage");
+    assert_eq!(results.len(), 8);
+    for (i, c) in cases.as_array().unwrap().iter().enumerate() {
+        assert_eq!(results[i]["model"], c["model"]);
+        assert_eq!(results[i]["ids"], c["expect"], "{}", c["model"]);
+    }
+    assert_eq!(results[7]["chat"], true);
+    assert_eq!(results[4]["badFile"], true);
+    assert_eq!(results[5]["stop"], true);
+    assert_eq!(results[6]["source"], "cache", "the reload read the model from Cache Storage");
+    assert_eq!(results[6]["model"], qwen_file);
     assert!(root.join("target/test-artifacts/web-demo.png").is_file());
 }

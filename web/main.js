@@ -48,8 +48,32 @@ function showPlan(plan, info) {
   t.hidden = false;
 }
 
+// The catalogue (the same models `lantern models` lists), each offered when this site serves
+// its file under models/ (a HEAD request says), else named with the command that fetches it.
+async function showCatalogue(models) {
+  const select = $('model-url');
+  const keep = [...select.options].filter((o) => o.dataset.query);
+  const missing = [];
+  const options = [];
+  for (const m of models) {
+    const url = `models/${m.file}`;
+    const label = `${m.name} (${m.family}, ${m.params}, ${m.format}, ${mb(m.bytes)})`;
+    let here = false;
+    try { here = (await fetch(url, { method: 'HEAD' })).ok; } catch { here = false; }
+    if (here) options.push(new Option(label, url, m.default && !keep.length, m.default && !keep.length));
+    else missing.push(m.name);
+  }
+  select.replaceChildren(...keep, ...options);
+  $('catalogue-note').textContent = missing.length
+    ? `Not on this site: ${missing.join(', ')} (\`lantern fetch NAME\` puts a model where the demo server serves it).`
+    : '';
+}
+
 worker.onmessage = ({ data }) => {
   switch (data.type) {
+    case 'catalogue':
+      showCatalogue(data.models).then(() => { if (params.get('autoload')) $('load-url').click(); });
+      break;
     case 'adapter': {
       const a = data.info;
       $('adapter').textContent = `WebGPU adapter: ${a.name || '(unnamed)'} (${a.backend}, ${a.device_type}); features: ${a.features.join(', ') || 'none beyond the core'}; largest storage binding ${mb(a.limits.max_storage_buffer_binding_size)}`;
@@ -142,7 +166,9 @@ $('stop').onclick = () => send({ type: 'cancel' });
 // Optional query parameters (the end-to-end test uses them): ?model=URL loads it at once.
 const params = new URLSearchParams(location.search);
 if (params.get('model')) {
-  $('model-url').add(new Option(params.get('model'), params.get('model'), true, true));
+  const o = new Option(params.get('model'), params.get('model'), true, true);
+  o.dataset.query = '1';
+  $('model-url').add(o);
 }
 send({ type: 'adapter' });
-if (params.get('autoload')) $('load-url').click();
+send({ type: 'catalogue' });

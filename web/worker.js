@@ -1,6 +1,6 @@
 // The Web Worker that owns the model: the page stays responsive while weights download,
-// upload and tokens are generated. Messages in: adapter, loadUrl, loadFile, generate,
-// cancel. Messages out: adapter, progress, loaded, text, done, error.
+// upload and tokens are generated. Messages in: adapter, catalogue, loadUrl, loadFile,
+// generate, cancel. Messages out: adapter, catalogue, progress, loaded, text, done, error.
 import init, { Lantern } from './pkg/lantern.js';
 
 const ready = init();
@@ -21,6 +21,9 @@ self.onmessage = async ({ data }) => {
     switch (data.type) {
       case 'adapter':
         reply({ type: 'adapter', info: await Lantern.adapter() });
+        break;
+      case 'catalogue':
+        reply({ type: 'catalogue', models: Lantern.catalogue() });
         break;
       case 'loadUrl':
         model = null;
