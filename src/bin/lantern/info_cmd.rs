@@ -96,6 +96,35 @@ pub fn info(a: InfoArgs) -> Result<()> {
         c.max_position_embeddings,
         if c.tie_word_embeddings { ", tied embeddings" } else { "" }
     );
+    let b = &c.block;
+    if *b != lantern::model::BlockSpec::default() || c.rope_scaling.is_some() {
+        let mut parts = Vec::new();
+        if b.norms == lantern::model::NormPlacement::Sandwich {
+            parts.push("sandwich norms".to_string());
+        }
+        if b.qk_norm {
+            parts.push("q/k norms".into());
+        }
+        if b.activation == lantern::model::Activation::GeluTanh {
+            parts.push("GELU-tanh".into());
+        }
+        if let Some(s) = b.embedding_scale {
+            parts.push(format!("embedding x {s}"));
+        }
+        if let Some(w) = b.sliding_window {
+            let n = (0..c.num_layers).filter(|&l| b.window(l).is_some()).count();
+            let local = b.rope_local_theta.map(|t| format!(", RoPE base {t} there")).unwrap_or_default();
+            parts.push(format!("{w}-key sliding window on {n} of {} layers{local}", c.num_layers));
+        }
+        match &c.rope_scaling {
+            Some(lantern::model::RopeScaling::LongRope { original_max_position_embeddings: o, .. }) => parts.push(format!("LongRoPE (original context {o})")),
+            Some(lantern::model::RopeScaling::Llama3 { factor, .. }) => parts.push(format!("Llama 3 RoPE x{factor}")),
+            Some(lantern::model::RopeScaling::Linear { factor }) => parts.push(format!("linear RoPE x{factor}")),
+            Some(lantern::model::RopeScaling::Divisors { .. }) => parts.push("RoPE divisors from rope_freqs.weight".into()),
+            None => {}
+        }
+        println!("  block: {}", parts.join(", "));
+    }
     println!("  parameters: {:.1} M", params as f64 / 1e6);
     println!("  in the file:");
     for (k, r) in &file {
