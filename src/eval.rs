@@ -8,7 +8,7 @@
 //! # Perplexity
 //!
 //! Standard next-token perplexity, as Hugging Face's "Perplexity of fixed-length models"
-//! guide and `shared/fixtures/smollm2/perplexity.json` define it: for tokens `x_0..x_{T-1}`,
+//! guide and `tests/fixtures/smollm2/perplexity.json` define it: for tokens `x_0..x_{T-1}`,
 //! `NLL_i = -log softmax(logits[i-1])[x_i]`, the mean over the scored tokens, and
 //! `ppl = exp(mean)`. The first token of the text is never scored (nothing predicts it).
 //!

@@ -9,11 +9,11 @@ use lantern::model::{LoadError, ModelConfig};
 use lantern::LanternError;
 use serde_json::{json, Value};
 
-/// `$LANTERN_FIXTURES/tiny`, or `../shared/fixtures/tiny` beside the crate.
+/// `$LANTERN_FIXTURES/tiny`, or `tests/fixtures/tiny` in the repository.
 fn tiny_dir() -> PathBuf {
     let root = std::env::var_os("LANTERN_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"));
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"));
     root.join("tiny")
 }
 

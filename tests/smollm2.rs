@@ -1,6 +1,6 @@
 //! SmolLM2-135M-Instruct from the real GGUF, loaded natively (Q4_1 layers and the Q8_0
 //! embedding/LM head stay packed on the GPU and are dequantized inside the kernels), against
-//! the Hugging Face transformers fixtures in `shared/fixtures/smollm2`: argmax at every prompt
+//! the Hugging Face transformers fixtures in `tests/fixtures/smollm2`: argmax at every prompt
 //! position, last-position top-20 logits within 1e-3, and every greedy continuation token
 //! for token, decoded one token per step through the paged KV cache. Also: the GPU memory of
 //! the load, allocation by allocation, holds no float copy of any quantized weight.

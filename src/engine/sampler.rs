@@ -35,23 +35,9 @@ impl SamplingParams {
     }
 }
 
-/// Index of the largest value; lowest index on ties; NaN never wins.
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut bv = f32::NEG_INFINITY;
-    let mut found = false;
-    for (i, &v) in row.iter().enumerate() {
-        if v.is_nan() {
-            continue;
-        }
-        if !found || v > bv {
-            best = i;
-            bv = v;
-            found = true;
-        }
-    }
-    best as u32
-}
+/// Greedy choice: the index of the largest logit (lowest index on ties, NaN skipped; 0 for
+/// an all-NaN row). The CPU reference's, so host and oracle agree by construction.
+pub use crate::reference::ops::argmax;
 
 /// A small, fast, seedable generator (SplitMix64 seeding a xoshiro256**).
 #[derive(Debug, Clone)]

@@ -28,11 +28,12 @@ pub fn smollm2_gguf() -> PathBuf {
     path
 }
 
-/// The shared fixtures folder: `$LANTERN_FIXTURES`, else `../shared/fixtures` next to the crate.
+/// The reference fixtures: `$LANTERN_FIXTURES`, else `tests/fixtures` in the repository
+/// (vendored with their READMEs; see `tests/fixtures/README.md`).
 pub fn fixtures_dir() -> PathBuf {
     match std::env::var_os("LANTERN_FIXTURES") {
         Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"),
     }
 }
 

@@ -1,5 +1,5 @@
 //! Checks of a real model against its transformers fixture folder (the `cases.json` /
-//! `tokenize.json` / `perplexity.json` layout of `shared/fixtures/smollm2` and the Qwen and
+//! `tokenize.json` / `perplexity.json` layout of `tests/fixtures/smollm2` and the Qwen and
 //! Gemma sets): tokenizer ids, prompt argmax, last-position top-20 logits and greedy
 //! continuations through the paged cache.
 
