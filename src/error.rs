@@ -22,7 +22,7 @@ pub enum LanternError {
     Load(#[from] crate::model::LoadError),
     #[error(transparent)]
     Tokenizer(#[from] crate::model::tokenizer::TokenizerError),
-    #[error("unsupported architecture {arch:?} (supported: llama, mistral, qwen2)")]
+    #[error("unsupported architecture {arch:?} (supported: llama, mistral, qwen2, qwen3, gemma3, phi3)")]
     UnsupportedArchitecture { arch: String },
     #[error("invalid model config field `{field}`: {reason}")]
     Config { field: String, reason: String },
@@ -55,8 +55,22 @@ pub enum LanternError {
     Quant(#[from] crate::quant::QuantError),
     #[error(transparent)]
     Eval(#[from] crate::eval::EvalError),
-    #[error("{0}")]
-    Other(String),
+    /// A call the model or engine cannot serve as asked (an empty prompt, a batch larger
+    /// than the step, a position without reserved pages, an engine that is not idle).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// A token id outside the vocabulary.
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    /// Writing a file format failed (`what`: safetensors, metadata JSON, a tokenizer...).
+    #[error("cannot write {what}: {reason}")]
+    Serialize { what: String, reason: String },
+    /// AWQ calibration could not run.
+    #[error("AWQ calibration: {0}")]
+    Calibration(String),
+    /// Reading model bytes from a source that is not a file (a browser `Blob`).
+    #[error("reading {source_name}: {reason}")]
+    Read { source_name: String, reason: String },
 }
 
 impl LanternError {

@@ -196,7 +196,7 @@ impl Lantern {
             let mut tensors = Vec::new();
             for info in part_tensors(&gguf, layer) {
                 let (a, b) = gguf.tensor_range(info);
-                let raw = read_range(&blob, a, b).await.map_err(|e| crate::LanternError::Other(format!("reading {name}: {e}")))?;
+                let raw = read_range(&blob, a, b).await.map_err(|e| crate::LanternError::Read { source_name: name.clone(), reason: e })?;
                 let dtype = gguf.loadable_dtype(info).map_err(crate::LanternError::from)?;
                 tensors.extend(convert_tensor(&config, info, dtype, &raw, &name)?);
             }

@@ -189,7 +189,7 @@ fn impossible_requests_are_refused_at_submit() {
         stop_ids: vec![],
         stop_strings: vec![],
     };
-    assert!(matches!(e.submit(req(0, 4)), Err(lantern::LanternError::Other(_))), "empty prompt");
+    assert!(matches!(e.submit(req(0, 4)), Err(lantern::LanternError::InvalidRequest(_))), "empty prompt");
     assert!(matches!(e.submit(req(64, 4)), Err(lantern::LanternError::PromptTooLong { .. })));
     // 8 pages of 4 tokens hold 32: a 30-token prompt with 10 new tokens could never fit.
     let err = e.submit(req(30, 10)).err().expect("refused");

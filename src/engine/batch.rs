@@ -211,7 +211,7 @@ pub struct Engine {
 
 /// Why `submit` refused a request.
 fn refuse(msg: String) -> LanternError {
-    LanternError::Other(msg)
+    LanternError::InvalidRequest(msg)
 }
 
 impl Engine {
@@ -243,7 +243,7 @@ impl Engine {
     /// engine is idle. Returns the milliseconds it took.
     pub async fn warm_up(&mut self) -> Result<f64> {
         if !self.is_idle() {
-            return Err(LanternError::Other("warm_up needs an idle engine (call it before submitting)".into()));
+            return Err(LanternError::InvalidRequest("warm_up needs an idle engine (call it before submitting)".into()));
         }
         self.model.warm_up().await
     }

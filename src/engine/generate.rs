@@ -81,7 +81,7 @@ pub async fn generate(
     let arrival = Instant::now();
     let context = model.kv.alloc.config.context;
     if req.prompt_ids.is_empty() {
-        return Err(LanternError::Other("the prompt is empty (no tokens to condition on)".into()));
+        return Err(LanternError::InvalidRequest("the prompt is empty (no tokens to condition on)".into()));
     }
     if req.prompt_ids.len() >= context {
         return Err(LanternError::PromptTooLong {

@@ -1061,6 +1061,6 @@ impl ModelConfig {
             }
         }
         serde_json::to_string_pretty(&o)
-            .map_err(|e| crate::LanternError::Other(format!("config.json: {e}")))
+            .map_err(|e| crate::LanternError::Serialize { what: "config.json".into(), reason: e.to_string() })
     }
 }

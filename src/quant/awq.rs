@@ -312,7 +312,7 @@ pub fn sample_indices(t: usize, n: usize) -> Vec<usize> {
 }
 
 fn missing(name: &str) -> LanternError {
-    LanternError::Other(format!("AWQ calibration: weight `{name}` is missing"))
+    LanternError::Calibration(format!("weight `{name}` is missing"))
 }
 
 /// The f32 forward pass over `tokens` (positions `0..T`). With `stats`, records the inputs
@@ -330,7 +330,7 @@ fn forward(
     let (h, hd) = (c.hidden_size, c.head_dim);
     let (qd, kvd, ffn) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-        return Err(LanternError::Other(format!(
+        return Err(LanternError::Calibration(format!(
             "AWQ calibration: token id {bad} is outside the vocabulary ({})",
             c.vocab_size
         )));
@@ -400,7 +400,7 @@ pub fn capture(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<LayerStats>, LanternError> {
     if tokens.is_empty() {
-        return Err(LanternError::Other(
+        return Err(LanternError::Calibration(
             "AWQ calibration: no calibration tokens".into(),
         ));
     }

@@ -326,10 +326,10 @@ pub fn quantize_model(
             });
         }
         let tokens = calibration
-            .ok_or_else(|| LanternError::Other("AWQ needs calibration tokens".into()))?;
+            .ok_or_else(|| LanternError::Calibration("AWQ needs calibration tokens".into()))?;
         let tokens = calibration_slice(tokens, &opts.awq, c.max_position_embeddings);
         if tokens.is_empty() {
-            return Err(LanternError::Other(
+            return Err(LanternError::Calibration(
                 "AWQ: the calibration text has no tokens".into(),
             ));
         }

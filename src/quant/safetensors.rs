@@ -322,10 +322,10 @@ fn entries<'a>(
                     .entry(name.clone())
                     .or_insert_with(|| TensorInfo::new(f, "unknown"));
                 if info.format() != f {
-                    return Err(LanternError::Other(format!(
-                        "tensor `{name}` is {f} but its metadata says {}",
-                        info.format()
-                    )));
+                    return Err(LanternError::Serialize {
+                        what: format!("tensor `{name}`"),
+                        reason: format!("it is {f} but its metadata says {}", info.format()),
+                    });
                 }
                 packed_entry(&mut out, f, m.rows, m.k, t.data.as_slice().into());
             }
@@ -366,7 +366,7 @@ fn entries<'a>(
 }
 
 fn st_err(e: safetensors::SafeTensorError) -> LanternError {
-    LanternError::Other(format!("cannot serialize safetensors: {e}"))
+    LanternError::Serialize { what: "safetensors".into(), reason: e.to_string() }
 }
 
 fn views<'a>(entries: &'a [Entry<'a>]) -> Result<Vec<(String, TensorView<'a>)>, LanternError> {
@@ -382,7 +382,7 @@ fn views<'a>(entries: &'a [Entry<'a>]) -> Result<Vec<(String, TensorView<'a>)>, 
 
 fn header(meta: &QuantMetadata) -> Result<HashMap<String, String>, LanternError> {
     let json = serde_json::to_string(meta)
-        .map_err(|e| LanternError::Other(format!("metadata JSON: {e}")))?;
+        .map_err(|e| LanternError::Serialize { what: "the lantern.quantization metadata".into(), reason: e.to_string() })?;
     Ok(HashMap::from([
         (METADATA_KEY.to_string(), json),
         ("format".to_string(), "pt".to_string()),
@@ -410,7 +410,7 @@ pub fn tokenizer_files(
     let json = tok
         .inner()
         .to_string(false)
-        .map_err(|e| LanternError::Other(format!("cannot serialize the tokenizer: {e}")))?;
+        .map_err(|e| LanternError::Serialize { what: "tokenizer.json".into(), reason: e.to_string() })?;
     let mut cfg = serde_json::json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": tok.add_bos(),
@@ -427,7 +427,7 @@ pub fn tokenizer_files(
     if let Some(t) = tok.chat_template_source() {
         cfg["chat_template"] = t.into();
     }
-    let cfg = serde_json::to_string_pretty(&cfg).map_err(|e| LanternError::Other(e.to_string()))?;
+    let cfg = serde_json::to_string_pretty(&cfg).map_err(|e| LanternError::Serialize { what: "tokenizer_config.json".into(), reason: e.to_string() })?;
     Ok((json, cfg))
 }
 

@@ -112,7 +112,7 @@ impl GpuModel {
     /// and return the argmax (and logits, if asked) of the last token.
     pub async fn forward(&mut self, seq: usize, tokens: &[u32], want: Want) -> Result<StepOutput> {
         if tokens.is_empty() {
-            return Err(LanternError::Other("forward called with no tokens".into()));
+            return Err(LanternError::InvalidRequest("forward called with no tokens".into()));
         }
         let chunk = self.options.max_batch_tokens.max(1);
         let mut outs = self.run_chunks(seq, tokens, chunk, want, false).await?;
@@ -213,10 +213,7 @@ impl GpuModel {
 
     fn check_ids(&self, tokens: &[u32]) -> Result<()> {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-            return Err(LanternError::Other(format!(
-                "token id {bad} is outside the vocabulary (size {})",
-                self.config.vocab_size
-            )));
+            return Err(LanternError::TokenOutOfRange { id: bad, vocab: self.config.vocab_size });
         }
         Ok(())
     }
@@ -233,7 +230,7 @@ impl GpuModel {
     /// (`kv.alloc.append`); argmax (and logits with `Want::Logits`) of the tokens at indices
     /// `rows`. At most `options.max_batch_tokens` tokens and `logit_rows` rows.
     fn validate_batch(&self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32]) -> Result<()> {
-        let bad = |m: String| Err(LanternError::Other(m));
+        let bad = |m: String| Err(LanternError::InvalidRequest(m));
         if ids.is_empty() || ids.len() != positions.len() || ids.len() != seqs.len() {
             return bad(format!("step_batch: {} ids, {} positions, {} sequence indices", ids.len(), positions.len(), seqs.len()));
         }
