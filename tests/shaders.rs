@@ -133,3 +133,31 @@ fn labels_are_unique_per_key() {
     labels.dedup();
     assert_eq!(n, labels.len());
 }
+
+/// The Rust structs written into each kernel's uniforms have the size of the WGSL structs they
+/// mirror, in every variant: binding 0 is the step uniform, binding 1 the op's `Params`
+/// (naga's layout of the expanded source against `kernels::params_size`).
+#[test]
+fn uniform_structs_match_their_wgsl_mirrors() {
+    let step = std::mem::size_of::<lantern::kernels::StepUniform>() as u32;
+    let mut checked = 0;
+    for key in all_keys() {
+        let (module, _) = parse_validate(&key, key.naga_capabilities() | Capabilities::SHADER_FLOAT16 | Capabilities::SUBGROUP);
+        let mut layouter = naga::proc::Layouter::default();
+        layouter.update(module.to_ctx()).unwrap();
+        for (_, var) in module.global_variables.iter() {
+            let (Some(b), naga::AddressSpace::Uniform) = (&var.binding, var.space) else {
+                continue;
+            };
+            let size = layouter[var.ty].size;
+            let want = match (b.group, b.binding) {
+                (0, 0) => step,
+                (0, 1) => lantern::kernels::params_size(key.op) as u32,
+                other => panic!("{}: unexpected uniform at {other:?}", key.label()),
+            };
+            assert_eq!(size, want, "{}: uniform at binding {} is {size} bytes in WGSL, {want} in Rust", key.label(), b.binding);
+            checked += 1;
+        }
+    }
+    assert!(checked > 100, "{checked}");
+}

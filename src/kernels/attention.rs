@@ -10,6 +10,9 @@ use crate::kv::plan::KvDtype;
 
 use super::{bind, pipeline, Dim, Dispatch};
 
+/// Bytes of the `Params` uniform this op writes ([`super::params_size`]).
+pub const UNIFORM_BYTES: usize = std::mem::size_of::<AttentionUniform>();
+
 /// The sizes of one attention layer.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AttentionParams {
@@ -27,6 +30,9 @@ pub struct AttentionParams {
     /// Keys a query sees, itself included (sliding-window layers); 0: all earlier keys.
     pub window: u32,
 }
+
+/// Bytes of the `Params` uniform this op writes ([`super::params_size`]).
+pub const REDUCE_UNIFORM_BYTES: usize = std::mem::size_of::<ReduceUniform>();
 
 /// Mirrors `struct Params` in attention.wgsl.
 #[repr(C)]

@@ -149,3 +149,20 @@ pub fn submit_step(ctx: &GpuContext, step: &wgpu::Buffer, s: &StepUniform, dispa
 pub fn step_buffer(ctx: &GpuContext) -> wgpu::Buffer {
     crate::gpu::buffer::create_uniform(ctx, "step", &StepUniform::default())
 }
+
+/// Bytes of the Rust struct each op writes into its `Params` uniform (binding 1), and of
+/// [`StepUniform`] (binding 0): what `tests/shaders.rs` checks against naga's layout of the
+/// WGSL structs for every variant, so a field added on one side only fails a test.
+pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
+    use crate::gpu::ShaderOp as O;
+    match op {
+        O::Embedding => std::mem::size_of::<embedding::EmbeddingParams>(),
+        O::RmsNorm => std::mem::size_of::<rmsnorm::RmsNormParams>(),
+        O::Matvec | O::Matmul | O::MatmulBlocked | O::MatvecQ | O::MatmulBlockedQ => std::mem::size_of::<linear::LinearParams>(),
+        O::RopeKv => rope_kv::UNIFORM_BYTES,
+        O::Attention => attention::UNIFORM_BYTES,
+        O::AttentionReduce => attention::REDUCE_UNIFORM_BYTES,
+        O::Argmax => std::mem::size_of::<argmax::ArgmaxParams>(),
+        O::TopK => topk::UNIFORM_BYTES,
+    }
+}

@@ -7,6 +7,9 @@ use crate::gpu::{GpuContext, GpuError, PipelineKey, ShaderOp};
 use super::attention::{kv_format, KvBinding};
 use super::{bind, pipeline, Dim, Dispatch};
 
+/// Bytes of the `Params` uniform this op writes ([`super::params_size`]).
+pub const UNIFORM_BYTES: usize = std::mem::size_of::<RopeKvUniform>();
+
 /// The sizes of one layer's RoPE + KV write.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RopeKvParams {

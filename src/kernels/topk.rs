@@ -6,6 +6,9 @@ use crate::gpu::{GpuContext, GpuError, PipelineKey, ShaderOp};
 
 use super::{bind, pipeline, Dim, Dispatch};
 
+/// Bytes of the `Params` uniform this op writes ([`super::params_size`]).
+pub const UNIFORM_BYTES: usize = std::mem::size_of::<TopkParams>();
+
 /// Pairs per row the kernel can return (`KMAX` in the shader).
 pub const TOPK_MAX: usize = 64;
 
