@@ -8,7 +8,7 @@
 // CASES.json: [{ "model": "file.gguf", "prompt": "...", "maxTokens": 8, "expect": [ids] }]
 // The last case is the one reloaded for the cache check.
 import { spawn } from 'node:child_process';
-import { readFileSync, mkdirSync, rmSync, mkdtempSync } from 'node:fs';
+import { readFileSync, readdirSync, mkdirSync, rmSync, mkdtempSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { tmpdir } from 'node:os';
 import { fileURLToPath } from 'node:url';
@@ -33,6 +33,42 @@ function startServer() {
 }
 
 const log = (...a) => console.error('[e2e]', ...a);
+
+// Resident memory (MB) of the browser's processes by type (renderer, gpu-process, ...): the
+// processes whose command line names this run's profile, and their descendants (Linux /proc).
+function processMemory(profile) {
+  const procs = [];
+  for (const d of readdirSync('/proc')) {
+    if (!/^\d+$/.test(d)) continue;
+    try {
+      const cmd = readFileSync(`/proc/${d}/cmdline`, 'utf8').split('\0');
+      const stat = readFileSync(`/proc/${d}/stat`, 'utf8');
+      const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
+      const rss = Number((readFileSync(`/proc/${d}/status`, 'utf8').match(/VmRSS:\s+(\d+)/) || [0, 0])[1]) / 1024;
+      procs.push({ pid: Number(d), ppid, cmd, rss });
+    } catch { /* gone */ }
+  }
+  const ours = new Set(procs.filter((p) => p.cmd.some((a) => a.includes(profile))).map((p) => p.pid));
+  for (let grew = true; grew;) {
+    grew = false;
+    for (const p of procs) if (!ours.has(p.pid) && ours.has(p.ppid)) { ours.add(p.pid); grew = true; }
+  }
+  const by = {};
+  for (const p of procs.filter((p) => ours.has(p.pid))) {
+    const t = (p.cmd.find((a) => a.startsWith('--type=')) || '--type=browser').slice(7);
+    by[t] = Math.max(by[t] || 0, p.rss);
+  }
+  return by;
+}
+
+// Samples processMemory every 100 ms until stopped; the peak per process type.
+function samplePeaks(profile) {
+  const peak = {};
+  const take = () => { for (const [t, v] of Object.entries(processMemory(profile))) peak[t] = Math.max(peak[t] || 0, v); };
+  take();
+  const timer = setInterval(take, 100);
+  return () => { clearInterval(timer); take(); return Object.fromEntries(Object.entries(peak).map(([k, v]) => [k, Math.round(v)])); };
+}
 let failed = false;
 const server = await startServer();
 log('server', server.url);
@@ -50,8 +86,10 @@ try {
   page.on('pageerror', (e) => log('page error:', e.message));
   const state = (s) => page.waitForFunction((s) => document.body.dataset.state === s || !!document.body.dataset.error, s, { timeout });
   const run = async (c) => {
+    const stop = samplePeaks(profile);
     await page.goto(`${server.url}?model=${encodeURIComponent('models/' + c.model)}&autoload=1`);
     await state('loaded');
+    const peakMb = stop();
     const err = await page.evaluate(() => document.body.dataset.error);
     if (err) throw new Error(`loading ${c.model}: ${err}`);
     await page.fill('#prompt', c.prompt);
@@ -60,20 +98,22 @@ try {
     await state('done');
     const err2 = await page.evaluate(() => document.body.dataset.error);
     if (err2) throw new Error(`generating with ${c.model}: ${err2}`);
-    return page.evaluate(() => ({
+    const r = await page.evaluate(() => ({
       ids: JSON.parse(document.body.dataset.outputIds),
+      loadMs: Number(document.body.dataset.loadMs),
       source: document.body.dataset.source,
       text: document.getElementById('output').textContent,
       metrics: document.getElementById('metrics').textContent,
       adapter: document.getElementById('adapter').textContent,
     }));
+    return { ...r, peakMb };
   };
   for (const c of cases) {
     const r = await run(c);
     const ok = JSON.stringify(r.ids) === JSON.stringify(c.expect);
     failed ||= !ok;
     results.push({ model: c.model, ok, ...r, expect: c.expect });
-    log(`${c.model}: ${ok ? 'same tokens as native' : 'MISMATCH'} (${r.source}); ${r.metrics}; ${r.adapter}`);
+    log(`${c.model}: ${ok ? 'same tokens as native' : 'MISMATCH'} (${r.source}); loaded in ${(r.loadMs / 1000).toFixed(1)} s, peak resident MB while loading ${JSON.stringify(r.peakMb)}; ${r.metrics}; ${r.adapter}`);
   }
   // A file that is not a model: a sentence in the error box, and the page still works.
   {
@@ -108,7 +148,7 @@ try {
   const cached = again.source === 'cache' && JSON.stringify(again.ids) === JSON.stringify(last.expect);
   failed ||= !cached;
   results.push({ model: last.model, reload: true, ok: cached, ...again, expect: last.expect });
-  log(`reload of ${last.model}: source ${again.source}${cached ? '' : ' (expected cache)'}`);
+  log(`reload of ${last.model}: source ${again.source}${cached ? '' : ' (expected cache)'}, loaded in ${(again.loadMs / 1000).toFixed(1)} s, peak resident MB ${JSON.stringify(again.peakMb)}`);
   // Chat: two turns with the model's template; the transcript keeps both.
   {
     await page.check('#chat');

@@ -95,6 +95,7 @@ worker.onmessage = ({ data }) => {
       $('generate').disabled = false;
       document.body.dataset.state = 'loaded';
       document.body.dataset.source = data.plan.source;
+      document.body.dataset.loadMs = String(Math.round(performance.now() - loadStarted));
       break;
     case 'text':
       $('output').textContent += data.piece;

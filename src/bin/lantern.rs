@@ -11,8 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lantern::engine::generate::{generate, GenerateRequest};
 use lantern::engine::SamplingParams;
 use lantern::gpu::{DeviceOptions, GpuContext};
-use lantern::model::llama::{GpuModel, ModelOptions, WeightPrecision};
-use lantern::model::load::load_path;
+use lantern::model::llama::{ModelOptions, WeightPrecision};
 use lantern::model::tokenizer::ChatMessage;
 
 // Subcommand modules live in src/bin/lantern/: every file directly in src/bin is a binary.
@@ -289,16 +288,12 @@ fn run(a: RunArgs) -> Result<()> {
     let model_path = lantern::fetch::resolve_model(a.model.as_deref(), true)?;
     let t0 = Instant::now();
     let pb = spinner(&format!("loading {}", model_path.display()), false);
-    let loaded = load_path(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
-    let tokenizer = loaded
-        .tokenizer
-        .with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
     pb.set_message("choosing adapter");
     let ctx = a.device.open()?;
     pb.set_message(format!("uploading weights to {}", ctx.info.name));
-    let mut model = pollster::block_on(GpuModel::load(
+    let (mut model, tokenizer) = pollster::block_on(lantern::model::load::load_to_gpu(
         ctx.clone(),
-        &loaded.weights,
+        &model_path,
         ModelOptions {
             context: a.context,
             weights: match a.weights {
@@ -311,10 +306,12 @@ fn run(a: RunArgs) -> Result<()> {
             prefix_cache: !a.no_prefix_cache,
             ..Default::default()
         },
-    ))?;
+        &mut |_, _| {},
+    ))
+    .with_context(|| format!("loading {}", model_path.display()))?;
+    let tokenizer = tokenizer.with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
     pb.finish_and_clear();
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
-    drop(loaded.weights);
 
     let prompt_text = if a.chat {
         let tmpl = tokenizer.chat_template().context("this model has no usable chat template")?;

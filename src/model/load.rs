@@ -44,3 +44,57 @@ pub fn load_path(path: &std::path::Path) -> Result<LoadedModel> {
     let tokenizer = Some(Tokenizer::from_gguf(&gguf)?);
     Ok(LoadedModel { weights, tokenizer })
 }
+
+/// Load a model straight onto the GPU: a GGUF is streamed, its header parsed from the first
+/// bytes and then one layer's tensors at a time read by offset, converted, uploaded and
+/// dropped ([`GpuModel::load_streamed`](crate::model::llama::GpuModel::load_streamed)), so
+/// host memory holds about one layer instead of a copy of every tensor; a Hugging
+/// Face folder is read whole ([`load_path`]) and uploaded. Returns the model and the
+/// tokenizer that came with it.
+#[cfg(not(target_arch = "wasm32"))]
+pub async fn load_to_gpu(
+    ctx: std::sync::Arc<crate::gpu::GpuContext>,
+    path: &std::path::Path,
+    options: crate::model::llama::ModelOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(crate::model::llama::GpuModel, Option<Tokenizer>)> {
+    use crate::model::gguf::{config_from_gguf, convert_tensor, packed_bytes, part_tensors, weights_part};
+    use crate::model::llama::GpuModel;
+    if path.is_dir() || !path.exists() {
+        let loaded = load_path(path)?;
+        let model = GpuModel::load_with_progress(ctx, &loaded.weights, options, progress).await?;
+        return Ok((model, loaded.tokenizer));
+    }
+    // The header from the file's first bytes (grown until it fits), then each tensor read
+    // by offset into a buffer that lives for its part only: no map, so host memory holds
+    // about one layer rather than the file.
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).map_err(|e| LanternError::io(path, e))?;
+    let file_len = file.metadata().map_err(|e| LanternError::io(path, e))?.len();
+    let name = path.display().to_string();
+    let mut n = 4u64 << 20;
+    let prefix = loop {
+        let mut prefix = vec![0u8; n.min(file_len) as usize];
+        file.seek(SeekFrom::Start(0)).and_then(|_| file.read_exact(&mut prefix)).map_err(|e| LanternError::io(path, e))?;
+        match crate::model::gguf::GgufFile::parse_prefix(&prefix, file_len, name.as_str()) {
+            Ok(_) => break prefix,
+            Err(crate::model::gguf::GgufError::Truncated { .. }) if n < file_len => n *= 4,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let gguf = crate::model::gguf::GgufFile::parse_prefix(&prefix, file_len, name.as_str())?;
+    let config = config_from_gguf(&gguf)?;
+    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    let mut fetch = async |layer: Option<usize>| -> Result<ModelWeights> {
+        let mut tensors = Vec::new();
+        for info in part_tensors(&gguf, layer) {
+            let (a, b) = gguf.tensor_range(info);
+            let mut raw = vec![0u8; (b - a) as usize];
+            file.seek(SeekFrom::Start(a)).and_then(|_| file.read_exact(&mut raw)).map_err(|e| LanternError::io(path, e))?;
+            tensors.extend(convert_tensor(&config, info, gguf.loadable_dtype(info)?, &raw, &name)?);
+        }
+        weights_part(&config, layer, tensors, &name)
+    };
+    let model = GpuModel::load_streamed(ctx, config.clone(), packed_bytes(&gguf), options, &mut fetch, progress).await?;
+    Ok((model, Some(tokenizer)))
+}

@@ -16,8 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lantern::engine::metrics::{RequestRecord, WorkloadSummary};
 use lantern::engine::sampler::Rng;
 use lantern::engine::{Engine, EngineOptions, Event, GenerateRequest, RequestHandle, SamplingParams};
-use lantern::model::llama::{GpuModel, ModelOptions};
-use lantern::model::load::load_path;
+use lantern::model::llama::ModelOptions;
 
 use super::{spinner, DeviceArgs, KvArg};
 
@@ -253,8 +252,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let levels: Vec<usize> = if a.sweep.is_empty() { vec![a.concurrency.max(1)] } else { a.sweep.iter().map(|&c| c.max(1)).collect() };
     let model_path = lantern::fetch::resolve_model(a.model.as_deref(), true)?;
     let pb = spinner(&format!("loading {}", model_path.display()), false);
-    let loaded = load_path(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
-    let tokenizer = Arc::new(loaded.tokenizer.with_context(|| format!("{} has no tokenizer", model_path.display()))?);
     let ctx = a.device.open()?;
     let (_, p1) = parse_len(&a.prompt_len, "--prompt-len")?;
     let (_, o1) = parse_len(&a.output_len, "--output-len")?;
@@ -262,14 +259,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let context = a.context.unwrap_or(longest.div_ceil(16) * 16);
     let max_seqs = a.max_seqs.unwrap_or_else(|| levels.iter().copied().max().unwrap_or(4).max(if a.rate.is_some() { 16 } else { 4 }));
     pb.set_message(format!("uploading weights to {}", ctx.info.name));
-    let mut model = pollster::block_on(GpuModel::load(
+    let (mut model, tokenizer) = pollster::block_on(lantern::model::load::load_to_gpu(
         ctx.clone(),
-        &loaded.weights,
+        &model_path,
         ModelOptions { context: Some(context), max_seqs, max_batch_tokens: a.step_tokens.max(1), kv_dtype: a.kv_dtype.dtype(), matvec_max_tokens: a.matvec_max_tokens, ..Default::default() },
-    ))?;
+        &mut |_, _| {},
+    ))
+    .with_context(|| format!("loading {}", model_path.display()))?;
+    let tokenizer = Arc::new(tokenizer.with_context(|| format!("{} has no tokenizer", model_path.display()))?);
     pb.finish_and_clear();
     let vocab = model.config.vocab_size;
-    drop(loaded.weights);
     let mode = match a.rate {
         Some(r) => format!("Poisson arrivals at {r} req/s"),
         None => "closed loop".to_string(),

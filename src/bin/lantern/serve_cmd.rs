@@ -36,8 +36,7 @@ use lantern::engine::{
     SamplingParams,
 };
 use lantern::kv::KvError;
-use lantern::model::llama::{GpuModel, ModelOptions};
-use lantern::model::load::load_path;
+use lantern::model::llama::ModelOptions;
 use lantern::model::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 use lantern::LanternError;
 
@@ -108,15 +107,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
         anyhow::bail!("--max-seqs must be at least 1");
     }
     let pb = spinner(&format!("loading {}", model_path.display()), false);
-    let loaded = load_path(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
-    let tokenizer =
-        loaded.tokenizer.with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
     pb.set_message("choosing adapter");
     let ctx = a.device.open()?;
     pb.set_message(format!("uploading weights to {}", ctx.info.name));
-    let model = pollster::block_on(GpuModel::load(
+    let (model, tokenizer) = pollster::block_on(lantern::model::load::load_to_gpu(
         ctx.clone(),
-        &loaded.weights,
+        &model_path,
         ModelOptions {
             context: a.context,
             max_seqs: a.max_seqs,
@@ -127,9 +123,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
             batch_invariant: a.batch_invariant,
             ..Default::default()
         },
-    ))?;
+        &mut |_, _| {},
+    ))
+    .with_context(|| format!("loading {}", model_path.display()))?;
+    let tokenizer = tokenizer.with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
     pb.finish_and_clear();
-    drop(loaded.weights);
 
     let stem = model_path
         .file_stem()
