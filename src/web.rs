@@ -198,7 +198,7 @@ impl Lantern {
                 let (a, b) = gguf.tensor_range(info);
                 let raw = read_range(&blob, a, b).await.map_err(|e| crate::LanternError::Read { source_name: name.clone(), reason: e })?;
                 let dtype = gguf.loadable_dtype(info).map_err(crate::LanternError::from)?;
-                tensors.extend(convert_tensor(&config, info, dtype, &raw, &name)?);
+                tensors.extend(convert_tensor(&config, info, dtype, raw, &name)?);
             }
             weights_part(&config, layer, tensors, &name)
         };
@@ -317,6 +317,8 @@ impl Lantern {
             "memory": model.memory(),
             "weightBytes": model.weight_bytes(),
             "kvCacheBytes": model.kv.bytes(),
+            // The wasm heap as it stands (it grows to the load's peak and never shrinks).
+            "wasmMemoryBytes": wasm_bindgen::memory().unchecked_into::<js_sys::WebAssembly::Memory>().buffer().unchecked_into::<js_sys::ArrayBuffer>().byte_length(),
         });
         to_js(&v)
     }

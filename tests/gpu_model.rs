@@ -155,7 +155,7 @@ fn streamed_gguf_load_equals_the_whole_file_load() {
             let mut ts = Vec::new();
             for info in part_tensors(&g, layer) {
                 let (a, b) = g.tensor_range(info);
-                if let Some(t) = convert_tensor(&config, info, g.loadable_dtype(info)?, &bytes[a as usize..b as usize], &name)? {
+                if let Some(t) = convert_tensor(&config, info, g.loadable_dtype(info)?, bytes[a as usize..b as usize].to_vec(), &name)? {
                     ts.push(t);
                 }
             }

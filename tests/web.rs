@@ -161,5 +161,11 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
     assert_eq!(results[5]["stop"], true);
     assert_eq!(results[6]["source"], "cache", "the reload read the model from Cache Storage");
     assert_eq!(results[6]["model"], qwen_file);
+    // Streamed: the wasm heap never held the file (the whole-file load needed more than twice
+    // its size there). The renderer's and GPU process's peaks are logged for the report.
+    let file_mb = std::fs::metadata(&qwen).unwrap().len() as f64 / 1e6;
+    let wasm_mb = results[3]["wasmMb"].as_f64().expect("the page reports its wasm heap");
+    eprintln!("{qwen_file}: wasm heap {wasm_mb} MB for a {file_mb:.0} MB file; peak resident MB {}", results[3]["peakMb"]);
+    assert!(wasm_mb < file_mb, "wasm heap {wasm_mb} MB after loading a {file_mb:.0} MB file: was it streamed?");
     assert!(root.join("target/test-artifacts/web-demo.png").is_file());
 }

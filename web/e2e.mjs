@@ -55,7 +55,8 @@ function processMemory(profile) {
   }
   const by = {};
   for (const p of procs.filter((p) => ours.has(p.pid))) {
-    const t = (p.cmd.find((a) => a.startsWith('--type=')) || '--type=browser').slice(7);
+    // Chromium's children rewrite their command line into one space-separated string.
+    const t = (p.cmd.join(' ').match(/--type=(\S+)/) || [null, 'browser'])[1];
     by[t] = Math.max(by[t] || 0, p.rss);
   }
   return by;
@@ -101,6 +102,7 @@ try {
     const r = await page.evaluate(() => ({
       ids: JSON.parse(document.body.dataset.outputIds),
       loadMs: Number(document.body.dataset.loadMs),
+      wasmMb: Math.round(Number(document.body.dataset.wasmBytes) / 1e6),
       source: document.body.dataset.source,
       text: document.getElementById('output').textContent,
       metrics: document.getElementById('metrics').textContent,
@@ -113,7 +115,7 @@ try {
     const ok = JSON.stringify(r.ids) === JSON.stringify(c.expect);
     failed ||= !ok;
     results.push({ model: c.model, ok, ...r, expect: c.expect });
-    log(`${c.model}: ${ok ? 'same tokens as native' : 'MISMATCH'} (${r.source}); loaded in ${(r.loadMs / 1000).toFixed(1)} s, peak resident MB while loading ${JSON.stringify(r.peakMb)}; ${r.metrics}; ${r.adapter}`);
+    log(`${c.model}: ${ok ? 'same tokens as native' : 'MISMATCH'} (${r.source}); loaded in ${(r.loadMs / 1000).toFixed(1)} s, wasm heap ${r.wasmMb} MB, peak resident MB while loading ${JSON.stringify(r.peakMb)}; ${r.metrics}; ${r.adapter}`);
   }
   // A file that is not a model: a sentence in the error box, and the page still works.
   {
@@ -148,7 +150,7 @@ try {
   const cached = again.source === 'cache' && JSON.stringify(again.ids) === JSON.stringify(last.expect);
   failed ||= !cached;
   results.push({ model: last.model, reload: true, ok: cached, ...again, expect: last.expect });
-  log(`reload of ${last.model}: source ${again.source}${cached ? '' : ' (expected cache)'}, loaded in ${(again.loadMs / 1000).toFixed(1)} s, peak resident MB ${JSON.stringify(again.peakMb)}`);
+  log(`reload of ${last.model}: source ${again.source}${cached ? '' : ' (expected cache)'}, loaded in ${(again.loadMs / 1000).toFixed(1)} s, wasm heap ${again.wasmMb} MB, peak resident MB ${JSON.stringify(again.peakMb)}`);
   // Chat: two turns with the model's template; the transcript keeps both.
   {
     await page.check('#chat');

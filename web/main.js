@@ -96,6 +96,7 @@ worker.onmessage = ({ data }) => {
       document.body.dataset.state = 'loaded';
       document.body.dataset.source = data.plan.source;
       document.body.dataset.loadMs = String(Math.round(performance.now() - loadStarted));
+      document.body.dataset.wasmBytes = String(data.plan.wasmMemoryBytes);
       break;
     case 'text':
       $('output').textContent += data.piece;

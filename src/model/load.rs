@@ -91,7 +91,7 @@ pub async fn load_to_gpu(
             let (a, b) = gguf.tensor_range(info);
             let mut raw = vec![0u8; (b - a) as usize];
             file.seek(SeekFrom::Start(a)).and_then(|_| file.read_exact(&mut raw)).map_err(|e| LanternError::io(path, e))?;
-            tensors.extend(convert_tensor(&config, info, gguf.loadable_dtype(info)?, &raw, &name)?);
+            tensors.extend(convert_tensor(&config, info, gguf.loadable_dtype(info)?, raw, &name)?);
         }
         weights_part(&config, layer, tensors, &name)
     };

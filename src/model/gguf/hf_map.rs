@@ -384,7 +384,7 @@ pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWe
     let config = config_from_gguf(gguf)?;
     let mut tensors = HashMap::with_capacity(gguf.tensors().len());
     for info in gguf.tensors() {
-        if let Some(t) = convert_tensor(&config, info, gguf.loadable_dtype(info)?, gguf.tensor_data(info)?, file_name)? {
+        if let Some(t) = convert_tensor(&config, info, gguf.loadable_dtype(info)?, gguf.tensor_data(info)?.to_vec(), file_name)? {
             tensors.insert(t.name.clone(), t);
         }
     }
@@ -422,7 +422,10 @@ pub fn packed_bytes(gguf: &GgufFile<'_>) -> u64 {
 /// One GGUF tensor as Lantern holds it: its Hugging Face name, file dtype, and bytes (with
 /// llama.cpp's Q/K row permutation undone for llama/mistral), from its raw bytes `raw`;
 /// `None` for tensors with no counterpart (RoPE factor tensors are read into the config).
-pub fn convert_tensor(config: &ModelConfig, info: &GgufTensorInfo, dtype: DType, raw: &[u8], file_name: &str) -> Result<Option<HostTensor>, LanternError> {
+///
+/// `raw` is taken by value: a streamed load hands over the buffer it read, and no second copy
+/// of the tensor is made unless its rows are un-permuted.
+pub fn convert_tensor(config: &ModelConfig, info: &GgufTensorInfo, dtype: DType, raw: Vec<u8>, file_name: &str) -> Result<Option<HostTensor>, LanternError> {
     let Some(hf) = hf_tensor_name(&info.name, config.arch) else {
         if !matches!(info.name.as_str(), "rope_freqs.weight" | "rope_factors_long.weight" | "rope_factors_short.weight") {
             log::warn!("{file_name}: ignoring tensor `{}` (no Hugging Face counterpart)", info.name);
@@ -453,12 +456,12 @@ pub fn convert_tensor(config: &ModelConfig, info: &GgufTensorInfo, dtype: DType,
                 }
                 .into());
             }
-            unpermute_qk_rows(raw, rows, n_head).ok_or_else(|| LoadError::Invalid {
+            unpermute_qk_rows(&raw, rows, n_head).ok_or_else(|| LoadError::Invalid {
                 file: file_name.to_string(),
                 reason: format!("tensor `{}` cannot be split into {rows} rows of {n_head} heads", info.name),
             })?
         }
-        _ => raw.to_vec(),
+        _ => raw,
     };
     Ok(Some(HostTensor { name: hf, shape, dtype, data }))
 }
