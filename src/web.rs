@@ -32,7 +32,6 @@ use wasm_bindgen_futures::JsFuture;
 use crate::engine::generate::generate;
 use crate::engine::{GenerateRequest, SamplingParams};
 use crate::gpu::{DeviceOptions, GpuContext};
-use crate::model::gguf::GgufFile;
 use crate::model::llama::{GpuModel, ModelOptions, WeightPrecision};
 use crate::model::tokenizer::{ChatMessage, Tokenizer};
 
@@ -157,7 +156,6 @@ impl Lantern {
     /// The streamed load: header from the first bytes (grown until it holds the metadata),
     /// then one layer's tensors at a time read from `blob` by byte range.
     async fn load_blob(blob: web_sys::Blob, name: String, source: String, options: JsValue, progress: Option<Function>) -> Result<Lantern, JsError> {
-        use crate::model::gguf::{config_from_gguf, convert_tensor, packed_bytes, part_tensors, weights_part, GgufError};
         let opts: LoadOptions = if options.is_undefined() || options.is_null() {
             LoadOptions::default()
         } else {
@@ -165,19 +163,6 @@ impl Lantern {
         };
         let total = blob.size() as u64;
         let file_bytes = total;
-        let bad = |e: &dyn std::fmt::Display| JsError::new(&format!("{name} is not a usable GGUF model: {e}"));
-        let mut n = 4u64 << 20;
-        let prefix = loop {
-            let prefix = read_range(&blob, 0, n.min(total)).await.map_err(|e| JsError::new(&format!("reading {name}: {e}")))?;
-            match GgufFile::parse_prefix(&prefix, total, name.clone()) {
-                Ok(_) => break prefix,
-                Err(GgufError::Truncated { .. }) if n < total => n *= 4,
-                Err(e) => return Err(bad(&e)),
-            }
-        };
-        let gguf = GgufFile::parse_prefix(&prefix, total, name.clone()).map_err(|e| bad(&e))?;
-        let config = config_from_gguf(&gguf).map_err(|e| bad(&e))?;
-        let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|e| JsError::new(&format!("{name}: no usable tokenizer: {e}")))?;
         let ctx = GpuContext::new(&DeviceOptions { backend: Some("webgpu".into()), ..Default::default() }).await.map_err(js_err)?;
         let kv_dtype = match opts.kv_dtype.as_deref() {
             None | Some("f32") => crate::kv::plan::KvDtype::F32,
@@ -192,21 +177,20 @@ impl Lantern {
             Some(o) => return Err(JsError::new(&format!("weights must be native, f32 or f16, not {o}"))),
         };
         let options = ModelOptions { context: opts.context, max_seqs: 1, kv_dtype, weights: precision, memory_budget: opts.memory_budget, ..Default::default() };
-        let mut fetch = async |layer: Option<usize>| -> crate::Result<crate::model::ModelWeights> {
-            let mut tensors = Vec::new();
-            for info in part_tensors(&gguf, layer) {
-                let (a, b) = gguf.tensor_range(info);
-                let raw = read_range(&blob, a, b).await.map_err(|e| crate::LanternError::Read { source_name: name.clone(), reason: e })?;
-                let dtype = gguf.loadable_dtype(info).map_err(crate::LanternError::from)?;
-                tensors.extend(convert_tensor(&config, info, dtype, raw, &name)?);
-            }
-            weights_part(&config, layer, tensors, &name)
+        let mut read = async |start: u64, end: u64| -> crate::Result<Vec<u8>> {
+            read_range(&blob, start, end).await.map_err(|e| crate::LanternError::Read { source_name: name.clone(), reason: e })
         };
-        let model = GpuModel::load_streamed(ctx.clone(), config.clone(), packed_bytes(&gguf), options, &mut fetch, &mut |done, total| {
+        let (model, tokenizer) = crate::model::load::load_gguf_streamed(ctx.clone(), &name, total, options, &mut read, &mut |done, total| {
             report(&progress, "upload", done as f64, total as f64)
         })
         .await
-        .map_err(js_err)?;
+        .map_err(|e| match e {
+            crate::LanternError::Gguf(_) | crate::LanternError::Config { .. } | crate::LanternError::UnsupportedArchitecture { .. } | crate::LanternError::Load(_) => {
+                JsError::new(&format!("{name} is not a usable GGUF model: {e}"))
+            }
+            crate::LanternError::Tokenizer(_) => JsError::new(&format!("{name}: no usable tokenizer: {e}")),
+            other => js_err(other),
+        })?;
         Ok(Lantern { model: RefCell::new(Some(model)), tokenizer: Arc::new(tokenizer), ctx, cancel: Rc::new(Cell::new(false)), name, file_bytes, source })
     }
 

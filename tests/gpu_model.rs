@@ -127,42 +127,33 @@ fn tensors_split_across_small_bindings_give_the_same_logits() {
     assert_close("llama-gqa split", &got, &want, w.config.vocab_size, TOL);
 }
 
-/// The streamed load (the browser's: the GGUF header from the file's first bytes, then one
-/// layer's tensors at a time read by byte range, each uploaded and dropped) gives the same
-/// logits, bit for bit, as loading the whole file, on SmolLM2 and on llama.cpp's Phi-3 GGUF
-/// (whose fused tensors are split per part).
+/// The streamed load (`load_gguf_streamed`, what `lantern run` and the browser use: the GGUF
+/// header from the file's first bytes, then one layer's tensors at a time read by byte range,
+/// each uploaded and dropped) gives the same logits, bit for bit, as loading the whole file,
+/// on SmolLM2 and on llama.cpp's Phi-3 GGUF (whose fused tensors are split per part).
 #[test]
 fn streamed_gguf_load_equals_the_whole_file_load() {
-    use lantern::model::gguf::{config_from_gguf, convert_tensor, packed_bytes, part_tensors, weights_part, GgufError, GgufFile};
     let phi3 = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-archs/phi3/model.gguf");
     for path in [common::smollm2_gguf(), phi3] {
         let bytes = std::fs::read(&path).unwrap();
         let name = path.display().to_string();
-        // The header from a prefix, grown until it holds the metadata and tensor infos.
-        let mut n = 4096usize;
-        let g = loop {
-            match GgufFile::parse_prefix(&bytes[..n.min(bytes.len())], bytes.len() as u64, name.as_str()) {
-                Ok(g) => break g,
-                Err(GgufError::Truncated { .. }) if n < bytes.len() => n *= 4,
-                Err(e) => panic!("{e}"),
-            }
-        };
-        let config = config_from_gguf(&g).unwrap();
         let opts = ModelOptions { context: Some(64), ..Default::default() };
-        let mut parts_read = 0;
-        let mut fetch = async |layer: Option<usize>| {
-            parts_read += 1;
-            let mut ts = Vec::new();
-            for info in part_tensors(&g, layer) {
-                let (a, b) = g.tensor_range(info);
-                if let Some(t) = convert_tensor(&config, info, g.loadable_dtype(info)?, bytes[a as usize..b as usize].to_vec(), &name)? {
-                    ts.push(t);
-                }
-            }
-            weights_part(&config, layer, ts, &name)
+        // The header from a prefix grown until it holds the metadata (4 MiB first; SmolLM2's
+        // is smaller, the reads below count what was asked), then part by part.
+        let mut reads = Vec::new();
+        let mut read = async |a: u64, b: u64| {
+            reads.push((a, b));
+            Ok(bytes[a as usize..b as usize].to_vec())
         };
-        let mut streamed = pollster::block_on(GpuModel::load_streamed(common::gpu(), config.clone(), packed_bytes(&g), opts.clone(), &mut fetch, &mut |_, _| {})).unwrap();
-        assert_eq!(parts_read, config.num_layers + 1);
+        let (mut streamed, _) =
+            pollster::block_on(lantern::model::load::load_gguf_streamed(common::gpu(), &name, bytes.len() as u64, opts.clone(), &mut read, &mut |_, _| {})).unwrap();
+        if bytes.len() > 4 << 20 {
+            assert!(!reads.contains(&(0, bytes.len() as u64)), "{name}: a streamed load never reads the whole file at once");
+        }
+        assert!(reads.len() > streamed.config.num_layers, "{name}: {} reads", reads.len());
+        // A prefix too short for the header asks for more (the loader's cue to read further).
+        let short = lantern::model::gguf::GgufFile::parse_prefix(&bytes[..4096], bytes.len() as u64, name.as_str());
+        assert!(matches!(short, Err(lantern::model::gguf::GgufError::Truncated { .. })), "{name}");
         let whole = lantern::model::load::load_path(&path).unwrap();
         let mut m = pollster::block_on(GpuModel::load(common::gpu(), &whole.weights, opts)).unwrap();
         let ids = [1u32, 5, 9, 2, 7, 3];

@@ -125,13 +125,22 @@ impl BlockSpec {
             // transformers: `torch.tensor(hidden ** 0.5, dtype=float32)`.
             embedding_scale: Some((hidden as f64).sqrt() as f32),
             attention_scale: Some((1.0 / query_pre_attn_scalar.sqrt()) as f32),
-            layer_attention: (0..num_layers)
-                .map(|i| if (i + 1) % 6 == 0 { LayerAttention::Full } else { LayerAttention::Sliding })
-                .collect(),
+            layer_attention: Self::pattern(num_layers, 6),
             sliding_window: Some(window),
             rope_local_theta: Some(local_theta),
             hf_norm_offset: 1.0,
         }
+    }
+
+    /// Layer kinds for `every`-layer patterns: layer i is global iff (i + 1) % every == 0.
+    pub fn pattern(num_layers: usize, every: usize) -> Vec<LayerAttention> {
+        (0..num_layers).map(|i| if (i + 1) % every.max(1) == 0 { LayerAttention::Full } else { LayerAttention::Sliding }).collect()
+    }
+
+    /// The Llama block with every one of `num_layers` layers behind a `window`-key window
+    /// (Mistral 7B v0.1, Phi-3-mini), on the global RoPE.
+    pub fn uniform_window(self, num_layers: usize, window: usize) -> Self {
+        BlockSpec { sliding_window: Some(window), layer_attention: vec![LayerAttention::Sliding; num_layers], ..self }
     }
 
     /// Whether a tensor is a norm weight (what [`BlockSpec::hf_norm_offset`] applies to).
@@ -791,8 +800,7 @@ mod hf_json {
             _ => super::BlockSpec::default(),
         };
         if let Some(w) = uniform_window {
-            block.sliding_window = Some(w);
-            block.layer_attention = vec![super::LayerAttention::Sliding; num_layers];
+            block = block.uniform_window(num_layers, w);
         }
         let rope_scaling = match rope_scaling {
             Some(RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings: orig, attention_factor }) => {
@@ -906,9 +914,7 @@ mod hf_json {
                     if n == 0 {
                         return Err(cfg_err(file, "sliding_window_pattern", "must be positive, got 0"));
                     }
-                    block.layer_attention = (0..num_layers)
-                        .map(|i| if (i + 1) % n == 0 { super::LayerAttention::Full } else { super::LayerAttention::Sliding })
-                        .collect();
+                    block.layer_attention = super::BlockSpec::pattern(num_layers, n);
                 }
             }
         }

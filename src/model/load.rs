@@ -2,8 +2,9 @@
 
 use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelWeights;
+use crate::Result;
 #[cfg(not(target_arch = "wasm32"))]
-use crate::{LanternError, Result};
+use crate::LanternError;
 
 /// Weights plus the tokenizer that came with them (if the source has one).
 pub struct LoadedModel {
@@ -58,43 +59,61 @@ pub async fn load_to_gpu(
     options: crate::model::llama::ModelOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(crate::model::llama::GpuModel, Option<Tokenizer>)> {
-    use crate::model::gguf::{config_from_gguf, convert_tensor, packed_bytes, part_tensors, weights_part};
     use crate::model::llama::GpuModel;
     if path.is_dir() || !path.exists() {
         let loaded = load_path(path)?;
         let model = GpuModel::load_with_progress(ctx, &loaded.weights, options, progress).await?;
         return Ok((model, loaded.tokenizer));
     }
-    // The header from the file's first bytes (grown until it fits), then each tensor read
-    // by offset into a buffer that lives for its part only: no map, so host memory holds
-    // about one layer rather than the file.
+    // Each tensor read by offset into a buffer that lives for its part only: no map, so host
+    // memory holds about one layer rather than the file.
     use std::io::{Read, Seek, SeekFrom};
     let mut file = std::fs::File::open(path).map_err(|e| LanternError::io(path, e))?;
     let file_len = file.metadata().map_err(|e| LanternError::io(path, e))?.len();
-    let name = path.display().to_string();
+    let mut read = async |start: u64, end: u64| -> Result<Vec<u8>> {
+        let mut raw = vec![0u8; (end - start) as usize];
+        file.seek(SeekFrom::Start(start)).and_then(|_| file.read_exact(&mut raw)).map_err(|e| LanternError::io(path, e))?;
+        Ok(raw)
+    };
+    let (model, tokenizer) = load_gguf_streamed(ctx, &path.display().to_string(), file_len, options, &mut read, progress).await?;
+    Ok((model, Some(tokenizer)))
+}
+
+/// Stream a GGUF of `file_len` bytes onto the GPU through `read(start, end)` (its bytes in
+/// that range): the header from the first 4 MiB (more, four times at a time, until it fits),
+/// then one layer's tensors at a time, converted, unfused, checked, uploaded and dropped
+/// ([`GpuModel::load_streamed`](crate::model::llama::GpuModel::load_streamed)). Native files
+/// ([`load_to_gpu`]) and browser `Blob`s (`web.rs`) both load this way.
+pub async fn load_gguf_streamed(
+    ctx: std::sync::Arc<crate::gpu::GpuContext>,
+    name: &str,
+    file_len: u64,
+    options: crate::model::llama::ModelOptions,
+    read: &mut impl AsyncFnMut(u64, u64) -> Result<Vec<u8>>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(crate::model::llama::GpuModel, Tokenizer)> {
+    use crate::model::gguf::{config_from_gguf, convert_tensor, packed_bytes, part_tensors, weights_part, GgufError, GgufFile};
     let mut n = 4u64 << 20;
     let prefix = loop {
-        let mut prefix = vec![0u8; n.min(file_len) as usize];
-        file.seek(SeekFrom::Start(0)).and_then(|_| file.read_exact(&mut prefix)).map_err(|e| LanternError::io(path, e))?;
-        match crate::model::gguf::GgufFile::parse_prefix(&prefix, file_len, name.as_str()) {
+        let prefix = read(0, n.min(file_len)).await?;
+        match GgufFile::parse_prefix(&prefix, file_len, name) {
             Ok(_) => break prefix,
-            Err(crate::model::gguf::GgufError::Truncated { .. }) if n < file_len => n *= 4,
+            Err(GgufError::Truncated { .. }) if n < file_len => n *= 4,
             Err(e) => return Err(e.into()),
         }
     };
-    let gguf = crate::model::gguf::GgufFile::parse_prefix(&prefix, file_len, name.as_str())?;
+    let gguf = GgufFile::parse_prefix(&prefix, file_len, name)?;
     let config = config_from_gguf(&gguf)?;
     let tokenizer = Tokenizer::from_gguf(&gguf)?;
     let mut fetch = async |layer: Option<usize>| -> Result<ModelWeights> {
         let mut tensors = Vec::new();
         for info in part_tensors(&gguf, layer) {
             let (a, b) = gguf.tensor_range(info);
-            let mut raw = vec![0u8; (b - a) as usize];
-            file.seek(SeekFrom::Start(a)).and_then(|_| file.read_exact(&mut raw)).map_err(|e| LanternError::io(path, e))?;
-            tensors.extend(convert_tensor(&config, info, gguf.loadable_dtype(info)?, raw, &name)?);
+            let raw = read(a, b).await?;
+            tensors.extend(convert_tensor(&config, info, gguf.loadable_dtype(info)?, raw, name)?);
         }
-        weights_part(&config, layer, tensors, &name)
+        weights_part(&config, layer, tensors, name)
     };
-    let model = GpuModel::load_streamed(ctx, config.clone(), packed_bytes(&gguf), options, &mut fetch, progress).await?;
-    Ok((model, Some(tokenizer)))
+    let model = crate::model::llama::GpuModel::load_streamed(ctx, config.clone(), packed_bytes(&gguf), options, &mut fetch, progress).await?;
+    Ok((model, tokenizer))
 }

@@ -94,6 +94,25 @@ pub struct LayerNorms {
     pub mlp_out: Option<String>,
 }
 
+/// Every `(name, shape)` of `expected` is in `tensors` with exactly that shape; the first
+/// that is not is a [`LoadError::MissingTensor`] or [`LoadError::WrongShape`] naming `file`.
+pub fn check_expected(
+    tensors: &std::collections::HashMap<String, super::HostTensor>,
+    expected: Vec<(String, Vec<usize>)>,
+    file: &str,
+) -> Result<(), LanternError> {
+    for (name, shape) in expected {
+        match tensors.get(&name) {
+            None => return Err(LoadError::MissingTensor { file: file.to_string(), tensor: name }.into()),
+            Some(t) if t.shape != shape => {
+                return Err(LoadError::WrongShape { file: file.to_string(), tensor: name, got: t.shape.clone(), expected: shape }.into())
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
 /// True for a bias tensor the runtime would not apply under this config.
 fn is_unexpected_bias(c: &ModelConfig, name: &str) -> bool {
     if !name.starts_with("model.layers.") || !name.ends_with(".bias") {
@@ -115,24 +134,7 @@ fn is_unexpected_bias(c: &ModelConfig, name: &str) -> bool {
 pub fn validate(weights: &ModelWeights) -> Result<(), LanternError> {
     let c = &weights.config;
     let file = || weights.source.clone();
-    for (name, shape) in expected_tensors(c) {
-        let t = weights
-            .tensors
-            .get(&name)
-            .ok_or_else(|| LoadError::MissingTensor {
-                file: file(),
-                tensor: name.clone(),
-            })?;
-        if t.shape != shape {
-            return Err(LoadError::WrongShape {
-                file: file(),
-                tensor: name,
-                got: t.shape.clone(),
-                expected: shape,
-            }
-            .into());
-        }
-    }
+    check_expected(&weights.tensors, expected_tensors(c), &weights.source)?;
     let mut names: Vec<&String> = weights.tensors.keys().collect();
     names.sort();
     for name in names {

@@ -214,12 +214,10 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         Arch::Qwen3 => BlockSpec { qk_norm: true, ..Default::default() },
         Arch::Phi3 | Arch::Mistral => {
             // One window on every layer (0 or absent: none).
-            let mut b = BlockSpec::default();
-            if let Some(w) = g.get_u32_opt(&k("attention.sliding_window"))?.filter(|&w| w > 0 && (w as usize) < max_position_embeddings) {
-                b.sliding_window = Some(w as usize);
-                b.layer_attention = vec![crate::model::LayerAttention::Sliding; num_layers];
+            match g.get_u32_opt(&k("attention.sliding_window"))?.filter(|&w| w > 0 && (w as usize) < max_position_embeddings) {
+                Some(w) => BlockSpec::default().uniform_window(num_layers, w as usize),
+                None => BlockSpec::default(),
             }
-            b
         }
         _ => BlockSpec::default(),
     };
@@ -475,28 +473,16 @@ pub fn weights_part(config: &ModelConfig, layer: Option<usize>, tensors: Vec<Hos
         Some(l) => crate::model::validate::expected_layer_tensors(config, l),
         None => crate::model::validate::expected_global_tensors(config),
     };
-    check_expected(&w.tensors, expected, file_name)?;
+    crate::model::validate::check_expected(&w.tensors, expected, file_name)?;
     Ok(w)
 }
 
-fn check_expected(tensors: &HashMap<String, HostTensor>, expected: Vec<(String, Vec<usize>)>, file: &str) -> Result<(), LanternError> {
-    for (name, shape) in expected {
-        match tensors.get(&name) {
-            None => return Err(LoadError::MissingTensor { file: file.to_string(), tensor: name }.into()),
-            Some(t) if t.shape != shape => {
-                return Err(LoadError::WrongShape { file: file.to_string(), tensor: name, got: t.shape.clone(), expected: shape }.into())
-            }
-            Some(_) => {}
-        }
-    }
-    Ok(())
-}
 
 /// Every tensor the forward pass needs is present with the shape the config implies
 /// ([`crate::model::validate::expected_layer_tensors`]). Checked layer by layer, so a
 /// corrupt `block_count` fails at the first missing layer instead of building a huge list.
 fn check_tensor_set(c: &ModelConfig, tensors: &HashMap<String, HostTensor>, file: &str) -> Result<(), LanternError> {
-    use crate::model::validate::{expected_global_tensors, expected_layer_tensors};
+    use crate::model::validate::{check_expected, expected_global_tensors, expected_layer_tensors};
     check_expected(tensors, expected_global_tensors(c), file)?;
     for l in 0..c.num_layers {
         check_expected(tensors, expected_layer_tensors(c, l), file)?;
