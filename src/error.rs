@@ -68,6 +68,9 @@ pub enum LanternError {
     /// AWQ calibration could not run.
     #[error("AWQ calibration: {0}")]
     Calibration(String),
+    /// A draft model that cannot draft for the target (another vocabulary or tokenizer).
+    #[error("the draft model {draft} cannot draft for {target}: {reason}")]
+    DraftMismatch { target: String, draft: String, reason: String },
     /// Reading model bytes from a source that is not a file (a browser `Blob`).
     #[error("reading {source_name}: {reason}")]
     Read { source_name: String, reason: String },

@@ -240,6 +240,7 @@ impl Lantern {
             sampling: SamplingParams { temperature: o.temperature, top_k: o.top_k, top_p: o.top_p, seed: o.seed },
             stop_ids,
             stop_strings: vec![],
+            speculation: Default::default(),
         };
         let cancel = self.cancel.clone();
         let g = generate(model, tok, &req, |piece| {

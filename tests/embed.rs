@@ -39,7 +39,7 @@ fn host_device() -> (wgpu::Device, wgpu::Queue) {
 }
 
 fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
-    GenerateRequest { prompt_ids: prompt, max_tokens: n, sampling: SamplingParams::default(), stop_ids: vec![], stop_strings: vec![] }
+    GenerateRequest { prompt_ids: prompt, max_tokens: n, sampling: SamplingParams::default(), stop_ids: vec![], stop_strings: vec![], speculation: Default::default() }
 }
 
 fn opts() -> ModelOptions {

@@ -70,6 +70,7 @@ fn requests(seed: u64, n: usize) -> Vec<GenerateRequest> {
                 sampling,
                 stop_ids: vec![],
                 stop_strings: vec![],
+                speculation: Default::default(),
             }
         })
         .collect()
@@ -161,6 +162,7 @@ fn cancelled_and_dropped_requests_free_their_pages() {
         sampling: SamplingParams::default(),
         stop_ids: vec![],
         stop_strings: vec![],
+        speculation: Default::default(),
     };
     let mut a = e.submit(long.clone()).unwrap();
     let b = e.submit(long.clone()).unwrap();
@@ -188,6 +190,7 @@ fn impossible_requests_are_refused_at_submit() {
         sampling: SamplingParams::default(),
         stop_ids: vec![],
         stop_strings: vec![],
+        speculation: Default::default(),
     };
     assert!(matches!(e.submit(req(0, 4)), Err(lantern::LanternError::InvalidRequest(_))), "empty prompt");
     assert!(matches!(e.submit(req(64, 4)), Err(lantern::LanternError::PromptTooLong { .. })));

@@ -97,7 +97,7 @@ fn native_ids(model: &Path, prompt: &str, max_tokens: usize) -> Vec<u32> {
     let tok = loaded.tokenizer.unwrap();
     let mut m = pollster::block_on(GpuModel::load(common::gpu(), &loaded.weights, ModelOptions { max_seqs: 1, ..Default::default() })).unwrap();
     let stop_ids = lantern::engine::generate::default_stop_ids(&m.config.eos_token_ids, &tok);
-    let req = GenerateRequest { prompt_ids: tok.encode(prompt).unwrap(), max_tokens, sampling: SamplingParams::default(), stop_ids, stop_strings: vec![] };
+    let req = GenerateRequest { prompt_ids: tok.encode(prompt).unwrap(), max_tokens, sampling: SamplingParams::default(), stop_ids, stop_strings: vec![], speculation: Default::default() };
     pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap().output_ids
 }
 

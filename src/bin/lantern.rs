@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use lantern::engine::generate::{generate, GenerateRequest};
+use lantern::engine::generate::{generate_with, GenerateRequest};
 use lantern::engine::SamplingParams;
 use lantern::gpu::{DeviceOptions, GpuContext};
 use lantern::model::llama::{ModelOptions, WeightPrecision};
@@ -27,6 +27,10 @@ mod plan_cmd;
 mod bench_cmd;
 #[path = "lantern/serve_cmd.rs"]
 mod serve_cmd;
+#[path = "lantern/spec_args.rs"]
+mod spec_args;
+#[path = "lantern/spec_bench.rs"]
+mod spec_bench;
 
 #[derive(Parser)]
 #[command(name = "lantern", version, about = "Portable LLM inference on WebGPU (wgpu)")]
@@ -181,6 +185,8 @@ struct RunArgs {
     #[arg(long)]
     json: bool,
     #[command(flatten)]
+    spec: spec_args::SpecArgs,
+    #[command(flatten)]
     device: DeviceArgs,
 }
 
@@ -291,10 +297,7 @@ fn run(a: RunArgs) -> Result<()> {
     pb.set_message("choosing adapter");
     let ctx = a.device.open()?;
     pb.set_message(format!("uploading weights to {}", ctx.info.name));
-    let (mut model, tokenizer) = pollster::block_on(lantern::model::load::load_to_gpu(
-        ctx.clone(),
-        &model_path,
-        ModelOptions {
+    let model_options = ModelOptions {
             context: a.context,
             weights: match a.weights {
                 Weights::Native => WeightPrecision::Native,
@@ -305,11 +308,15 @@ fn run(a: RunArgs) -> Result<()> {
             memory_budget: a.memory_budget.as_deref().map(plan_cmd::parse_bytes).transpose()?,
             prefix_cache: !a.no_prefix_cache,
             ..Default::default()
-        },
-        &mut |_, _| {},
-    ))
-    .with_context(|| format!("loading {}", model_path.display()))?;
+        };
+    let (mut model, tokenizer) =
+        pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &model_path, model_options.clone(), &mut |_, _| {}))
+            .with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = tokenizer.with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
+    if a.spec.draft.is_some() {
+        pb.set_message("loading the draft model");
+    }
+    let mut draft = pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &model, &tokenizer, model_options))?;
     pb.finish_and_clear();
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
 
@@ -341,10 +348,11 @@ fn run(a: RunArgs) -> Result<()> {
         },
         stop_ids,
         stop_strings: a.stop.clone(),
+        speculation: a.spec.speculation(),
     };
     let json = a.json;
     let stdout = std::io::stdout();
-    let gen = pollster::block_on(generate(&mut model, &tokenizer, &req, |piece| {
+    let gen = pollster::block_on(generate_with(&mut model, draft.as_mut(), &tokenizer, &req, |piece| {
         if !json {
             let mut out = stdout.lock();
             let _ = out.write_all(piece.as_bytes());
@@ -370,6 +378,7 @@ fn run(a: RunArgs) -> Result<()> {
             "e2e_ms": m.e2e_ms,
             "prefill_tokens_per_s": prefill_tps,
             "cached_prompt_tokens": gen.cached_prompt_tokens,
+            "speculative": gen.speculative,
             "kv_dtype": model.options.kv_dtype,
             "load_ms": load_ms,
             "dispatches_per_decode_step": model.dispatches_per_decode_step(),
@@ -438,6 +447,20 @@ fn run(a: RunArgs) -> Result<()> {
             }
         );
         eprintln!("[{}]", pipeline_line(&pipelines));
+        if let Some(sp) = &gen.speculative {
+            eprintln!(
+                "[speculative ({:?}): {} drafted, {} accepted ({:.0}%), {:.2} tokens per target step over {} verify + {} plain steps | draft {:.0} ms, verify {:.0} ms]",
+                sp.drafter,
+                sp.proposed,
+                sp.accepted,
+                sp.acceptance_rate * 100.0,
+                sp.tokens_per_step,
+                sp.steps,
+                sp.plain_steps,
+                sp.draft_ms,
+                sp.verify_ms
+            );
+        }
     }
     Ok(())
 }

@@ -304,6 +304,7 @@ impl Engine {
                 finish_reason: FinishReason::Length,
                 timings,
                 cached_prompt_tokens: 0,
+                speculative: None,
             };
             let _ = tx.unbounded_send(Event::Done(Box::new(g)));
             let id = self.next_id;
@@ -366,6 +367,7 @@ impl Engine {
             finish_reason: reason,
             timings: s.timings.clone(),
             cached_prompt_tokens: s.cached_prompt_tokens,
+            speculative: None,
         };
         let _ = s.tx.unbounded_send(Event::Done(Box::new(g)));
     }

@@ -5,6 +5,7 @@ use web_time::Instant;
 
 use super::metrics::RequestTimings;
 use super::sampler::{Sampler, SamplingParams};
+use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats, Speculation};
 use crate::model::llama::{GpuModel, Want};
 use crate::model::tokenizer::Tokenizer;
 use crate::{LanternError, Result};
@@ -44,6 +45,9 @@ pub struct GenerateRequest {
     pub stop_ids: Vec<u32>,
     /// Strings that end generation; the text is cut before them.
     pub stop_strings: Vec<String>,
+    /// Speculative decoding (off by default). Greedy output is the same with it or
+    /// without; sampled output follows the same distribution.
+    pub speculation: Speculation,
 }
 
 /// The outcome of a request.
@@ -56,6 +60,8 @@ pub struct Generation {
     pub timings: RequestTimings,
     /// Prompt tokens whose KV came from the prefix cache (not computed again).
     pub cached_prompt_tokens: usize,
+    /// What speculative decoding did, when it was on.
+    pub speculative: Option<SpecStats>,
 }
 
 /// The tokens that end a generation unless the caller says otherwise: the model's
@@ -76,6 +82,19 @@ pub async fn generate(
     model: &mut GpuModel,
     tokenizer: &Tokenizer,
     req: &GenerateRequest,
+    on_text: impl FnMut(&str) -> bool,
+) -> Result<Generation> {
+    generate_with(model, None, tokenizer, req, on_text).await
+}
+
+/// [`generate`] with a draft model for `Drafter::Model` speculation (it must share the
+/// target's tokenizer: [`speculative::check_pair`]); it gets a sequence of its own for the
+/// request, released at the end.
+pub async fn generate_with(
+    model: &mut GpuModel,
+    mut draft: Option<&mut GpuModel>,
+    tokenizer: &Tokenizer,
+    req: &GenerateRequest,
     mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<Generation> {
     let arrival = Instant::now();
@@ -90,35 +109,155 @@ pub async fn generate(
             context,
         });
     }
-    let seq = model.new_sequence()?;
-    let r = admit_and_run(model, tokenizer, req, seq, arrival, &mut on_text).await;
+    if req.speculation.enabled() && req.speculation.drafter == Drafter::Model && draft.is_none() {
+        return Err(LanternError::InvalidRequest("speculation with a draft model needs the draft model loaded (--draft)".into()));
+    }
+    let draft_seq = match draft.as_deref_mut() {
+        Some(d) if req.speculation.enabled() && req.speculation.drafter == Drafter::Model => Some(d.new_sequence()?),
+        _ => None,
+    };
+    let seq = match model.new_sequence() {
+        Ok(s) => s,
+        Err(e) => {
+            if let (Some(d), Some(ds)) = (draft.as_deref_mut(), draft_seq) {
+                d.release_sequence(ds);
+            }
+            return Err(e);
+        }
+    };
+    let drafting = draft_seq.and_then(|ds| draft.as_deref_mut().map(|d| (d, ds)));
+    let (r, drafting) = admit_and_run(model, drafting, tokenizer, req, seq, arrival, &mut on_text).await;
     model.release_sequence(seq);
+    if let Some((d, ds)) = drafting {
+        d.release_sequence(ds);
+    }
     r
 }
+
+/// The draft model and the request's sequence in it.
+type Drafting<'a> = Option<(&'a mut GpuModel, usize)>;
 
 /// Take the cached prefix of the prompt, refuse the request up front (with what it needs
 /// and what is free) when its KV cannot fit, run it, and offer its prompt pages to the
 /// prefix cache.
-async fn admit_and_run(
+async fn admit_and_run<'a>(
     model: &mut GpuModel,
+    mut drafting: Drafting<'a>,
     tokenizer: &Tokenizer,
     req: &GenerateRequest,
     seq: usize,
     arrival: Instant,
     on_text: &mut impl FnMut(&str) -> bool,
-) -> Result<Generation> {
+) -> (Result<Generation>, Drafting<'a>) {
     let context = model.kv.alloc.config.context;
-    let cached = if model.options.prefix_cache { model.attach_cached_prefix(seq, &req.prompt_ids)? } else { 0 };
+    let cached = if model.options.prefix_cache {
+        match model.attach_cached_prefix(seq, &req.prompt_ids) {
+            Ok(c) => c,
+            Err(e) => return (Err(e), drafting),
+        }
+    } else {
+        0
+    };
     // The most this request can hold: its prompt and every token it may generate.
     let most = (req.prompt_ids.len() + req.max_tokens).min(context);
-    model.check_fits(seq, most - cached).map_err(LanternError::Kv)?;
-    let mut g = run(model, tokenizer, req, seq, cached, arrival, on_text).await?;
-    g.cached_prompt_tokens = cached;
-    Ok(g)
+    if let Err(e) = model.check_fits(seq, most - cached) {
+        return (Err(LanternError::Kv(e)), drafting);
+    }
+    let r = run(model, &mut drafting, tokenizer, req, seq, cached, arrival, on_text).await;
+    (
+        r.map(|mut g| {
+            g.cached_prompt_tokens = cached;
+            g
+        }),
+        drafting,
+    )
 }
 
+/// The tokens one step after the first produces: a plain decode step, or a drafted and
+/// verified run of them.
+#[allow(clippy::too_many_arguments)]
+async fn next_tokens(
+    model: &mut GpuModel,
+    drafting: &mut Drafting<'_>,
+    req: &GenerateRequest,
+    seq: usize,
+    history: &[u32],
+    out_len: usize,
+    sampler: &mut Sampler,
+    want: Want,
+    spec: &mut Option<(DraftLength, SpecStats)>,
+) -> Result<Vec<u32>> {
+    let context = model.kv.alloc.config.context;
+    let last = *history.last().expect("a sampled token");
+    let Some((len_ctl, stats)) = spec.as_mut() else {
+        let out = model.forward(seq, &[last], want).await?;
+        return Ok(vec![sample(&out, sampler)]);
+    };
+    // Room: every drafted token may be emitted, plus the target's own next one; the verify
+    // step stays within the context.
+    let limit = req.max_tokens.saturating_sub(out_len + 1).min(context.saturating_sub(history.len())).min(model.logit_rows - 1);
+    let k = len_ctl.next(limit);
+    let t0 = Instant::now();
+    let (drafts, q) = match (req.speculation.drafter, drafting.as_mut()) {
+        (Drafter::Model, Some((d, ds))) if k > 0 => {
+            let mut jobs = [DraftJob { slot: *ds, history, k, sampler: &mut *sampler, tokens: Vec::new(), q: Vec::new() }];
+            speculative::draft_tokens(d, &mut jobs).await?;
+            let [j] = jobs;
+            (j.tokens, j.q)
+        }
+        (Drafter::Lookup, _) => {
+            let t = speculative::lookup(history, k, req.speculation.lookup_ngram);
+            let q = t.iter().map(|&id| super::sampler::Dist::one(id)).collect();
+            (t, q)
+        }
+        _ => (Vec::new(), Vec::new()),
+    };
+    let draft_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let t1 = Instant::now();
+    let cache_len = history.len() - 1;
+    let verdict = if drafts.is_empty() {
+        let out = model.forward(seq, &[last], want).await?;
+        speculative::Verdict { accepted: 0, tokens: vec![sample(&out, sampler)] }
+    } else {
+        let mut input = Vec::with_capacity(drafts.len() + 1);
+        input.push(last);
+        input.extend_from_slice(&drafts);
+        let out = model.forward_rows(seq, &input, speculative::want_for(sampler)).await?;
+        let v = if sampler.params.is_greedy() {
+            speculative::verify_greedy(&drafts, &out.argmax)
+        } else {
+            let vocab = model.config.vocab_size;
+            let p: Vec<_> = (0..input.len()).map(|r| speculative::dist_at(&out, r, vocab, sampler)).collect();
+            speculative::verify_sampled(&drafts, &q, &p, sampler)
+        };
+        // Roll back the rejected positions: the cache keeps the last token and the
+        // accepted drafts; the token emitted last goes in with the next step.
+        model.truncate_sequence(seq, cache_len + 1 + v.accepted)?;
+        v
+    };
+    let verify_ms = t1.elapsed().as_secs_f64() * 1e3;
+    if let Some((d, ds)) = drafting.as_mut() {
+        let keep = d.sequence_len(*ds)?.min(cache_len + 1 + verdict.accepted);
+        d.truncate_sequence(*ds, keep)?;
+    }
+    len_ctl.record(drafts.len(), verdict.accepted, draft_ms, verify_ms);
+    stats.record(drafts.len(), verdict.accepted, draft_ms, verify_ms);
+    Ok(verdict.tokens)
+}
+
+/// A token from a step's last row, by the sampler (the argmax when greedy).
+fn sample(out: &crate::model::llama::StepOutput, sampler: &mut Sampler) -> u32 {
+    match (&out.top, &out.logits) {
+        (Some(t), _) => sampler.sample_top(t.first().map_or(&[][..], |r| &r[..])),
+        (None, Some(l)) => sampler.sample(l),
+        (None, None) => out.argmax.first().copied().unwrap_or(0),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn run(
     model: &mut GpuModel,
+    drafting: &mut Drafting<'_>,
     tokenizer: &Tokenizer,
     req: &GenerateRequest,
     seq: usize,
@@ -131,18 +270,12 @@ async fn run(
     let mut sampler = Sampler::new(req.sampling);
     // Greedy: the GPU argmax (4 bytes); top-k sampling within the GPU top-k: its pairs
     // (512 bytes); anything else: the logits row.
-    let want = if req.sampling.is_greedy() {
-        Want::Argmax
-    } else if sampler.fits_top(crate::kernels::topk::TOPK_MAX) {
-        Want::TopK
-    } else {
-        Want::Logits
-    };
+    let want = speculative::want_for(&sampler);
+    let mut spec = req.speculation.enabled().then(|| (DraftLength::new(&req.speculation), SpecStats::new(req.speculation.drafter)));
     let mut stream = TextStream::new(tokenizer, &req.stop_strings);
     let mut out_ids = Vec::new();
+    let mut history = req.prompt_ids.clone();
     let finish;
-    let mut next_input: Vec<u32> = req.prompt_ids[cached..].to_vec();
-    let mut prefilled = false;
     if req.max_tokens == 0 {
         timings.finished = Some(Instant::now());
         return Ok(Generation {
@@ -152,43 +285,41 @@ async fn run(
             finish_reason: FinishReason::Length,
             timings,
             cached_prompt_tokens: 0,
+            speculative: spec.map(|s| s.1),
         });
     }
-    loop {
-        let out = model.forward(seq, &next_input, want).await?;
-        if !prefilled {
-            prefilled = true;
-            if model.options.prefix_cache {
-                model.cache_prefix(seq, &req.prompt_ids)?;
+    let out = model.forward(seq, &req.prompt_ids[cached..], want).await?;
+    if model.options.prefix_cache {
+        model.cache_prefix(seq, &req.prompt_ids)?;
+    }
+    let mut batch = vec![sample(&out, &mut sampler)];
+    'gen: loop {
+        let now = Instant::now();
+        for token in batch {
+            timings.tokens.push(now);
+            out_ids.push(token);
+            history.push(token);
+            let (piece, stop) = stream.push(tokenizer, token, &req.stop_ids, &req.stop_strings)?;
+            if let Some(p) = piece {
+                if !on_text(&p) {
+                    finish = FinishReason::Cancelled;
+                    break 'gen;
+                }
+            }
+            if let Some(f) = stop {
+                finish = f;
+                break 'gen;
+            }
+            if out_ids.len() >= req.max_tokens {
+                finish = FinishReason::Length;
+                break 'gen;
+            }
+            if history.len() > context {
+                finish = FinishReason::ContextFull;
+                break 'gen;
             }
         }
-        let token = match (&out.top, &out.logits) {
-            (Some(t), _) => sampler.sample_top(t.first().map_or(&[][..], |r| &r[..])),
-            (None, Some(l)) => sampler.sample(l),
-            (None, None) => out.argmax.first().copied().unwrap_or(0),
-        };
-        timings.tokens.push(Instant::now());
-        out_ids.push(token);
-        let (piece, stop) = stream.push(tokenizer, token, &req.stop_ids, &req.stop_strings)?;
-        if let Some(p) = piece {
-            if !on_text(&p) {
-                finish = FinishReason::Cancelled;
-                break;
-            }
-        }
-        if let Some(f) = stop {
-            finish = f;
-            break;
-        }
-        if out_ids.len() >= req.max_tokens {
-            finish = FinishReason::Length;
-            break;
-        }
-        if model.sequence_len(seq)? + 1 > context {
-            finish = FinishReason::ContextFull;
-            break;
-        }
-        next_input = vec![token];
+        batch = next_tokens(model, drafting, req, seq, &history, out_ids.len(), &mut sampler, want, &mut spec).await?;
     }
     if let Some(rest) = stream.finish(tokenizer, finish)? {
         on_text(&rest);
@@ -202,6 +333,7 @@ async fn run(
         finish_reason: finish,
         timings,
         cached_prompt_tokens: 0,
+        speculative: spec.map(|s| s.1),
     })
 }
 

@@ -5,6 +5,7 @@ pub mod batch;
 pub mod generate;
 pub mod metrics;
 pub mod sampler;
+pub mod speculative;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod worker;
 
@@ -12,5 +13,6 @@ pub use batch::{Engine, EngineOptions, Event, FrameBudget, FrameReport, RequestH
 pub use generate::{FinishReason, GenerateRequest, Generation};
 pub use metrics::RequestTimings;
 pub use sampler::{Sampler, SamplingParams};
+pub use speculative::{Drafter, SpecStats, Speculation};
 #[cfg(not(target_arch = "wasm32"))]
 pub use worker::{EngineClient, EngineWorker, Snapshot};

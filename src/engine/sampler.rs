@@ -132,7 +132,62 @@ impl Sampler {
     }
 
     /// Temperature-scaled candidates -> top-k, top-p, one draw.
-    fn draw(&mut self, mut cand: Vec<(u32, f64)>) -> u32 {
+    fn draw(&mut self, cand: Vec<(u32, f64)>) -> u32 {
+        let d = self.shape(cand);
+        self.draw_from(&d)
+    }
+
+    /// The distribution [`Self::sample`] draws from for one row of logits: (id, probability)
+    /// pairs, most likely first, summing to 1 (one pair with probability 1 when greedy).
+    /// Speculative decoding compares the target's and the draft's with it.
+    pub fn distribution(&self, logits: &[f32]) -> Dist {
+        let cand: Vec<(u32, f64)> = if self.params.is_greedy() {
+            Vec::new()
+        } else {
+            let t = self.params.temperature as f64;
+            logits.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v as f64 / t)).collect()
+        };
+        if cand.is_empty() {
+            return Dist(vec![(argmax(logits), 1.0)]);
+        }
+        self.shape(cand)
+    }
+
+    /// [`Self::distribution`] from a row's best (id, logit) pairs (the GPU top-k); the same
+    /// distribution when [`Self::fits_top`] holds for the number of pairs given.
+    pub fn distribution_top(&self, top: &[(u32, f32)]) -> Dist {
+        let t = self.params.temperature as f64;
+        let cand: Vec<(u32, f64)> = top.iter().filter(|(_, v)| v.is_finite()).map(|&(i, v)| (i, v as f64 / t)).collect();
+        if cand.is_empty() {
+            return Dist(vec![(top.first().map_or(0, |c| c.0), 1.0)]);
+        }
+        if self.params.is_greedy() {
+            let best = cand.iter().fold(cand[0], |b, &c| if c.1 > b.1 || (c.1 == b.1 && c.0 < b.0) { c } else { b });
+            return Dist(vec![(best.0, 1.0)]);
+        }
+        self.shape(cand)
+    }
+
+    /// One draw from `d` (one uniform number from the generator).
+    pub fn draw_from(&mut self, d: &Dist) -> u32 {
+        let u = self.rng.next_f64();
+        let mut acc = 0.0;
+        for &(id, p) in &d.0 {
+            acc += p;
+            if u < acc {
+                return id;
+            }
+        }
+        d.0.last().map_or(0, |c| c.0)
+    }
+
+    /// A uniform number in [0, 1) from the request's generator (speculative acceptance).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
+    /// Temperature-scaled candidates -> top-k, top-p: the distribution one draw takes.
+    fn shape(&self, mut cand: Vec<(u32, f64)>) -> Dist {
         // Descending by logit, ties by lower id (a total order, so deterministic). With top-k,
         // select the k best in linear time and sort only those, not the whole vocabulary.
         let order = |a: &(u32, f64), b: &(u32, f64)| {
@@ -165,15 +220,24 @@ impl Sampler {
                 *p /= s;
             }
         }
-        let u = self.rng.next_f64();
-        let mut acc = 0.0;
-        for (i, p) in probs.iter().enumerate() {
-            acc += p;
-            if u < acc {
-                return cand[i].0;
-            }
-        }
-        cand[probs.len() - 1].0
+        Dist(cand.into_iter().zip(probs).map(|(c, p)| (c.0, p)).collect())
+    }
+}
+
+/// A sampling distribution: (token id, probability) pairs, most likely first, summing to 1;
+/// tokens not listed have probability 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dist(pub Vec<(u32, f64)>);
+
+impl Dist {
+    /// The probability of `id`.
+    pub fn prob(&self, id: u32) -> f64 {
+        self.0.iter().find(|c| c.0 == id).map_or(0.0, |c| c.1)
+    }
+
+    /// All mass on `id` (a deterministic draft: prompt lookup, or a greedy draft model).
+    pub fn one(id: u32) -> Dist {
+        Dist(vec![(id, 1.0)])
     }
 }
 

@@ -162,3 +162,54 @@ pub fn check_perplexity(model: &mut GpuModel, tokenizer: &Tokenizer, text: &str,
     eprintln!("perplexity {:.4} (transformers {want:.4}, rel diff {rel:.2e}), {} tokens at {:.1} tokens/s", rep.perplexity, rep.tokens_evaluated, rep.tokens_per_s);
     (rep.perplexity, want, rel)
 }
+
+/// Greedy generation of every case with `speculation` (and `draft` for a draft model) gives
+/// the fixture's `greedy_ids` (up to the first near tie): the same ids as plain decoding.
+/// Returns the speculative statistics per case, or every failure.
+pub fn check_speculative_cases(
+    model: &mut GpuModel,
+    mut draft: Option<&mut GpuModel>,
+    tokenizer: &Tokenizer,
+    cases: &[serde_json::Value],
+    speculation: lantern::engine::Speculation,
+) -> Result<Vec<(String, lantern::engine::SpecStats)>, String> {
+    let mut failures = Vec::new();
+    let mut out = Vec::new();
+    for case in cases {
+        let name = case["name"].as_str().unwrap().to_string();
+        let prompt = super::ids(&case["input_ids"]);
+        let mut greedy = super::ids(&case["greedy_ids"]);
+        if let Some(&first_tie) = near_ties(case, "greedy_step").iter().min() {
+            greedy.truncate(first_tie);
+        }
+        let req = lantern::engine::GenerateRequest {
+            prompt_ids: prompt,
+            max_tokens: greedy.len(),
+            sampling: Default::default(),
+            stop_ids: vec![],
+            stop_strings: vec![],
+            speculation,
+        };
+        let g = pollster::block_on(lantern::engine::generate::generate_with(model, draft.as_deref_mut(), tokenizer, &req, |_| true))
+            .map_err(|e| format!("{name}: {e}"))?;
+        let stats = g.speculative.clone().unwrap_or_default();
+        if g.output_ids != greedy {
+            let i = (0..greedy.len()).find(|&i| g.output_ids.get(i) != Some(&greedy[i])).unwrap_or(0);
+            failures.push(format!("{name}: speculative greedy token {i} differs: {:?} vs {}", g.output_ids.get(i), greedy[i]));
+        }
+        eprintln!(
+            "{name}: {} tokens, {:?}: {} drafted, {} accepted, {:.2} tokens per target step",
+            greedy.len(),
+            stats.drafter,
+            stats.proposed,
+            stats.accepted,
+            stats.tokens_per_step
+        );
+        out.push((name, stats));
+    }
+    if failures.is_empty() {
+        Ok(out)
+    } else {
+        Err(failures.join("\n"))
+    }
+}

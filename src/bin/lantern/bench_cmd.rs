@@ -25,66 +25,75 @@ pub struct BenchArgs {
     /// A GGUF file, a Hugging Face folder or a catalogue name (qwen2.5-coder-0.5b, ...; fetched
     /// once). Default: SmolLM2-135M-Instruct, fetched once.
     #[arg(long)]
-    model: Option<PathBuf>,
+    pub model: Option<PathBuf>,
     /// Requests in the workload (per concurrency level with --sweep).
     #[arg(long, default_value_t = 32)]
-    requests: usize,
+    pub requests: usize,
     /// Prompt tokens per request: N, or A..B drawn uniformly (inclusive). Random ids, after
     /// the shared prefix.
     #[arg(long, default_value = "128")]
-    prompt_len: String,
+    pub prompt_len: String,
     /// Output tokens per request: N or A..B (generation runs to exactly this, ignoring EOS).
     #[arg(long, default_value = "32")]
-    output_len: String,
+    pub output_len: String,
     /// Tokens every prompt starts with (the same random ids for all: prefix-cache hits).
     #[arg(long, default_value_t = 0)]
-    shared_prefix: usize,
+    pub shared_prefix: usize,
     /// Closed loop: keep this many requests in flight.
     #[arg(long, default_value_t = 4, conflicts_with = "rate")]
-    concurrency: usize,
+    pub concurrency: usize,
     /// Open loop: Poisson arrivals at this many requests per second (exponential gaps).
     #[arg(long)]
-    rate: Option<f64>,
+    pub rate: Option<f64>,
     /// Run the workload at each of these concurrency levels and print throughput against
     /// latency (e.g. 1,4,16).
     #[arg(long, value_delimiter = ',')]
-    sweep: Vec<usize>,
+    pub sweep: Vec<usize>,
     /// SLO on time to first token for goodput.
     #[arg(long)]
-    slo_ttft_ms: Option<f64>,
+    pub slo_ttft_ms: Option<f64>,
     /// SLO on time per output token for goodput.
     #[arg(long)]
-    slo_tpot_ms: Option<f64>,
+    pub slo_tpot_ms: Option<f64>,
     /// Seed of prompts, lengths and arrivals.
     #[arg(long, default_value_t = 0)]
-    seed: u64,
+    pub seed: u64,
     /// Sequences the KV cache and the engine hold at once (default: the highest concurrency,
     /// at least 4).
     #[arg(long)]
-    max_seqs: Option<usize>,
+    pub max_seqs: Option<usize>,
     /// Context per sequence (default: longest prompt + output, rounded up to a page).
     #[arg(long)]
-    context: Option<usize>,
+    pub context: Option<usize>,
     /// Tokens per engine step (decode tokens + prefill chunks).
     #[arg(long, default_value_t = 128)]
-    step_tokens: usize,
+    pub step_tokens: usize,
     /// Most prompt tokens one sequence prefills per step.
     #[arg(long, default_value_t = 64)]
-    prefill_chunk: usize,
+    pub prefill_chunk: usize,
     /// KV cache storage.
     #[arg(long, value_enum, default_value_t = KvArg::F32)]
-    kv_dtype: KvArg,
+    pub kv_dtype: KvArg,
     /// Steps of at most this many tokens use the matvec kernels (default: the adapter's).
     #[arg(long)]
-    matvec_max_tokens: Option<usize>,
+    pub matvec_max_tokens: Option<usize>,
     /// Write every request's timestamps and the summary as JSON.
     #[arg(long)]
-    json: Option<PathBuf>,
+    pub json: Option<PathBuf>,
     /// Draw latency distributions (CDFs) and throughput over time as SVG.
     #[arg(long)]
-    plot: Option<PathBuf>,
+    pub plot: Option<PathBuf>,
+    /// With --draft or --lookup: prompts for the speculative benchmark (repeatable; default:
+    /// built-in code-completion prompts for a draft model, a code rewrite for lookup).
+    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// With --draft or --lookup: also run each of these fixed draft lengths.
+    #[arg(long, value_delimiter = ',')]
+    pub k_sweep: Vec<usize>,
     #[command(flatten)]
-    device: DeviceArgs,
+    pub spec: super::spec_args::SpecArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
 /// "N" or "A..B".
@@ -131,7 +140,7 @@ fn workload(a: &BenchArgs, vocab: usize, seed: u64) -> Result<Vec<Planned>> {
             t += -(1.0 - u).ln() / rate;
         }
         out.push(Planned {
-            req: GenerateRequest { prompt_ids: prompt, max_tokens: m, sampling: SamplingParams::default(), stop_ids: vec![], stop_strings: vec![] },
+            req: GenerateRequest { prompt_ids: prompt, max_tokens: m, sampling: SamplingParams::default(), stop_ids: vec![], stop_strings: vec![], speculation: Default::default() },
             at: t,
         });
     }
@@ -241,6 +250,9 @@ fn print_summary(s: &WorkloadSummary, label: &str) {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if a.spec.draft.is_some() || a.spec.lookup {
+        return super::spec_bench::run(&a);
+    }
     if a.requests == 0 {
         bail!("--requests must be at least 1");
     }

@@ -1339,6 +1339,7 @@ fn generate(shared: &Shared, req: &HttpRequest, conn: &mut Conn, chat: bool) -> 
         sampling: p.sampling,
         stop_ids: shared.stop_ids.clone(),
         stop_strings: p.stop,
+        speculation: Default::default(),
     }) {
         Ok(h) => h,
         Err(e) => {

@@ -119,6 +119,37 @@ impl GpuModel {
         Ok(outs.pop().unwrap_or_default())
     }
 
+    /// Append `tokens` to `seq` in one step and return the output of every position (the
+    /// argmax per token, and the top-k pairs or logits rows when asked): a speculative
+    /// verify step. At most `options.max_batch_tokens` tokens and `logit_rows` rows; the
+    /// pages are released again if the step fails.
+    pub async fn forward_rows(&mut self, seq: usize, tokens: &[u32], want: Want) -> Result<StepOutput> {
+        if tokens.is_empty() || tokens.len() > self.options.max_batch_tokens.max(1) || tokens.len() > self.logit_rows {
+            return Err(LanternError::InvalidRequest(format!(
+                "forward_rows: {} tokens (a step takes 1 to {} tokens with at most {} logit rows)",
+                tokens.len(),
+                self.options.max_batch_tokens,
+                self.logit_rows
+            )));
+        }
+        self.check_ids(tokens)?;
+        let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
+        let rows: Vec<u32> = (0..tokens.len() as u32).collect();
+        match self.step(seq, tokens, start, &rows, want, false).await {
+            Ok(o) => Ok(o),
+            Err(e) => {
+                let _ = self.kv.alloc.truncate(seq, start);
+                Err(e)
+            }
+        }
+    }
+
+    /// Keep only the first `len` tokens of `seq` (rejected speculative tokens): pages past
+    /// the new end are freed and the block table shrinks with them.
+    pub fn truncate_sequence(&mut self, seq: usize, len: usize) -> Result<()> {
+        self.kv.alloc.truncate(seq, len).map_err(LanternError::Kv)
+    }
+
     /// Append `tokens` to `seq` and return the logits of every position (`tokens x vocab`),
     /// for evaluation (perplexity) and reference comparisons.
     pub async fn forward_all_logits(&mut self, seq: usize, tokens: &[u32]) -> Result<Vec<f32>> {

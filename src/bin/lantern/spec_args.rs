@@ -1,0 +1,84 @@
+//! The speculative decoding options shared by `run`, `serve` and `bench`, and loading the
+//! draft model beside the target.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use lantern::engine::speculative::{self, Drafter, Speculation};
+use lantern::gpu::GpuContext;
+use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::tokenizer::Tokenizer;
+
+#[derive(Args, Clone, Debug, Default)]
+pub struct SpecArgs {
+    /// Speculative decoding with this draft model (a GGUF file, a Hugging Face folder or a
+    /// catalogue name) sharing the target's tokenizer: it drafts tokens, the target checks
+    /// them all in one step. Greedy output is unchanged; sampled output keeps the target's
+    /// distribution.
+    #[arg(long)]
+    pub draft: Option<PathBuf>,
+    /// Speculative decoding with drafts looked up in the prompt and the text so far (the
+    /// continuation of the longest recent n-gram match; no second model).
+    #[arg(long, conflicts_with = "draft")]
+    pub lookup: bool,
+    /// Tokens drafted per step (fixed; 0 turns speculation off). Default: adaptive, from the
+    /// measured acceptance rate and step costs, 1 to --max-draft.
+    #[arg(long)]
+    pub draft_tokens: Option<usize>,
+    /// Most tokens drafted per step when adaptive.
+    #[arg(long, default_value_t = 8)]
+    pub max_draft: usize,
+    /// Longest n-gram --lookup matches (shorter ones are tried after it).
+    #[arg(long, default_value_t = 3)]
+    pub lookup_ngram: usize,
+}
+
+impl SpecArgs {
+    /// The requests' speculation settings.
+    pub fn speculation(&self) -> Speculation {
+        let drafter = if self.draft.is_some() {
+            Drafter::Model
+        } else if self.lookup {
+            Drafter::Lookup
+        } else {
+            Drafter::Off
+        };
+        Speculation { drafter, draft_tokens: self.draft_tokens, max_draft: self.max_draft, lookup_ngram: self.lookup_ngram.max(1) }
+    }
+
+    /// Load the draft model (when `--draft` is given) on the target's device with `options`,
+    /// refusing the target itself and a draft with another tokenizer.
+    pub async fn load_draft(
+        &self,
+        ctx: Arc<GpuContext>,
+        target_path: &Path,
+        target: &GpuModel,
+        target_tokenizer: &Tokenizer,
+        options: ModelOptions,
+    ) -> Result<Option<GpuModel>> {
+        let Some(name) = &self.draft else { return Ok(None) };
+        let path = lantern::fetch::resolve_model(Some(name.as_path()), true)?;
+        let same = match (path.canonicalize(), target_path.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => path == target_path,
+        };
+        if same {
+            bail!(
+                "--draft {} is the target model itself: every draft would be accepted but each costs a full target step, so it can only be slower; pick a smaller model with the same tokenizer, or --lookup",
+                path.display()
+            );
+        }
+        let (model, tokenizer) = lantern::model::load::load_to_gpu(ctx, &path, options, &mut |_, _| {})
+            .await
+            .with_context(|| format!("loading the draft model {}", path.display()))?;
+        let tokenizer = tokenizer.with_context(|| format!("the draft model {} has no tokenizer", path.display()))?;
+        speculative::check_pair(
+            (&target_path.display().to_string(), &target.config, target_tokenizer),
+            (&path.display().to_string(), &model.config, &tokenizer),
+        )?;
+        Ok(Some(model))
+    }
+}

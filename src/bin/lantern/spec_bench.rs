@@ -1,0 +1,197 @@
+//! `lantern bench --draft M` / `--lookup`: what speculative decoding buys on this adapter.
+//!
+//! 1. The cost of a target step by width (1 token, then 1 + k tokens as a verify step
+//!    carries), median of several, against the single-token step measured in the same run:
+//!    where the batched kernels keep their advantage, and so which k can pay.
+//! 2. Greedy generations of real prompts (code completion for a draft model, a code rewrite
+//!    for lookup; or `--prompt`), plain and speculative, in the same run: decode tokens/s,
+//!    speedup, acceptance rate, and whether the ids are identical (they must be).
+//! 3. With `--k-sweep`, the same for each fixed k, beside the adaptive choice.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+
+use lantern::engine::generate::{generate_with, GenerateRequest, Generation};
+use lantern::engine::speculative::{Drafter, Speculation};
+use lantern::engine::SamplingParams;
+use lantern::model::llama::{GpuModel, ModelOptions, Want};
+use lantern::model::tokenizer::{ChatMessage, Tokenizer};
+
+use super::bench_cmd::BenchArgs;
+use super::spinner;
+
+/// Code-completion prompts: a draft model of the same family guesses most of the tokens.
+const COMPLETION: &[&str] = &[
+    "Write a Python function `is_prime(n)` that returns whether n is prime, with a docstring.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a JavaScript function that debounces another function by a given number of milliseconds.",
+];
+
+/// A code-rewrite prompt: the answer quotes most of the prompt (prompt lookup's case).
+const REWRITE: &str = "Rewrite this function to use type hints and a docstring, keeping the logic the same:\n\n```python\ndef merge_sorted(left, right):\n    result = []\n    i = 0\n    j = 0\n    while i < len(left) and j < len(right):\n        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n        else:\n            result.append(right[j])\n            j += 1\n    result.extend(left[i:])\n    result.extend(right[j:])\n    return result\n```";
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    if v.is_empty() {
+        return 0.0;
+    }
+    v[v.len() / 2]
+}
+
+/// Milliseconds of one target step of `w` tokens at the end of a `prefix`-token sequence
+/// (median of `reps`; the step's tokens are rolled back after each).
+fn step_ms(model: &mut GpuModel, prefix: usize, w: usize, reps: usize) -> Result<f64> {
+    let seq = model.new_sequence()?;
+    let r = (|| -> Result<f64> {
+        let ids: Vec<u32> = (0..prefix as u32).map(|i| 100 + i % 1000).collect();
+        pollster::block_on(model.forward(seq, &ids, Want::Argmax))?;
+        let step: Vec<u32> = (0..w as u32).map(|i| 200 + i).collect();
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps + 1 {
+            let t0 = std::time::Instant::now();
+            pollster::block_on(model.forward_rows(seq, &step, Want::Argmax))?;
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            model.truncate_sequence(seq, prefix)?;
+        }
+        times.remove(0);
+        Ok(median(times))
+    })();
+    model.release_sequence(seq);
+    r
+}
+
+fn generate_once(
+    target: &mut GpuModel,
+    draft: Option<&mut GpuModel>,
+    tokenizer: &Tokenizer,
+    prompt_ids: &[u32],
+    max_tokens: usize,
+    speculation: Speculation,
+) -> Result<Generation> {
+    let req = GenerateRequest {
+        prompt_ids: prompt_ids.to_vec(),
+        max_tokens,
+        sampling: SamplingParams::default(),
+        // Exactly max_tokens (EOS ignored), so plain and speculative runs time the same tokens.
+        stop_ids: vec![],
+        stop_strings: vec![],
+        speculation,
+    };
+    Ok(pollster::block_on(generate_with(target, draft, tokenizer, &req, |_| true))?)
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let spec = a.spec.speculation();
+    let model_path = lantern::fetch::resolve_model(a.model.as_deref(), true)?;
+    let pb = spinner(&format!("loading {}", model_path.display()), false);
+    let ctx = a.device.open()?;
+    let max_tokens = a.output_len.parse::<usize>().context("--output-len must be one number with --draft/--lookup")?;
+    let options = ModelOptions { context: Some(a.context.unwrap_or(1024)), max_seqs: 2, kv_dtype: a.kv_dtype.dtype(), ..Default::default() };
+    let (mut target, tokenizer) = pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &model_path, options.clone(), &mut |_, _| {}))
+        .with_context(|| format!("loading {}", model_path.display()))?;
+    let tokenizer = Arc::new(tokenizer.with_context(|| format!("{} has no tokenizer", model_path.display()))?);
+    pb.set_message("loading the draft model");
+    let mut draft = pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &target, &tokenizer, options))?;
+    pb.set_message("warming up");
+    pollster::block_on(target.warm_up())?;
+    if let Some(d) = draft.as_mut() {
+        pollster::block_on(d.warm_up())?;
+    }
+    pb.finish_and_clear();
+    println!(
+        "{} on {} | speculative decoding with {} | greedy, {} new tokens per prompt",
+        model_path.display(),
+        ctx.info.name,
+        match (&a.spec.draft, spec.drafter) {
+            (Some(d), _) => format!("draft model {}", d.display()),
+            (None, Drafter::Lookup) => format!("prompt lookup (n-grams up to {})", spec.lookup_ngram),
+            _ => bail!("bench with speculation needs --draft or --lookup"),
+        },
+        max_tokens
+    );
+
+    // 1. Step cost by width.
+    let widths: Vec<usize> = [1usize, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17].into_iter().filter(|&w| w <= target.options.max_batch_tokens.min(target.logit_rows)).collect();
+    let prefix = 64;
+    let reps = 5;
+    let bar = indicatif::ProgressBar::new(widths.len() as u64);
+    bar.set_message("step cost by width");
+    let mut cost = Vec::new();
+    for &w in &widths {
+        cost.push((w, step_ms(&mut target, prefix, w, reps)?));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let base = cost[0].1;
+    println!("\ntarget step cost by width (tokens in the step, after {prefix} cached; median of {reps}; against the 1-token step):");
+    println!("  {:>5} {:>9} {:>9} {:>12}", "width", "ms", "x 1-tok", "ms / token");
+    for &(w, ms) in &cost {
+        println!("  {:>5} {:>9.1} {:>9.2} {:>12.1}", w, ms, ms / base, ms / w as f64);
+    }
+    if let Some(d) = draft.as_mut() {
+        let dm = step_ms(d, prefix, 1, reps)?;
+        println!("  draft model 1-token step: {dm:.1} ms ({:.2}x the target's)", dm / base);
+    }
+
+    // 2. Prompts, plain against speculative.
+    let chat = |text: &str| -> Result<Vec<u32>> {
+        let tmpl = tokenizer.chat_template()?;
+        let rendered = tmpl.render(&[ChatMessage::user(text.to_string())], true)?;
+        Ok(tokenizer.encode_chat(&rendered)?)
+    };
+    let prompts: Vec<(String, Vec<u32>)> = if !a.prompt.is_empty() {
+        a.prompt.iter().map(|p| Ok((p.clone(), chat(p)?))).collect::<Result<_>>()?
+    } else if spec.drafter == Drafter::Lookup {
+        vec![("code rewrite".to_string(), chat(REWRITE)?)]
+    } else {
+        COMPLETION.iter().map(|p| Ok((p.to_string(), chat(p)?))).collect::<Result<_>>()?
+    };
+    let mut settings: Vec<(String, Speculation)> = vec![("adaptive".to_string(), Speculation { draft_tokens: None, ..spec })];
+    if let Some(k) = spec.draft_tokens {
+        settings = vec![(format!("k={k}"), spec)];
+    }
+    for &k in &a.k_sweep {
+        settings.push((format!("k={k}"), Speculation { draft_tokens: Some(k), ..spec }));
+    }
+    println!("\ngreedy generations, plain against speculative (decode tokens/s = 1 / TPOT):");
+    println!(
+        "  {:<34} {:>9} {:>9} {:>8} {:>8} {:>11} {:>9} {:>10}",
+        "prompt", "setting", "tok/s", "speedup", "accept", "tok/step", "mean k", "identical"
+    );
+    let mut totals: Vec<(f64, f64)> = vec![(0.0, 0.0); settings.len()];
+    for (label, ids) in &prompts {
+        let plain = generate_once(&mut target, None, &tokenizer, ids, max_tokens, Speculation::default())?;
+        let plain_tps = plain.timings.metrics().tokens_per_s.unwrap_or(0.0);
+        let short: String = label.chars().take(34).collect();
+        println!("  {:<34} {:>9} {:>9.2} {:>8} {:>8} {:>11} {:>9} {:>10}", short, "plain", plain_tps, "1.00", "-", "1.00", "-", "-");
+        for (si, (name, s)) in settings.iter().enumerate() {
+            let g = generate_once(&mut target, draft.as_mut(), &tokenizer, ids, max_tokens, *s)?;
+            let tps = g.timings.metrics().tokens_per_s.unwrap_or(0.0);
+            let sp = g.speculative.clone().unwrap_or_default();
+            let mean_k = if sp.steps > 0 { sp.proposed as f64 / sp.steps as f64 } else { 0.0 };
+            let same = g.output_ids == plain.output_ids;
+            totals[si].0 += plain_tps;
+            totals[si].1 += tps;
+            println!(
+                "  {:<34} {:>9} {:>9.2} {:>8.2} {:>7.0}% {:>11.2} {:>9.1} {:>10}",
+                "",
+                name,
+                tps,
+                tps / plain_tps.max(1e-9),
+                sp.acceptance_rate * 100.0,
+                sp.tokens_per_step,
+                mean_k,
+                if same { "yes" } else { "NO" }
+            );
+            if !same {
+                bail!("speculative greedy output differs from plain decoding for {label:?} ({name}): a bug");
+            }
+        }
+    }
+    println!("\nmean speedup over the prompts:");
+    for ((name, _), (p, s)) in settings.iter().zip(&totals) {
+        println!("  {name:>9}: {:.2}x", s / p.max(1e-9));
+    }
+    Ok(())
+}

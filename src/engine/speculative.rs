@@ -1,0 +1,553 @@
+//! Speculative decoding: a cheap drafter proposes k tokens, the target model runs the last
+//! accepted token and the k drafts as one step through the paged cache (every weight read
+//! once for k + 1 tokens), and a verification rule keeps the output exactly what the target
+//! alone would produce.
+//!
+//! - Drafters: prompt lookup ([`lookup`]: the continuation of the longest recent n-gram
+//!   match in the prompt and the text so far; no second model) or a draft model sharing the
+//!   target's tokenizer ([`draft_tokens`], which keeps the draft's own cache in step).
+//! - Greedy ([`verify_greedy`]): drafts are accepted while they equal the target's argmax;
+//!   the first mismatch is replaced by the target's choice, and when all are accepted the
+//!   target's next token comes free. Token for token the output of plain greedy decoding.
+//! - Sampling ([`verify_sampled`]): the standard rejection rule (Leviathan et al. 2023,
+//!   Chen et al. 2023): accept draft x with probability min(1, p(x)/q(x)), else draw from
+//!   the normalised max(0, p - q). p and q are the distributions the request's sampler draws
+//!   from (temperature, top-k, top-p applied), so sampled outputs follow the target's
+//!   distribution exactly.
+//! - Rejected positions are rolled back in the cache by truncating the sequence (whole pages
+//!   past the new length are freed, the block table shrinks with them).
+//! - [`DraftLength`] picks k per step from the measured acceptance rate and the measured
+//!   cost of draft tokens and of verify steps of each width, unless k is fixed.
+//!
+//! The single-sequence loop (`generate`) and the batching engine (`Engine`) both use these
+//! pieces; the engine puts speculative and plain sequences into the same target step.
+
+use std::collections::HashMap;
+
+use super::sampler::{Dist, Sampler};
+use crate::model::llama::{GpuModel, StepOutput, Want};
+use crate::model::tokenizer::Tokenizer;
+use crate::model::ModelConfig;
+use crate::{LanternError, Result};
+
+/// Where drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Drafter {
+    /// No speculation.
+    #[default]
+    Off,
+    /// n-gram lookup in the prompt and the output so far.
+    Lookup,
+    /// A smaller model with the same tokenizer (loaded by the caller).
+    Model,
+}
+
+/// A request's speculative decoding settings.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Speculation {
+    pub drafter: Drafter,
+    /// Draft tokens per step: `Some(k)` fixed (`Some(0)`: no speculation, plain decoding),
+    /// `None`: adaptive, 1 to `max_draft`.
+    pub draft_tokens: Option<usize>,
+    /// Most draft tokens per step when adaptive.
+    pub max_draft: usize,
+    /// Longest n-gram prompt lookup matches (shorter ones are tried after, down to 1).
+    pub lookup_ngram: usize,
+}
+
+impl Default for Speculation {
+    fn default() -> Self {
+        Speculation { drafter: Drafter::Off, draft_tokens: None, max_draft: 8, lookup_ngram: 3 }
+    }
+}
+
+impl Speculation {
+    /// Prompt lookup, adaptive k.
+    pub fn lookup() -> Self {
+        Speculation { drafter: Drafter::Lookup, ..Default::default() }
+    }
+
+    /// A draft model, adaptive k.
+    pub fn draft_model() -> Self {
+        Speculation { drafter: Drafter::Model, ..Default::default() }
+    }
+
+    /// Whether any token will be drafted.
+    pub fn enabled(&self) -> bool {
+        self.drafter != Drafter::Off && self.draft_tokens != Some(0) && self.max_draft > 0
+    }
+}
+
+/// Counts for one draft length.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct KStats {
+    pub k: usize,
+    pub steps: usize,
+    pub proposed: usize,
+    pub accepted: usize,
+}
+
+/// What speculation did for one request.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct SpecStats {
+    pub drafter: Drafter,
+    /// Verify steps (target steps that carried drafts).
+    pub steps: usize,
+    /// Target steps without drafts (no lookup match, or no room to draft).
+    pub plain_steps: usize,
+    pub proposed: usize,
+    pub accepted: usize,
+    /// accepted / proposed.
+    pub acceptance_rate: f64,
+    /// Output tokens per target step (1 without speculation).
+    pub tokens_per_step: f64,
+    /// Wall time of drafting (draft-model steps or lookups).
+    pub draft_ms: f64,
+    /// Wall time of the target's verify steps.
+    pub verify_ms: f64,
+    /// Per draft length used.
+    pub by_k: Vec<KStats>,
+}
+
+impl SpecStats {
+    pub fn new(drafter: Drafter) -> Self {
+        SpecStats { drafter, ..Default::default() }
+    }
+
+    /// Count one verify step that proposed `k` drafts and accepted `accepted`.
+    pub fn record(&mut self, k: usize, accepted: usize, draft_ms: f64, verify_ms: f64) {
+        self.draft_ms += draft_ms;
+        self.verify_ms += verify_ms;
+        if k == 0 {
+            self.plain_steps += 1;
+        } else {
+            self.steps += 1;
+            self.proposed += k;
+            self.accepted += accepted;
+            let e = match self.by_k.iter_mut().position(|e| e.k == k) {
+                Some(i) => &mut self.by_k[i],
+                None => {
+                    self.by_k.push(KStats { k, ..Default::default() });
+                    self.by_k.sort_by_key(|e| e.k);
+                    let i = self.by_k.iter().position(|e| e.k == k).expect("just added");
+                    &mut self.by_k[i]
+                }
+            };
+            e.steps += 1;
+            e.proposed += k;
+            e.accepted += accepted;
+        }
+        self.acceptance_rate = if self.proposed > 0 { self.accepted as f64 / self.proposed as f64 } else { 0.0 };
+        let steps = self.steps + self.plain_steps;
+        let tokens = self.accepted + steps;
+        self.tokens_per_step = if steps > 0 { tokens as f64 / steps as f64 } else { 0.0 };
+    }
+}
+
+/// Chooses k per step: the k in 1..=max that maximises expected tokens per millisecond,
+/// E(k) / (k * draft_ms + verify_ms(k + 1)), where E(k) = 1 + a + ... + a^k for the
+/// per-token acceptance probability a (decayed counts of accepts and rejects), draft_ms is
+/// the measured cost of one draft token and verify_ms(w) the measured cost of a target step
+/// of w tokens (interpolated between measured widths; a width above every measured one is
+/// assumed to cost what the widest measured did, so larger k gets tried and measured).
+#[derive(Debug, Clone)]
+pub struct DraftLength {
+    fixed: Option<usize>,
+    max: usize,
+    accepts: f64,
+    trials: f64,
+    draft_ms: Option<f64>,
+    /// Index: step width (tokens); EMA of measured milliseconds.
+    verify_ms: Vec<Option<f64>>,
+}
+
+impl DraftLength {
+    /// Weight of the past in the decayed acceptance counts and the cost averages.
+    const DECAY: f64 = 0.9;
+
+    pub fn new(s: &Speculation) -> Self {
+        let max = s.draft_tokens.unwrap_or(s.max_draft).max(1);
+        DraftLength { fixed: s.draft_tokens, max, accepts: 0.0, trials: 0.0, draft_ms: None, verify_ms: vec![None; max + 2] }
+    }
+
+    /// The per-token acceptance probability now estimated (a prior of 1 in 2 at the start).
+    pub fn acceptance(&self) -> f64 {
+        (self.accepts + 1.0) / (self.trials + 2.0)
+    }
+
+    /// Draft tokens for the next step, at most `limit` (the tokens left to generate less
+    /// one, and the context's room).
+    pub fn next(&self, limit: usize) -> usize {
+        if let Some(k) = self.fixed {
+            return k.min(limit);
+        }
+        let top = self.max.min(limit);
+        if top == 0 {
+            return 0;
+        }
+        let a = self.acceptance();
+        let d = self.draft_ms.unwrap_or(0.0);
+        let mut best = (1, f64::MIN);
+        for k in 1..=top {
+            let expected: f64 = (0..=k).map(|i| a.powi(i as i32)).sum();
+            let cost = (k as f64 * d + self.verify_estimate(k + 1)).max(1e-6);
+            let rate = expected / cost;
+            if rate > best.1 * (1.0 + 1e-9) {
+                best = (k, rate);
+            }
+        }
+        best.0
+    }
+
+    fn verify_estimate(&self, w: usize) -> f64 {
+        let measured = |i: usize| self.verify_ms.get(i).copied().flatten();
+        if let Some(v) = measured(w) {
+            return v;
+        }
+        let below = (1..w).rev().find_map(|i| measured(i).map(|v| (i, v)));
+        let above = (w + 1..self.verify_ms.len()).find_map(|i| measured(i).map(|v| (i, v)));
+        match (below, above) {
+            (Some((i, a)), Some((j, b))) => a + (b - a) * (w - i) as f64 / (j - i) as f64,
+            (Some((_, a)), None) => a,
+            (None, Some((_, b))) => b,
+            (None, None) => 1.0,
+        }
+    }
+
+    /// Learn from a step: `k` drafted (0: a plain step), `accepted` of them kept, the draft
+    /// milliseconds and the target step's milliseconds.
+    pub fn record(&mut self, k: usize, accepted: usize, draft_ms: f64, step_ms: f64) {
+        let ema = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| Self::DECAY * o + (1.0 - Self::DECAY) * new));
+        if let Some(slot) = self.verify_ms.get_mut(k + 1) {
+            *slot = ema(*slot, step_ms);
+        }
+        if k > 0 {
+            self.draft_ms = ema(self.draft_ms, draft_ms / k as f64);
+            let rejected = usize::from(accepted < k);
+            self.accepts = Self::DECAY * self.accepts + accepted as f64;
+            self.trials = Self::DECAY * self.trials + (accepted + rejected) as f64;
+        }
+    }
+}
+
+/// Prompt lookup: the tokens that followed the most recent earlier occurrence of the
+/// longest suffix of `history` (n-grams of `max_ngram` tokens down to 1), at most `k` of
+/// them; empty when nothing matches.
+pub fn lookup(history: &[u32], k: usize, max_ngram: usize) -> Vec<u32> {
+    let len = history.len();
+    if k == 0 || len < 2 {
+        return Vec::new();
+    }
+    for n in (1..=max_ngram.min(len - 1)).rev() {
+        let tail = &history[len - n..];
+        // Occurrences ending before the suffix itself, the most recent first.
+        if let Some(i) = (0..len - n).rev().find(|&i| &history[i..i + n] == tail) {
+            let start = i + n;
+            return history[start..(start + k).min(len)].to_vec();
+        }
+    }
+    Vec::new()
+}
+
+/// What verification kept: how many drafts were accepted, and the tokens to emit (the
+/// accepted drafts, then the target's correction or, when all were accepted, its next
+/// token). Always at least one token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    pub accepted: usize,
+    pub tokens: Vec<u32>,
+}
+
+/// Greedy verification: `argmax[i]` is the target's choice after the last accepted token
+/// and drafts `0..i` (so `argmax.len() == drafts.len() + 1`).
+pub fn verify_greedy(drafts: &[u32], argmax: &[u32]) -> Verdict {
+    let mut tokens = Vec::with_capacity(drafts.len() + 1);
+    for (i, &d) in drafts.iter().enumerate() {
+        let t = argmax[i];
+        tokens.push(t);
+        if t != d {
+            return Verdict { accepted: i, tokens };
+        }
+    }
+    tokens.push(argmax[drafts.len()]);
+    Verdict { accepted: drafts.len(), tokens }
+}
+
+/// Rejection-sampling verification: `q[i]` is the distribution draft `i` was drawn from
+/// (one-hot for deterministic drafts), `p[i]` the target's distribution at that position
+/// (`p.len() == drafts.len() + 1`; the last is the bonus position). Uniform numbers and
+/// draws come from `sampler`'s generator.
+pub fn verify_sampled(drafts: &[u32], q: &[Dist], p: &[Dist], sampler: &mut Sampler) -> Verdict {
+    let mut tokens = Vec::with_capacity(drafts.len() + 1);
+    for (i, &d) in drafts.iter().enumerate() {
+        let (pd, qd) = (p[i].prob(d), q[i].prob(d));
+        // Accept with probability min(1, p/q): u < p/q, written without the division.
+        if qd > 0.0 && sampler.uniform() * qd < pd {
+            tokens.push(d);
+            continue;
+        }
+        tokens.push(sampler.draw_from(&residual(&p[i], &q[i])));
+        return Verdict { accepted: i, tokens };
+    }
+    tokens.push(sampler.draw_from(&p[drafts.len()]));
+    Verdict { accepted: drafts.len(), tokens }
+}
+
+/// The normalised max(0, p - q): what a rejected position is drawn from. Falls back to p
+/// when p - q has no positive mass (p = q up to rounding; then a rejection has probability
+/// zero anyway).
+pub fn residual(p: &Dist, q: &Dist) -> Dist {
+    let qm: HashMap<u32, f64> = q.0.iter().copied().collect();
+    let mut r: Vec<(u32, f64)> =
+        p.0.iter().map(|&(id, pp)| (id, (pp - qm.get(&id).copied().unwrap_or(0.0)).max(0.0))).filter(|c| c.1 > 0.0).collect();
+    let sum: f64 = r.iter().map(|c| c.1).sum();
+    if sum <= 0.0 {
+        return p.clone();
+    }
+    for c in &mut r {
+        c.1 /= sum;
+    }
+    Dist(r)
+}
+
+/// What a step must read back to give `sampler` its distribution: the argmax for greedy,
+/// the GPU top-k when the sampler's top-k fits in it, else the logits.
+pub fn want_for(sampler: &Sampler) -> Want {
+    if sampler.params.is_greedy() {
+        Want::Argmax
+    } else if sampler.fits_top(crate::kernels::topk::TOPK_MAX) {
+        Want::TopK
+    } else {
+        Want::Logits
+    }
+}
+
+/// The wider of two readbacks (a step serving several samplers reads what the most
+/// demanding needs).
+pub fn wider(a: Want, b: Want) -> Want {
+    let rank = |w: Want| match w {
+        Want::Argmax => 0,
+        Want::TopK => 1,
+        Want::Logits => 2,
+    };
+    if rank(b) > rank(a) {
+        b
+    } else {
+        a
+    }
+}
+
+/// The distribution `sampler` draws from at output row `r` of a step.
+pub fn dist_at(out: &StepOutput, r: usize, vocab: usize, sampler: &Sampler) -> Dist {
+    if sampler.params.is_greedy() {
+        return Dist::one(out.argmax[r]);
+    }
+    match (&out.logits, &out.top) {
+        (Some(l), _) => sampler.distribution(&l[r * vocab..(r + 1) * vocab]),
+        (None, Some(t)) => sampler.distribution_top(&t[r]),
+        (None, None) => Dist::one(out.argmax[r]),
+    }
+}
+
+/// One sequence's drafting in a draft-model round: its slot in the draft model's cache,
+/// the tokens so far (prompt and output; the last is not yet in the target's cache), how
+/// many to draft, and its sampler. [`draft_tokens`] fills `tokens` and `q`.
+pub struct DraftJob<'a> {
+    pub slot: usize,
+    pub history: &'a [u32],
+    pub k: usize,
+    pub sampler: &'a mut Sampler,
+    pub tokens: Vec<u32>,
+    pub q: Vec<Dist>,
+}
+
+/// Draft `job.k` tokens for each job on the draft model, batched: the tokens each draft
+/// cache lacks go in one step (long catch-ups, such as a prompt, first run alone in chunks),
+/// then one token per job per step. A job whose draft cache is full stops drafting (it
+/// keeps what it has). Drafts follow each job's sampler: the argmax when greedy, else a draw
+/// from the sampler's distribution over the draft's logits, which is recorded as `q`.
+pub async fn draft_tokens(draft: &mut GpuModel, jobs: &mut [DraftJob<'_>]) -> Result<()> {
+    let vocab = draft.config.vocab_size;
+    let max_step = draft.options.max_batch_tokens.max(1);
+    // Catch up: every job's cache must hold all of its history but the last token.
+    let mut pending: Vec<usize> = Vec::with_capacity(jobs.len());
+    for j in jobs.iter() {
+        let len = draft.sequence_len(j.slot)?;
+        if len >= j.history.len() {
+            return Err(LanternError::InvalidRequest(format!(
+                "draft sequence {} holds {len} tokens, more than the {} before the last one",
+                j.slot,
+                j.history.len() - 1
+            )));
+        }
+        pending.push(j.history.len() - len);
+    }
+    let total: usize = pending.iter().sum();
+    if total > max_step {
+        for (j, p) in jobs.iter().zip(pending.iter_mut()) {
+            if *p > 1 && j.k > 0 {
+                let len = j.history.len() - *p;
+                draft.forward(j.slot, &j.history[len..j.history.len() - 1], Want::Argmax).await?;
+                *p = 1;
+            }
+        }
+    }
+    let rounds = jobs.iter().map(|j| j.k).max().unwrap_or(0);
+    let mut active: Vec<bool> = jobs.iter().map(|j| j.k > 0).collect();
+    for round in 0..rounds {
+        let (mut ids, mut positions, mut seqs, mut rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut want = Want::Argmax;
+        let mut members = Vec::new();
+        for (i, j) in jobs.iter_mut().enumerate() {
+            if !active[i] || j.tokens.len() >= j.k || rows.len() >= draft.logit_rows {
+                active[i] = false;
+                continue;
+            }
+            let feed: Vec<u32> = if round == 0 {
+                j.history[j.history.len() - pending[i]..].to_vec()
+            } else {
+                vec![*j.tokens.last().expect("a token per earlier round")]
+            };
+            if ids.len() + feed.len() > max_step || draft.check_fits(j.slot, feed.len()).is_err() {
+                active[i] = false;
+                continue;
+            }
+            let start = draft.kv.alloc.append(j.slot, feed.len()).map_err(LanternError::Kv)?;
+            for (o, &t) in feed.iter().enumerate() {
+                ids.push(t);
+                positions.push((start + o) as u32);
+                seqs.push(j.slot as u32);
+            }
+            rows.push(ids.len() as u32 - 1);
+            want = wider(want, want_for(j.sampler));
+            members.push(i);
+        }
+        if members.is_empty() {
+            break;
+        }
+        let out = draft.step_batch(&ids, &positions, &seqs, &rows, want).await?;
+        for (r, &i) in members.iter().enumerate() {
+            let j = &mut jobs[i];
+            let dist = dist_at(&out, r, vocab, j.sampler);
+            let t = if j.sampler.params.is_greedy() { out.argmax[r] } else { j.sampler.draw_from(&dist) };
+            j.tokens.push(t);
+            j.q.push(if j.sampler.params.is_greedy() { Dist::one(t) } else { dist });
+        }
+    }
+    Ok(())
+}
+
+/// Refuse a draft model that does not share the target's tokenizer: another vocabulary
+/// size, or any id whose token differs. `target` and `draft` name the models in the error.
+pub fn check_pair(
+    target: (&str, &ModelConfig, &Tokenizer),
+    draft: (&str, &ModelConfig, &Tokenizer),
+) -> Result<()> {
+    let (tn, tc, tt) = target;
+    let (dn, dc, dt) = draft;
+    let mismatch = |reason: String| Err(LanternError::DraftMismatch { target: tn.to_string(), draft: dn.to_string(), reason });
+    if tc.vocab_size != dc.vocab_size || tt.vocab_size() != dt.vocab_size() {
+        return mismatch(format!(
+            "the target's vocabulary has {} tokens ({} in its tokenizer), the draft's {} ({} in its tokenizer); draft and target must share one tokenizer",
+            tc.vocab_size,
+            tt.vocab_size(),
+            dc.vocab_size,
+            dt.vocab_size()
+        ));
+    }
+    for id in 0..tt.vocab_size() as u32 {
+        let (a, b) = (tt.id_to_token(id), dt.id_to_token(id));
+        if a != b {
+            return mismatch(format!(
+                "token {id} is {:?} in the target's vocabulary and {:?} in the draft's; draft and target must share one tokenizer",
+                a.unwrap_or_default(),
+                b.unwrap_or_default()
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::sampler::SamplingParams;
+
+    #[test]
+    fn lookup_takes_the_longest_most_recent_match() {
+        // ... 1 2 3 [9 9] ... 1 2 3 [7 7] ... 1 2 3 -> the most recent 3-gram: 7 7.
+        let h = [1, 2, 3, 9, 9, 5, 1, 2, 3, 7, 7, 6, 1, 2, 3];
+        assert_eq!(lookup(&h, 2, 3), vec![7, 7]);
+        assert_eq!(lookup(&h, 5, 3), vec![7, 7, 6, 1, 2]);
+        // Only a 1-gram matches: 4 ... 4 -> what followed the earlier 4.
+        assert_eq!(lookup(&[4, 8, 1, 4], 3, 3), vec![8, 1, 4]);
+        // A longer match wins over a more recent shorter one.
+        assert_eq!(lookup(&[5, 6, 1, 0, 6, 2, 5, 6], 1, 3), vec![1]);
+        assert!(lookup(&[1, 2, 3], 4, 3).is_empty());
+        assert!(lookup(&[1, 1], 0, 3).is_empty());
+        // Continuations stop at the end of the history.
+        assert_eq!(lookup(&[3, 3, 3], 4, 2), vec![3]);
+    }
+
+    #[test]
+    fn greedy_verdicts() {
+        assert_eq!(verify_greedy(&[1, 2, 3], &[1, 2, 3, 4]), Verdict { accepted: 3, tokens: vec![1, 2, 3, 4] });
+        assert_eq!(verify_greedy(&[1, 2, 3], &[1, 5, 3, 4]), Verdict { accepted: 1, tokens: vec![1, 5] });
+        assert_eq!(verify_greedy(&[1], &[9, 4]), Verdict { accepted: 0, tokens: vec![9] });
+        assert_eq!(verify_greedy(&[], &[7]), Verdict { accepted: 0, tokens: vec![7] });
+    }
+
+    #[test]
+    fn residual_is_the_normalised_positive_part() {
+        let p = Dist(vec![(0, 0.5), (1, 0.3), (2, 0.2)]);
+        let q = Dist(vec![(0, 0.7), (1, 0.1), (3, 0.2)]);
+        let r = residual(&p, &q);
+        // p - q = [-0.2, 0.2, 0.2, -0.2] -> [0, 0.5, 0.5, 0].
+        assert_eq!(r.0.len(), 2);
+        assert!((r.prob(1) - 0.5).abs() < 1e-12 && (r.prob(2) - 0.5).abs() < 1e-12);
+        assert_eq!(residual(&p, &p), p);
+    }
+
+    #[test]
+    fn rejection_sampling_of_one_position_follows_p() {
+        // Exact distribution of the first emitted token for a fixed q: p, whatever q is.
+        let p = Dist(vec![(0, 0.6), (1, 0.3), (2, 0.1)]);
+        let q = Dist(vec![(2, 0.5), (1, 0.4), (0, 0.1)]);
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, seed: 11, ..Default::default() });
+        let mut counts = [0usize; 3];
+        let n = 60_000;
+        for _ in 0..n {
+            let d = s.draw_from(&q);
+            let v = verify_sampled(&[d], std::slice::from_ref(&q), &[p.clone(), p.clone()], &mut s);
+            counts[v.tokens[0] as usize] += 1;
+        }
+        for (i, &c) in counts.iter().enumerate() {
+            let f = c as f64 / n as f64;
+            assert!((f - p.prob(i as u32)).abs() < 0.01, "token {i}: {f} against {}", p.prob(i as u32));
+        }
+    }
+
+    #[test]
+    fn fixed_and_adaptive_draft_lengths() {
+        let fixed = DraftLength::new(&Speculation { draft_tokens: Some(3), ..Speculation::lookup() });
+        assert_eq!(fixed.next(10), 3);
+        assert_eq!(fixed.next(2), 2);
+        let mut a = DraftLength::new(&Speculation::lookup());
+        // Verify steps cost the same at any width and drafts are free: draft the most.
+        for k in [1, 4, 8] {
+            a.record(k, k, 0.0, 10.0);
+        }
+        assert_eq!(a.next(100), 8);
+        assert_eq!(a.next(3), 3);
+        // Every draft rejected, and each extra token in a step costs: k falls to 1.
+        let mut b = DraftLength::new(&Speculation::draft_model());
+        for _ in 0..30 {
+            for k in 1..=8 {
+                b.record(k, 0, 5.0 * k as f64, 10.0 + 2.0 * k as f64);
+            }
+        }
+        assert!(b.acceptance() < 0.1);
+        assert_eq!(b.next(100), 1);
+    }
+}

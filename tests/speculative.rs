@@ -1,0 +1,294 @@
+//! Speculative decoding: greedy identity on the real models (prompt lookup on SmolLM2 and
+//! Qwen2.5-Coder-0.5B, the 0.5B drafting for the 1.5B), the rejection-sampling rule's
+//! distribution on tiny random models against the CPU reference (chi-square), cache
+//! rollback, and the refusals.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use common::random::{random_model, Spec};
+use lantern::engine::generate::{generate, generate_with, GenerateRequest};
+use lantern::engine::sampler::Sampler;
+use lantern::engine::speculative::{check_pair, Drafter, Speculation};
+use lantern::engine::SamplingParams;
+use lantern::model::llama::{GpuModel, ModelOptions, Want};
+use lantern::model::tokenizer::Tokenizer;
+use lantern::model::ModelWeights;
+use lantern::reference::forward::ReferenceModel;
+use lantern::LanternError;
+
+/// SmolLM2's tokenizer: the tiny models' ids are byte-level tokens in it.
+fn tokenizer() -> Arc<Tokenizer> {
+    static T: OnceLock<Arc<Tokenizer>> = OnceLock::new();
+    T.get_or_init(|| {
+        let l = lantern::model::load::load_path(&common::smollm2_gguf()).expect("SmolLM2");
+        Arc::new(l.tokenizer.expect("tokenizer"))
+    })
+    .clone()
+}
+
+const TINY: Spec = Spec {
+    seed: 0,
+    vocab: 24,
+    hidden: 32,
+    ffn: 48,
+    layers: 2,
+    heads: 2,
+    kv_heads: 1,
+    head_dim: 16,
+    bias: false,
+    tied: false,
+    f16: false,
+    llama3: false,
+    gemma: false,
+};
+
+fn load(w: &ModelWeights, context: usize, page_size: usize) -> GpuModel {
+    let opts = ModelOptions { context: Some(context), page_size, max_seqs: 2, prefix_cache: false, ..Default::default() };
+    pollster::block_on(GpuModel::load(common::gpu(), w, opts)).expect("upload")
+}
+
+fn request(prompt: &[u32], max_tokens: usize, sampling: SamplingParams, speculation: Speculation) -> GenerateRequest {
+    GenerateRequest { prompt_ids: prompt.to_vec(), max_tokens, sampling, stop_ids: vec![], stop_strings: vec![], speculation }
+}
+
+/// Upper quantile of the chi-square distribution with `df` degrees of freedom at tail
+/// probability 1e-6 (Wilson-Hilferty; z = 4.753).
+fn chi2_bound(df: usize) -> f64 {
+    let d = df as f64;
+    let z = 4.753;
+    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
+}
+
+/// Pearson's statistic of observed counts against expected ones, bins with an expectation
+/// under 5 pooled into one; returns (statistic, degrees of freedom).
+fn chi2(observed: &[f64], expected: &[f64]) -> (f64, usize) {
+    let (mut stat, mut bins) = (0.0, 0usize);
+    let (mut po, mut pe) = (0.0, 0.0);
+    for (&o, &e) in observed.iter().zip(expected) {
+        if e < 5.0 {
+            po += o;
+            pe += e;
+        } else {
+            stat += (o - e) * (o - e) / e;
+            bins += 1;
+        }
+    }
+    if pe > 0.0 {
+        stat += (po - pe) * (po - pe) / pe.max(1e-9);
+        bins += 1;
+    }
+    (stat, bins.saturating_sub(1))
+}
+
+/// Samples `runs` requests of `new` tokens each (seeds 0..runs) and counts every token after
+/// the first (those come out of verify steps when speculating) against what the target's
+/// CPU reference says each position's distribution is, given the tokens before it:
+/// E[count(x)] = sum over samples of p(x | prefix). Each sample is an independent draw
+/// (runs are independent; within a run, given its prefix), so Pearson's statistic is at most
+/// chi-square distributed (variance p(1-p) <= p per draw).
+#[allow(clippy::too_many_arguments)]
+fn sample_counts(
+    target: &mut GpuModel,
+    mut draft: Option<&mut GpuModel>,
+    reference: &ReferenceModel,
+    prompt: &[u32],
+    params: SamplingParams,
+    speculation: Speculation,
+    runs: usize,
+    new: usize,
+) -> (Vec<f64>, Vec<f64>, (usize, usize)) {
+    let vocab = reference.config().vocab_size;
+    let tok = tokenizer();
+    let mut observed = vec![0.0; vocab];
+    let mut expected = vec![0.0; vocab];
+    let mut memo: HashMap<Vec<u32>, Vec<f64>> = HashMap::new();
+    let (mut proposed, mut accepted) = (0, 0);
+    for run in 0..runs {
+        let sampling = SamplingParams { seed: run as u64 * 7919 + 1, ..params };
+        let g = pollster::block_on(generate_with(target, draft.as_deref_mut(), &tok, &request(prompt, new, sampling, speculation), |_| true))
+            .expect("generate");
+        assert_eq!(g.output_ids.len(), new);
+        if let Some(s) = &g.speculative {
+            proposed += s.proposed;
+            accepted += s.accepted;
+        }
+        for pos in 1..new {
+            let mut prefix = prompt.to_vec();
+            prefix.extend_from_slice(&g.output_ids[..pos]);
+            let p = memo.entry(prefix.clone()).or_insert_with(|| {
+                let logits = reference.forward(&prefix);
+                let d = Sampler::new(sampling).distribution(&logits[logits.len() - vocab..]);
+                let mut p = vec![0.0; vocab];
+                for (id, q) in d.0 {
+                    p[id as usize] = q;
+                }
+                p
+            });
+            for (e, q) in expected.iter_mut().zip(p.iter()) {
+                *e += q;
+            }
+            observed[g.output_ids[pos] as usize] += 1.0;
+        }
+    }
+    (observed, expected, (proposed, accepted))
+}
+
+#[test]
+fn rejection_sampling_follows_the_target_distribution() {
+    let tw = random_model(Spec { seed: 31, ..TINY });
+    let dw = random_model(Spec { seed: 32, ..TINY });
+    let reference = ReferenceModel::new(&tw).unwrap();
+    let mut target = load(&tw, 32, 4);
+    let mut draft = load(&dw, 32, 4);
+    let prompt = [3u32, 14, 15, 9];
+    let (runs, new) = (400, 6);
+    for (params, label) in [
+        (SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 0 }, "temperature 1 (logits)"),
+        (SamplingParams { temperature: 0.8, top_k: 6, top_p: 0.95, seed: 0 }, "top-k 6, top-p 0.95 (GPU top-k)"),
+    ] {
+        let spec = Speculation { drafter: Drafter::Model, draft_tokens: Some(3), ..Default::default() };
+        let (o, e, (proposed, accepted)) = sample_counts(&mut target, Some(&mut draft), &reference, &prompt, params, spec, runs, new);
+        let (stat, df) = chi2(&o, &e);
+        let bound = chi2_bound(df);
+        eprintln!("{label}: draft model, k = 3: chi-square {stat:.1} on {df} df (bound {bound:.1}); {accepted}/{proposed} drafts accepted");
+        assert!(accepted > 0 && accepted < proposed, "both branches of the rule ran: {accepted}/{proposed}");
+        assert!(stat < bound, "{label}: speculative samples do not follow the target: chi-square {stat:.1} > {bound:.1}");
+
+        // Lookup drafts (deterministic, q one-hot) follow it too.
+        let lookup = Speculation { drafter: Drafter::Lookup, draft_tokens: Some(4), lookup_ngram: 1, ..Default::default() };
+        let (o, e, (proposed, _)) = sample_counts(&mut target, None, &reference, &prompt, params, lookup, runs, new);
+        let (stat, df) = chi2(&o, &e);
+        eprintln!("{label}: lookup: chi-square {stat:.1} on {df} df (bound {:.1}); {proposed} drafts", chi2_bound(df));
+        assert!(proposed > 0, "lookup proposed nothing");
+        assert!(stat < chi2_bound(df), "{label}: lookup samples do not follow the target: {stat:.1}");
+    }
+    // The test can fail: samples of the draft model alone, scored against the target.
+    let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 0 };
+    let (o, e, _) = sample_counts(&mut draft, None, &reference, &prompt, p, Speculation::default(), runs, new);
+    let (stat, df) = chi2(&o, &e);
+    eprintln!("the draft's own samples against the target: chi-square {stat:.1} on {df} df");
+    assert!(stat > chi2_bound(df), "the statistic does not tell the draft's distribution from the target's ({stat:.1})");
+    assert_eq!(target.kv.alloc.free_pages(), target.kv.alloc.total_pages(), "target pages leaked");
+    assert_eq!(draft.kv.alloc.free_pages(), draft.kv.alloc.total_pages(), "draft pages leaked");
+}
+
+#[test]
+fn rejected_drafts_roll_back_and_long_greedy_generation_stays_exact() {
+    let tw = random_model(Spec { seed: 41, vocab: 40, ..TINY });
+    let dw = random_model(Spec { seed: 42, vocab: 40, ..TINY });
+    let reference = ReferenceModel::new(&tw).unwrap();
+    let (context, page) = (128, 4);
+    let mut target = load(&tw, context, page);
+    let mut draft = load(&dw, context, page);
+    let prompt = [5u32, 6, 7, 8, 9, 10, 11];
+    let n = 100;
+    let want = reference.greedy(&prompt, n);
+    let plain = pollster::block_on(generate(&mut target, &tokenizer(), &request(&prompt, n, SamplingParams::default(), Speculation::default()), |_| true)).unwrap();
+    assert_eq!(plain.output_ids, want, "plain greedy against the reference");
+    for spec in [
+        Speculation { drafter: Drafter::Model, draft_tokens: Some(5), ..Default::default() },
+        Speculation { drafter: Drafter::Model, ..Default::default() },
+        Speculation { drafter: Drafter::Lookup, draft_tokens: Some(7), lookup_ngram: 2, ..Default::default() },
+    ] {
+        let g = pollster::block_on(generate_with(&mut target, Some(&mut draft), &tokenizer(), &request(&prompt, n, SamplingParams::default(), spec), |_| true)).unwrap();
+        let s = g.speculative.clone().unwrap();
+        eprintln!("{:?} k {:?}: {}/{} accepted over {} verify steps", s.drafter, spec.draft_tokens, s.accepted, s.proposed, s.steps);
+        assert!(s.proposed - s.accepted >= 10, "the test needs many rejected drafts: {}/{}", s.accepted, s.proposed);
+        assert_eq!(g.output_ids, want, "{:?}: speculative greedy against the reference", s.drafter);
+        assert_eq!(target.kv.alloc.free_pages(), target.kv.alloc.total_pages(), "target pages leaked");
+        assert_eq!(draft.kv.alloc.free_pages(), draft.kv.alloc.total_pages(), "draft pages leaked");
+    }
+
+    // A verify step across page boundaries, rolled back: the sequence holds exactly the pages
+    // a plain run of the kept length holds, and the freed pages are back on the free list.
+    let seq = target.new_sequence().unwrap();
+    pollster::block_on(target.forward(seq, &prompt, Want::Argmax)).unwrap();
+    let free_before = target.kv.alloc.free_pages();
+    pollster::block_on(target.forward_rows(seq, &[1, 2, 3, 4, 5, 6, 7, 8, 9], Want::Argmax)).unwrap();
+    assert_eq!(target.kv.alloc.pages(seq).unwrap().len(), (prompt.len() + 9).div_ceil(page));
+    target.truncate_sequence(seq, prompt.len() + 2).unwrap();
+    assert_eq!(target.sequence_len(seq).unwrap(), prompt.len() + 2);
+    assert_eq!(target.kv.alloc.pages(seq).unwrap().len(), (prompt.len() + 2).div_ceil(page));
+    let plain_pages = (prompt.len() + 2).div_ceil(page) - prompt.len().div_ceil(page);
+    assert_eq!(target.kv.alloc.free_pages(), free_before - plain_pages);
+    target.release_sequence(seq);
+}
+
+#[test]
+fn refusals_and_k_zero() {
+    let tw = random_model(Spec { seed: 51, ..TINY });
+    let mut target = load(&tw, 32, 4);
+    let tok = tokenizer();
+    let prompt = [1u32, 2, 3];
+    // A draft-model request without a draft model.
+    let err = pollster::block_on(generate(&mut target, &tok, &request(&prompt, 4, SamplingParams::default(), Speculation::draft_model()), |_| true)).unwrap_err();
+    assert!(matches!(err, LanternError::InvalidRequest(_)) && err.to_string().contains("draft model"), "{err}");
+    // k = 0: plain decoding, no speculative statistics.
+    let zero = Speculation { draft_tokens: Some(0), ..Speculation::lookup() };
+    let g = pollster::block_on(generate(&mut target, &tok, &request(&prompt, 6, SamplingParams::default(), zero), |_| true)).unwrap();
+    assert!(g.speculative.is_none());
+    let plain = pollster::block_on(generate(&mut target, &tok, &request(&prompt, 6, SamplingParams::default(), Speculation::default()), |_| true)).unwrap();
+    assert_eq!(g.output_ids, plain.output_ids);
+    // A draft with another vocabulary, named in the error with both sizes.
+    let other = random_model(Spec { seed: 52, vocab: 30, ..TINY });
+    let err = check_pair(("target.gguf", &tw.config, &tok), ("draft.gguf", &other.config, &tok)).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, LanternError::DraftMismatch { .. }), "{err:?}");
+    assert!(msg.contains("target.gguf") && msg.contains("draft.gguf") && msg.contains("24") && msg.contains("30"), "{msg}");
+}
+
+#[test]
+fn smollm2_lookup_gives_the_fixture_greedy_ids() {
+    let l = lantern::model::load::load_path(&common::smollm2_gguf()).unwrap();
+    let tok = l.tokenizer.as_ref().unwrap();
+    let opts = ModelOptions { context: Some(256), ..Default::default() };
+    let mut m = pollster::block_on(GpuModel::load(common::gpu(), &l.weights, opts)).unwrap();
+    let cases = common::real::json("smollm2", "cases.json").as_array().unwrap().clone();
+    for spec in [Speculation::lookup(), Speculation { draft_tokens: Some(4), ..Speculation::lookup() }] {
+        let stats = common::real::check_speculative_cases(&mut m, None, tok, &cases, spec).unwrap_or_else(|e| panic!("{e}"));
+        assert!(stats.iter().any(|(_, s)| s.accepted > 0), "lookup never helped");
+    }
+}
+
+#[test]
+fn qwen_0_5b_lookup_gives_the_fixture_greedy_ids() {
+    let path = common::real::model("LANTERN_QWEN05_GGUF", "qwen2.5-coder-0.5b");
+    let l = lantern::model::load::load_path(&path).unwrap();
+    let tok = l.tokenizer.as_ref().unwrap();
+    let opts = ModelOptions { context: Some(640), ..Default::default() };
+    let mut m = pollster::block_on(GpuModel::load(common::gpu(), &l.weights, opts)).unwrap();
+    let cases = common::real::json("qwen2.5-coder-0.5b-q4km", "cases.json").as_array().unwrap().clone();
+    common::real::check_speculative_cases(&mut m, None, tok, &cases, Speculation::lookup()).unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn qwen_1_5b_with_the_0_5b_drafting_gives_the_fixture_greedy_ids() {
+    let target_path = common::real::model("LANTERN_QWEN15_GGUF", "qwen2.5-coder-1.5b");
+    let draft_path = common::real::model("LANTERN_QWEN05_GGUF", "qwen2.5-coder-0.5b");
+    let ctx = common::gpu();
+    let opts = ModelOptions { context: Some(128), max_seqs: 1, ..Default::default() };
+    let (mut target, tok) = pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &target_path, opts.clone(), &mut |_, _| {})).unwrap();
+    let tok = tok.unwrap();
+    let (mut draft, dtok) = pollster::block_on(lantern::model::load::load_to_gpu(ctx, &draft_path, opts, &mut |_, _| {})).unwrap();
+    check_pair(("1.5b", &target.config, &tok), ("0.5b", &draft.config, dtok.as_ref().unwrap())).expect("one tokenizer");
+    // The short cases (the long one's 566-token prompt takes minutes here).
+    let cases: Vec<_> = common::real::json("qwen2.5-coder-1.5b-q4km", "cases.json")
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["n_prompt_tokens"].as_u64().unwrap() <= 48)
+        .cloned()
+        .collect();
+    assert_eq!(cases.len(), 3);
+    let stats = common::real::check_speculative_cases(&mut target, Some(&mut draft), &tok, &cases, Speculation::draft_model()).unwrap_or_else(|e| panic!("{e}"));
+    let (p, a) = stats.iter().fold((0, 0), |(p, a), (_, s)| (p + s.proposed, a + s.accepted));
+    eprintln!("0.5B drafting for 1.5B: {a}/{p} accepted");
+    assert!(a * 2 > p, "the 0.5B should agree with the 1.5B on most tokens: {a}/{p}");
+    // SmolLM2 cannot draft for Qwen: another vocabulary.
+    let s = lantern::model::load::load_path(&common::smollm2_gguf()).unwrap();
+    let err = check_pair(("qwen", &target.config, &tok), ("smollm2", &s.weights.config, s.tokenizer.as_ref().unwrap())).unwrap_err();
+    assert!(err.to_string().contains("151936") && err.to_string().contains("49152"), "{err}");
+}
