@@ -292,3 +292,81 @@ fn qwen_1_5b_with_the_0_5b_drafting_gives_the_fixture_greedy_ids() {
     let err = check_pair(("qwen", &target.config, &tok), ("smollm2", &s.weights.config, s.tokenizer.as_ref().unwrap())).unwrap_err();
     assert!(err.to_string().contains("151936") && err.to_string().contains("49152"), "{err}");
 }
+
+/// Drain a handle's events to its generation.
+fn done(h: &mut lantern::engine::RequestHandle) -> lantern::engine::Generation {
+    loop {
+        match h.try_next() {
+            Ok(Some(lantern::engine::Event::Done(g))) => return *g,
+            Ok(Some(lantern::engine::Event::Error(e))) => panic!("request {} failed: {e}", h.id),
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("request {} has no Done after the engine went idle", h.id),
+            Err(()) => panic!("request {} ended without Done", h.id),
+        }
+    }
+}
+
+#[test]
+fn engine_batches_speculative_and_plain_requests_and_each_gets_its_solo_output() {
+    use lantern::engine::{Engine, EngineOptions};
+    let tw = random_model(Spec { seed: 61, vocab: 40, ..TINY });
+    let dw = random_model(Spec { seed: 62, vocab: 40, ..TINY });
+    let opts = |max_seqs: usize, kv_pages: Option<usize>| ModelOptions {
+        context: Some(96),
+        max_seqs,
+        page_size: 4,
+        kv_pages,
+        max_batch_tokens: 48,
+        max_logit_rows: 24,
+        batch_invariant: true,
+        prefix_cache: false,
+        ..Default::default()
+    };
+    let up = |w: &ModelWeights, o: ModelOptions| pollster::block_on(GpuModel::load(common::gpu(), w, o)).unwrap();
+    let tok = tokenizer();
+    let greedy = SamplingParams::default();
+    let hot = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 5 };
+    let warm = SamplingParams { temperature: 0.9, top_k: 8, top_p: 0.95, seed: 9 };
+    let fixed = |d: Drafter, k: usize| Speculation { drafter: d, draft_tokens: Some(k), lookup_ngram: 2, ..Default::default() };
+    let reqs: Vec<GenerateRequest> = vec![
+        request(&[5, 6, 7, 8, 5, 6, 7], 30, greedy, Speculation::default()),
+        request(&[9, 3, 9, 3, 9, 3, 1], 30, greedy, Speculation::lookup()),
+        request(&[2, 4, 6, 8, 10], 30, greedy, Speculation::draft_model()),
+        request(&[11, 12, 13], 24, hot, fixed(Drafter::Model, 3)),
+        request(&[14, 15, 14, 15, 14], 24, warm, fixed(Drafter::Lookup, 2)),
+        request(&[16, 17, 18, 19], 20, hot, Speculation::default()),
+    ];
+    // Alone, one at a time.
+    let mut solo_t = up(&tw, opts(1, None));
+    let mut solo_d = up(&dw, opts(1, None));
+    let solo: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| pollster::block_on(generate_with(&mut solo_t, Some(&mut solo_d), &tok, r, |_| true)).unwrap().output_ids)
+        .collect();
+    // Together, with room for all, then with a KV pool that forces preemption.
+    for kv_pages in [None, Some(30)] {
+        let mut e = Engine::new(up(&tw, opts(6, kv_pages)), tok.clone(), EngineOptions { step_tokens: 48, prefill_chunk: 8, max_waiting: 16 });
+        e.set_draft(up(&dw, opts(6, None)), &tok).unwrap();
+        let mut handles: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
+        pollster::block_on(e.run_until_idle()).unwrap();
+        for (i, h) in handles.iter_mut().enumerate() {
+            let g = done(h);
+            assert_eq!(g.output_ids, solo[i], "request {i} (kv_pages {kv_pages:?}): batched output differs from its solo run");
+            if reqs[i].speculation.enabled() {
+                let s = g.speculative.expect("speculative stats");
+                assert!(s.proposed > 0, "request {i} drafted nothing");
+            }
+        }
+        eprintln!("kv_pages {kv_pages:?}: {} steps, {} preemptions", e.stats().steps, e.stats().preemptions);
+        if kv_pages.is_some() {
+            assert!(e.stats().preemptions > 0, "the small pool should preempt");
+        }
+        let d = e.take_draft().unwrap();
+        assert_eq!(d.kv.alloc.free_pages(), d.kv.alloc.total_pages(), "draft pages leaked");
+        let m = e.into_model();
+        assert_eq!(m.kv.alloc.free_pages(), m.kv.alloc.total_pages(), "target pages leaked");
+    }
+    // A draft-model request to an engine without a draft model is refused.
+    let mut e = Engine::new(up(&tw, opts(2, None)), tok.clone(), EngineOptions::default());
+    assert!(e.submit(reqs[2].clone()).is_err());
+}

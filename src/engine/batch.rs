@@ -20,7 +20,8 @@ use web_time::Instant;
 
 use super::generate::{FinishReason, GenerateRequest, Generation, TextStream};
 use super::metrics::RequestTimings;
-use super::sampler::Sampler;
+use super::sampler::{Dist, Sampler};
+use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats};
 use crate::kv::KvError;
 use crate::model::llama::{GpuModel, Want};
 use crate::model::tokenizer::Tokenizer;
@@ -115,6 +116,20 @@ struct Seq {
     preemptions: usize,
     tx: UnboundedSender<Event>,
     cancel: Arc<AtomicBool>,
+    /// Speculative decoding state, when the request asked for it.
+    spec: Option<SeqSpec>,
+}
+
+/// A speculative sequence's state in the engine.
+struct SeqSpec {
+    len: DraftLength,
+    stats: SpecStats,
+    /// Its sequence in the draft model's cache (draft-model speculation).
+    draft_slot: Option<usize>,
+    /// Drafts for the coming step, with the distributions they were drawn from.
+    drafts: Vec<u32>,
+    q: Vec<Dist>,
+    draft_ms: f64,
 }
 
 impl Seq {
@@ -138,14 +153,16 @@ pub struct StepReport {
     pub finished: usize,
 }
 
-/// The inputs of a scheduled step, and per sequence: (id, tokens, logits row).
+/// The inputs of a scheduled step, and per sequence: (id, tokens, first logits row, rows:
+/// 1, or 1 + drafts for a verify).
 struct Scheduled {
     ids: Vec<u32>,
     positions: Vec<u32>,
     seqs: Vec<u32>,
     rows: Vec<u32>,
     want: Want,
-    sampling: Vec<(u64, usize, Option<usize>)>,
+    sampling: Vec<(u64, usize, Option<usize>, usize)>,
+    started: Instant,
 }
 
 /// What a host gives Lantern out of one frame: a time budget (wall time inside the call)
@@ -207,6 +224,8 @@ pub struct Engine {
     stats: EngineStats,
     /// A frame-budgeted step on the GPU (`step_within`).
     pending: Option<(Scheduled, crate::model::llama::PendingStep, StepReport)>,
+    /// The draft model for draft-model speculation ([`Engine::set_draft`]).
+    draft: Option<GpuModel>,
 }
 
 /// Why `submit` refused a request.
@@ -218,7 +237,7 @@ impl Engine {
     pub fn new(model: GpuModel, tokenizer: Arc<Tokenizer>, mut options: EngineOptions) -> Engine {
         options.step_tokens = options.step_tokens.clamp(1, model.options.max_batch_tokens.max(1));
         options.prefill_chunk = options.prefill_chunk.clamp(1, options.step_tokens);
-        Engine { model, tokenizer, options, waiting: VecDeque::new(), running: Vec::new(), next_id: 0, stats: EngineStats::default(), pending: None }
+        Engine { model, tokenizer, options, waiting: VecDeque::new(), running: Vec::new(), next_id: 0, stats: EngineStats::default(), pending: None, draft: None }
     }
 
     /// Load `weights` onto a device the host application already has and serve them: the
@@ -250,6 +269,27 @@ impl Engine {
 
     pub fn into_model(self) -> GpuModel {
         self.model
+    }
+
+    /// Serve draft-model speculation (`Drafter::Model` requests) with `draft`, whose
+    /// tokenizer must be the engine's ([`speculative::check_pair`]). The engine must be idle.
+    pub fn set_draft(&mut self, draft: GpuModel, draft_tokenizer: &Tokenizer) -> Result<()> {
+        if !self.is_idle() {
+            return Err(LanternError::InvalidRequest("set_draft needs an idle engine".into()));
+        }
+        speculative::check_pair(("the target model", &self.model.config, &self.tokenizer), ("the draft model", &draft.config, draft_tokenizer))?;
+        self.draft = Some(draft);
+        Ok(())
+    }
+
+    /// The draft model back, if one was set.
+    pub fn take_draft(&mut self) -> Option<GpuModel> {
+        self.draft.take()
+    }
+
+    /// Whether a draft model is set.
+    pub fn has_draft(&self) -> bool {
+        self.draft.is_some()
     }
 
     pub fn stats(&self) -> &EngineStats {
@@ -291,6 +331,9 @@ impl Engine {
         if most.div_ceil(page) > total {
             return Err(LanternError::Kv(KvError::Full { needed: most.div_ceil(page), free: total, total, page_size: page }));
         }
+        if req.speculation.enabled() && req.speculation.drafter == Drafter::Model && self.draft.is_none() {
+            return Err(refuse("speculation with a draft model needs a draft model in the engine (--draft)".into()));
+        }
         if req.max_tokens == 0 {
             // Nothing to generate: done at once, like `generate`.
             let (tx, rx) = unbounded();
@@ -331,6 +374,14 @@ impl Engine {
             prompt_registered: false,
             preemptions: 0,
             slot: None,
+            spec: req.speculation.enabled().then(|| SeqSpec {
+                len: DraftLength::new(&req.speculation),
+                stats: SpecStats::new(req.speculation.drafter),
+                draft_slot: None,
+                drafts: Vec::new(),
+                q: Vec::new(),
+                draft_ms: 0.0,
+            }),
             req,
             tx,
             cancel: cancel.clone(),
@@ -347,10 +398,22 @@ impl Engine {
     }
 
     /// End `s` (already out of the running/waiting lists): free its pages and send `Done`.
+    /// Free `s`'s sequence in the draft model and forget its drafts.
+    fn release_draft(&mut self, s: &mut Seq) {
+        if let Some(sp) = s.spec.as_mut() {
+            if let (Some(d), Some(slot)) = (self.draft.as_mut(), sp.draft_slot.take()) {
+                d.release_sequence(slot);
+            }
+            sp.drafts.clear();
+            sp.q.clear();
+        }
+    }
+
     fn finish(&mut self, mut s: Seq, reason: FinishReason) {
         if let Some(slot) = s.slot.take() {
             self.model.release_sequence(slot);
         }
+        self.release_draft(&mut s);
         let tail = s.stream.finish(&self.tokenizer, reason).ok().flatten();
         if let Some(t) = tail {
             let _ = s.tx.unbounded_send(Event::Text(t));
@@ -367,7 +430,7 @@ impl Engine {
             finish_reason: reason,
             timings: s.timings.clone(),
             cached_prompt_tokens: s.cached_prompt_tokens,
-            speculative: None,
+            speculative: s.spec.as_ref().map(|sp| sp.stats.clone()),
         };
         let _ = s.tx.unbounded_send(Event::Done(Box::new(g)));
     }
@@ -376,6 +439,7 @@ impl Engine {
         if let Some(slot) = s.slot.take() {
             self.model.release_sequence(slot);
         }
+        self.release_draft(&mut s);
         self.stats.failed += 1;
         let _ = s.tx.unbounded_send(Event::Error(msg));
     }
@@ -387,6 +451,7 @@ impl Engine {
         if let Some(slot) = s.slot.take() {
             self.model.release_sequence(slot);
         }
+        self.release_draft(&mut s);
         s.computed = 0;
         s.preemptions += 1;
         self.stats.preemptions += 1;
@@ -410,17 +475,84 @@ impl Engine {
             };
             return self.complete(sch, out, report);
         }
+        self.draft_with_model().await;
         let (report, sch) = self.schedule()?;
-        let Some(sch) = sch else { return Ok(report) };
+        let Some(mut sch) = sch else { return Ok(report) };
+        sch.started = Instant::now();
         let out = self.model.step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want).await;
         self.complete(sch, out, report)
+    }
+
+    /// The draft tokens a speculative sequence in decode may take this step: at most its
+    /// chosen k, one less than the tokens it may still emit, and the context's room.
+    fn draft_room(&self, s: &Seq) -> usize {
+        let context = self.model.kv.alloc.config.context;
+        let Some(sp) = &s.spec else { return 0 };
+        if s.slot.is_none() || s.computed + 1 != s.tokens.len() {
+            return 0;
+        }
+        let limit = s.req.max_tokens.saturating_sub(s.out.len() + 1).min(context.saturating_sub(s.tokens.len())).min(self.model.logit_rows.saturating_sub(1));
+        sp.len.next(limit)
+    }
+
+    /// Draft-model speculation: every running sequence in decode that asked for it gets its
+    /// drafts from the draft model, all in the same draft steps. A draft model that fails
+    /// leaves the sequences without drafts this step (they decode plainly).
+    async fn draft_with_model(&mut self) {
+        if self.draft.is_none() {
+            return;
+        }
+        let mut picks: Vec<(usize, usize)> = Vec::new();
+        for (i, s) in self.running.iter().enumerate() {
+            let wants = s.spec.as_ref().is_some_and(|sp| sp.stats.drafter == Drafter::Model && sp.drafts.is_empty());
+            let k = if wants && !s.cancelled() { self.draft_room(s) } else { 0 };
+            if k > 0 {
+                picks.push((i, k));
+            }
+        }
+        let Some(draft) = self.draft.as_mut() else { return };
+        if picks.is_empty() {
+            return;
+        }
+        // A draft sequence for those without one.
+        for &(i, _) in &picks {
+            let sp = self.running[i].spec.as_mut().expect("speculative");
+            if sp.draft_slot.is_none() {
+                sp.draft_slot = draft.new_sequence().ok();
+            }
+        }
+        let t0 = Instant::now();
+        let mut jobs: Vec<DraftJob<'_>> = Vec::new();
+        let mut owners: Vec<usize> = Vec::new();
+        for (i, s) in self.running.iter_mut().enumerate() {
+            let Some(&(_, k)) = picks.iter().find(|p| p.0 == i) else { continue };
+            let Some(slot) = s.spec.as_ref().and_then(|sp| sp.draft_slot) else { continue };
+            jobs.push(DraftJob { slot, history: &s.tokens, k, sampler: &mut s.sampler, tokens: Vec::new(), q: Vec::new() });
+            owners.push(i);
+        }
+        let r = speculative::draft_tokens(draft, &mut jobs).await;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let results: Vec<(Vec<u32>, Vec<Dist>)> = jobs.into_iter().map(|j| (j.tokens, j.q)).collect();
+        for (i, (tokens, q)) in owners.into_iter().zip(results) {
+            let sp = self.running[i].spec.as_mut().expect("speculative");
+            if r.is_ok() {
+                sp.drafts = tokens;
+                sp.q = q;
+            } else if let Some(slot) = sp.draft_slot.take() {
+                // Its draft cache may be out of step: start it again next time.
+                draft.release_sequence(slot);
+            }
+            sp.draft_ms = ms;
+        }
     }
 
     /// A frame-budgeted step for hosts with a frame loop: schedules a step when none is in
     /// flight, submits its dispatches a few at a time until `budget` has passed (at least one
     /// batch per call), and collects its result once the GPU has it, never waiting on the
     /// GPU. Tokens arrive through the handles as with `step`; `FrameReport::step` is the
-    /// report of a step that completed in this call.
+    /// report of a step that completed in this call. Prompt-lookup speculation runs here as
+    /// in `step`; draft-model drafting does not (its draft steps are not split across
+    /// frames), so draft-model requests decode without drafts on this path.
     pub async fn step_within(&mut self, budget: impl Into<FrameBudget>) -> Result<FrameReport> {
         let budget = budget.into();
         let now = web_time::Instant::now();
@@ -429,7 +561,8 @@ impl Engine {
             Some(x) => x,
             None => {
                 let (report, sch) = self.schedule()?;
-                let Some(sch) = sch else { return Ok(FrameReport { step: Some(report), in_flight: false, submitted: 0 }) };
+                let Some(mut sch) = sch else { return Ok(FrameReport { step: Some(report), in_flight: false, submitted: 0 }) };
+                sch.started = Instant::now();
                 match self.model.begin_step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want) {
                     Ok(p) => (sch, p, report),
                     Err(e) => return self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false, submitted: 0 }),
@@ -494,7 +627,10 @@ impl Engine {
                 let s = &self.running[idx];
                 (s.id, s.slot.expect("running sequences hold a slot"), s.tokens.len() - s.computed)
             };
-            let take = need.min(budget).min(if need > 1 { self.options.prefill_chunk } else { 1 });
+            // A speculative sequence in decode carries its drafts (looked up now, or drafted
+            // by the draft model before scheduling), as many as the step's budget leaves.
+            let drafts = if need == 1 { self.drafts_for(idx, budget - 1) } else { 0 };
+            let take = need.min(budget).min(if need > 1 { self.options.prefill_chunk } else { 1 }) + drafts;
             if take == 0 {
                 idx += 1;
                 continue;
@@ -583,47 +719,68 @@ impl Engine {
         // reaches the end of what they hold (they sample next).
         let (mut ids, mut positions, mut seqs, mut rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut want = Want::Argmax;
-        let mut sampling: Vec<(u64, usize, Option<usize>)> = Vec::new();
+        let mut sampling: Vec<(u64, usize, Option<usize>, usize)> = Vec::new();
         for &(id, take) in &plan {
             let s = self.running.iter().find(|s| s.id == id).expect("planned sequences run");
             let slot = s.slot.expect("admitted");
+            let drafts: &[u32] = s.spec.as_ref().map_or(&[], |sp| &sp.drafts);
+            let held = s.tokens.len();
             for p in s.computed..s.computed + take {
-                ids.push(s.tokens[p]);
+                ids.push(if p < held { s.tokens[p] } else { drafts[p - held] });
                 positions.push(p as u32);
                 seqs.push(slot as u32);
             }
-            let row = if s.computed + take == s.tokens.len() {
-                rows.push(ids.len() as u32 - 1);
-                if !s.req.sampling.is_greedy() {
-                    // The GPU top-k serves top-k sampling; other sampling needs the logits.
-                    if s.sampler.fits_top(crate::kernels::topk::TOPK_MAX) {
-                        if want == Want::Argmax {
-                            want = Want::TopK;
-                        }
-                    } else {
-                        want = Want::Logits;
-                    }
+            // Sequences whose chunk reaches the end of what they hold sample next: one row,
+            // or with drafts a row per verified position. The GPU argmax serves greedy rows,
+            // the GPU top-k top-k sampling, other sampling the logits.
+            let (row, n_rows) = if s.computed + take >= held {
+                let n_rows = s.computed + take - held + 1;
+                let first = rows.len();
+                for r in 0..n_rows {
+                    rows.push((ids.len() - n_rows + r) as u32);
                 }
-                Some(rows.len() - 1)
+                want = speculative::wider(want, speculative::want_for(&s.sampler));
+                (Some(first), n_rows)
             } else {
-                None
+                (None, 0)
             };
-            sampling.push((id, take, row));
+            sampling.push((id, take, row, n_rows));
         }
         report.tokens = ids.len();
         report.sequences = plan.len();
-        Ok((report, Some(Scheduled { ids, positions, seqs, rows, want, sampling })))
+        Ok((report, Some(Scheduled { ids, positions, seqs, rows, want, sampling, started: Instant::now() })))
     }
 
-    /// The completing half of a step: sampling, streaming, stop checks, finishing.
+    /// The drafts running sequence `idx` takes into this step (at most `most`): prompt lookup
+    /// runs here; draft-model drafts were made before scheduling. Drafts beyond `most` are
+    /// dropped (with their distributions).
+    fn drafts_for(&mut self, idx: usize, most: usize) -> usize {
+        let room = self.draft_room(&self.running[idx]);
+        let s = &mut self.running[idx];
+        let Some(sp) = s.spec.as_mut() else { return 0 };
+        if sp.stats.drafter == Drafter::Lookup && sp.drafts.is_empty() && room > 0 {
+            let t0 = Instant::now();
+            sp.drafts = speculative::lookup(&s.tokens, room, s.req.speculation.lookup_ngram);
+            sp.q = sp.drafts.iter().map(|&d| Dist::one(d)).collect();
+            sp.draft_ms = t0.elapsed().as_secs_f64() * 1e3;
+        }
+        let keep = sp.drafts.len().min(most);
+        sp.drafts.truncate(keep);
+        sp.q.truncate(keep);
+        keep
+    }
+
+    /// The completing half of a step: sampling (or verifying drafts, rolling rejected ones
+    /// back), streaming, stop checks, finishing.
     fn complete(&mut self, sch: Scheduled, out: Result<crate::model::llama::StepOutput>, mut report: StepReport) -> Result<StepReport> {
         let sampling = sch.sampling;
+        let step_ms = sch.started.elapsed().as_secs_f64() * 1e3;
         let out = match out {
             Ok(o) => o,
             Err(e) => {
                 // A failed step: every sequence in it ends with the error.
                 let msg = e.to_string();
-                for (id, _, _) in sampling {
+                for (id, _, _, _) in sampling {
                     if let Some(i) = self.running.iter().position(|s| s.id == id) {
                         let s = self.running.remove(i);
                         self.fail(s, msg.clone());
@@ -634,13 +791,17 @@ impl Engine {
         };
         self.stats.steps += 1;
         let vocab = self.model.config.vocab_size;
-        let context = self.model.kv.alloc.config.context;
         let now = Instant::now();
-        for (id, take, row) in sampling {
+        for (id, take, row, n_rows) in sampling {
             let Some(i) = self.running.iter().position(|s| s.id == id) else { continue };
             let s = &mut self.running[i];
             let prefill = s.computed < s.req.prompt_ids.len();
-            s.computed += take;
+            let (drafts, q, draft_ms) = match s.spec.as_mut() {
+                Some(sp) if n_rows > 1 => (std::mem::take(&mut sp.drafts), std::mem::take(&mut sp.q), sp.draft_ms),
+                _ => (Vec::new(), Vec::new(), 0.0),
+            };
+            let before = s.computed;
+            s.computed += take - drafts.len();
             if prefill {
                 report.prefill_tokens += take;
                 self.stats.prompt_tokens_computed += take as u64;
@@ -651,42 +812,84 @@ impl Engine {
                 let _ = self.model.kv.alloc.register_prefix(slot, &s.req.prompt_ids);
             }
             let Some(r) = row else { continue };
-            let s = &mut self.running[i];
-            let token = match (&out.top, &out.logits) {
-                _ if s.req.sampling.is_greedy() => out.argmax[r],
-                (Some(t), _) => s.sampler.sample_top(&t[r]),
-                (None, Some(l)) => s.sampler.sample(&l[r * vocab..(r + 1) * vocab]),
-                (None, None) => out.argmax[r],
+            let tokens = if drafts.is_empty() {
+                let token = match (&out.top, &out.logits) {
+                    _ if s.req.sampling.is_greedy() => out.argmax[r],
+                    (Some(t), _) => s.sampler.sample_top(&t[r]),
+                    (None, Some(l)) => s.sampler.sample(&l[r * vocab..(r + 1) * vocab]),
+                    (None, None) => out.argmax[r],
+                };
+                if let Some(sp) = s.spec.as_mut().filter(|_| !prefill) {
+                    sp.len.record(0, 0, 0.0, step_ms);
+                    sp.stats.record(0, 0, 0.0, step_ms);
+                }
+                vec![token]
+            } else {
+                let v = if s.req.sampling.is_greedy() {
+                    speculative::verify_greedy(&drafts, &out.argmax[r..r + n_rows])
+                } else {
+                    let p: Vec<Dist> = (r..r + n_rows).map(|row| speculative::dist_at(&out, row, vocab, &s.sampler)).collect();
+                    speculative::verify_sampled(&drafts, &q, &p, &mut s.sampler)
+                };
+                // Keep the verified token and the accepted drafts in the cache; the
+                // rejected positions' pages go back.
+                s.computed = before + 1 + v.accepted;
+                let slot = s.slot.expect("admitted");
+                self.model.truncate_sequence(slot, s.computed)?;
+                let sp = s.spec.as_mut().expect("drafts come from speculation");
+                if let (Some(d), Some(ds)) = (self.draft.as_mut(), sp.draft_slot) {
+                    let keep = d.sequence_len(ds)?.min(s.computed);
+                    d.truncate_sequence(ds, keep)?;
+                }
+                sp.len.record(drafts.len(), v.accepted, draft_ms, step_ms);
+                sp.stats.record(drafts.len(), v.accepted, draft_ms, step_ms);
+                v.tokens
             };
             report.sampled += 1;
-            self.stats.output_tokens += 1;
-            s.timings.tokens.push(now);
-            s.out.push(token);
-            s.tokens.push(token);
-            let (piece, stop) = match s.stream.push(&self.tokenizer, token, &s.req.stop_ids, &s.req.stop_strings) {
-                Ok(x) => x,
-                Err(e) => {
-                    let s = self.running.remove(i);
-                    self.fail(s, e.to_string());
-                    continue;
+            for token in tokens {
+                if self.emit(i, token, now) {
+                    report.finished += 1;
+                    break;
                 }
-            };
-            let _ = s.tx.unbounded_send(Event::Token { id: token, text: piece.unwrap_or_default() });
-            let reason = if let Some(f) = stop {
-                Some(f)
-            } else if s.out.len() >= s.req.max_tokens {
-                Some(FinishReason::Length)
-            } else if s.tokens.len() + 1 > context {
-                Some(FinishReason::ContextFull)
-            } else {
-                None
-            };
-            if let Some(reason) = reason {
-                let s = self.running.remove(i);
-                self.finish(s, reason);
-                report.finished += 1;
             }
         }
         Ok(report)
+    }
+
+    /// Hand running sequence `i` its next token: stream it, then finish the sequence on a
+    /// stop, its length or the context's end. Returns whether it left the running list.
+    fn emit(&mut self, i: usize, token: u32, now: Instant) -> bool {
+        let context = self.model.kv.alloc.config.context;
+        let s = &mut self.running[i];
+        self.stats.output_tokens += 1;
+        s.timings.tokens.push(now);
+        s.out.push(token);
+        s.tokens.push(token);
+        let (piece, stop) = match s.stream.push(&self.tokenizer, token, &s.req.stop_ids, &s.req.stop_strings) {
+            Ok(x) => x,
+            Err(e) => {
+                let s = self.running.remove(i);
+                self.fail(s, e.to_string());
+                return true;
+            }
+        };
+        let _ = s.tx.unbounded_send(Event::Token { id: token, text: piece.unwrap_or_default() });
+        let reason = if let Some(f) = stop {
+            Some(f)
+        } else if s.out.len() >= s.req.max_tokens {
+            Some(FinishReason::Length)
+        } else if s.tokens.len() + 1 > context {
+            Some(FinishReason::ContextFull)
+        } else {
+            None
+        };
+        match reason {
+            Some(reason) => {
+                let s = self.running.remove(i);
+                self.finish(s, reason);
+                true
+            }
+            None => false,
+        }
     }
 }
