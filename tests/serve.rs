@@ -887,3 +887,43 @@ fn bounded_load_test_loses_nothing_and_returns_to_idle() {
             .json()["choices"][0]["text"]
     );
 }
+
+#[test]
+fn speculative_decoding_per_server_and_per_request() {
+    let _s = serial();
+    // Lookup for every request by default.
+    let server = Server::start(&["--lookup"]);
+    let prompt = "def add(a, b):\n    return a + b\n\ndef add3(a, b, c):\n    return a + b + c\n\n# the same again:\ndef add(a, b):";
+    let run = lantern_run(&["--max-tokens", "24", prompt]);
+    let spec_run = lantern_run(&["--max-tokens", "24", "--lookup", prompt]);
+    assert_eq!(spec_run["output_ids"], run["output_ids"], "run --lookup against plain run");
+    assert!(spec_run["speculative"]["proposed"].as_u64().unwrap() > 0, "{}", spec_run["speculative"]);
+    let body = json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 24, "temperature": 0});
+    let r = server.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["choices"][0]["text"], run["text"], "speculative server against plain lantern run");
+    let sp = &v["usage"]["speculative"];
+    assert_eq!(sp["drafter"], "lookup");
+    assert!(sp["accepted"].as_u64().unwrap() > 0, "{sp}");
+    // Off for one request.
+    let mut off = body.clone();
+    off["speculative"] = json!({"drafter": "off"});
+    let r = server.post("/v1/completions", &off);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["choices"][0]["text"], run["text"]);
+    assert!(r.json()["usage"].get("speculative").is_none());
+    // A draft model the server does not have, and a malformed field: 400 naming the field.
+    let mut model = body.clone();
+    model["speculative"] = json!({"drafter": "model"});
+    let r = server.post("/v1/completions", &model);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(error_of(&r)["message"].as_str().unwrap().contains("draft model"));
+    let mut bad = body.clone();
+    bad["speculative"] = json!({"draft_tokens": "many"});
+    let r = server.post("/v1/completions", &bad);
+    assert_eq!(r.status, 400);
+    assert_eq!(error_of(&r)["param"], "speculative");
+    let text = server.wait_idle(Duration::from_secs(30));
+    assert!(metric(&text, "lantern_speculative_accepted_tokens_total") > 0.0);
+}

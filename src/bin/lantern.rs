@@ -316,7 +316,7 @@ fn run(a: RunArgs) -> Result<()> {
     if a.spec.draft.is_some() {
         pb.set_message("loading the draft model");
     }
-    let mut draft = pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &model, &tokenizer, model_options))?;
+    let mut draft = pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &model, &tokenizer, model_options))?.map(|d| d.0);
     pb.finish_and_clear();
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
 

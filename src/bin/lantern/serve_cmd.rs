@@ -97,6 +97,10 @@ pub struct ServeArgs {
     /// No access log on stderr.
     #[arg(long)]
     quiet: bool,
+    /// Speculative decoding for every request (a request may override it with
+    /// `"speculative": {"drafter": "lookup" | "model" | "off", "draft_tokens": k}`).
+    #[command(flatten)]
+    spec: super::spec_args::SpecArgs,
     #[command(flatten)]
     device: DeviceArgs,
 }
@@ -110,23 +114,23 @@ pub fn run(a: ServeArgs) -> Result<()> {
     pb.set_message("choosing adapter");
     let ctx = a.device.open()?;
     pb.set_message(format!("uploading weights to {}", ctx.info.name));
-    let (model, tokenizer) = pollster::block_on(lantern::model::load::load_to_gpu(
-        ctx.clone(),
-        &model_path,
-        ModelOptions {
-            context: a.context,
-            max_seqs: a.max_seqs,
-            max_batch_tokens: 128,
-            kv_dtype: a.kv_dtype.dtype(),
-            memory_budget: a.memory_budget.as_deref().map(plan_cmd::parse_bytes).transpose()?,
-            prefix_cache: !a.no_prefix_cache,
-            batch_invariant: a.batch_invariant,
-            ..Default::default()
-        },
-        &mut |_, _| {},
-    ))
-    .with_context(|| format!("loading {}", model_path.display()))?;
+    let model_options = ModelOptions {
+        context: a.context,
+        max_seqs: a.max_seqs,
+        max_batch_tokens: 128,
+        kv_dtype: a.kv_dtype.dtype(),
+        memory_budget: a.memory_budget.as_deref().map(plan_cmd::parse_bytes).transpose()?,
+        prefix_cache: !a.no_prefix_cache,
+        batch_invariant: a.batch_invariant,
+        ..Default::default()
+    };
+    let (model, tokenizer) = pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &model_path, model_options.clone(), &mut |_, _| {}))
+        .with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = tokenizer.with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
+    if a.spec.draft.is_some() {
+        pb.set_message("loading the draft model");
+    }
+    let draft = pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &model, &tokenizer, ModelOptions { prefix_cache: false, ..model_options }))?;
     pb.finish_and_clear();
 
     let stem = model_path
@@ -150,11 +154,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let api_key = a.api_key.clone().or_else(|| std::env::var("LANTERN_API_KEY").ok()).filter(|k| !k.is_empty());
     let adapter = ctx.info.name.clone();
     let kv_dtype = format!("{:?}", model.options.kv_dtype).to_lowercase();
-    let engine = Engine::new(
+    let mut engine = Engine::new(
         model,
         Arc::new(tokenizer),
         EngineOptions { max_waiting: a.max_waiting, ..EngineOptions::default() },
     );
+    if let Some((d, dtok)) = draft {
+        engine.set_draft(d, &dtok)?;
+    }
     let server = start(
         engine,
         ServerConfig {
@@ -169,6 +176,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             created,
             adapter: adapter.clone(),
             kv_dtype,
+            speculation: a.spec.speculation(),
         },
     )?;
     let sh = &server.shared;
@@ -234,6 +242,8 @@ pub struct ServerConfig {
     pub created: u64,
     pub adapter: String,
     pub kv_dtype: String,
+    /// The speculative decoding requests get unless they ask otherwise.
+    pub speculation: lantern::engine::Speculation,
 }
 
 /// A running server: its bound address; `wait` serves until the process ends, `shutdown`
@@ -284,6 +294,7 @@ struct Shared {
     created: u64,
     adapter: String,
     kv_dtype: String,
+    speculation: lantern::engine::Speculation,
     key_hash: Option<[u8; 32]>,
     max_connections: usize,
     request_timeout: Option<Duration>,
@@ -343,6 +354,7 @@ pub fn start(engine: Engine, cfg: ServerConfig) -> Result<Server> {
         created: cfg.created,
         adapter: cfg.adapter,
         kv_dtype: cfg.kv_dtype,
+        speculation: cfg.speculation,
         key_hash: cfg.api_key.as_deref().map(sha256),
         max_connections: cfg.max_connections.max(1),
         request_timeout: cfg.request_timeout,
@@ -1028,6 +1040,7 @@ struct Parsed {
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
+    speculation: lantern::engine::Speculation,
 }
 
 /// `obj[key]`, treating null as absent.
@@ -1176,6 +1189,32 @@ fn parse_messages(shared: &Shared, v: Option<&Value>) -> std::result::Result<Vec
     shared.tokenizer.encode_chat(&rendered).map_err(|e| bad(format!("the messages could not be tokenized: {e}")))
 }
 
+/// The request's `speculative` extension over the server's default: `{"drafter": "lookup" |
+/// "model" | "off", "draft_tokens": k}` (either key may be left out).
+fn parse_speculation(shared: &Shared, obj: &Map<String, Value>) -> std::result::Result<lantern::engine::Speculation, ApiError> {
+    use lantern::engine::Drafter;
+    let mut s = shared.speculation;
+    let Some(v) = field(obj, "speculative") else { return Ok(s) };
+    let bad = |m: &str| ApiError::bad(format!("`speculative` {m}")).param("speculative");
+    let o = v.as_object().ok_or_else(|| bad("must be an object: {\"drafter\": \"lookup\" | \"model\" | \"off\", \"draft_tokens\": k}"))?;
+    if let Some(d) = field(o, "drafter") {
+        s.drafter = match d.as_str() {
+            Some("lookup") => Drafter::Lookup,
+            Some("model") => Drafter::Model,
+            Some("off") => Drafter::Off,
+            _ => return Err(bad("`drafter` must be \"lookup\", \"model\" or \"off\"")),
+        };
+    }
+    if let Some(k) = field(o, "draft_tokens") {
+        let k = k.as_u64().filter(|&k| k <= 32).ok_or_else(|| bad("`draft_tokens` must be an integer from 0 to 32"))?;
+        s.draft_tokens = Some(k as usize);
+    }
+    if let Some(k) = o.keys().find(|k| *k != "drafter" && *k != "draft_tokens") {
+        return Err(bad(&format!("has an unknown key `{k}`")));
+    }
+    Ok(s)
+}
+
 fn parse_generation(shared: &Shared, body: &[u8], chat: bool) -> std::result::Result<Parsed, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("the request body is not valid JSON: {e}")).code("invalid_json"))?;
@@ -1288,6 +1327,7 @@ fn parse_generation(shared: &Shared, body: &[u8], chat: bool) -> std::result::Re
         stop,
         stream,
         include_usage,
+        speculation: parse_speculation(shared, obj)?,
     })
 }
 
@@ -1339,7 +1379,7 @@ fn generate(shared: &Shared, req: &HttpRequest, conn: &mut Conn, chat: bool) -> 
         sampling: p.sampling,
         stop_ids: shared.stop_ids.clone(),
         stop_strings: p.stop,
-        speculation: Default::default(),
+        speculation: p.speculation,
     }) {
         Ok(h) => h,
         Err(e) => {
@@ -1369,12 +1409,17 @@ struct Job {
 impl Job {
     fn usage(&self, g: &Generation) -> Value {
         let completion = g.output_ids.len();
-        json!({
+        let mut u = json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": g.cached_prompt_tokens},
-        })
+        });
+        // An extension: what speculative decoding did (drafted, accepted, timings).
+        if let Some(sp) = &g.speculative {
+            u["speculative"] = serde_json::to_value(sp).unwrap_or(Value::Null);
+        }
+        u
     }
 
     /// A streamed chunk carrying `text` (chat: a content delta), or the final one.
@@ -1740,6 +1785,8 @@ struct Metrics {
     outcomes: BTreeMap<&'static str, u64>,
     prompt_tokens: u64,
     completion_tokens: u64,
+    draft_proposed: u64,
+    draft_accepted: u64,
     ttft: Histogram,
     tpot: Histogram,
     e2e: Histogram,
@@ -1752,6 +1799,8 @@ impl Default for Metrics {
             outcomes: OUTCOMES.iter().map(|(k, _)| (*k, 0)).collect(),
             prompt_tokens: 0,
             completion_tokens: 0,
+            draft_proposed: 0,
+            draft_accepted: 0,
             ttft: Histogram::new(TTFT_BUCKETS),
             tpot: Histogram::new(TPOT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
@@ -1777,6 +1826,10 @@ impl Metrics {
         });
         self.prompt_tokens += prompt_tokens as u64;
         self.completion_tokens += g.output_ids.len() as u64;
+        if let Some(sp) = &g.speculative {
+            self.draft_proposed += sp.proposed as u64;
+            self.draft_accepted += sp.accepted as u64;
+        }
         let m = g.timings.metrics();
         if let Some(t) = m.ttft_ms {
             self.ttft.observe(t / 1e3);
@@ -1862,6 +1915,13 @@ fn render_metrics(shared: &Shared) -> String {
         "counter",
         "Completion tokens of finished requests.",
         m.completion_tokens as f64,
+    );
+    one("lantern_speculative_draft_tokens_total", "counter", "Tokens drafted for speculative decoding (finished requests).", m.draft_proposed as f64);
+    one(
+        "lantern_speculative_accepted_tokens_total",
+        "counter",
+        "Drafted tokens the target accepted (finished requests).",
+        m.draft_accepted as f64,
     );
     let _ = writeln!(
         o,

@@ -58,7 +58,7 @@ impl SpecArgs {
         target: &GpuModel,
         target_tokenizer: &Tokenizer,
         options: ModelOptions,
-    ) -> Result<Option<GpuModel>> {
+    ) -> Result<Option<(GpuModel, Tokenizer)>> {
         let Some(name) = &self.draft else { return Ok(None) };
         let path = lantern::fetch::resolve_model(Some(name.as_path()), true)?;
         let same = match (path.canonicalize(), target_path.canonicalize()) {
@@ -79,6 +79,6 @@ impl SpecArgs {
             (&target_path.display().to_string(), &target.config, target_tokenizer),
             (&path.display().to_string(), &model.config, &tokenizer),
         )?;
-        Ok(Some(model))
+        Ok(Some((model, tokenizer)))
     }
 }

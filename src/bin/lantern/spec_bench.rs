@@ -92,7 +92,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         .with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = Arc::new(tokenizer.with_context(|| format!("{} has no tokenizer", model_path.display()))?);
     pb.set_message("loading the draft model");
-    let mut draft = pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &target, &tokenizer, options))?;
+    let mut draft = pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &target, &tokenizer, options))?.map(|d| d.0);
     pb.set_message("warming up");
     pollster::block_on(target.warm_up())?;
     if let Some(d) = draft.as_mut() {
@@ -112,9 +112,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
 
     // 1. Step cost by width.
-    let widths: Vec<usize> = [1usize, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17].into_iter().filter(|&w| w <= target.options.max_batch_tokens.min(target.logit_rows)).collect();
+    let widths: Vec<usize> = [1usize, 2, 3, 4, 5, 8, 9, 16].into_iter().filter(|&w| w <= target.options.max_batch_tokens.min(target.logit_rows)).collect();
     let prefix = 64;
-    let reps = 5;
+    let reps = 3;
     let bar = indicatif::ProgressBar::new(widths.len() as u64);
     bar.set_message("step cost by width");
     let mut cost = Vec::new();
