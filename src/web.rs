@@ -13,6 +13,9 @@
 //!   `download` bytes, then `upload` layers.
 //! - `generate(prompt, options, onText)`: greedy or sampled generation, `onText(piece)` per
 //!   piece of text; resolves to ids, text, finish reason and TTFT/TPOT/tokens per second.
+//! - `setDraft(other)`: another loaded model with the same tokenizer drafts for this one
+//!   (`generate` option `speculative: { drafter: "model" }`; `"lookup"` needs no second
+//!   model).
 //! - `cancel()`: ends the running generation at its next token (`finish_reason: "cancelled"`).
 //! - `plan()`, `info()`: the memory plan (weights, KV cache, workspace, context) and the
 //!   adapter.
@@ -29,7 +32,7 @@ use wasm_bindgen::prelude::*;
 use wasm_bindgen::JsCast;
 use wasm_bindgen_futures::JsFuture;
 
-use crate::engine::generate::generate;
+use crate::engine::generate::generate_with;
 use crate::engine::{GenerateRequest, SamplingParams};
 use crate::gpu::{DeviceOptions, GpuContext};
 use crate::model::llama::{GpuModel, ModelOptions, WeightPrecision};
@@ -83,6 +86,16 @@ struct GenOptions {
     chat: bool,
     system: Option<String>,
     history: Vec<Turn>,
+    /// Speculative decoding: `{ drafter: "lookup" | "model" | "off", draftTokens }` (a draft
+    /// model is set with `setDraft`).
+    speculative: Option<SpecOptions>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SpecOptions {
+    drafter: crate::engine::Drafter,
+    draft_tokens: Option<usize>,
 }
 
 #[derive(serde::Deserialize)]
@@ -93,7 +106,7 @@ struct Turn {
 
 impl Default for GenOptions {
     fn default() -> Self {
-        GenOptions { max_tokens: 128, temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, chat: false, system: None, history: Vec::new() }
+        GenOptions { max_tokens: 128, temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, chat: false, system: None, history: Vec::new(), speculative: None }
     }
 }
 
@@ -101,6 +114,8 @@ impl Default for GenOptions {
 #[wasm_bindgen]
 pub struct Lantern {
     model: RefCell<Option<GpuModel>>,
+    /// The draft model for `drafter: "model"` speculation (`setDraft`).
+    draft: RefCell<Option<GpuModel>>,
     tokenizer: Arc<Tokenizer>,
     ctx: Arc<GpuContext>,
     cancel: Rc<Cell<bool>>,
@@ -191,11 +206,27 @@ impl Lantern {
             crate::LanternError::Tokenizer(_) => JsError::new(&format!("{name}: no usable tokenizer: {e}")),
             other => js_err(other),
         })?;
-        Ok(Lantern { model: RefCell::new(Some(model)), tokenizer: Arc::new(tokenizer), ctx, cancel: Rc::new(Cell::new(false)), name, file_bytes, source })
+        Ok(Lantern { model: RefCell::new(Some(model)), draft: RefCell::new(None), tokenizer: Arc::new(tokenizer), ctx, cancel: Rc::new(Cell::new(false)), name, file_bytes, source })
+    }
+
+    /// Use `draft`'s model (another loaded `Lantern` with the same tokenizer: Qwen2.5-Coder
+    /// 0.5B for the 1.5B) as this model's draft model for `speculative: { drafter: "model" }`.
+    /// The draft's model moves here: `draft` can no longer generate by itself.
+    #[wasm_bindgen(js_name = setDraft)]
+    pub fn set_draft(&self, draft: &Lantern) -> Result<(), JsError> {
+        let model = self.model.try_borrow().map_err(|_| JsError::new("a generation is running on this model"))?;
+        let target = model.as_ref().ok_or_else(|| JsError::new("the model was released"))?;
+        let mut slot = draft.model.try_borrow_mut().map_err(|_| JsError::new("a generation is running on the draft"))?;
+        let d = slot.as_ref().ok_or_else(|| JsError::new("the draft's model was released or is already a draft"))?;
+        crate::engine::speculative::check_pair((&self.name, &target.config, &self.tokenizer), (&draft.name, &d.config, &draft.tokenizer))
+            .map_err(js_err)?;
+        *self.draft.borrow_mut() = slot.take();
+        Ok(())
     }
 
     /// Generate from `prompt`, calling `on_text(piece)` as text arrives. Resolves to
-    /// `{ promptIds, outputIds, text, finishReason, ttftMs, tpotMs, tokensPerS, e2eMs }`.
+    /// `{ promptIds, outputIds, text, finishReason, ttftMs, tpotMs, tokensPerS, e2eMs,
+    /// speculative }` (`speculative`: drafted, accepted, timings, when it was on).
     pub async fn generate(&self, prompt: String, options: JsValue, on_text: Option<Function>) -> Result<JsValue, JsError> {
         let o: GenOptions = if options.is_undefined() || options.is_null() {
             GenOptions::default()
@@ -208,12 +239,14 @@ impl Lantern {
             .map_err(|_| JsError::new("a generation is already running on this model; cancel it or wait"))?
             .take()
             .ok_or_else(|| JsError::new("the model was released"))?;
-        let r = self.run(&mut model, &prompt, &o, on_text).await;
+        let mut draft = self.draft.borrow_mut().take();
+        let r = self.run(&mut model, draft.as_mut(), &prompt, &o, on_text).await;
         *self.model.borrow_mut() = Some(model);
+        *self.draft.borrow_mut() = draft;
         r
     }
 
-    async fn run(&self, model: &mut GpuModel, prompt: &str, o: &GenOptions, on_text: Option<Function>) -> Result<JsValue, JsError> {
+    async fn run(&self, model: &mut GpuModel, draft: Option<&mut GpuModel>, prompt: &str, o: &GenOptions, on_text: Option<Function>) -> Result<JsValue, JsError> {
         self.cancel.set(false);
         let tok = &self.tokenizer;
         let prompt_ids = if o.chat {
@@ -240,10 +273,14 @@ impl Lantern {
             sampling: SamplingParams { temperature: o.temperature, top_k: o.top_k, top_p: o.top_p, seed: o.seed },
             stop_ids,
             stop_strings: vec![],
-            speculation: Default::default(),
+            speculation: o.speculative.as_ref().map_or_else(Default::default, |s| crate::engine::Speculation {
+                drafter: s.drafter,
+                draft_tokens: s.draft_tokens,
+                ..Default::default()
+            }),
         };
         let cancel = self.cancel.clone();
-        let g = generate(model, tok, &req, |piece| {
+        let g = generate_with(model, draft, tok, &req, |piece| {
             if let Some(f) = &on_text {
                 let _ = f.call1(&JsValue::NULL, &piece.into());
             }
@@ -264,6 +301,7 @@ impl Lantern {
             tokens_per_s: Option<f64>,
             e2e_ms: Option<f64>,
             prefill_tokens_per_s: Option<f64>,
+            speculative: Option<&'a crate::engine::SpecStats>,
         }
         to_js(&Out {
             prompt_ids: &g.prompt_ids,
@@ -275,6 +313,7 @@ impl Lantern {
             tokens_per_s: m.tokens_per_s,
             e2e_ms: m.e2e_ms,
             prefill_tokens_per_s: m.ttft_ms.map(|t| g.prompt_ids.len() as f64 / (t / 1e3)),
+            speculative: g.speculative.as_ref(),
         })
     }
 

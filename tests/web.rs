@@ -125,7 +125,9 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
 
     let cases = serde_json::json!([
         { "model": "tiny-web.gguf", "prompt": "Hello, browser!", "maxTokens": 12, "expect": native_ids(&dir.join("tiny-web.gguf"), "Hello, browser!", 12) },
-        { "model": common::SMOLLM2_FILE, "prompt": "Once upon a time", "maxTokens": 6, "expect": native_ids(&smol, "Once upon a time", 6) },
+        // Generated twice: plainly and with prompt-lookup speculation.
+        { "model": common::SMOLLM2_FILE, "prompt": "one two three four, one two three four, one two", "maxTokens": 12, "lookup": true,
+          "expect": native_ids(&smol, "one two three four, one two three four, one two", 12) },
         { "model": gemma_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": native_ids(&gemma, "def reverse(s):", 3) },
         // The last case is also reloaded (from Cache Storage) and chatted with.
         { "model": qwen_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": native_ids(&qwen, "def reverse(s):", 3) },
@@ -156,6 +158,10 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
         assert_eq!(results[i]["model"], c["model"]);
         assert_eq!(results[i]["ids"], c["expect"], "{}", c["model"]);
     }
+    assert_eq!(results[1]["lookupIds"], cases[1]["expect"], "prompt lookup in the browser changed the tokens");
+    let lookup = results[1]["lookupMetrics"].as_str().unwrap_or_default();
+    eprintln!("SmolLM2 with prompt lookup in the browser: {lookup}");
+    assert!(lookup.contains("speculative:"), "no speculative statistics on the page: {lookup}");
     assert_eq!(results[7]["chat"], true);
     assert_eq!(results[4]["badFile"], true);
     assert_eq!(results[5]["stop"], true);

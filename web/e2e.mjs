@@ -108,11 +108,23 @@ try {
       metrics: document.getElementById('metrics').textContent,
       adapter: document.getElementById('adapter').textContent,
     }));
+    if (c.lookup) {
+      // The same prompt with prompt-lookup speculation: the same tokens.
+      await page.selectOption('#speculative', 'lookup');
+      await page.click('#generate');
+      await state('done');
+      const err3 = await page.evaluate(() => document.body.dataset.error);
+      if (err3) throw new Error(`generating with lookup, ${c.model}: ${err3}`);
+      r.lookupIds = await page.evaluate(() => JSON.parse(document.body.dataset.outputIds));
+      r.lookupMetrics = await page.evaluate(() => document.getElementById('metrics').textContent);
+      await page.selectOption('#speculative', 'off');
+    }
     return { ...r, peakMb };
   };
   for (const c of cases) {
     const r = await run(c);
-    const ok = JSON.stringify(r.ids) === JSON.stringify(c.expect);
+    const ok = JSON.stringify(r.ids) === JSON.stringify(c.expect)
+      && (!c.lookup || JSON.stringify(r.lookupIds) === JSON.stringify(c.expect));
     failed ||= !ok;
     results.push({ model: c.model, ok, ...r, expect: c.expect });
     log(`${c.model}: ${ok ? 'same tokens as native' : 'MISMATCH'} (${r.source}); loaded in ${(r.loadMs / 1000).toFixed(1)} s, wasm heap ${r.wasmMb} MB, peak resident MB while loading ${JSON.stringify(r.peakMb)}; ${r.metrics}; ${r.adapter}`);

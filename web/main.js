@@ -109,7 +109,8 @@ worker.onmessage = ({ data }) => {
         $('output').textContent += '\n\n';
       }
       const f = (v, d = 1) => (v == null ? '–' : v.toFixed(d));
-      $('metrics').textContent = `${r.outputIds.length} tokens · finish: ${r.finishReason} · TTFT ${f(r.ttftMs, 0)} ms · ${f(r.tokensPerS)} tokens/s · TPOT ${f(r.tpotMs)} ms`;
+      const sp = r.speculative ? ` · speculative: ${r.speculative.accepted}/${r.speculative.proposed} drafts accepted, ${f(r.speculative.tokens_per_step, 2)} tokens per step` : '';
+      $('metrics').textContent = `${r.outputIds.length} tokens · finish: ${r.finishReason} · TTFT ${f(r.ttftMs, 0)} ms · ${f(r.tokensPerS)} tokens/s · TPOT ${f(r.tpotMs)} ms${sp}`;
       $('generate').disabled = false;
       $('stop').disabled = true;
       document.body.dataset.outputIds = JSON.stringify(r.outputIds);
@@ -157,6 +158,9 @@ $('generate').onclick = () => {
     history: chat ? history : [],
     maxTokens: Number($('max-tokens').value) || 64,
     temperature: Number($('temperature').value) || 0,
+    // Prompt lookup: drafts from n-gram matches in the prompt and output, checked by the
+    // model in one step (same tokens, fewer steps when the answer repeats the prompt).
+    speculative: $('speculative').value === 'off' ? undefined : { drafter: $('speculative').value },
   } });
 };
 // A new conversation whenever chat is switched, and on "New chat".

@@ -87,6 +87,9 @@ pub struct BenchArgs {
     /// built-in code-completion prompts for a draft model, a code rewrite for lookup).
     #[arg(long)]
     pub prompt: Vec<String>,
+    /// With --draft or --lookup: also time every dispatch of steps of 1 to 8 tokens.
+    #[arg(long)]
+    pub profile: bool,
     /// With --draft or --lookup: also run each of these fixed draft lengths.
     #[arg(long, value_delimiter = ',')]
     pub k_sweep: Vec<usize>,

@@ -129,6 +129,47 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     for &(w, ms) in &cost {
         println!("  {:>5} {:>9.1} {:>9.2} {:>12.1}", w, ms, ms / base, ms / w as f64);
     }
+    if a.profile {
+        // Where a verify step's time goes: each dispatch kind's milliseconds (one submission
+        // and wait per dispatch, so the sum exceeds a real step's time).
+        let seq = target.new_sequence()?;
+        let ids: Vec<u32> = (0..prefix as u32).map(|i| 100 + i % 1000).collect();
+        pollster::block_on(target.forward(seq, &ids, Want::Argmax))?;
+        let mut cols: Vec<(usize, Vec<(String, f64, usize)>)> = Vec::new();
+        let most = target.options.max_batch_tokens;
+        for w in [1usize, 2, 4, 5, 8].into_iter().filter(|&w| w <= most) {
+            let step: Vec<u32> = (0..w as u32).map(|i| 200 + i).collect();
+            let _ = target.profile_step(seq, &step)?;
+            target.truncate_sequence(seq, prefix)?;
+            let p = target.profile_step(seq, &step)?;
+            target.truncate_sequence(seq, prefix)?;
+            cols.push((w, p));
+        }
+        target.release_sequence(seq);
+        println!("\nper-dispatch milliseconds by step width (profiled one dispatch at a time):");
+        print!("  {:<58}", "dispatch");
+        for (w, _) in &cols {
+            print!(" {:>8}", format!("w={w}"));
+        }
+        println!();
+        let mut keys: Vec<String> = Vec::new();
+        for (_, p) in &cols {
+            for (k, _, _) in p {
+                if !keys.contains(k) {
+                    keys.push(k.clone());
+                }
+            }
+        }
+        for k in keys.iter().chain(std::iter::once(&"total".to_string())) {
+            let short: String = k.chars().take(58).collect();
+            print!("  {short:<58}");
+            for (_, p) in &cols {
+                let ms: f64 = if k == "total" { p.iter().map(|e| e.1).sum() } else { p.iter().filter(|e| &e.0 == k).map(|e| e.1).sum() };
+                print!(" {:>8.1}", ms);
+            }
+            println!();
+        }
+    }
     if let Some(d) = draft.as_mut() {
         let dm = step_ms(d, prefix, 1, reps)?;
         println!("  draft model 1-token step: {dm:.1} ms ({:.2}x the target's)", dm / base);
