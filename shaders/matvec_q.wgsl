@@ -47,6 +47,17 @@ fn dot8v(v: array<vec4<f32>, 2>, xa: vec4<f32>, xh: vec4<f32>) -> f32 {
     return dot(v[0], xa) + dot(v[1], xh);
 }
 
+// One row's eight dequantized values of one step: its code bits `b`, group scale `s`.
+fn vals8(b: vec2<u32>, s: vec2<f32>) -> array<vec4<f32>, 2> {
+    let c = codes8(b);
+    return array<vec4<f32>, 2>(deq(c[0], s), deq(c[1], s));
+}
+
+// Four rows' products over one step's eight elements.
+fn dot4r(v0: array<vec4<f32>, 2>, v1: array<vec4<f32>, 2>, v2: array<vec4<f32>, 2>, v3: array<vec4<f32>, 2>, xa: vec4<f32>, xh: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(dot8v(v0, xa, xh), dot8v(v1, xa, xh), dot8v(v2, xa, xh), dot8v(v3, xa, xh));
+}
+
 // One row's product over one step: its code bits `b`, group scale `s`.
 fn dot_step(b: vec2<u32>, s: vec2<f32>, xa: vec4<f32>, xh: vec4<f32>) -> f32 {
     let c = codes8(b);
@@ -69,6 +80,9 @@ fn main(
 #endif
 #if TEX
     rows8_tex(wid.z * TT, n_tok, wid, lid);
+#else
+#if TOK4
+    rows4_bcast4(wid.z * 4u, n_tok, wid, lid);
 #else
     let t = wid.z;
     if (t >= n_tok) {
@@ -158,6 +172,7 @@ fn main(
 #endif
 #endif
 #endif
+#endif
 }
 
 #if XBCAST
@@ -216,6 +231,114 @@ fn rows4_bcast(t: u32, xb: u32, wpr: u32, wid: vec3<u32>, lid: u32) {
         }
     }
 }
+
+#if TOK4
+// The x row of step token t.
+fn xrow_of(t: u32) -> u32 {
+#if GATHER
+    return rows[t];
+#else
+    return t;
+#endif
+}
+
+// rows4_bcast for tokens t0 .. t0 + 3 (TOK4 without TEX): every code word read and
+// dequantized once serves four tokens, whose x elements are loaded one per lane and
+// broadcast. Tokens past n_tok read the last one and are not stored. The four tokens'
+// accumulators are named values (lavapipe turns dynamically indexed private arrays into
+// memory).
+fn rows4_bcast4(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32) {
+    if (t0 >= n_tok) {
+        return;
+    }
+    let tl = n_tok - 1u;
+    let xb0 = xrow_of(t0) * p.x_stride;
+    let xb1 = xrow_of(min(t0 + 1u, tl)) * p.x_stride;
+    let xb2 = xrow_of(min(t0 + 2u, tl)) * p.x_stride;
+    let xb3 = xrow_of(min(t0 + 3u, tl)) * p.x_stride;
+    let wpr = row_words();
+    let row0 = ((wid.y * p.grid_x + wid.x) * WG + lid) * 4u;
+    let last = p.n_rows - 1u;
+    let r = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
+    let wb = r * wpr;
+    let sb0 = r * scale_row_words();
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    var ua0 = vec4<f32>(0.0);
+    var ua1 = vec4<f32>(0.0);
+    var ua2 = vec4<f32>(0.0);
+    var ua3 = vec4<f32>(0.0);
+    var ss0 = 0.0;
+    var ss1 = 0.0;
+    var ss2 = 0.0;
+    var ss3 = 0.0;
+    let spg = p.group / 8u;
+    var wh: Heads4;
+    var hw = vec4<u32>(0u);
+#if GATED
+    var uh: Heads4;
+    var hu = vec4<u32>(0u);
+#endif
+    for (var gi = 0u; gi < p.k / p.group; gi++) {
+        let s = scales4(0u, sb0, gi, &wh);
+#if GATED
+        let su = scales4(1u, sb0, gi, &uh);
+#endif
+        for (var j = 0u; j < spg; j++) {
+            let k8 = (gi * spg + j) * 8u;
+            if (HI_SPAN != 0u && k8 % max(HI_SPAN, 1u) == 0u) {
+                hw = vec4<u32>(hi_word(0u, wb.x, k8), hi_word(0u, wb.y, k8), hi_word(0u, wb.z, k8), hi_word(0u, wb.w, k8));
+#if GATED
+                hu = vec4<u32>(hi_word(1u, wb.x, k8), hi_word(1u, wb.y, k8), hi_word(1u, wb.z, k8), hi_word(1u, wb.w, k8));
+#endif
+            }
+            let v0 = vals8(step_words_hi(0u, wb.x, k8, hw.x), s.s0);
+            let v1 = vals8(step_words_hi(0u, wb.y, k8, hw.y), s.s1);
+            let v2 = vals8(step_words_hi(0u, wb.z, k8, hw.z), s.s2);
+            let v3 = vals8(step_words_hi(0u, wb.w, k8, hw.w), s.s3);
+            let x0 = bcast8(load_x1(xb0, k8 + lid, &ss0));
+            let x1 = bcast8(load_x1(xb1, k8 + lid, &ss1));
+            let x2 = bcast8(load_x1(xb2, k8 + lid, &ss2));
+            let x3 = bcast8(load_x1(xb3, k8 + lid, &ss3));
+            a0 += dot4r(v0, v1, v2, v3, x0[0], x0[1]);
+            a1 += dot4r(v0, v1, v2, v3, x1[0], x1[1]);
+            a2 += dot4r(v0, v1, v2, v3, x2[0], x2[1]);
+            a3 += dot4r(v0, v1, v2, v3, x3[0], x3[1]);
+#if GATED
+            let g0 = vals8(step_words_hi(1u, wb.x, k8, hu.x), su.s0);
+            let g1 = vals8(step_words_hi(1u, wb.y, k8, hu.y), su.s1);
+            let g2 = vals8(step_words_hi(1u, wb.z, k8, hu.z), su.s2);
+            let g3 = vals8(step_words_hi(1u, wb.w, k8, hu.w), su.s3);
+            ua0 += dot4r(g0, g1, g2, g3, x0[0], x0[1]);
+            ua1 += dot4r(g0, g1, g2, g3, x1[0], x1[1]);
+            ua2 += dot4r(g0, g1, g2, g3, x2[0], x2[1]);
+            ua3 += dot4r(g0, g1, g2, g3, x3[0], x3[1]);
+#endif
+        }
+    }
+    // Each lane summed the squares of its own elements.
+    let q0 = subgroupAdd(ss0);
+    let q1 = subgroupAdd(ss1);
+    let q2 = subgroupAdd(ss2);
+    let q3 = subgroupAdd(ss3);
+    for (var i = 0u; i < 4u; i++) {
+        if (row0 + i < p.n_rows) {
+            finish(t0, row0 + i, vec3<f32>(a0[i], ua0[i], q0));
+            if (t0 + 1u < n_tok) {
+                finish(t0 + 1u, row0 + i, vec3<f32>(a1[i], ua1[i], q1));
+            }
+            if (t0 + 2u < n_tok) {
+                finish(t0 + 2u, row0 + i, vec3<f32>(a2[i], ua2[i], q2));
+            }
+            if (t0 + 3u < n_tok) {
+                finish(t0 + 3u, row0 + i, vec3<f32>(a3[i], ua3[i], q3));
+            }
+        }
+    }
+}
+#endif
 #endif
 
 #if TEX
@@ -356,11 +479,6 @@ fn row_vals(o: Unit, sc: UnitScale, un: u32, h: u32) -> array<vec4<f32>, 2> {
     let s = unit_scale(sc, un, h);
     let c = codes8(unit_bits(o, un, h));
     return array<vec4<f32>, 2>(deq(c[0], s), deq(c[1], s));
-}
-
-// Four rows' products over one step's eight elements.
-fn dot4r(v0: array<vec4<f32>, 2>, v1: array<vec4<f32>, 2>, v2: array<vec4<f32>, 2>, v3: array<vec4<f32>, 2>, xa: vec4<f32>, xh: vec4<f32>) -> vec4<f32> {
-    return vec4<f32>(dot8v(v0, xa, xh), dot8v(v1, xa, xh), dot8v(v2, xa, xh), dot8v(v3, xa, xh));
 }
 
 // Per token of the block: row accumulators (rows 0-3, 4-7; GATED: the up rows too) and the x

@@ -254,6 +254,9 @@ enum Layout {
     Rows4,
     /// Packed weights: Rows4 with x shared by subgroup broadcast (8-lane subgroups).
     Rows4Bcast,
+    /// Rows4Bcast with four tokens per invocation from storage (batched decode on CPU
+    /// adapters).
+    Rows4BcastTok4,
     /// Packed weights: eight rows per invocation from texture copies, x by broadcast.
     Rows8Tex,
     /// Rows8Tex with four tokens per invocation (batched decode on CPU adapters).
@@ -286,9 +289,10 @@ impl Layout {
     ];
 
     /// The layouts of the packed-weight kernels.
-    const PACKED: [Layout; 16] = [
+    const PACKED: [Layout; 17] = [
         Layout::Rows4,
         Layout::Rows4Bcast,
+        Layout::Rows4BcastTok4,
         Layout::Rows8Tex,
         Layout::Rows8TexTok4,
         Layout::Blocked88Bcast,
@@ -339,6 +343,9 @@ impl Layout {
             let key = match self {
                 Layout::Rows4 => PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4),
                 Layout::Rows4Bcast => PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST).with_features(sg),
+                Layout::Rows4BcastTok4 => {
+                    PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TOK4).with_features(sg)
+                }
                 Layout::Rows8Tex => {
                     PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TEX).with_features(sg)
                 }
@@ -382,6 +389,7 @@ impl Layout {
             Layout::RowWg64F16
             | Layout::MatmulF16
             | Layout::Rows4Bcast
+            | Layout::Rows4BcastTok4
             | Layout::Rows8Tex
             | Layout::Rows8TexTok4
             | Layout::Blocked88Bcast
@@ -402,7 +410,7 @@ impl Layout {
     fn available_of(ctx: &GpuContext, set: &[Layout]) -> Vec<Layout> {
         let runs = |l: &Layout| match l {
             Layout::RowWg8Subgroups => ctx.caps.subgroups && ctx.caps.subgroup_max_size <= 8,
-            Layout::Rows4Bcast | Layout::Blocked88Bcast | Layout::Blocked44Bcast => linear::xbcast_fits(ctx),
+            Layout::Rows4Bcast | Layout::Rows4BcastTok4 | Layout::Blocked88Bcast | Layout::Blocked44Bcast => linear::xbcast_fits(ctx),
             Layout::Rows8Tex | Layout::Rows8TexTok4 => linear::tex_fits(ctx, 32),
             l => (!l.needs_subgroups() || ctx.caps.subgroups) && (!l.needs_f16() || ctx.caps.shader_f16),
         };
@@ -724,9 +732,10 @@ const GGML_SHAPES: [(usize, usize, usize); 3] = [(7, 256, 3), (65, 768, 9), (333
 /// The packed layouts the GGUF-only formats are checked in: every kernel and shape the
 /// runtime picks (the blocked matmul's other tile sizes differ from 8x8 only in the
 /// format-independent accumulation).
-const GGML_LAYOUTS: [Layout; 10] = [
+const GGML_LAYOUTS: [Layout; 11] = [
     Layout::Rows4,
     Layout::Rows4Bcast,
+    Layout::Rows4BcastTok4,
     Layout::Rows8Tex,
     Layout::Rows8TexTok4,
     Layout::Blocked88Bcast,

@@ -470,6 +470,12 @@ impl PipelineKey {
                             .with_weights(w)
                             .with_features(sg),
                     );
+                    v.push(
+                        PipelineKey::new(ShaderOp::MatvecQ, 8)
+                            .with_flags(c | ROWS4 | XBCAST | TOK4)
+                            .with_weights(w)
+                            .with_features(sg),
+                    );
                     for tok in [0, TOK4] {
                         v.push(
                             PipelineKey::new(ShaderOp::MatvecQ, 8)

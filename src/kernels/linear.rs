@@ -350,11 +350,16 @@ pub async fn build(
             if packed && fl & flags::ROWS4 != 0 && w == 8 && xbcast_fits(ctx) {
                 fl |= flags::XBCAST;
                 features.subgroups = true;
-                // Batched steps read the texture copies, four tokens per texel fetch; one
-                // token reads storage (measured on lavapipe, SmolLM2 Q4_1 decode: 57 ms per
-                // token from storage, 85 ms from textures).
-                if lin.tex.is_some() && shape == Shape::MatvecBatch {
-                    fl |= flags::TEX | flags::TOK4;
+                // Batched steps take four tokens per pass over the weights: from the texture
+                // copies when the model has them (`LANTERN_TOK4=tex` or
+                // `ModelOptions::weight_textures`), else from storage; one token reads
+                // storage (measured on lavapipe, SmolLM2 Q4_1 decode: 57 ms per token from
+                // storage, 85 ms from textures).
+                if shape == Shape::MatvecBatch {
+                    fl |= flags::TOK4;
+                    if lin.tex.is_some() {
+                        fl |= flags::TEX;
+                    }
                 }
             }
             features.f16 = packed && fl & flags::ROW_PER_WORKGROUP != 0 && packed_f16(ctx);
@@ -409,6 +414,12 @@ pub fn matvec_layout(ctx: &GpuContext) -> (u32, u32) {
     } else {
         (flags::ROW_PER_WORKGROUP, 64)
     }
+}
+
+/// Whether models get texture copies of packed weights by default, for the texture form of
+/// the batched (TOK4) packed matvec (`LANTERN_TOK4=tex`; the storage form is the default).
+pub fn tok4_from_textures() -> bool {
+    std::env::var("LANTERN_TOK4").as_deref() == Ok("tex")
 }
 
 /// Whether the XBCAST layouts run here: the workgroup of 8 must be exactly one subgroup
@@ -487,7 +498,7 @@ pub async fn build_with_key(
             message: format!("{} needs workgroups of exactly one 8-lane subgroup", key.label()),
         });
     }
-    if key.flags & flags::TOK4 != 0 && (key.flags & flags::TEX == 0 || lin.tex.is_none()) {
+    if key.flags & flags::TOK4 != 0 && key.flags & flags::TEX != 0 && lin.tex.is_none() {
         return Err(GpuError::Validation {
             context: lin.name.clone(),
             message: format!("{} reads texture-held weights, which {} has not", key.label(), lin.name),

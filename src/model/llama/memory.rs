@@ -115,8 +115,9 @@ impl MemoryReport {
 }
 
 impl GpuModel {
-    /// Whether packed weights get texture copies (CPU adapters' batched matvec, `TOK4`): as
-    /// `options.weight_textures` says, by default only while holding the weights twice takes
+    /// Whether packed weights get texture copies (CPU adapters' batched matvec, `TOK4 | TEX`,
+    /// with `LANTERN_TOK4=tex`): as `options.weight_textures` says, by default only with
+    /// `LANTERN_TOK4=tex` and while holding the weights twice takes
     /// at most 60% of the memory budget, so that a
     /// large model keeps its room for the KV cache (Qwen2.5-1.5B Q4_K_M on lavapipe's 2 GiB
     /// heap: 1.1 GB of weights, no copies).
@@ -124,6 +125,12 @@ impl GpuModel {
     pub(super) fn weight_textures(ctx: &GpuContext, packed: u64, options: &ModelOptions) -> bool {
         if let Some(t) = options.weight_textures {
             return t;
+        }
+        // Only the texture form of the four-token matvec reads them, and it is opt-in: the
+        // storage form measured faster on lavapipe (SmolLM2 Q4_1, a 4-token step's gate/up
+        // projection: 35 ms from storage, 47-56 ms from textures).
+        if !crate::kernels::linear::tok4_from_textures() {
+            return false;
         }
         let adapter = crate::gpu::memory::default_budget(&crate::gpu::memory::adapter_memory(ctx)).map(|(b, _)| b);
         match options.memory_budget.into_iter().chain(adapter).min() {
