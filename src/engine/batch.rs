@@ -375,7 +375,7 @@ impl Engine {
             preemptions: 0,
             slot: None,
             spec: req.speculation.enabled().then(|| SeqSpec {
-                len: DraftLength::new(&req.speculation),
+                len: DraftLength::new(&req.speculation).with_costs(self.model.step_costs(), self.draft.as_ref().map(|d| d.step_costs())),
                 stats: SpecStats::new(req.speculation.drafter),
                 draft_slot: None,
                 drafts: Vec::new(),
@@ -792,6 +792,13 @@ impl Engine {
         self.stats.steps += 1;
         let vocab = self.model.config.vocab_size;
         let now = Instant::now();
+        // A step of one sequence in decode measures what a step of its width costs (the
+        // prior of later requests' draft lengths).
+        if let [(_, take, Some(_), n_rows)] = sampling[..] {
+            if take == n_rows {
+                self.model.record_step_ms(take, step_ms);
+            }
+        }
         for (id, take, row, n_rows) in sampling {
             let Some(i) = self.running.iter().position(|s| s.id == id) else { continue };
             let s = &mut self.running[i];
@@ -820,6 +827,13 @@ impl Engine {
                     (None, None) => out.argmax[r],
                 };
                 if let Some(sp) = s.spec.as_mut().filter(|_| !prefill) {
+                    // Lookup not drafting this step: its would-be draft, checked against
+                    // the token, keeps the acceptance estimate current.
+                    if sp.stats.drafter == Drafter::Lookup {
+                        if let Some(&d) = speculative::lookup(&s.tokens, 1, s.req.speculation.lookup_ngram).first() {
+                            sp.len.observe(d == token);
+                        }
+                    }
                     sp.len.record(0, 0, 0.0, step_ms);
                     sp.stats.record(0, 0, 0.0, step_ms);
                 }

@@ -190,7 +190,9 @@ async fn next_tokens(
     let context = model.kv.alloc.config.context;
     let last = *history.last().expect("a sampled token");
     let Some((len_ctl, stats)) = spec.as_mut() else {
+        let t0 = Instant::now();
         let out = model.forward(seq, &[last], want).await?;
+        model.record_step_ms(1, t0.elapsed().as_secs_f64() * 1e3);
         return Ok(vec![sample(&out, sampler)]);
     };
     // Room: every drafted token may be emitted, plus the target's own next one; the verify
@@ -216,8 +218,15 @@ async fn next_tokens(
     let t1 = Instant::now();
     let cache_len = history.len() - 1;
     let verdict = if drafts.is_empty() {
+        // Lookup not drafting this step: its would-be draft, checked against the target's
+        // token, keeps the acceptance estimate current.
+        let shadow = if req.speculation.drafter == Drafter::Lookup { speculative::lookup(history, 1, req.speculation.lookup_ngram) } else { Vec::new() };
         let out = model.forward(seq, &[last], want).await?;
-        speculative::Verdict { accepted: 0, tokens: vec![sample(&out, sampler)] }
+        let token = sample(&out, sampler);
+        if let Some(&d) = shadow.first() {
+            len_ctl.observe(d == token);
+        }
+        speculative::Verdict { accepted: 0, tokens: vec![token] }
     } else {
         let mut input = Vec::with_capacity(drafts.len() + 1);
         input.push(last);
@@ -241,6 +250,13 @@ async fn next_tokens(
         d.truncate_sequence(*ds, keep)?;
     }
     len_ctl.record(drafts.len(), verdict.accepted, draft_ms, verify_ms);
+    // What later requests start from: this step's cost at its width, and a draft token's.
+    model.record_step_ms(drafts.len() + 1, verify_ms);
+    if let (Some((d, _)), false) = (drafting.as_mut(), drafts.is_empty()) {
+        if req.speculation.drafter == Drafter::Model {
+            d.record_step_ms(1, draft_ms / drafts.len() as f64);
+        }
+    }
     stats.record(drafts.len(), verdict.accepted, draft_ms, verify_ms);
     Ok(verdict.tokens)
 }
@@ -271,7 +287,10 @@ async fn run(
     // Greedy: the GPU argmax (4 bytes); top-k sampling within the GPU top-k: its pairs
     // (512 bytes); anything else: the logits row.
     let want = speculative::want_for(&sampler);
-    let mut spec = req.speculation.enabled().then(|| (DraftLength::new(&req.speculation), SpecStats::new(req.speculation.drafter)));
+    let mut spec = req.speculation.enabled().then(|| {
+        let costs = DraftLength::new(&req.speculation).with_costs(model.step_costs(), drafting.as_ref().map(|(d, _)| d.step_costs()));
+        (costs, SpecStats::new(req.speculation.drafter))
+    });
     let mut stream = TextStream::new(tokenizer, &req.stop_strings);
     let mut out_ids = Vec::new();
     let mut history = req.prompt_ids.clone();

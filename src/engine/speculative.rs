@@ -155,6 +155,10 @@ impl SpecStats {
 pub struct DraftLength {
     fixed: Option<usize>,
     max: usize,
+    /// Whether k may be 0 (a plain step) when drafting does not pay: for prompt lookup,
+    /// whose draft for a plain step is still checked against the target's token
+    /// ([`Self::observe`]), so the acceptance estimate keeps learning.
+    allow_zero: bool,
     accepts: f64,
     trials: f64,
     draft_ms: Option<f64>,
@@ -168,7 +172,36 @@ impl DraftLength {
 
     pub fn new(s: &Speculation) -> Self {
         let max = s.draft_tokens.unwrap_or(s.max_draft).max(1);
-        DraftLength { fixed: s.draft_tokens, max, accepts: 0.0, trials: 0.0, draft_ms: None, verify_ms: vec![None; max + 2] }
+        DraftLength {
+            fixed: s.draft_tokens,
+            max,
+            allow_zero: s.drafter == Drafter::Lookup,
+            accepts: 0.0,
+            trials: 0.0,
+            draft_ms: None,
+            verify_ms: vec![None; max + 2],
+        }
+    }
+
+    /// A draft that was not verified (a plain step) turned out right or wrong: one more
+    /// trial for the acceptance estimate.
+    pub fn observe(&mut self, hit: bool) {
+        self.accepts = Self::DECAY * self.accepts + f64::from(u8::from(hit));
+        self.trials = Self::DECAY * self.trials + 1.0;
+    }
+
+    /// Start from what earlier requests measured: the target's step costs by width and the
+    /// draft model's (its one-token cost stands for a draft token). `GpuModel::step_costs`.
+    pub fn with_costs(mut self, target: &[Option<f64>], draft: Option<&[Option<f64>]>) -> Self {
+        for (w, v) in target.iter().enumerate().take(self.verify_ms.len()) {
+            if v.is_some() {
+                self.verify_ms[w] = *v;
+            }
+        }
+        if let Some(d) = draft.and_then(|d| d.get(1).copied().flatten()) {
+            self.draft_ms = Some(d);
+        }
+        self
     }
 
     /// The per-token acceptance probability now estimated (a prior of 1 in 2 at the start).
@@ -189,6 +222,9 @@ impl DraftLength {
         let a = self.acceptance();
         let d = self.draft_ms.unwrap_or(0.0);
         let mut best = (1, f64::MIN);
+        if self.allow_zero {
+            best = (0, 1.0 / self.verify_estimate(1).max(1e-6));
+        }
         for k in 1..=top {
             let expected: f64 = (0..=k).map(|i| a.powi(i as i32)).sum();
             let cost = (k as f64 * d + self.verify_estimate(k + 1)).max(1e-6);
@@ -549,5 +585,17 @@ mod tests {
         }
         assert!(b.acceptance() < 0.1);
         assert_eq!(b.next(100), 1);
+        // Lookup may stop drafting (k = 0) and starts again when its unverified drafts turn
+        // out right.
+        let mut c = DraftLength::new(&Speculation::lookup());
+        for _ in 0..30 {
+            c.record(1, 0, 0.0, 20.0);
+            c.record(0, 0, 0.0, 10.0);
+        }
+        assert_eq!(c.next(100), 0);
+        for _ in 0..40 {
+            c.observe(true);
+        }
+        assert!(c.next(100) > 0);
     }
 }

@@ -188,12 +188,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     } else {
         COMPLETION.iter().map(|p| Ok((p.to_string(), chat(p)?))).collect::<Result<_>>()?
     };
-    let mut settings: Vec<(String, Speculation)> = vec![("adaptive".to_string(), Speculation { draft_tokens: None, ..spec })];
-    if let Some(k) = spec.draft_tokens {
-        settings = vec![(format!("k={k}"), spec)];
-    }
-    for &k in &a.k_sweep {
-        settings.push((format!("k={k}"), Speculation { draft_tokens: Some(k), ..spec }));
+    // Fixed draft lengths first, then the adaptive choice: it starts from the step costs the
+    // earlier runs measured (as it would in a running server) and learns the acceptance rate.
+    let mut settings: Vec<(String, Speculation)> =
+        a.k_sweep.iter().map(|&k| (format!("k={k}"), Speculation { draft_tokens: Some(k), ..spec })).collect();
+    match spec.draft_tokens {
+        Some(k) => settings.push((format!("k={k}"), spec)),
+        None => settings.push(("adaptive".to_string(), Speculation { draft_tokens: None, ..spec })),
     }
     println!("\ngreedy generations, plain against speculative (decode tokens/s = 1 / TPOT):");
     println!(

@@ -85,6 +85,9 @@ pub struct GpuModel {
     pub attention_splits: usize,
     /// Rows of logits one step can produce (`max_logit_rows` within the binding limit).
     pub logit_rows: usize,
+    /// Measured milliseconds of one sequence's steps by width (tokens), averaged: what a
+    /// speculative verify step of each width costs here, learned across requests.
+    step_ms: Vec<Option<f64>>,
 }
 
 fn gpu_err(e: GpuError) -> LanternError {
@@ -234,7 +237,26 @@ impl GpuModel {
             attention_splits,
             logit_rows: r,
             submit_ms_per_dispatch: None,
+            step_ms: Vec::new(),
         })
+    }
+
+    /// Record that a step of `width` tokens of one sequence took `ms` (a moving average per
+    /// width; speculative decoding reads it to choose how many tokens to draft).
+    pub fn record_step_ms(&mut self, width: usize, ms: f64) {
+        if width == 0 || width > 64 || !ms.is_finite() {
+            return;
+        }
+        if self.step_ms.len() <= width {
+            self.step_ms.resize(width + 1, None);
+        }
+        let e = &mut self.step_ms[width];
+        *e = Some(e.map_or(ms, |o| 0.8 * o + 0.2 * ms));
+    }
+
+    /// The measured step costs by width (index = tokens; `None` where not measured yet).
+    pub fn step_costs(&self) -> &[Option<f64>] {
+        &self.step_ms
     }
 
     /// Where the GPU memory of this model went (weights by dtype with scales, KV cache,
