@@ -233,3 +233,18 @@ fn models_lists_the_catalogue_and_what_is_downloaded() {
     assert!(text.lines().any(|l| l.starts_with("gemma3-270m") && l.contains("yes")), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn draft_pointing_at_the_target_itself_is_refused() {
+    let model = common::smollm2_gguf();
+    let out = lantern().args(["run", "Hi", "--max-tokens", "2", "--model"]).arg(&model).arg("--draft").arg(&model).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is the target model itself") && err.contains("--lookup"), "{err}");
+    // --draft-tokens 0: plain decoding, and no speculative report.
+    let out = lantern().args(["run", "Hi", "--max-tokens", "3", "--json", "--lookup", "--draft-tokens", "0", "--model"]).arg(&model).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["speculative"].is_null());
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 3);
+}

@@ -144,7 +144,7 @@ fn rejection_sampling_follows_the_target_distribution() {
     let mut target = load(&tw, 32, 4);
     let mut draft = load(&dw, 32, 4);
     let prompt = [3u32, 14, 15, 9];
-    let (runs, new) = (400, 6);
+    let (runs, new) = (320, 6);
     for (params, label) in [
         (SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 0 }, "temperature 1 (logits)"),
         (SamplingParams { temperature: 0.8, top_k: 6, top_p: 0.95, seed: 0 }, "top-k 6, top-p 0.95 (GPU top-k)"),
@@ -247,10 +247,8 @@ fn smollm2_lookup_gives_the_fixture_greedy_ids() {
     let opts = ModelOptions { context: Some(256), ..Default::default() };
     let mut m = pollster::block_on(GpuModel::load(common::gpu(), &l.weights, opts)).unwrap();
     let cases = common::real::json("smollm2", "cases.json").as_array().unwrap().clone();
-    for spec in [Speculation::lookup(), Speculation { draft_tokens: Some(4), ..Speculation::lookup() }] {
-        let stats = common::real::check_speculative_cases(&mut m, None, tok, &cases, spec).unwrap_or_else(|e| panic!("{e}"));
-        assert!(stats.iter().any(|(_, s)| s.accepted > 0), "lookup never helped");
-    }
+    let stats = common::real::check_speculative_cases(&mut m, None, tok, &cases, Speculation::lookup()).unwrap_or_else(|e| panic!("{e}"));
+    assert!(stats.iter().any(|(_, s)| s.accepted > 0), "lookup never helped");
 }
 
 #[test]

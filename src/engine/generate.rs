@@ -125,7 +125,7 @@ pub async fn generate_with(
             return Err(e);
         }
     };
-    let drafting = draft_seq.and_then(|ds| draft.as_deref_mut().map(|d| (d, ds)));
+    let drafting = draft_seq.and_then(|ds| draft.map(|d| (d, ds)));
     let (r, drafting) = admit_and_run(model, drafting, tokenizer, req, seq, arrival, &mut on_text).await;
     model.release_sequence(seq);
     if let Some((d, ds)) = drafting {

@@ -135,7 +135,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         let seq = target.new_sequence()?;
         let ids: Vec<u32> = (0..prefix as u32).map(|i| 100 + i % 1000).collect();
         pollster::block_on(target.forward(seq, &ids, Want::Argmax))?;
-        let mut cols: Vec<(usize, Vec<(String, f64, usize)>)> = Vec::new();
+        // (width, per dispatch kind: label, milliseconds, dispatches)
+        type Profile = Vec<(String, f64, usize)>;
+        let mut cols: Vec<(usize, Profile)> = Vec::new();
         let most = target.options.max_batch_tokens;
         for w in [1usize, 2, 4, 5, 8].into_iter().filter(|&w| w <= most) {
             let step: Vec<u32> = (0..w as u32).map(|i| 200 + i).collect();
