@@ -227,10 +227,9 @@ fn main() {
 
     // Plain WGSL read: each of 64 x 256 invocations sums a contiguous run of f32.
     {
-        let m = ctx.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("read"),
-            source: wgpu::ShaderSource::Wgsl(READ_WGSL.into()),
-        });
+        let m = ctx
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor { label: Some("read"), source: wgpu::ShaderSource::Wgsl(READ_WGSL.into()) });
         let p = ctx.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some("read"),
             layout: None,
@@ -321,10 +320,8 @@ fn main() {
                 if xb && !(fmt.is_packed() && lantern::kernels::linear::xbcast_fits(&ctx)) {
                     continue;
                 }
-                let key = PipelineKey::new(op, m.wg)
-                    .with_flags(m.flags)
-                    .with_weights(fmt)
-                    .with_features(Features { f16: false, subgroups: xb });
+                let key =
+                    PipelineKey::new(op, m.wg).with_flags(m.flags).with_weights(fmt).with_features(Features { f16: false, subgroups: xb });
                 let d = dispatches(&ctx, &c, key);
                 let t = time(&ctx, reps, || submit(&ctx, &c.step, tokens as u32, tokens as u32, &d));
                 let flops = 2.0 * (tokens * n * k) as f64;
@@ -367,7 +364,14 @@ fn model_bench(ctx: &Arc<GpuContext>) {
         let mut m = pollster::block_on(GpuModel::load(ctx.clone(), &loaded.weights, opts)).expect("upload");
         drop(loaded);
         let (pre, dec) = prefill_decode(&mut m, &prompt, steps);
-        println!("{:<41} weights {:7.1} MB  prefill {:6.1} tok/s  decode {:7.1} ms/token = {:5.2} tok/s", spec.name, m.weight_bytes() as f64 / 1e6, pre, dec * 1e3, 1.0 / dec);
+        println!(
+            "{:<41} weights {:7.1} MB  prefill {:6.1} tok/s  decode {:7.1} ms/token = {:5.2} tok/s",
+            spec.name,
+            m.weight_bytes() as f64 / 1e6,
+            pre,
+            dec * 1e3,
+            1.0 / dec
+        );
     }
     let Some(path) = path else {
         println!("SmolLM2 decode per dtype: skipped (no model on disk; run `lantern fetch`)");
@@ -452,7 +456,9 @@ fn attention_bench(ctx: &Arc<GpuContext>, reps: usize, copy: f64) {
                 .chunks(2)
                 .map(|c| half::f16::from_f32(c[0]).to_bits() as u32 | (half::f16::from_f32(c[1]).to_bits() as u32) << 16)
                 .collect(),
-            _ => (0..words).map(|i| if i < layout.scale_base() { (i as u32).wrapping_mul(2654435761) & 0x3f3f3f3f } else { 1.0f32.to_bits() }).collect(),
+            _ => (0..words)
+                .map(|i| if i < layout.scale_base() { (i as u32).wrapping_mul(2654435761) & 0x3f3f3f3f } else { 1.0f32.to_bits() })
+                .collect(),
         };
         let k: Vec<wgpu::Buffer> = (0..layout.n_shards).map(|_| storage(ctx, bytemuck::cast_slice(&fill))).collect();
         let v: Vec<wgpu::Buffer> = (0..layout.n_shards).map(|_| storage(ctx, bytemuck::cast_slice(&fill))).collect();

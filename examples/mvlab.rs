@@ -15,10 +15,7 @@ fn buf(ctx: &GpuContext, data: &[f32]) -> wgpu::Buffer {
 }
 
 fn pipe(ctx: &GpuContext, src: &str) -> wgpu::ComputePipeline {
-    let m = ctx.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: None,
-        source: wgpu::ShaderSource::Wgsl(src.into()),
-    });
+    let m = ctx.device.create_shader_module(wgpu::ShaderModuleDescriptor { label: None, source: wgpu::ShaderSource::Wgsl(src.into()) });
     ctx.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
         label: None,
         layout: None,
@@ -51,11 +48,8 @@ fn time<F: Fn(&mut wgpu::CommandEncoder)>(ctx: &GpuContext, reps: usize, f: F) -
 
 fn run(ctx: &GpuContext, p: &wgpu::ComputePipeline, bufs: &[&wgpu::Buffer], groups: (u32, u32), reps: usize) -> f64 {
     let layout = p.get_bind_group_layout(0);
-    let entries: Vec<_> = bufs
-        .iter()
-        .enumerate()
-        .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
-        .collect();
+    let entries: Vec<_> =
+        bufs.iter().enumerate().map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() }).collect();
     let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor { label: None, layout: &layout, entries: &entries });
     time(ctx, reps, |enc| {
         let mut pass = enc.begin_compute_pass(&Default::default());
@@ -79,7 +73,9 @@ fn mv_rows(r: u32, wg: u32, vec4: bool, unroll: bool) -> String {
     }
     s += "@group(0) @binding(2) var<storage, read_write> y: array<f32>;\n";
     s += "@group(0) @binding(3) var<storage, read> dims: array<u32>;\n";
-    s += &format!("@compute @workgroup_size({wg})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{\n");
+    s += &format!(
+        "@compute @workgroup_size({wg})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{\n"
+    );
     s += &format!("  let n = dims[0]; let k = dims[1];\n  let row0 = ((wid.y * 65535u + wid.x) * {wg}u + lid) * {r}u;\n  if (row0 >= n) {{ return; }}\n");
     let kk = if vec4 { "k / 4u" } else { "k" };
     s += &format!("  let kv = {kk};\n");
@@ -114,7 +110,9 @@ fn mv_wg(wg: u32, r: u32) -> String {
     s += "@group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;\n@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;\n";
     s += "@group(0) @binding(2) var<storage, read_write> y: array<f32>;\n@group(0) @binding(3) var<storage, read> dims: array<u32>;\n";
     s += &format!("var<workgroup> red: array<f32, {}>;\n", wg * r);
-    s += &format!("@compute @workgroup_size({wg})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{\n");
+    s += &format!(
+        "@compute @workgroup_size({wg})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{\n"
+    );
     s += &format!("  let n = dims[0]; let kv = dims[1] / 4u;\n  let row0 = (wid.y * 65535u + wid.x) * {r}u;\n");
     for i in 0..r {
         s += &format!("  var a{i} = vec4<f32>(0.0);\n");
@@ -138,7 +136,9 @@ fn mv_tex(r: u32, wg: u32) -> String {
     let mut s = String::new();
     s += "@group(0) @binding(0) var w: texture_2d<f32>;\n@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;\n";
     s += "@group(0) @binding(2) var<storage, read_write> y: array<f32>;\n@group(0) @binding(3) var<storage, read> dims: array<u32>;\n";
-    s += &format!("@compute @workgroup_size({wg})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{\n");
+    s += &format!(
+        "@compute @workgroup_size({wg})\nfn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{\n"
+    );
     s += &format!("  let n = dims[0]; let kv = dims[1] / 4u;\n  let row0 = ((wid.y * 65535u + wid.x) * {wg}u + lid) * {r}u;\n  if (row0 >= n) {{ return; }}\n");
     for i in 0..r {
         s += &format!("  var a{i} = vec4<f32>(0.0);\n");
@@ -175,9 +175,7 @@ fn main() {
     let nk = (n * k) as usize;
     let wv: Vec<f32> = (0..nk).map(|i| ((i * 7919 % 1000) as f32) / 1000.0 - 0.5).collect();
     let xv: Vec<f32> = (0..k as usize).map(|i| ((i * 31 % 100) as f32) / 100.0).collect();
-    let want: Vec<f32> = (0..n as usize)
-        .map(|r| (0..k as usize).map(|c| wv[r * k as usize + c] * xv[c]).sum())
-        .collect();
+    let want: Vec<f32> = (0..n as usize).map(|r| (0..k as usize).map(|c| wv[r * k as usize + c] * xv[c]).sum()).collect();
     let wb = buf(&ctx, &wv);
     let xb = buf(&ctx, &xv);
     let yb = buf(&ctx, &vec![0.0; n as usize * 8]);
@@ -218,7 +216,9 @@ fn main() {
         for wg in [64u32] {
             for chunk_groups in [256u32, 16, 2] {
                 let name = format!("read_{}_wg{wg}_g{chunk_groups}", if vec4 { "v4" } else { "f" });
-                if !want_name(&name) { continue; }
+                if !want_name(&name) {
+                    continue;
+                }
                 let inv = chunk_groups * wg;
                 let elems = nk as u32 / if vec4 { 4 } else { 1 };
                 let chunk = elems / inv;
@@ -241,7 +241,9 @@ fn main() {
         for r in [1u32, 2, 4, 8] {
             for wg in [1u32, 8, 16, 64] {
                 let name = format!("thread_{}{}_r{r}_wg{wg}", if vec4 { "v4" } else { "f" }, if unroll { "u2" } else { "" });
-                if !want_name(&name) { continue; }
+                if !want_name(&name) {
+                    continue;
+                }
                 let p = pipe(&ctx, &mv_rows(r, wg, vec4, unroll));
                 let t = run(&ctx, &p, &[&wb, &xb, &yb, &db], groups2(r * wg), reps);
                 report(&name, t, true);
@@ -251,7 +253,10 @@ fn main() {
     if n <= 16384 && k / 4 <= 16384 {
         for f16 in [false, true] {
             let (fmt, data): (wgpu::TextureFormat, Vec<u8>) = if f16 {
-                (wgpu::TextureFormat::Rgba16Float, bytemuck::cast_slice(&wv.iter().map(|&v| half::f16::from_f32(v)).collect::<Vec<_>>()).to_vec())
+                (
+                    wgpu::TextureFormat::Rgba16Float,
+                    bytemuck::cast_slice(&wv.iter().map(|&v| half::f16::from_f32(v)).collect::<Vec<_>>()).to_vec(),
+                )
             } else {
                 (wgpu::TextureFormat::Rgba32Float, bytemuck::cast_slice(&wv).to_vec())
             };
@@ -274,7 +279,9 @@ fn main() {
             for r in [1u32, 4, 8] {
                 for wg in [8u32, 64] {
                     let name = format!("tex{}_r{r}_wg{wg}", if f16 { "16" } else { "32" });
-                    if !want_name(&name) { continue; }
+                    if !want_name(&name) {
+                        continue;
+                    }
                     let p = pipe(&ctx, &mv_tex(r, wg));
                     let layout = p.get_bind_group_layout(0);
                     let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -302,7 +309,9 @@ fn main() {
     for wg in [4u32, 8, 16, 64] {
         for r in [1u32, 4] {
             let name = format!("wgrow_v4_wg{wg}_r{r}");
-            if !want_name(&name) { continue; }
+            if !want_name(&name) {
+                continue;
+            }
             let p = pipe(&ctx, &mv_wg(wg, r));
             let t = run(&ctx, &p, &[&wb, &xb, &yb, &db], groups2(r), reps);
             report(&name, t, true);

@@ -12,10 +12,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut m = pollster::block_on(GpuModel::load(ctx.clone(), &loaded.weights, ModelOptions::default()))?;
     let seq = m.new_sequence()?;
     let prompt: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
-    for (name, tokens) in [("prefill (first: includes lazy shader compiles)", prompt.clone()), ("prefill", prompt.clone()), ("decode", vec![42u32]), ("decode", vec![43u32])] {
+    for (name, tokens) in [
+        ("prefill (first: includes lazy shader compiles)", prompt.clone()),
+        ("prefill", prompt.clone()),
+        ("decode", vec![42u32]),
+        ("decode", vec![43u32]),
+    ] {
         let prof = m.profile_step(seq, &tokens)?;
         let total: f64 = prof.iter().map(|p| p.1).sum();
-        println!("{name} ({} tokens): {total:.1} ms in {} dispatches on {}", tokens.len(), prof.iter().map(|p| p.2).sum::<usize>(), ctx.info.name);
+        println!(
+            "{name} ({} tokens): {total:.1} ms in {} dispatches on {}",
+            tokens.len(),
+            prof.iter().map(|p| p.2).sum::<usize>(),
+            ctx.info.name
+        );
         for (k, ms, c) in prof {
             println!("  {ms:9.2} ms  x{c:<3} {k}");
         }

@@ -15,6 +15,12 @@ export WGPU_BACKEND="${WGPU_BACKEND:-vulkan}"
 export NODEVICE_SELECT=1
 export RUST_BACKTRACE=1
 
+# Formatting (rustfmt.toml) is part of the suite: no build needed, so it fails fast.
+if ! cargo fmt --version >/dev/null 2>&1; then
+    rustup component add rustfmt
+fi
+cargo fmt --check
+
 # One build of everything (tests, examples, the binary) with one feature set.
 cargo test --release --no-run
 cargo build --release --benches

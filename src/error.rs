@@ -27,11 +27,7 @@ pub enum LanternError {
     #[error("invalid model config field `{field}`: {reason}")]
     Config { field: String, reason: String },
     #[error("prompt has {prompt_tokens} tokens but the context holds {context} (with {max_new} new tokens requested)")]
-    PromptTooLong {
-        prompt_tokens: usize,
-        max_new: usize,
-        context: usize,
-    },
+    PromptTooLong { prompt_tokens: usize, max_new: usize, context: usize },
     #[error("the memory budget of {budget} bytes ({source_of_budget}) leaves {kv_room} bytes for the KV cache after {weights} of weights, {workspace} of workspace and {reserve} of reserve, but {what} needs {needed}; lower --context or --max-seqs, pick a smaller --kv-dtype, or raise --memory-budget")]
     MemoryBudget {
         budget: u64,
@@ -78,9 +74,6 @@ pub enum LanternError {
 
 impl LanternError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        LanternError::Io {
-            path: path.into(),
-            source,
-        }
+        LanternError::Io { path: path.into(), source }
     }
 }

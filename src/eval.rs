@@ -56,14 +56,7 @@ pub enum EvalError {
         "prompt {index}: {prompt_tokens} prompt tokens + {max_new} new tokens need {needed} positions, \
          but model {model} has a context of {context}"
     )]
-    PromptTooLong {
-        index: usize,
-        model: char,
-        prompt_tokens: usize,
-        max_new: usize,
-        needed: usize,
-        context: usize,
-    },
+    PromptTooLong { index: usize, model: char, prompt_tokens: usize, max_new: usize, needed: usize, context: usize },
 }
 
 /// How a text is split into windows for [`perplexity`]. See the module docs.
@@ -109,10 +102,9 @@ impl WindowReport {
     pub fn describe(&self) -> String {
         match self.mode {
             WindowMode::Single => format!("one window of {} tokens", self.size),
-            WindowMode::Chunks => format!(
-                "{} non-overlapping windows of {} tokens (the first token of each is not scored)",
-                self.windows, self.size
-            ),
+            WindowMode::Chunks => {
+                format!("{} non-overlapping windows of {} tokens (the first token of each is not scored)", self.windows, self.size)
+            }
             WindowMode::Sliding => format!(
                 "{} sliding windows of {} tokens, stride {} (each scores the tokens the previous one did not reach)",
                 self.windows,
@@ -247,12 +239,7 @@ fn context_of(model: &GpuModel) -> usize {
 /// Perplexity of `ids` under `model` (see the module docs for the definition and the
 /// windowing). Each window runs in a fresh sequence, released afterwards (also on error).
 /// `progress` is called after every GPU step with the tokens run so far.
-pub async fn perplexity(
-    model: &mut GpuModel,
-    ids: &[u32],
-    window: Window,
-    mut progress: impl FnMut(Progress),
-) -> Result<PerplexityReport> {
+pub async fn perplexity(model: &mut GpuModel, ids: &[u32], window: Window, mut progress: impl FnMut(Progress)) -> Result<PerplexityReport> {
     let t0 = Instant::now();
     let (report, spans) = plan(ids.len(), context_of(model), window)?;
     // The last token of a window is never input: nothing in the window predicts from it.
@@ -518,8 +505,7 @@ pub async fn compare(
     Ok(CompareReport {
         identical_prompts: out.len() - diverged.len(),
         token_agreement: (n_tokens > 0).then(|| matching as f64 / n_tokens as f64),
-        mean_first_divergence: (!diverged.is_empty())
-            .then(|| diverged.iter().sum::<usize>() as f64 / diverged.len() as f64),
+        mean_first_divergence: (!diverged.is_empty()).then(|| diverged.iter().sum::<usize>() as f64 / diverged.len() as f64),
         prompts: out,
         max_new,
         generated,

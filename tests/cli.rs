@@ -13,11 +13,8 @@ fn lantern() -> Command {
 
 #[test]
 fn run_json_reports_ids_text_and_metrics() {
-    let out = lantern()
-        .args(["run", "Once upon a time", "--max-tokens", "3", "--json", "--model"])
-        .arg(common::smollm2_gguf())
-        .output()
-        .unwrap();
+    let out =
+        lantern().args(["run", "Once upon a time", "--max-tokens", "3", "--json", "--model"]).arg(common::smollm2_gguf()).output().unwrap();
     assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
     // "Once upon a time" is 4 tokens for SmolLM2 (no BOS added).
@@ -35,11 +32,14 @@ fn run_json_reports_ids_text_and_metrics() {
     let q4 = &m["weights"]["q4g32"];
     assert_eq!(q4["bytes"].as_u64().unwrap() + q4["scale_bytes"].as_u64().unwrap(), 66_355_200);
     assert_eq!(m["weights"]["q8g32"]["scale_bytes"].as_u64().unwrap(), 49152 * 18 * 2);
-    let total: u64 = ["weight_textures", "kv_cache", "workspace", "uniforms", "readback"]
-        .iter()
-        .map(|k| m[k].as_u64().unwrap())
-        .sum::<u64>()
-        + m["weights"].as_object().unwrap().values().map(|d| d["bytes"].as_u64().unwrap() + d["scale_bytes"].as_u64().unwrap()).sum::<u64>();
+    let total: u64 =
+        ["weight_textures", "kv_cache", "workspace", "uniforms", "readback"].iter().map(|k| m[k].as_u64().unwrap()).sum::<u64>()
+            + m["weights"]
+                .as_object()
+                .unwrap()
+                .values()
+                .map(|d| d["bytes"].as_u64().unwrap() + d["scale_bytes"].as_u64().unwrap())
+                .sum::<u64>();
     assert_eq!(m["ledger_bytes"].as_u64().unwrap(), total);
 }
 
@@ -57,11 +57,8 @@ fn info_reports_bytes_by_dtype_without_a_gpu() {
 
 #[test]
 fn run_streams_text_and_prints_metrics_on_stderr() {
-    let out = lantern()
-        .args(["run", "The capital of France is", "--max-tokens", "2", "--model"])
-        .arg(common::smollm2_gguf())
-        .output()
-        .unwrap();
+    let out =
+        lantern().args(["run", "The capital of France is", "--max-tokens", "2", "--model"]).arg(common::smollm2_gguf()).output().unwrap();
     assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("TTFT") && err.contains("TPOT") && err.contains("tok/s"), "{err}");
@@ -81,10 +78,7 @@ fn devices_lists_adapters_as_json() {
 
 #[test]
 fn missing_model_file_fails_with_its_path() {
-    let out = lantern()
-        .args(["run", "hi", "--model", "/nonexistent/model.gguf"])
-        .output()
-        .unwrap();
+    let out = lantern().args(["run", "hi", "--model", "/nonexistent/model.gguf"]).output().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent/model.gguf"), "{err}");
@@ -242,7 +236,11 @@ fn draft_pointing_at_the_target_itself_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is the target model itself") && err.contains("--lookup"), "{err}");
     // --draft-tokens 0: plain decoding, and no speculative report.
-    let out = lantern().args(["run", "Hi", "--max-tokens", "3", "--json", "--lookup", "--draft-tokens", "0", "--model"]).arg(&model).output().unwrap();
+    let out = lantern()
+        .args(["run", "Hi", "--max-tokens", "3", "--json", "--lookup", "--draft-tokens", "0", "--model"])
+        .arg(&model)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["speculative"].is_null());

@@ -27,7 +27,8 @@ fn weights(name: &str) -> ModelWeights {
 /// limits, subgroups when offered).
 fn host_device() -> (wgpu::Device, wgpu::Queue) {
     let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
-    let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions::default())).expect("an adapter (lavapipe: WGPU_BACKEND=vulkan)");
+    let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions::default()))
+        .expect("an adapter (lavapipe: WGPU_BACKEND=vulkan)");
     let features = adapter.features() & (wgpu::Features::SUBGROUP | wgpu::Features::SHADER_F16);
     pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
         label: Some("host"),
@@ -39,7 +40,14 @@ fn host_device() -> (wgpu::Device, wgpu::Queue) {
 }
 
 fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
-    GenerateRequest { prompt_ids: prompt, max_tokens: n, sampling: SamplingParams::default(), stop_ids: vec![], stop_strings: vec![], speculation: Default::default() }
+    GenerateRequest {
+        prompt_ids: prompt,
+        max_tokens: n,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+        stop_strings: vec![],
+        speculation: Default::default(),
+    }
 }
 
 fn opts() -> ModelOptions {
@@ -71,11 +79,37 @@ fn two_models_share_the_host_device_beside_its_own_work() {
     let (want_a, want_b) = (own("llama-gqa"), own("llama-mqa"));
 
     let (device, queue) = host_device();
-    let mut a = pollster::block_on(Engine::with_device(device.clone(), queue.clone(), &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
-    let mut b = pollster::block_on(Engine::with_device(device.clone(), queue.clone(), &weights("llama-mqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
+    let mut a = pollster::block_on(Engine::with_device(
+        device.clone(),
+        queue.clone(),
+        &weights("llama-gqa"),
+        tokenizer(),
+        opts(),
+        EngineOptions::default(),
+    ))
+    .unwrap();
+    let mut b = pollster::block_on(Engine::with_device(
+        device.clone(),
+        queue.clone(),
+        &weights("llama-mqa"),
+        tokenizer(),
+        opts(),
+        EngineOptions::default(),
+    ))
+    .unwrap();
     // The host's own work on the same queue: a buffer it clears and copies every "frame".
-    let buf = device.create_buffer(&wgpu::BufferDescriptor { label: Some("host"), size: 1 << 20, usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC, mapped_at_creation: false });
-    let buf2 = device.create_buffer(&wgpu::BufferDescriptor { label: Some("host2"), size: 1 << 20, usage: wgpu::BufferUsages::COPY_DST, mapped_at_creation: false });
+    let buf = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("host"),
+        size: 1 << 20,
+        usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let buf2 = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("host2"),
+        size: 1 << 20,
+        usage: wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
     let mut ha = a.submit(request(prompt.clone(), 8)).unwrap();
     let mut hb = b.submit(request(prompt.clone(), 8)).unwrap();
     let mut frames = 0;
@@ -104,7 +138,15 @@ fn two_models_share_the_host_device_beside_its_own_work() {
 fn a_lost_device_ends_requests_with_an_error_and_a_new_device_works() {
     let prompt: Vec<u32> = (5..15).collect();
     let (device, queue) = host_device();
-    let mut e = pollster::block_on(Engine::with_device(device.clone(), queue, &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
+    let mut e = pollster::block_on(Engine::with_device(
+        device.clone(),
+        queue,
+        &weights("llama-gqa"),
+        tokenizer(),
+        opts(),
+        EngineOptions::default(),
+    ))
+    .unwrap();
     let mut h = e.submit(request(prompt.clone(), 30)).unwrap();
     let mut waiting = e.submit(request(prompt.clone(), 30)).unwrap();
     pollster::block_on(e.step()).unwrap();
@@ -125,7 +167,9 @@ fn a_lost_device_ends_requests_with_an_error_and_a_new_device_works() {
     assert!(e.is_idle());
     // The same process, a new device: works.
     let (device2, queue2) = host_device();
-    let mut e2 = pollster::block_on(Engine::with_device(device2, queue2, &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
+    let mut e2 =
+        pollster::block_on(Engine::with_device(device2, queue2, &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default()))
+            .unwrap();
     let m = pollster::block_on(GpuModel::load(common::gpu(), &weights("llama-gqa"), opts())).unwrap();
     let want = run(&mut Engine::new(m, tokenizer(), EngineOptions::default()), prompt.clone(), 6);
     assert_eq!(run(&mut e2, prompt, 6), want);
@@ -156,8 +200,21 @@ fn frame_budgeted_steps_keep_the_budget_and_the_tokens() {
     let want = run(&mut Engine::new(m, tokenizer(), EngineOptions::default()), prompt.clone(), 12);
 
     let (device, queue) = host_device();
-    let mut e = pollster::block_on(Engine::with_device(device.clone(), queue.clone(), &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
-    let buf = device.create_buffer(&wgpu::BufferDescriptor { label: Some("host"), size: 1 << 16, usage: wgpu::BufferUsages::COPY_DST, mapped_at_creation: false });
+    let mut e = pollster::block_on(Engine::with_device(
+        device.clone(),
+        queue.clone(),
+        &weights("llama-gqa"),
+        tokenizer(),
+        opts(),
+        EngineOptions::default(),
+    ))
+    .unwrap();
+    let buf = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("host"),
+        size: 1 << 16,
+        usage: wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
     let mut h = e.submit(request(prompt, 12)).unwrap();
     let budget = Duration::from_millis(2);
     // lavapipe runs submitted work on the submitting thread, so one call can take a batch
@@ -227,7 +284,9 @@ fn host_pipeline_cache_persists_across_devices() {
     assert!(first.compiled > 0 && written > 0, "{first:?}, {written} bytes written");
     let (second_ids, second, _) = start();
     match &second.driver_cache {
-        DriverCacheState::Loaded { bytes, .. } => assert_eq!(*bytes + lantern::gpu::pipeline::ENVELOPE as u64, written, "the whole saved payload reached the driver"),
+        DriverCacheState::Loaded { bytes, .. } => {
+            assert_eq!(*bytes + lantern::gpu::pipeline::ENVELOPE as u64, written, "the whole saved payload reached the driver")
+        }
         other => panic!("expected the saved cache to load, got {other:?}"),
     }
     assert_eq!(second_ids, first_ids);
@@ -253,7 +312,9 @@ fn a_work_budget_caps_the_dispatches_per_call() {
     let want = run(&mut Engine::new(m, tokenizer(), EngineOptions::default()), prompt.clone(), 6);
 
     let (device, queue) = host_device();
-    let mut e = pollster::block_on(Engine::with_device(device, queue, &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default())).unwrap();
+    let mut e =
+        pollster::block_on(Engine::with_device(device, queue, &weights("llama-gqa"), tokenizer(), opts(), EngineOptions::default()))
+            .unwrap();
     let warm = pollster::block_on(e.warm_up()).unwrap();
     assert!(warm > 0.0);
     let mut h = e.submit(request(prompt, 6)).unwrap();

@@ -59,11 +59,8 @@ fn requests(seed: u64, n: usize) -> Vec<GenerateRequest> {
             if i < 2 {
                 prompt = shared.iter().copied().chain(prompt.into_iter().take(6)).collect();
             }
-            let sampling = if i == 3 {
-                SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 11 }
-            } else {
-                SamplingParams::default()
-            };
+            let sampling =
+                if i == 3 { SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 11 } } else { SamplingParams::default() };
             GenerateRequest {
                 prompt_ids: prompt,
                 max_tokens: 1 + r.below(20) as usize,

@@ -14,16 +14,8 @@ use lantern::LanternError;
 
 fn tiny_model(context: usize) -> GpuModel {
     let w = load_hf_folder(&common::tiny_dir().join("llama-gqa")).unwrap();
-    pollster::block_on(GpuModel::load(
-        common::gpu(),
-        &w,
-        ModelOptions {
-            context: Some(context),
-            page_size: 4,
-            ..Default::default()
-        },
-    ))
-    .unwrap()
+    pollster::block_on(GpuModel::load(common::gpu(), &w, ModelOptions { context: Some(context), page_size: 4, ..Default::default() }))
+        .unwrap()
 }
 
 #[test]
@@ -52,10 +44,7 @@ fn filling_the_context_is_a_typed_error_and_leaves_the_sequence_intact() {
     let seq = m.new_sequence().unwrap();
     pollster::block_on(m.forward(seq, &[1, 2, 3, 4, 5, 6], Want::Argmax)).unwrap();
     let err = pollster::block_on(m.forward(seq, &[7, 8, 9], Want::Argmax)).unwrap_err();
-    assert!(
-        matches!(err, LanternError::Kv(KvError::ContextExceeded { tokens: 9, context: 8 })),
-        "{err:?}"
-    );
+    assert!(matches!(err, LanternError::Kv(KvError::ContextExceeded { tokens: 9, context: 8 })), "{err:?}");
     assert_eq!(m.sequence_len(seq).unwrap(), 6);
     // The sequence still works.
     pollster::block_on(m.forward(seq, &[7, 8], Want::Argmax)).unwrap();
@@ -83,31 +72,21 @@ fn token_ids_outside_the_vocabulary_are_refused() {
 
 #[test]
 fn no_matching_adapter_names_what_exists() {
-    let err = pollster::block_on(GpuContext::new(&DeviceOptions {
-        adapter: Some("no-such-gpu-anywhere".into()),
-        ..Default::default()
-    }))
-    .unwrap_err();
+    let err = pollster::block_on(GpuContext::new(&DeviceOptions { adapter: Some("no-such-gpu-anywhere".into()), ..Default::default() }))
+        .unwrap_err();
     assert!(matches!(err, GpuError::NoAdapter { .. }), "{err:?}");
     assert!(err.to_string().contains("no GPU adapter"), "{err}");
 }
 
 #[test]
 fn unknown_backend_is_a_clear_error() {
-    let err = pollster::block_on(GpuContext::new(&DeviceOptions {
-        backend: Some("glide".into()),
-        ..Default::default()
-    }))
-    .unwrap_err();
+    let err = pollster::block_on(GpuContext::new(&DeviceOptions { backend: Some("glide".into()), ..Default::default() })).unwrap_err();
     assert!(err.to_string().contains("unknown backend `glide`"), "{err}");
 }
 
 #[test]
 fn gl_backend_either_matches_the_reference_or_is_refused_clearly() {
-    let ctx = pollster::block_on(GpuContext::new(&DeviceOptions {
-        backend: Some("gl".into()),
-        ..Default::default()
-    }));
+    let ctx = pollster::block_on(GpuContext::new(&DeviceOptions { backend: Some("gl".into()), ..Default::default() }));
     match ctx {
         Err(e) => {
             let msg = e.to_string();

@@ -161,7 +161,10 @@ fn perplexity_matches_the_reference_in_every_window_mode() {
             assert!((t.nll - nll).abs() <= 1e-3 * nll.abs().max(1.0), "{window:?}: token {p}: {} vs {nll}", t.nll);
         }
         let rel = (got.perplexity - ppl).abs() / ppl;
-        eprintln!("{window:?}: ppl {} (reference {ppl}, rel diff {rel:e}), {} windows, {} calls", got.perplexity, got.window.windows, calls);
+        eprintln!(
+            "{window:?}: ppl {} (reference {ppl}, rel diff {rel:e}), {} windows, {} calls",
+            got.perplexity, got.window.windows, calls
+        );
         assert!(rel <= 1e-4, "{window:?}: perplexity {} vs reference {ppl} (rel {rel:e})", got.perplexity);
         assert!((got.mean_nll.exp() - got.perplexity).abs() <= 1e-12 * got.perplexity);
         assert!(calls >= 2 && got.tokens_per_s > 0.0);
@@ -339,12 +342,7 @@ fn smollm2_perplexity_matches_transformers() {
     let rep = pollster::block_on(perplexity(&mut m, &ids, Window::Auto, |_| {})).unwrap();
     let want = fx["perplexity"].as_f64().unwrap();
     let want_nll = fx["nll_per_token"].as_array().unwrap();
-    let worst = rep
-        .per_token
-        .iter()
-        .zip(want_nll)
-        .map(|(t, w)| (t.nll - w.as_f64().unwrap()).abs())
-        .fold(0.0f64, f64::max);
+    let worst = rep.per_token.iter().zip(want_nll).map(|(t, w)| (t.nll - w.as_f64().unwrap()).abs()).fold(0.0f64, f64::max);
     eprintln!(
         "SmolLM2 perplexity {:.4} (transformers {want:.4}, rel diff {:.2e}), mean NLL {:.6}, max per-token NLL diff {worst:.2e}, {} tokens in {:.1} s ({:.1} tokens/s)",
         rep.perplexity,
@@ -403,7 +401,8 @@ fn cli_eval_ppl_and_compare_print_json() {
     let l = lantern::model::load::load_path(&model).unwrap();
     let ids = l.tokenizer.as_ref().unwrap().encode(&text).unwrap();
     assert!(ids.len() > 40, "{} tokens", ids.len());
-    let mut g = pollster::block_on(GpuModel::load(common::gpu(), &l.weights, ModelOptions { context: Some(16), ..Default::default() })).unwrap();
+    let mut g =
+        pollster::block_on(GpuModel::load(common::gpu(), &l.weights, ModelOptions { context: Some(16), ..Default::default() })).unwrap();
     let lib = pollster::block_on(perplexity(&mut g, &ids, Window::Sliding { size: 16, stride: 6 }, |_| {})).unwrap();
 
     let v = lantern_cli(&["eval", "ppl", "--model", m, "--text", t, "--context", "16", "--stride", "6", "--json", "--per-token"]);
@@ -437,7 +436,21 @@ fn cli_eval_ppl_and_compare_print_json() {
     // The fixture format (objects with input_ids); f32 against f16 weights of one model.
     std::fs::write(dir.join("cases.json"), r#"[{"name": "x", "input_ids": [0, 7, 5, 2]}, {"name": "y", "prompt_text": "bead"}]"#).unwrap();
     let p = dir.join("cases.json");
-    let v = lantern_cli(&["eval", "compare", "--model", m, "--weights", "f32", "--weights", "f16", "--prompts", p.to_str().unwrap(), "--max-tokens", "3", "--json"]);
+    let v = lantern_cli(&[
+        "eval",
+        "compare",
+        "--model",
+        m,
+        "--weights",
+        "f32",
+        "--weights",
+        "f16",
+        "--prompts",
+        p.to_str().unwrap(),
+        "--max-tokens",
+        "3",
+        "--json",
+    ]);
     assert_eq!(v["prompts"][0]["name"], "x");
     assert_eq!(common::ids(&v["prompts"][0]["prompt_ids"]), vec![0, 7, 5, 2]);
     assert_eq!(v["a"]["weight_precision"], "f32");

@@ -26,7 +26,8 @@ fn example(name: &str) -> PathBuf {
 
 fn json_of(out: std::process::Output, what: &str) -> serde_json::Value {
     assert!(out.status.success(), "{what} failed: {}\n{}", String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(&out.stdout));
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{what}: not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 fn lantern_run_ids() -> Vec<u32> {
@@ -43,7 +44,10 @@ fn check_frames(v: &serde_json::Value, what: &str) {
     let f = &v["frames"];
     let max = f["call_ms"]["max"].as_f64().unwrap();
     let (frames, steps) = (f["frames"].as_u64().unwrap(), f["steps"].as_u64().unwrap());
-    eprintln!("{what}: {frames} frames, {steps} steps, call ms p50 {:.2} max {max:.2}, frame ms p50 {:.2}", f["call_ms"]["p50"], f["frame_ms"]["p50"]);
+    eprintln!(
+        "{what}: {frames} frames, {steps} steps, call ms p50 {:.2} max {max:.2}, frame ms p50 {:.2}",
+        f["call_ms"]["p50"], f["frame_ms"]["p50"]
+    );
     assert!(max <= BUDGET_MS + MARGIN_MS, "{what}: a frame call took {max:.1} ms, budget {BUDGET_MS} + margin {MARGIN_MS}");
     assert!(frames > steps, "{what}: steps were spread over frames ({frames} frames, {steps} steps)");
 }

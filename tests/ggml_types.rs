@@ -47,7 +47,11 @@ const LAYOUTS: [Layout; 6] = [
     Layout { name: "rows4, blocked", env: &[("LANTERN_XBCAST", "0")], binding: None },
     // The GPU kernels: a workgroup per row and the tiled matmul.
     Layout { name: "wg64, tiled", env: &[("LANTERN_MATVEC", "wg64"), ("LANTERN_MATMUL", "tiled")], binding: None },
-    Layout { name: "wg64, tiled, 16 KiB bindings", env: &[("LANTERN_MATVEC", "wg64"), ("LANTERN_MATMUL", "tiled")], binding: Some(16 * 1024) },
+    Layout {
+        name: "wg64, tiled, 16 KiB bindings",
+        env: &[("LANTERN_MATVEC", "wg64"), ("LANTERN_MATMUL", "tiled")],
+        binding: Some(16 * 1024),
+    },
 ];
 
 fn set_layout(l: &Layout) {
@@ -98,7 +102,10 @@ fn every_ggml_type_matches_the_reference_in_every_layout() {
                 let seq = m.new_sequence().unwrap();
                 let got = pollster::block_on(m.forward_all_logits(seq, &input)).unwrap_or_else(|e| panic!("{what}: forward: {e}"));
                 let (rel, pos, abs) = worst_row_error(&got, &want, vocab);
-                assert!(rel <= REL_TOL, "{what}, chunks of {chunk}: position {pos} off by {abs:e} ({rel:e} of the row's max |logit|, bound {REL_TOL:e})");
+                assert!(
+                    rel <= REL_TOL,
+                    "{what}, chunks of {chunk}: position {pos} off by {abs:e} ({rel:e} of the row's max |logit|, bound {REL_TOL:e})"
+                );
                 report.push(format!("{what} chunks {chunk}: worst {rel:.2e} of max |logit|"));
                 m.release_sequence(seq);
                 if chunk == *chunks.last().unwrap() {

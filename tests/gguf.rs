@@ -7,9 +7,7 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use common::{ggml, tiny_model, GgufWriter, Meta, TINY};
-use lantern::model::gguf::{
-    hf_tensor_name, load_gguf_file, unpermute_qk_rows, weights_from_gguf, GgmlType, GgufError, GgufFile, GgufMmap,
-};
+use lantern::model::gguf::{hf_tensor_name, load_gguf_file, unpermute_qk_rows, weights_from_gguf, GgmlType, GgufError, GgufFile, GgufMmap};
 use lantern::model::{Arch, DType, HostTensor, ModelWeights};
 use lantern::LanternError;
 
@@ -91,10 +89,7 @@ fn real_model_tensor_set() {
     assert_eq!((emb.shape.clone(), emb.dtype), (vec![49152, 576], DType::Q8_0));
     let q = &w.tensors["model.layers.0.self_attn.q_proj.weight"];
     assert_eq!((q.shape.clone(), q.dtype), (vec![576, 576], DType::Q4_1));
-    assert_eq!(
-        w.tensors["model.layers.29.self_attn.k_proj.weight"].shape,
-        vec![192, 576]
-    );
+    assert_eq!(w.tensors["model.layers.29.self_attn.k_proj.weight"].shape, vec![192, 576]);
     assert_eq!(w.tensors["model.layers.3.mlp.down_proj.weight"].shape, vec![576, 1536]);
     assert_eq!(w.tensors["model.norm.weight"].dtype, DType::F32);
     for t in w.tensors.values() {
@@ -221,17 +216,13 @@ fn untied_output_and_mistral_and_linear_rope() {
     let mut wr = tiny_model("mistral", TINY, ggml::F32);
     let n = (TINY.hidden * TINY.vocab) as usize;
     wr.tensor_f32("output.weight", &[TINY.hidden, TINY.vocab], &vec![0.5; n]);
-    wr.kv("mistral.rope.scaling.type", Meta::Str("linear".into()))
-        .kv("mistral.rope.scaling.factor", Meta::F32(4.0));
+    wr.kv("mistral.rope.scaling.type", Meta::Str("linear".into())).kv("mistral.rope.scaling.factor", Meta::F32(4.0));
     let bytes = wr.to_bytes();
     let w = weights_from_gguf(&GgufFile::parse(&bytes, "m.gguf").unwrap(), "m.gguf").unwrap();
     assert_eq!(w.config.arch, Arch::Mistral);
     assert!(!w.config.tie_word_embeddings);
     assert_eq!(w.tensors["lm_head.weight"].shape, vec![8, 32]);
-    assert_eq!(
-        w.config.rope_scaling,
-        Some(lantern::model::RopeScaling::Linear { factor: 4.0 })
-    );
+    assert_eq!(w.config.rope_scaling, Some(lantern::model::RopeScaling::Linear { factor: 4.0 }));
 }
 
 #[test]
@@ -266,14 +257,8 @@ fn llama3_rope_freqs_tensor_is_recognised() {
 
 #[test]
 fn name_mapping() {
-    assert_eq!(
-        hf_tensor_name("blk.12.ffn_down.weight", lantern::model::Arch::Llama).unwrap(),
-        "model.layers.12.mlp.down_proj.weight"
-    );
-    assert_eq!(
-        hf_tensor_name("blk.0.attn_v.bias", lantern::model::Arch::Llama).unwrap(),
-        "model.layers.0.self_attn.v_proj.bias"
-    );
+    assert_eq!(hf_tensor_name("blk.12.ffn_down.weight", lantern::model::Arch::Llama).unwrap(), "model.layers.12.mlp.down_proj.weight");
+    assert_eq!(hf_tensor_name("blk.0.attn_v.bias", lantern::model::Arch::Llama).unwrap(), "model.layers.0.self_attn.v_proj.bias");
     assert_eq!(
         hf_tensor_name("blk.3.ffn_norm.weight", lantern::model::Arch::Llama).unwrap(),
         "model.layers.3.post_attention_layernorm.weight"
@@ -303,10 +288,7 @@ fn parse_err(bytes: &[u8]) -> GgufError {
     match GgufFile::parse(bytes, "bad.gguf") {
         Ok(_) => panic!("parse should fail"),
         Err(e) => {
-            assert!(
-                e.to_string().starts_with("bad.gguf: "),
-                "error should name the file: {e}"
-            );
+            assert!(e.to_string().starts_with("bad.gguf: "), "error should name the file: {e}");
             e
         }
     }
@@ -325,10 +307,7 @@ fn truncated_at_every_point() {
     for cut in 0..bytes.len() {
         let e = parse_err(&bytes[..cut]);
         assert!(
-            matches!(
-                e,
-                GgufError::Truncated { .. } | GgufError::TensorOutOfBounds { .. } | GgufError::TooLarge { .. }
-            ),
+            matches!(e, GgufError::Truncated { .. } | GgufError::TensorOutOfBounds { .. } | GgufError::TooLarge { .. }),
             "cut at {cut}: unexpected {e}"
         );
     }
@@ -343,10 +322,7 @@ fn bad_magic() {
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.magic = *b"GGML";
     let e = parse_err(&w.to_bytes());
-    assert!(
-        matches!(e, GgufError::BadMagic { found, .. } if &found == b"GGML"),
-        "{e}"
-    );
+    assert!(matches!(e, GgufError::BadMagic { found, .. } if &found == b"GGML"), "{e}");
     assert!(e.to_string().contains("GGUF"));
 }
 
@@ -356,10 +332,7 @@ fn unsupported_versions() {
         let mut w = tiny_model("llama", TINY, ggml::F32);
         w.version = v;
         let e = parse_err(&w.to_bytes());
-        assert!(
-            matches!(e, GgufError::UnsupportedVersion { version, .. } if version == v),
-            "{e}"
-        );
+        assert!(matches!(e, GgufError::UnsupportedVersion { version, .. } if version == v), "{e}");
         assert!(e.to_string().contains(&v.to_string()));
     }
     let mut w = tiny_model("llama", TINY, ggml::F32);
@@ -372,10 +345,7 @@ fn huge_counts_and_lengths() {
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.tensor_count_override = Some(u64::MAX / 2);
     let e = parse_err(&w.to_bytes());
-    assert!(
-        matches!(e, GgufError::TooLarge { .. }) && e.to_string().contains("tensor count"),
-        "{e}"
-    );
+    assert!(matches!(e, GgufError::TooLarge { .. }) && e.to_string().contains("tensor count"), "{e}");
 
     // A string array claiming 2^60 elements.
     let mut w = GgufWriter::default();
@@ -389,10 +359,7 @@ fn huge_counts_and_lengths() {
     let mut w = GgufWriter::default();
     w.kv("general.name", Meta::Raw(8, u64::MAX.to_le_bytes().to_vec()));
     let e = parse_err(&w.to_bytes());
-    assert!(
-        matches!(e, GgufError::TooLarge { .. }) && e.to_string().contains("general.name"),
-        "{e}"
-    );
+    assert!(matches!(e, GgufError::TooLarge { .. }) && e.to_string().contains("general.name"), "{e}");
 
     // Arrays nested far too deep.
     let mut raw = Vec::new();
@@ -405,10 +372,7 @@ fn huge_counts_and_lengths() {
     let mut w = GgufWriter::default();
     w.kv("deep", Meta::Raw(9, raw));
     let e = parse_err(&w.to_bytes());
-    assert!(
-        matches!(e, GgufError::NestingTooDeep { .. }) && e.to_string().contains("deep"),
-        "{e}"
-    );
+    assert!(matches!(e, GgufError::NestingTooDeep { .. }) && e.to_string().contains("deep"), "{e}");
 }
 
 #[test]
@@ -421,16 +385,11 @@ fn nested_arrays_parse() {
         (0..n).for_each(|x| raw.extend(x.to_le_bytes()));
     }
     let mut w = GgufWriter::default();
-    w.kv("nested", Meta::Raw(9, raw))
-        .kv("u64", Meta::U64(7))
-        .kv("i32", Meta::I32(-3));
+    w.kv("nested", Meta::Raw(9, raw)).kv("u64", Meta::U64(7)).kv("i32", Meta::I32(-3));
     let bytes = w.to_bytes();
     let g = GgufFile::parse(&bytes, "n.gguf").unwrap();
     use lantern::model::gguf::GgufArray;
-    assert_eq!(
-        g.get_array("nested").unwrap(),
-        &GgufArray::Array(vec![GgufArray::U32(vec![0]), GgufArray::U32(vec![0, 1])])
-    );
+    assert_eq!(g.get_array("nested").unwrap(), &GgufArray::Array(vec![GgufArray::U32(vec![0]), GgufArray::U32(vec![0, 1])]));
     assert_eq!(g.get_u32("u64").unwrap(), 7);
     assert!(g.get_u32("i32").unwrap_err().to_string().contains("int32 -3"));
 }
@@ -441,10 +400,7 @@ fn tensor_past_end() {
     let last = w.tensors.len() - 1;
     w.tensors[last].offset = Some(1 << 40);
     let e = parse_err(&w.to_bytes());
-    assert!(
-        matches!(&e, GgufError::TensorOutOfBounds { tensor, .. } if tensor == "output_norm.weight"),
-        "{e}"
-    );
+    assert!(matches!(&e, GgufError::TensorOutOfBounds { tensor, .. } if tensor == "output_norm.weight"), "{e}");
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.tensors[0].offset = Some(u64::MAX - 31);
     assert!(matches!(parse_err(&w.to_bytes()), GgufError::TensorOutOfBounds { .. }));
@@ -455,23 +411,10 @@ fn misaligned_offset_and_bad_alignment() {
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.tensors[1].offset = Some(4100);
     let e = parse_err(&w.to_bytes());
-    assert!(
-        matches!(
-            &e,
-            GgufError::MisalignedTensor {
-                offset: 4100,
-                alignment: 32,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(&e, GgufError::MisalignedTensor { offset: 4100, alignment: 32, .. }), "{e}");
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.kv("general.alignment", Meta::U32(24));
-    assert!(matches!(
-        parse_err(&w.to_bytes()),
-        GgufError::BadAlignment { alignment: 24, .. }
-    ));
+    assert!(matches!(parse_err(&w.to_bytes()), GgufError::BadAlignment { alignment: 24, .. }));
     // A valid non-default alignment is honoured.
     let mut w = tiny_model("llama", TINY, ggml::F32);
     w.alignment = 64;
@@ -487,18 +430,12 @@ fn too_many_dims_and_block_mismatch() {
     let mut w = GgufWriter::default();
     w.tensor("t5", &[1, 1, 1, 1, 1], ggml::F32, vec![0; 4]);
     let e = parse_err(&w.to_bytes());
-    assert!(
-        matches!(&e, GgufError::TooManyDims { n_dims: 5, tensor, .. } if tensor == "t5"),
-        "{e}"
-    );
+    assert!(matches!(&e, GgufError::TooManyDims { n_dims: 5, tensor, .. } if tensor == "t5"), "{e}");
 
     let mut w = GgufWriter::default();
     w.tensor("odd", &[33, 2], ggml::Q8_0, vec![0; 68]);
     let e = parse_err(&w.to_bytes());
-    assert!(
-        matches!(&e, GgufError::BadTensorShape { tensor, .. } if tensor == "odd"),
-        "{e}"
-    );
+    assert!(matches!(&e, GgufError::BadTensorShape { tensor, .. } if tensor == "odd"), "{e}");
     assert!(e.to_string().contains("block size 32"), "{e}");
 
     let mut w = GgufWriter::default();
@@ -511,10 +448,7 @@ fn unknown_and_unsupported_tensor_types() {
     let mut w = GgufWriter::default();
     w.tensor("weird", &[32], 99, vec![0; 32]);
     let e = parse_err(&w.to_bytes());
-    assert!(
-        matches!(&e, GgufError::UnknownTensorType { type_id: 99, tensor, .. } if tensor == "weird"),
-        "{e}"
-    );
+    assert!(matches!(&e, GgufError::UnknownTensorType { type_id: 99, tensor, .. } if tensor == "weird"), "{e}");
 
     // A type Lantern does not load (IQ2_XXS, id 16) is named with the tensor.
     let mut w = tiny_model("llama", TINY, ggml::F32);
@@ -553,10 +487,7 @@ fn k_quant_rows_must_be_whole_super_blocks() {
 fn unsupported_architectures() {
     for arch in ["gpt2", "mamba"] {
         let e = load_err(&tiny_model(arch, TINY, ggml::F32));
-        assert!(
-            matches!(&e, LanternError::UnsupportedArchitecture { arch: a } if a == arch),
-            "{e}"
-        );
+        assert!(matches!(&e, LanternError::UnsupportedArchitecture { arch: a } if a == arch), "{e}");
         assert!(e.to_string().contains(arch));
     }
 }

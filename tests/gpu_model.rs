@@ -19,12 +19,9 @@ fn tiny(name: &str) -> PathBuf {
     common::tiny_dir().join(name)
 }
 
-
 fn reference(name: &str) -> serde_json::Value {
     common::read_json(&tiny(name).join("reference.json"))
 }
-
-
 
 fn load_gpu(weights: &ModelWeights, opts: ModelOptions) -> GpuModel {
     let ctx = common::gpu();
@@ -87,13 +84,7 @@ fn llama_gqa_long_input_in_small_chunks_with_odd_page_size() {
     let r = reference("llama-gqa");
     let input = ids(&r["long"]["input_ids"]);
     let want = read_f32(&tiny("llama-gqa").join("logits_long.f32"));
-    let opts = ModelOptions {
-        context: Some(256),
-        page_size: 7,
-        max_batch_tokens: 37,
-        max_logit_rows: 37,
-        ..Default::default()
-    };
+    let opts = ModelOptions { context: Some(256), page_size: 7, max_batch_tokens: 37, max_logit_rows: 37, ..Default::default() };
     let mut m = load_gpu(&w, opts);
     let seq = m.new_sequence().unwrap();
     let got = pollster::block_on(m.forward_all_logits(seq, &input)).unwrap();
@@ -107,19 +98,11 @@ fn tensors_split_across_small_bindings_give_the_same_logits() {
     let r = reference("llama-gqa");
     let input = ids(&r["input_ids"]);
     let want = read_f32(&tiny("llama-gqa").join("logits.f32"));
-    let ctx = common::gpu_with(&lantern::gpu::DeviceOptions {
-        max_binding_size: Some(8 * 1024),
-        ..Default::default()
-    });
+    let ctx = common::gpu_with(&lantern::gpu::DeviceOptions { max_binding_size: Some(8 * 1024), ..Default::default() });
     let mut m = pollster::block_on(GpuModel::load(
         ctx,
         &w,
-        ModelOptions {
-            context: Some(48),
-            max_batch_tokens: 8,
-            max_logit_rows: 2,
-            ..Default::default()
-        },
+        ModelOptions { context: Some(48), max_batch_tokens: 8, max_logit_rows: 2, ..Default::default() },
     ))
     .unwrap();
     let seq = m.new_sequence().unwrap();
@@ -145,8 +128,15 @@ fn streamed_gguf_load_equals_the_whole_file_load() {
             reads.push((a, b));
             Ok(bytes[a as usize..b as usize].to_vec())
         };
-        let (mut streamed, _) =
-            pollster::block_on(lantern::model::load::load_gguf_streamed(common::gpu(), &name, bytes.len() as u64, opts.clone(), &mut read, &mut |_, _| {})).unwrap();
+        let (mut streamed, _) = pollster::block_on(lantern::model::load::load_gguf_streamed(
+            common::gpu(),
+            &name,
+            bytes.len() as u64,
+            opts.clone(),
+            &mut read,
+            &mut |_, _| {},
+        ))
+        .unwrap();
         if bytes.len() > 4 << 20 {
             assert!(!reads.contains(&(0, bytes.len() as u64)), "{name}: a streamed load never reads the whole file at once");
         }

@@ -51,10 +51,7 @@ fn copy_fixture(name: &str) -> TempDir {
 }
 
 fn config_of(name: &str) -> Value {
-    serde_json::from_str(
-        &std::fs::read_to_string(tiny_dir().join(name).join("config.json")).unwrap(),
-    )
-    .unwrap()
+    serde_json::from_str(&std::fs::read_to_string(tiny_dir().join(name).join("config.json")).unwrap()).unwrap()
 }
 
 #[allow(clippy::result_large_err)]
@@ -86,10 +83,7 @@ fn safetensors_bytes(tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
     for (name, dtype, shape, bytes) in tensors {
         let start = data.len();
         data.extend_from_slice(bytes);
-        header.insert(
-            name.to_string(),
-            json!({"dtype": dtype, "shape": shape, "data_offsets": [start, data.len()]}),
-        );
+        header.insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [start, data.len()]}));
     }
     let mut h = Value::Object(header).to_string().into_bytes();
     while !h.len().is_multiple_of(8) {
@@ -122,21 +116,12 @@ fn sharded_fixture_loads_from_buffers_with_index() {
     let index = std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap();
     let names = lantern::model::hf::shard_files(&index, "index").unwrap();
     assert_eq!(names.len(), 3);
-    let files: Vec<(String, Vec<u8>)> = names
-        .iter()
-        .map(|n| (n.clone(), std::fs::read(dir.join(n)).unwrap()))
-        .collect();
-    let refs: Vec<(&str, &[u8])> = files
-        .iter()
-        .map(|(n, b)| (n.as_str(), b.as_slice()))
-        .collect();
+    let files: Vec<(String, Vec<u8>)> = names.iter().map(|n| (n.clone(), std::fs::read(dir.join(n)).unwrap())).collect();
+    let refs: Vec<(&str, &[u8])> = files.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
     let w = load_hf_buffers(&config, Some(&index), &refs).unwrap();
     assert!(w.config.tie_word_embeddings);
     // Leaving a shard out is an error naming it.
-    let e = must_fail(
-        load_hf_buffers(&config, Some(&index), &refs[..2]),
-        "missing shard buffer",
-    );
+    let e = must_fail(load_hf_buffers(&config, Some(&index), &refs[..2]), "missing shard buffer");
     assert_mentions(&e, &[names[2].as_str()]);
 }
 
@@ -147,10 +132,7 @@ fn truncated_safetensors_names_the_file() {
     let bytes = std::fs::read(&p).unwrap();
     std::fs::write(&p, &bytes[..bytes.len() - 100]).unwrap();
     let e = must_fail(load_hf_folder(d.path()), "truncated");
-    assert!(
-        matches!(e, LanternError::Load(LoadError::Safetensors { .. })),
-        "{e:?}"
-    );
+    assert!(matches!(e, LanternError::Load(LoadError::Safetensors { .. })), "{e:?}");
     assert_mentions(&e, &["model.safetensors", "truncated"]);
 }
 
@@ -162,10 +144,7 @@ fn corrupt_header_json_names_the_file() {
     bytes[8] = b'#'; // the header's opening `{`
     std::fs::write(&p, &bytes).unwrap();
     let e = must_fail(load_hf_folder(d.path()), "corrupt header");
-    assert!(
-        matches!(e, LanternError::Load(LoadError::Safetensors { .. })),
-        "{e:?}"
-    );
+    assert!(matches!(e, LanternError::Load(LoadError::Safetensors { .. })), "{e:?}");
     assert_mentions(&e, &["model.safetensors", "header JSON"]);
 }
 
@@ -178,10 +157,7 @@ fn header_length_past_eof_names_the_file() {
     bytes[..8].copy_from_slice(&past.to_le_bytes());
     std::fs::write(&p, &bytes).unwrap();
     let e = must_fail(load_hf_folder(d.path()), "header past EOF");
-    assert!(
-        matches!(e, LanternError::Load(LoadError::Safetensors { .. })),
-        "{e:?}"
-    );
+    assert!(matches!(e, LanternError::Load(LoadError::Safetensors { .. })), "{e:?}");
     assert_mentions(&e, &["model.safetensors", "past the end"]);
 
     // A file shorter than the 8-byte length prefix.
@@ -191,37 +167,25 @@ fn header_length_past_eof_names_the_file() {
 }
 
 /// Rewrites the fixture's model.safetensors through `edit` on its tensor list.
-fn rewrite_tensors(
-    d: &TempDir,
-    edit: impl FnOnce(&mut Vec<(String, String, Vec<usize>, Vec<u8>)>),
-) {
+fn rewrite_tensors(d: &TempDir, edit: impl FnOnce(&mut Vec<(String, String, Vec<usize>, Vec<u8>)>)) {
     let p = d.path().join("model.safetensors");
     let mut tensors = std::collections::HashMap::new();
     lantern::model::hf::read_safetensors("x", &std::fs::read(&p).unwrap(), &mut tensors).unwrap();
-    let mut list: Vec<(String, String, Vec<usize>, Vec<u8>)> = tensors
-        .into_values()
-        .map(|t| (t.name, format!("{:?}", t.dtype), t.shape, t.data))
-        .collect();
+    let mut list: Vec<(String, String, Vec<usize>, Vec<u8>)> =
+        tensors.into_values().map(|t| (t.name, format!("{:?}", t.dtype), t.shape, t.data)).collect();
     list.sort_by(|a, b| a.0.cmp(&b.0));
     edit(&mut list);
-    let refs: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = list
-        .iter()
-        .map(|(n, d, s, b)| (n.as_str(), d.as_str(), s.clone(), b.clone()))
-        .collect();
+    let refs: Vec<(&str, &str, Vec<usize>, Vec<u8>)> =
+        list.iter().map(|(n, d, s, b)| (n.as_str(), d.as_str(), s.clone(), b.clone())).collect();
     std::fs::write(&p, safetensors_bytes(&refs)).unwrap();
 }
 
 #[test]
 fn missing_tensor_is_named() {
     let d = copy_fixture("llama-gqa");
-    rewrite_tensors(&d, |l| {
-        l.retain(|t| t.0 != "model.layers.1.mlp.up_proj.weight")
-    });
+    rewrite_tensors(&d, |l| l.retain(|t| t.0 != "model.layers.1.mlp.up_proj.weight"));
     let e = must_fail(load_hf_folder(d.path()), "missing tensor");
-    assert!(
-        matches!(e, LanternError::Load(LoadError::MissingTensor { .. })),
-        "{e:?}"
-    );
+    assert!(matches!(e, LanternError::Load(LoadError::MissingTensor { .. })), "{e:?}");
     assert_mentions(&e, &["model.layers.1.mlp.up_proj.weight"]);
 }
 
@@ -237,43 +201,22 @@ fn missing_lm_head_when_untied_is_named() {
 fn wrong_shape_names_tensor_and_both_shapes() {
     let d = copy_fixture("llama-gqa");
     rewrite_tensors(&d, |l| {
-        let t = l
-            .iter_mut()
-            .find(|t| t.0 == "model.layers.0.self_attn.k_proj.weight")
-            .unwrap();
+        let t = l.iter_mut().find(|t| t.0 == "model.layers.0.self_attn.k_proj.weight").unwrap();
         t.2 = vec![64, 16]; // stored [16, 64]: transposed
     });
     let e = must_fail(load_hf_folder(d.path()), "wrong shape");
-    assert!(
-        matches!(e, LanternError::Load(LoadError::WrongShape { .. })),
-        "{e:?}"
-    );
-    assert_mentions(
-        &e,
-        &[
-            "model.layers.0.self_attn.k_proj.weight",
-            "[64, 16]",
-            "[16, 64]",
-        ],
-    );
+    assert!(matches!(e, LanternError::Load(LoadError::WrongShape { .. })), "{e:?}");
+    assert_mentions(&e, &["model.layers.0.self_attn.k_proj.weight", "[64, 16]", "[16, 64]"]);
 }
 
 #[test]
 fn unsupported_dtype_names_file_and_tensor() {
     let d = copy_fixture("llama-gqa");
     rewrite_tensors(&d, |l| {
-        l.push((
-            "model.extra_positions".into(),
-            "I64".into(),
-            vec![4],
-            vec![0u8; 32],
-        ));
+        l.push(("model.extra_positions".into(), "I64".into(), vec![4], vec![0u8; 32]));
     });
     let e = must_fail(load_hf_folder(d.path()), "I64 tensor");
-    assert!(
-        matches!(e, LanternError::Load(LoadError::UnsupportedDType { .. })),
-        "{e:?}"
-    );
+    assert!(matches!(e, LanternError::Load(LoadError::UnsupportedDType { .. })), "{e:?}");
     assert_mentions(&e, &["model.safetensors", "model.extra_positions", "I64"]);
 }
 
@@ -281,12 +224,7 @@ fn unsupported_dtype_names_file_and_tensor() {
 fn unexpected_bias_is_refused() {
     let d = copy_fixture("llama-gqa");
     rewrite_tensors(&d, |l| {
-        l.push((
-            "model.layers.0.self_attn.o_proj.bias".into(),
-            "F32".into(),
-            vec![64],
-            vec![0u8; 256],
-        ));
+        l.push(("model.layers.0.self_attn.o_proj.bias".into(), "F32".into(), vec![64], vec![0u8; 256]));
     });
     let e = must_fail(load_hf_folder(d.path()), "o_proj bias");
     assert_mentions(&e, &["model.layers.0.self_attn.o_proj.bias"]);
@@ -313,13 +251,7 @@ fn index_naming_a_missing_shard_is_explained() {
     let d = copy_fixture("llama-mha-tied-sharded");
     std::fs::remove_file(d.path().join("model-00002-of-00003.safetensors")).unwrap();
     let e = must_fail(load_hf_folder(d.path()), "missing shard");
-    assert_mentions(
-        &e,
-        &[
-            "model.safetensors.index.json",
-            "model-00002-of-00003.safetensors",
-        ],
-    );
+    assert_mentions(&e, &["model.safetensors.index.json", "model-00002-of-00003.safetensors"]);
 }
 
 #[test]
@@ -330,10 +262,7 @@ fn index_pointing_at_the_wrong_shard_is_explained() {
     index["weight_map"]["model.norm.weight"] = json!("model-00001-of-00003.safetensors");
     std::fs::write(&p, index.to_string()).unwrap();
     let e = must_fail(load_hf_folder(d.path()), "wrong shard");
-    assert_mentions(
-        &e,
-        &["model.norm.weight", "model-00001-of-00003.safetensors"],
-    );
+    assert_mentions(&e, &["model.norm.weight", "model-00001-of-00003.safetensors"]);
 }
 
 #[test]
@@ -342,10 +271,7 @@ fn unsupported_model_types_are_refused() {
         let mut c = config_of("llama-gqa");
         c["model_type"] = json!(arch);
         let e = must_fail(parse(&c), arch);
-        assert!(
-            matches!(e, LanternError::UnsupportedArchitecture { .. }),
-            "{e:?}"
-        );
+        assert!(matches!(e, LanternError::UnsupportedArchitecture { .. }), "{e:?}");
         assert_mentions(&e, &[arch]);
     }
     // The folder loader gives the same error.
@@ -355,10 +281,7 @@ fn unsupported_model_types_are_refused() {
     c["architectures"] = json!(["GPT2LMHeadModel"]);
     std::fs::write(d.path().join("config.json"), c.to_string()).unwrap();
     let e = must_fail(load_hf_folder(d.path()), "gpt2 folder");
-    assert!(
-        matches!(e, LanternError::UnsupportedArchitecture { .. }),
-        "{e:?}"
-    );
+    assert!(matches!(e, LanternError::UnsupportedArchitecture { .. }), "{e:?}");
     // A non-causal-LM head on a supported block.
     let mut c = config_of("llama-gqa");
     c["architectures"] = json!(["LlamaForSequenceClassification"]);
@@ -401,10 +324,7 @@ fn biases_the_block_cannot_apply_are_refused() {
     assert_mentions(&must_fail(parse(&c), "mlp_bias"), &["mlp_bias"]);
     let mut c = config_of("llama-gqa");
     c["attention_bias"] = json!(true);
-    assert_mentions(
-        &must_fail(parse(&c), "attention_bias"),
-        &["attention_bias", "o_proj"],
-    );
+    assert_mentions(&must_fail(parse(&c), "attention_bias"), &["attention_bias", "o_proj"]);
 }
 
 #[test]
@@ -419,14 +339,8 @@ fn unknown_rope_types_are_refused() {
     c["rope_scaling"] = json!({"type": "dynamic", "factor": 2.0});
     assert_mentions(&must_fail(parse(&c), "dynamic"), &["dynamic"]);
     let mut c = config_of("llama3-rope-scaling");
-    c["rope_parameters"]
-        .as_object_mut()
-        .unwrap()
-        .remove("low_freq_factor");
-    assert_mentions(
-        &must_fail(parse(&c), "llama3 missing"),
-        &["low_freq_factor"],
-    );
+    c["rope_parameters"].as_object_mut().unwrap().remove("low_freq_factor");
+    assert_mentions(&must_fail(parse(&c), "llama3 missing"), &["low_freq_factor"]);
 }
 
 #[test]
@@ -443,10 +357,7 @@ fn inconsistent_sizes_are_refused() {
     let mut c = config_of("llama-gqa");
     c.as_object_mut().unwrap().remove("vocab_size");
     assert_mentions(&must_fail(parse(&c), "no vocab"), &["vocab_size"]);
-    let e = must_fail(
-        ModelConfig::from_hf_json("{not json", "cfg.json"),
-        "bad json",
-    );
+    let e = must_fail(ModelConfig::from_hf_json("{not json", "cfg.json"), "bad json");
     assert_mentions(&e, &["cfg.json"]);
 }
 
@@ -459,10 +370,7 @@ fn token_ids_accept_int_list_or_null() {
     let p = parse(&c).unwrap();
     assert_eq!((p.eos_token_ids, p.bos_token_id), (vec![2], Some(1)));
     c["eos_token_id"] = json!([128001, 128008, 128009]);
-    assert_eq!(
-        parse(&c).unwrap().eos_token_ids,
-        vec![128001, 128008, 128009]
-    );
+    assert_eq!(parse(&c).unwrap().eos_token_ids, vec![128001, 128008, 128009]);
     c["eos_token_id"] = json!("x");
     assert_mentions(&must_fail(parse(&c), "string eos"), &["eos_token_id"]);
 }
@@ -487,22 +395,11 @@ fn tensor_stored_in_two_shards_is_refused() {
     lantern::model::hf::read_safetensors("3", &std::fs::read(&p3).unwrap(), &mut t3).unwrap();
     let dup = t1["model.embed_tokens.weight"].clone();
     t3.insert(dup.name.clone(), dup);
-    let list: Vec<(String, String, Vec<usize>, Vec<u8>)> = t3
-        .into_values()
-        .map(|t| (t.name, format!("{:?}", t.dtype), t.shape, t.data))
-        .collect();
-    let refs: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = list
-        .iter()
-        .map(|(n, dt, s, b)| (n.as_str(), dt.as_str(), s.clone(), b.clone()))
-        .collect();
+    let list: Vec<(String, String, Vec<usize>, Vec<u8>)> =
+        t3.into_values().map(|t| (t.name, format!("{:?}", t.dtype), t.shape, t.data)).collect();
+    let refs: Vec<(&str, &str, Vec<usize>, Vec<u8>)> =
+        list.iter().map(|(n, dt, s, b)| (n.as_str(), dt.as_str(), s.clone(), b.clone())).collect();
     std::fs::write(&p3, safetensors_bytes(&refs)).unwrap();
     let e = must_fail(load_hf_folder(d.path()), "duplicate tensor");
-    assert_mentions(
-        &e,
-        &[
-            "model.embed_tokens.weight",
-            "model-00001-of-00003.safetensors",
-            "model-00003-of-00003.safetensors",
-        ],
-    );
+    assert_mentions(&e, &["model.embed_tokens.weight", "model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"]);
 }

@@ -98,13 +98,7 @@ fn gpu() -> Arc<GpuContext> {
 /// A context whose storage bindings are capped at `SMALL_BINDING` bytes, so tensors split.
 fn gpu_small() -> Arc<GpuContext> {
     static CTX: OnceLock<Arc<GpuContext>> = OnceLock::new();
-    CTX.get_or_init(|| {
-        common::gpu_with(&DeviceOptions {
-            max_binding_size: Some(SMALL_BINDING),
-            ..Default::default()
-        })
-    })
-    .clone()
+    CTX.get_or_init(|| common::gpu_with(&DeviceOptions { max_binding_size: Some(SMALL_BINDING), ..Default::default() })).clone()
 }
 
 fn buf_f32(ctx: &GpuContext, label: &str, v: &[f32]) -> wgpu::Buffer {
@@ -346,22 +340,18 @@ impl Layout {
                 Layout::Rows4BcastTok4 => {
                     PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TOK4).with_features(sg)
                 }
-                Layout::Rows8Tex => {
-                    PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TEX).with_features(sg)
+                Layout::Rows8Tex => PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TEX).with_features(sg),
+                Layout::Rows8TexTok4 => {
+                    PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TEX | flags::TOK4).with_features(sg)
                 }
-                Layout::Rows8TexTok4 => PipelineKey::new(mv, 8)
-                    .with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TEX | flags::TOK4)
-                    .with_features(sg),
-                Layout::Blocked88Bcast => PipelineKey::new(bq, 8)
-                    .with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST)
-                    .with_features(sg),
+                Layout::Blocked88Bcast => {
+                    PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST).with_features(sg)
+                }
                 Layout::Blocked44Bcast => PipelineKey::new(bq, 8).with_flags(fl | flags::XBCAST).with_features(sg),
                 Layout::RowWg64 => PipelineKey::new(mv, 64).with_flags(fl | rpw),
                 Layout::RowWg64Subgroups => PipelineKey::new(mv, 64).with_flags(fl | rpw).with_features(sg),
                 Layout::RowWg8Subgroups => PipelineKey::new(mv, 8).with_flags(fl | rpw).with_features(sg),
-                Layout::RowWg64F16 => {
-                    PipelineKey::new(mv, 64).with_flags(fl | rpw).with_features(Features { f16: true, subgroups: true })
-                }
+                Layout::RowWg64F16 => PipelineKey::new(mv, 64).with_flags(fl | rpw).with_features(Features { f16: true, subgroups: true }),
                 Layout::Matmul => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl),
                 Layout::MatmulF16 => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl).with_features(f16),
                 Layout::Blocked44 => PipelineKey::new(bq, 8).with_flags(fl),
@@ -382,9 +372,7 @@ impl Layout {
             Layout::Blocked44 => PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(fl),
             Layout::Blocked84 => PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(fl | flags::BLOCK_M8),
             Layout::Blocked48 => PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(fl | flags::BLOCK_N8),
-            Layout::Blocked88 => {
-                PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8)
-            }
+            Layout::Blocked88 => PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8),
             Layout::Rows4 => PipelineKey::new(ShaderOp::Matvec, 8).with_flags(fl | flags::ROWS4),
             Layout::RowWg64F16
             | Layout::MatmulF16
@@ -464,8 +452,8 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
     let n_out = gather.len();
     let y0 = rng.vec(n_out * out_stride);
 
-    let lin = GpuLinear::upload(ctx, "test.linear", w.matrix(), u.as_ref().map(|u| u.matrix()), bias.as_deref(), rows, k)
-        .expect("upload linear");
+    let lin =
+        GpuLinear::upload(ctx, "test.linear", w.matrix(), u.as_ref().map(|u| u.matrix()), bias.as_deref(), rows, k).expect("upload linear");
     let key = c.layout.key(fl, c.weights);
     if matches!(c.layout, Layout::Rows8Tex | Layout::Rows8TexTok4) && lin.tex.is_none() {
         return; // groups smaller than a texel keep the storage layouts
@@ -502,10 +490,7 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
     submit(ctx, &step, tokens as u32, n_out as u32, &d);
     let got = read_f32s(ctx, &yb, y0.len());
 
-    let xin: Vec<f32> = gather
-        .iter()
-        .flat_map(|&r| x[r as usize * x_stride..][..k].iter().copied())
-        .collect();
+    let xin: Vec<f32> = gather.iter().flat_map(|&r| x[r as usize * x_stride..][..k].iter().copied()).collect();
     let xn = if has(flags::NORM) { ops::rmsnorm(&xin, &g, EPS) } else { xin };
     let core = match &u {
         Some(u) => ops::silu_mul(&ops::linear(&xn, &w.values, None, k, rows), &ops::linear(&xn, &u.values, None, k, rows)),
@@ -612,14 +597,34 @@ fn linear_auto_layout_matches_reference() {
     eprintln!("adapter {}: matvec layout {:?}, caps {:?}", ctx.info.name, linear::matvec_layout(&ctx), ctx.caps);
     for fl in [NORM_BIAS, NORM_GATHER] {
         for (i, &(rows, k, tokens)) in LINEAR_SHAPES.iter().enumerate() {
-            let c = LinearCase { fl, layout: Layout::Auto, weights: WeightFormat::F16, rows, k, tokens, wide: false, seed: 900 + i as u64, group: 0 };
+            let c = LinearCase {
+                fl,
+                layout: Layout::Auto,
+                weights: WeightFormat::F16,
+                rows,
+                k,
+                tokens,
+                wide: false,
+                seed: 900 + i as u64,
+                group: 0,
+            };
             check_linear(&ctx, c);
         }
     }
     eprintln!("adapter {}: matmul layout {:?}", ctx.info.name, linear::matmul_layout(&ctx));
     for fl in [NORM_BIAS, NORM_GATED, RESIDUAL] {
         for (i, &(rows, k, tokens)) in LINEAR_SHAPES.iter().enumerate() {
-            let c = LinearCase { fl, layout: Layout::AutoMatmul, weights: WeightFormat::F16, rows, k, tokens, wide: i % 2 == 1, seed: 950 + i as u64, group: 0 };
+            let c = LinearCase {
+                fl,
+                layout: Layout::AutoMatmul,
+                weights: WeightFormat::F16,
+                rows,
+                k,
+                tokens,
+                wide: i % 2 == 1,
+                seed: 950 + i as u64,
+                group: 0,
+            };
             check_linear(&ctx, c);
         }
     }
@@ -829,7 +834,18 @@ fn packed_linear_rejects_mismatched_shapes() {
     let step = step_buffer(&ctx);
     let xb = buf_f32(&ctx, "x", &[0.0; 66 * 2]);
     let yb = buf_f32(&ctx, "y", &[0.0; 16]);
-    let io = LinearIo { step: &step, x: &xb, x_stride: 66, norm: None, eps: EPS, y: &yb, out_stride: 8, out_offset: 0, residual: false, rows: None };
+    let io = LinearIo {
+        step: &step,
+        x: &xb,
+        x_stride: 66,
+        norm: None,
+        eps: EPS,
+        y: &yb,
+        out_stride: 8,
+        out_offset: 0,
+        residual: false,
+        rows: None,
+    };
     let err = block_on(linear::build(&ctx, &lin, &io, linear::Shape::Matvec)).err().expect("odd stride");
     assert!(err.to_string().contains("multiples of 4"), "{err}");
 }
@@ -922,7 +938,17 @@ fn rmsnorm_matches_reference() {
             let xb = buf_f32(&ctx, "x", &x);
             let gb = buf_f32(&ctx, "g", &g);
             let y = create_zeroed(&ctx, "y", (t * k * 4) as u64).unwrap();
-            let d = block_on(kernels::rmsnorm::build(&ctx, &step, &xb, &gb, &y, kernels::rmsnorm::RowLayout::dense(k), EPS, kernels::rmsnorm::Mode::Write)).expect("build rmsnorm");
+            let d = block_on(kernels::rmsnorm::build(
+                &ctx,
+                &step,
+                &xb,
+                &gb,
+                &y,
+                kernels::rmsnorm::RowLayout::dense(k),
+                EPS,
+                kernels::rmsnorm::Mode::Write,
+            ))
+            .expect("build rmsnorm");
             submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
             let got = read_f32s(&ctx, &y, t * k);
             assert_close(&format!("rmsnorm k {k} tokens {t}"), &got, &ops::rmsnorm(&x, &g, EPS), RMSNORM_TOL);
@@ -1277,9 +1303,7 @@ impl Paged {
 
 /// HF-style inverse frequencies, base 10000.
 fn inv_freq(head_dim: usize) -> Vec<f32> {
-    (0..head_dim / 2)
-        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / head_dim as f32))
-        .collect()
+    (0..head_dim / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / head_dim as f32)).collect()
 }
 
 /// Tokens as (seq, pos): a fresh prefill, a chunk continuing a sequence already in pages, and a
@@ -1380,7 +1404,12 @@ fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Rang
     assert_close(&format!("{what}: v cache"), &got_v, &paged.v, v_tol);
     if storage.dtype == KvDtype::Q8 {
         // Mostly exact: a one-code slack must stay the exception.
-        let off = got_k.iter().chain(&got_v).zip(paged.k.iter().chain(&paged.v)).filter(|(g, w)| (*g - *w).abs() > 1e-6 * w.abs().max(1.0)).count();
+        let off = got_k
+            .iter()
+            .chain(&got_v)
+            .zip(paged.k.iter().chain(&paged.v))
+            .filter(|(g, w)| (*g - *w).abs() > 1e-6 * w.abs().max(1.0))
+            .count();
         let written = 2 * t * heads.kv_dim();
         assert!(off * 100 <= written, "{what}: {off} of {written} written values differ");
     }
@@ -1405,7 +1434,13 @@ fn rope_kv_writes_f16_and_q8_caches_split_across_shards() {
         let seed = 510 + i as u64 * 10;
         check_rope_kv(Heads { n_heads: 9, n_kv_heads: 3, head_dim: 64 }, 5, &spans, Storage { dtype, pages_per_shard: None }, seed);
         check_rope_kv(Heads { n_heads: 8, n_kv_heads: 2, head_dim: 8 }, 3, &spans, Storage { dtype, pages_per_shard: Some(2) }, seed + 1);
-        check_rope_kv(Heads { n_heads: 4, n_kv_heads: 2, head_dim: 16 }, 5, &[(1, 5..38), (0, 40..41)], Storage { dtype, pages_per_shard: Some(3) }, seed + 2);
+        check_rope_kv(
+            Heads { n_heads: 4, n_kv_heads: 2, head_dim: 16 },
+            5,
+            &[(1, 5..38), (0, 40..41)],
+            Storage { dtype, pages_per_shard: Some(3) },
+            seed + 2,
+        );
     }
 }
 

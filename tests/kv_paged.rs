@@ -40,13 +40,7 @@ fn greedy(m: &mut GpuModel, seq: usize, prompt: &[u32], n: usize) -> Vec<u32> {
 #[test]
 fn kv_split_across_8_mib_bindings_generates_the_fixture_tokens() {
     let ctx = common::gpu_with(&DeviceOptions { max_binding_size: Some(8 << 20), ..Default::default() });
-    let opts = ModelOptions {
-        context: Some(1024),
-        max_seqs: 13,
-        attention_splits: Some(3),
-        attention_split_keys: 8,
-        ..Default::default()
-    };
+    let opts = ModelOptions { context: Some(1024), max_seqs: 13, attention_splits: Some(3), attention_split_keys: 8, ..Default::default() };
     let (mut m, _) = load(ctx, opts);
     let layout = *m.kv.layout();
     assert_eq!(layout.n_shards, 2, "{layout:?}");
@@ -235,10 +229,7 @@ fn budget_sizes_the_cache_and_a_full_cache_refuses_with_a_message() {
     }))
     .expect_err("a request needing 2 pages with 1 free");
     let msg = err.to_string();
-    assert!(
-        matches!(err, lantern::LanternError::Kv(lantern::kv::KvError::Full { needed: 2, free: 1, total: 9, .. })),
-        "{err:?}"
-    );
+    assert!(matches!(err, lantern::LanternError::Kv(lantern::kv::KvError::Full { needed: 2, free: 1, total: 9, .. })), "{err:?}");
     assert!(msg.contains("needs 2 more page(s) (32 tokens of room) but only 1 of 9 pages are free"), "{msg}");
     assert!(streamed.is_empty(), "no partial output: {streamed:?}");
     assert_eq!(m.kv.alloc.free_pages(), 1, "the refused request holds nothing");

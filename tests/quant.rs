@@ -11,12 +11,8 @@ use half::f16;
 use lantern::model::load::load_path;
 use lantern::model::{DType, HostTensor, LoadError, ModelConfig, ModelWeights};
 use lantern::quant::awq::{self, AwqOptions, FloatWeights, LayerScales, Site};
-use lantern::quant::quantize::{
-    quantize_model, EmbeddingPolicy, Method, Progress, QuantizeOptions,
-};
-use lantern::quant::safetensors::{
-    parse_metadata, to_safetensors_bytes, write_model_folder, QuantMetadata, METADATA_KEY,
-};
+use lantern::quant::quantize::{quantize_model, EmbeddingPolicy, Method, Progress, QuantizeOptions};
+use lantern::quant::safetensors::{parse_metadata, to_safetensors_bytes, write_model_folder, QuantMetadata, METADATA_KEY};
 use lantern::quant::{fake_quantize, PackedMatrix, QuantError, QuantFormat, QuantKind};
 use lantern::reference::ReferenceModel;
 use lantern::LanternError;
@@ -81,12 +77,7 @@ fn check_rtn(values: &[f32], rows: usize, k: usize, format: QuantFormat) -> f32 
     let deq = m.dequantize();
     let mut fake = values.to_vec();
     fake_quantize("t", &mut fake, k, format).unwrap();
-    assert!(
-        deq.iter()
-            .zip(&fake)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "{format}: fake_quantize differs from quantize + dequantize"
-    );
+    assert!(deq.iter().zip(&fake).all(|(a, b)| a.to_bits() == b.to_bits()), "{format}: fake_quantize differs from quantize + dequantize");
     let g = format.group as usize;
     let mut worst_steps = 0f32;
     for r in 0..rows {
@@ -97,10 +88,7 @@ fn check_rtn(values: &[f32], rows: usize, k: usize, format: QuantFormat) -> f32 
             let bound = group_bound(format.kind, x, d);
             for (c, (&a, &b)) in x.iter().zip(y).enumerate() {
                 let e = (a - b).abs();
-                assert!(
-                    e <= bound,
-                    "{format} row {r} group {gi} elem {c}: |{a} - {b}| = {e:e} > bound {bound:e} (d = {d:e})"
-                );
+                assert!(e <= bound, "{format} row {r} group {gi} elem {c}: |{a} - {b}| = {e:e} > bound {bound:e} (d = {d:e})");
                 if d != 0.0 {
                     worst_steps = worst_steps.max(e / d.abs());
                 }
@@ -124,11 +112,7 @@ fn rtn_error_bounds_on_random_data() {
             for r in 0..rows {
                 outliers[r * k + (rng.next() as usize % k)] = 3.0 * rng.uniform().signum();
             }
-            for (what, v) in [
-                ("uniform", &uniform),
-                ("normal", &normal),
-                ("outliers", &outliers),
-            ] {
+            for (what, v) in [("uniform", &uniform), ("normal", &normal), ("outliers", &outliers)] {
                 let w = check_rtn(v, rows, k, format);
                 // Inside the clamp the error is half a step; Q4Sym's clamped side a whole one.
                 let limit = if kind == QuantKind::Q4Sym { 1.01 } else { 0.51 };
@@ -145,15 +129,8 @@ fn rtn_mean_error_shrinks_with_bits_and_group() {
     let (rows, k) = (64, 512);
     let v: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
     let rms = |f: QuantFormat| {
-        let d = PackedMatrix::quantize("t", &v, rows, k, f)
-            .unwrap()
-            .dequantize();
-        (v.iter()
-            .zip(&d)
-            .map(|(a, b)| ((a - b) as f64).powi(2))
-            .sum::<f64>()
-            / v.len() as f64)
-            .sqrt()
+        let d = PackedMatrix::quantize("t", &v, rows, k, f).unwrap().dequantize();
+        (v.iter().zip(&d).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
     };
     let q8 = rms(QuantFormat::new(QuantKind::Q8, 32));
     let q4_32 = rms(QuantFormat::new(QuantKind::Q4, 32));
@@ -178,14 +155,9 @@ fn rtn_edge_cases() {
         // Constant groups (positive, negative): within the f16 rounding of the constant.
         for c in [0.3f32, -1.7, 1000.0] {
             let v = vec![c; 64];
-            let d = PackedMatrix::quantize("const", &v, 1, 64, f)
-                .unwrap()
-                .dequantize();
+            let d = PackedMatrix::quantize("const", &v, 1, 64, f).unwrap().dequantize();
             for &x in &d {
-                assert!(
-                    (x - c).abs() <= 2.0 * f16_err(c) + c.abs() * 1e-6,
-                    "{f}: constant {c} -> {x}"
-                );
+                assert!((x - c).abs() <= 2.0 * f16_err(c) + c.abs() * 1e-6, "{f}: constant {c} -> {x}");
             }
         }
         // Huge magnitudes that still fit an f16 scale, and tiny ones (subnormal scales).
@@ -218,9 +190,7 @@ fn rtn_edge_cases() {
         }
         // Row length not a multiple of the group, and bad groups.
         match PackedMatrix::quantize("proj", &[0.0; 48], 1, 48, f) {
-            Err(QuantError::GroupMismatch {
-                tensor, k, group, ..
-            }) => assert_eq!((tensor.as_str(), k, group), ("proj", 48, 32)),
+            Err(QuantError::GroupMismatch { tensor, k, group, .. }) => assert_eq!((tensor.as_str(), k, group), ("proj", 48, 32)),
             other => panic!("expected GroupMismatch, got {other:?}"),
         }
         for g in [0u32, 12] {
@@ -232,10 +202,7 @@ fn rtn_edge_cases() {
             }
         }
         // Wrong value count.
-        assert!(matches!(
-            PackedMatrix::quantize("n", &[0.0; 10], 1, 32, f),
-            Err(QuantError::Invalid { .. })
-        ));
+        assert!(matches!(PackedMatrix::quantize("n", &[0.0; 10], 1, 32, f), Err(QuantError::Invalid { .. })));
     }
 }
 
@@ -278,12 +245,7 @@ fn gguf_repack_dequantizes_exactly_like_to_f32() {
     let mut rng = Rng(42);
     for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
         for (rows, k) in [(1, 32), (3, 96), (7, 256)] {
-            let t = HostTensor {
-                name: "blk".into(),
-                shape: vec![rows, k],
-                dtype,
-                data: random_blocks(&mut rng, dtype, rows, k),
-            };
+            let t = HostTensor { name: "blk".into(), shape: vec![rows, k], dtype, data: random_blocks(&mut rng, dtype, rows, k) };
             let m = t.packed().unwrap().unwrap();
             assert_eq!(m.format.group, 32);
             assert_eq!(Some(m.format.kind), dtype.quant_kind());
@@ -292,43 +254,23 @@ fn gguf_repack_dequantizes_exactly_like_to_f32() {
             assert_eq!(got.len(), want.len());
             for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                 // Exactly equal values (a zero code may come out as +0 here and -0 there).
-                assert!(
-                    a == b && a.is_finite(),
-                    "{dtype:?} {rows}x{k} element {i}: {a} vs {b}"
-                );
+                assert!(a == b && a.is_finite(), "{dtype:?} {rows}x{k} element {i}: {a} vs {b}");
             }
         }
     }
 }
 
 fn tiny(name: &str) -> ModelWeights {
-    load_path(&common::tiny_dir().join(name))
-        .expect("tiny fixture")
-        .weights
+    load_path(&common::tiny_dir().join(name)).expect("tiny fixture").weights
 }
 
 fn f32_weights(w: &ModelWeights) -> FloatWeights {
-    w.tensors
-        .iter()
-        .map(|(n, t)| (n.clone(), t.to_f32()))
-        .collect()
+    w.tensors.iter().map(|(n, t)| (n.clone(), t.to_f32())).collect()
 }
 
 fn from_floats(w: &ModelWeights, f: &FloatWeights) -> ModelWeights {
-    let tensors = f
-        .iter()
-        .map(|(n, v)| {
-            (
-                n.clone(),
-                HostTensor::from_f32(n.clone(), w.tensors[n].shape.clone(), v),
-            )
-        })
-        .collect();
-    ModelWeights {
-        config: w.config.clone(),
-        tensors,
-        source: w.source.clone(),
-    }
+    let tensors = f.iter().map(|(n, v)| (n.clone(), HostTensor::from_f32(n.clone(), w.tensors[n].shape.clone(), v))).collect();
+    ModelWeights { config: w.config.clone(), tensors, source: w.source.clone() }
 }
 
 fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
@@ -342,14 +284,7 @@ fn no_progress() -> impl FnMut(Progress<'_>) {
 
 #[test]
 fn config_json_round_trip() {
-    for name in [
-        "llama-gqa",
-        "llama-mha-tied",
-        "llama3-rope-scaling",
-        "llama3-rope-scaling-hd16",
-        "qwen2-bias",
-        "mistral",
-    ] {
+    for name in ["llama-gqa", "llama-mha-tied", "llama3-rope-scaling", "llama3-rope-scaling-hd16", "qwen2-bias", "mistral"] {
         let c = tiny(name).config;
         let text = c.to_hf_json().unwrap();
         let back = ModelConfig::from_hf_json(&text, "config.json").unwrap();
@@ -360,13 +295,8 @@ fn config_json_round_trip() {
     c.eos_token_ids = vec![2, 7];
     c.bos_token_id = Some(1);
     c.rope_scaling = Some(lantern::model::RopeScaling::Linear { factor: 2.5 });
-    assert_eq!(
-        ModelConfig::from_hf_json(&c.to_hf_json().unwrap(), "c").unwrap(),
-        c
-    );
-    assert!(
-        c.to_hf_json().unwrap().contains("1e-5") || c.to_hf_json().unwrap().contains("0.00001")
-    );
+    assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json().unwrap(), "c").unwrap(), c);
+    assert!(c.to_hf_json().unwrap().contains("1e-5") || c.to_hf_json().unwrap().contains("0.00001"));
     // q/k/v biases on a Llama: no config.json form, a typed error.
     c.qkv_bias = true;
     assert!(matches!(c.to_hf_json(), Err(LanternError::Config { .. })));
@@ -380,15 +310,8 @@ fn lean_calibration_forward_matches_reference() {
         let got = awq::forward_hidden(&w.config, &f32_weights(&w), &toks).unwrap();
         let r = ReferenceModel::new(&w).unwrap();
         let want = r.forward_hidden(&toks).pop().unwrap();
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(
-            worst < 1e-4,
-            "{name}: lean forward differs from the reference by {worst}"
-        );
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-4, "{name}: lean forward differs from the reference by {worst}");
     }
 }
 
@@ -418,14 +341,7 @@ fn awq_folding_keeps_the_float_model_exact() {
         let folded = from_floats(&w, &f);
         // The weights did change...
         let q0 = "model.layers.0.self_attn.q_proj.weight";
-        assert_ne!(
-            folded.tensors[q0].data,
-            w.tensors[q0]
-                .to_f32()
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<_>>()
-        );
+        assert_ne!(folded.tensors[q0].data, w.tensors[q0].to_f32().iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
         // ...but not the function.
         let toks = tokens(24, c.vocab_size, 9);
         let want = ReferenceModel::new(&w).unwrap().forward(&toks);
@@ -438,13 +354,8 @@ fn awq_folding_keeps_the_float_model_exact() {
 /// quantize + dequantize, f64 loops): an independent check of the search's error.
 fn slow_error(w: &[f32], k: usize, s: &[f32], x: &[f32], f: QuantFormat) -> f64 {
     let rows = w.len() / k;
-    let ws: Vec<f32> = w
-        .chunks_exact(k)
-        .flat_map(|r| r.iter().zip(s).map(|(a, b)| a * b))
-        .collect();
-    let deq = PackedMatrix::quantize("w", &ws, rows, k, f)
-        .unwrap()
-        .dequantize();
+    let ws: Vec<f32> = w.chunks_exact(k).flat_map(|r| r.iter().zip(s).map(|(a, b)| a * b)).collect();
+    let deq = PackedMatrix::quantize("w", &ws, rows, k, f).unwrap().dequantize();
     let mut err = 0f64;
     for xt in x.chunks_exact(k) {
         for r in 0..rows {
@@ -460,21 +371,13 @@ fn slow_error(w: &[f32], k: usize, s: &[f32], x: &[f32], f: QuantFormat) -> f64 
 
 #[test]
 fn awq_is_never_worse_than_rtn_on_the_calibration_activations() {
-    for (name, kind) in [
-        ("llama-gqa", QuantKind::Q4),
-        ("qwen2-bias", QuantKind::Q4Sym),
-        ("llama-mha-tied", QuantKind::Q4),
-    ] {
+    for (name, kind) in [("llama-gqa", QuantKind::Q4), ("qwen2-bias", QuantKind::Q4Sym), ("llama-mha-tied", QuantKind::Q4)] {
         let w = tiny(name);
         let c = w.config.clone();
         let toks = tokens(48, c.vocab_size, 21);
         let mut opts = QuantizeOptions::new(kind);
         opts.method = Method::Awq;
-        opts.awq = AwqOptions {
-            grid: 10,
-            max_tokens: 48,
-            sample_tokens: 48,
-        };
+        opts.awq = AwqOptions { grid: 10, max_tokens: 48, sample_tokens: 48 };
         let q = quantize_model(&w, &opts, Some(&toks), &mut no_progress()).unwrap();
         assert_eq!(q.report.awq.len(), 4 * c.num_layers);
         assert_eq!(q.report.calibration_tokens, 48);
@@ -485,50 +388,22 @@ fn awq_is_never_worse_than_rtn_on_the_calibration_activations() {
         for (l, st) in stats.iter().enumerate() {
             for site in Site::ALL {
                 let names = site.weights(l);
-                let alpha = q.metadata.tensors[&names[0]]
-                    .alpha
-                    .expect("awq alpha recorded");
+                let alpha = q.metadata.tensors[&names[0]].alpha.expect("awq alpha recorded");
                 let x = st.get(site);
-                let base = if site == Site::O {
-                    awq::tie_kv(&c, &x.mean_abs)
-                } else {
-                    x.mean_abs.clone()
-                };
+                let base = if site == Site::O { awq::tie_kv(&c, &x.mean_abs) } else { x.mean_abs.clone() };
                 let s = awq::scales_for(&base, alpha);
-                let s = if site == Site::O {
-                    awq::expand_kv(&c, &s)
-                } else {
-                    s
-                };
+                let s = if site == Site::O { awq::expand_kv(&c, &s) } else { s };
                 let ones = vec![1f32; x.k];
                 let (mut rtn, mut got) = (0f64, 0f64);
                 for n in &names {
                     let wv = w.tensors[n].to_f32();
                     rtn += slow_error(&wv, x.k, &ones, &x.sample, f);
-                    got += if alpha == 0.0 {
-                        slow_error(&wv, x.k, &ones, &x.sample, f)
-                    } else {
-                        slow_error(&wv, x.k, &s, &x.sample, f)
-                    };
+                    got += if alpha == 0.0 { slow_error(&wv, x.k, &ones, &x.sample, f) } else { slow_error(&wv, x.k, &s, &x.sample, f) };
                 }
-                assert!(
-                    got <= rtn * (1.0 + 1e-5),
-                    "{name} layer {l} {}: AWQ (alpha {alpha}) error {got:e} > RTN {rtn:e}",
-                    site.name()
-                );
-                let rep = q
-                    .report
-                    .awq
-                    .iter()
-                    .find(|r| r.layer == l && r.site == site.name())
-                    .unwrap();
+                assert!(got <= rtn * (1.0 + 1e-5), "{name} layer {l} {}: AWQ (alpha {alpha}) error {got:e} > RTN {rtn:e}", site.name());
+                let rep = q.report.awq.iter().find(|r| r.layer == l && r.site == site.name()).unwrap();
                 assert!(rep.err_awq <= rep.err_rtn);
-                assert!(
-                    (rep.err_rtn - rtn).abs() <= 1e-3 * rtn,
-                    "{name} {l} {}: search RTN error {} vs {rtn}",
-                    site.name(),
-                    rep.err_rtn
-                );
+                assert!((rep.err_rtn - rtn).abs() <= 1e-3 * rtn, "{name} {l} {}: search RTN error {} vs {rtn}", site.name(), rep.err_rtn);
                 total_rtn += rtn;
                 total_awq += got;
                 scaled += (alpha > 0.0) as usize;
@@ -546,23 +421,13 @@ fn awq_is_never_worse_than_rtn_on_the_calibration_activations() {
         let want = ReferenceModel::new(&w).unwrap().forward(&probe);
         let mse = |m: &ModelWeights| {
             let got = ReferenceModel::new(m).unwrap().forward(&probe);
-            got.iter()
-                .zip(&want)
-                .map(|(a, b)| ((a - b) as f64).powi(2))
-                .sum::<f64>()
-                / want.len() as f64
+            got.iter().zip(&want).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>() / want.len() as f64
         };
         let (e_awq, e_rtn) = (mse(&q.weights), mse(&rtn_model.weights));
         let var = want.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / want.len() as f64;
         eprintln!("{name}: logits MSE AWQ {e_awq:e}, RTN {e_rtn:e} (logit power {var:e})");
-        assert!(
-            e_awq < 0.05 * var,
-            "{name}: AWQ model far from the float model"
-        );
-        assert!(
-            e_awq < 2.0 * e_rtn,
-            "{name}: AWQ logits error {e_awq:e} vs RTN {e_rtn:e}"
-        );
+        assert!(e_awq < 0.05 * var, "{name}: AWQ model far from the float model");
+        assert!(e_awq < 2.0 * e_rtn, "{name}: AWQ logits error {e_awq:e} vs RTN {e_rtn:e}");
     }
 }
 
@@ -571,12 +436,8 @@ fn quantize_model_formats_methods_and_policies() {
     let w = tiny("llama-gqa");
     for kind in KINDS {
         // Rows are 64 (hidden, q/kv heads) and 160 (ffn) long: groups 8, 16, 32 divide both.
-        for (group, emb) in [
-            (32, EmbeddingPolicy::Q8),
-            (16, EmbeddingPolicy::Same),
-            (8, EmbeddingPolicy::F16),
-            (32, EmbeddingPolicy::F32),
-        ] {
+        for (group, emb) in [(32, EmbeddingPolicy::Q8), (16, EmbeddingPolicy::Same), (8, EmbeddingPolicy::F16), (32, EmbeddingPolicy::F32)]
+        {
             let mut opts = QuantizeOptions::new(kind);
             opts.group = group;
             opts.embeddings = emb;
@@ -598,30 +459,16 @@ fn quantize_model_formats_methods_and_policies() {
                 assert_eq!(t.dtype, want, "{n} with {f} / {emb:?}");
                 if let DType::Packed(pf) = t.dtype {
                     let info = &q.metadata.tensors[n];
-                    assert_eq!(
-                        (info.kind, info.group, info.method.as_str()),
-                        (pf.kind, pf.group, "rtn"),
-                        "{n}"
-                    );
+                    assert_eq!((info.kind, info.group, info.method.as_str()), (pf.kind, pf.group, "rtn"), "{n}");
                     // Bytes are exactly RTN of the source values.
                     let src = &w.tensors[n];
-                    let m =
-                        PackedMatrix::quantize(n, &src.to_f32(), src.shape[0], src.shape[1], pf)
-                            .unwrap();
+                    let m = PackedMatrix::quantize(n, &src.to_f32(), src.shape[0], src.shape[1], pf).unwrap();
                     assert_eq!(t.data, m.to_bytes(), "{n}");
                 }
             }
-            let packed = q
-                .weights
-                .tensors
-                .values()
-                .filter(|t| matches!(t.dtype, DType::Packed(_)))
-                .count();
+            let packed = q.weights.tensors.values().filter(|t| matches!(t.dtype, DType::Packed(_))).count();
             assert_eq!(q.metadata.tensors.len(), packed);
-            assert_eq!(
-                q.report.methods.values().sum::<usize>(),
-                q.weights.tensors.len()
-            );
+            assert_eq!(q.report.methods.values().sum::<usize>(), q.weights.tensors.len());
             let before: usize = q.report.bytes_before.values().sum();
             let after: usize = q.report.bytes_after.values().sum();
             assert!(after < before, "{f} {emb:?}: {after} >= {before}");
@@ -636,9 +483,7 @@ fn quantize_model_errors_are_typed() {
     let mut opts = QuantizeOptions::new(QuantKind::Q4);
     opts.group = 128;
     match quantize_model(&w, &opts, None, &mut no_progress()) {
-        Err(LanternError::Quant(QuantError::GroupMismatch {
-            tensor, k, group, ..
-        })) => {
+        Err(LanternError::Quant(QuantError::GroupMismatch { tensor, k, group, .. })) => {
             assert!(tensor.starts_with("model."), "{tensor}");
             assert_eq!(group, 128);
             assert!(k == 64 || k == 160, "{tensor}: k {k}");
@@ -646,10 +491,7 @@ fn quantize_model_errors_are_typed() {
         other => panic!("expected GroupMismatch, got {:?}", other.map(|_| ())),
     }
     opts.group = 12;
-    assert!(matches!(
-        quantize_model(&w, &opts, None, &mut no_progress()),
-        Err(LanternError::Quant(QuantError::BadGroup { .. }))
-    ));
+    assert!(matches!(quantize_model(&w, &opts, None, &mut no_progress()), Err(LanternError::Quant(QuantError::BadGroup { .. }))));
     // AWQ without calibration tokens.
     let mut opts = QuantizeOptions::new(QuantKind::Q4);
     opts.method = Method::Awq;
@@ -660,12 +502,7 @@ fn quantize_model_errors_are_typed() {
     let n = "model.layers.1.mlp.down_proj.weight";
     let t = bad.tensors.get_mut(n).unwrap();
     t.data[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
-    match quantize_model(
-        &bad,
-        &QuantizeOptions::new(QuantKind::Q8),
-        None,
-        &mut no_progress(),
-    ) {
+    match quantize_model(&bad, &QuantizeOptions::new(QuantKind::Q8), None, &mut no_progress()) {
         Err(LanternError::Quant(QuantError::Invalid { tensor, .. })) => assert_eq!(tensor, n),
         other => panic!("expected Invalid, got {:?}", other.map(|_| ())),
     }
@@ -677,37 +514,19 @@ fn gguf_source_repacks_matching_blocks_bit_for_bit() {
     let bytes = common::tiny_model("llama", common::TINY, common::ggml::Q8_0).to_bytes();
     let g = lantern::model::gguf::GgufFile::parse(&bytes, "tiny.gguf").unwrap();
     let w = lantern::model::gguf::weights_from_gguf(&g, "tiny.gguf").unwrap();
-    let q = quantize_model(
-        &w,
-        &QuantizeOptions::new(QuantKind::Q8),
-        None,
-        &mut no_progress(),
-    )
-    .unwrap();
+    let q = quantize_model(&w, &QuantizeOptions::new(QuantKind::Q8), None, &mut no_progress()).unwrap();
     for l in 0..2 {
         for p in ["q", "k"] {
             let n = format!("model.layers.{l}.self_attn.{p}_proj.weight");
             assert_eq!(q.metadata.tensors[&n].method, "repack", "{n}");
-            assert_eq!(
-                q.weights.tensors[&n].data,
-                w.tensors[&n].packed().unwrap().unwrap().to_bytes()
-            );
+            assert_eq!(q.weights.tensors[&n].data, w.tensors[&n].packed().unwrap().unwrap().to_bytes());
         }
         let v = format!("model.layers.{l}.self_attn.v_proj.weight");
         assert_eq!(q.metadata.tensors[&v].method, "rtn");
     }
     // q4 from Q8_0 blocks: dequantized and rounded, not repacked.
-    let q4 = quantize_model(
-        &w,
-        &QuantizeOptions::new(QuantKind::Q4),
-        None,
-        &mut no_progress(),
-    )
-    .unwrap();
-    assert_eq!(
-        q4.metadata.tensors["model.layers.0.self_attn.q_proj.weight"].method,
-        "rtn"
-    );
+    let q4 = quantize_model(&w, &QuantizeOptions::new(QuantKind::Q4), None, &mut no_progress()).unwrap();
+    assert_eq!(q4.metadata.tensors["model.layers.0.self_attn.q_proj.weight"].method, "rtn");
 }
 
 fn assert_same_weights(a: &ModelWeights, b: &ModelWeights) {
@@ -728,12 +547,7 @@ fn assert_same_weights(a: &ModelWeights, b: &ModelWeights) {
 fn safetensors_folder_round_trip() {
     for (name, kind, group, emb) in [
         ("llama-gqa", QuantKind::Q4, 32, EmbeddingPolicy::Q8),
-        (
-            "llama-mha-tied",
-            QuantKind::Q4Sym,
-            16,
-            EmbeddingPolicy::Same,
-        ),
+        ("llama-mha-tied", QuantKind::Q4Sym, 16, EmbeddingPolicy::Same),
         ("qwen2-bias", QuantKind::Q8, 16, EmbeddingPolicy::F16),
         ("llama-gqa-bf16", QuantKind::Q4, 32, EmbeddingPolicy::F32),
     ] {
@@ -754,49 +568,26 @@ fn safetensors_folder_round_trip() {
         assert_eq!(meta.tensors, q.metadata.tensors);
         assert_eq!(meta.format_version, 1);
         // In-memory bytes are the same file.
-        assert_eq!(
-            to_safetensors_bytes(&q.weights, &q.metadata).unwrap().len(),
-            bytes.len()
-        );
+        assert_eq!(to_safetensors_bytes(&q.weights, &q.metadata).unwrap().len(), bytes.len());
         // The loaded model runs in the reference exactly like the in-memory one.
         let toks = tokens(6, w.config.vocab_size, 1);
-        assert_eq!(
-            ReferenceModel::new(&loaded.weights).unwrap().forward(&toks),
-            ReferenceModel::new(&q.weights).unwrap().forward(&toks)
-        );
+        assert_eq!(ReferenceModel::new(&loaded.weights).unwrap().forward(&toks), ReferenceModel::new(&q.weights).unwrap().forward(&toks));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
 /// Rewrites `model.safetensors` of `dir` through `edit` (tensors as (name, dtype, shape,
 /// bytes), metadata map).
-fn rewrite(
-    dir: &Path,
-    edit: impl FnOnce(
-        &mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
-        &mut HashMap<String, String>,
-    ),
-) {
+fn rewrite(dir: &Path, edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>, &mut HashMap<String, String>)) {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let (_, md) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
     let mut meta = md.metadata().clone().unwrap_or_default();
-    let mut ts: Vec<_> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
-        .collect();
+    let mut ts: Vec<_> = st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
     edit(&mut ts, &mut meta);
-    let views: Vec<_> = ts
-        .iter()
-        .map(|(n, d, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
+    let views: Vec<_> =
+        ts.iter().map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())).collect();
     let out = safetensors::tensor::serialize(views, Some(meta)).unwrap();
     std::fs::write(&path, out).unwrap();
 }
@@ -810,21 +601,10 @@ fn edit_meta(meta: &mut HashMap<String, String>, f: impl FnOnce(&mut serde_json:
 #[test]
 fn corrupt_quantized_folders_give_typed_errors() {
     let w = tiny("llama-gqa");
-    let q = quantize_model(
-        &w,
-        &QuantizeOptions::new(QuantKind::Q4),
-        None,
-        &mut no_progress(),
-    )
-    .unwrap();
+    let q = quantize_model(&w, &QuantizeOptions::new(QuantKind::Q4), None, &mut no_progress()).unwrap();
     const TARGET: &str = "model.layers.1.mlp.up_proj.weight";
     let target = TARGET;
-    type Edit = Box<
-        dyn FnOnce(
-            &mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
-            &mut HashMap<String, String>,
-        ),
-    >;
+    type Edit = Box<dyn FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>, &mut HashMap<String, String>)>;
     let cases: Vec<(&str, Edit, &str)> = vec![
         (
             "no-metadata",
@@ -840,26 +620,10 @@ fn corrupt_quantized_folders_give_typed_errors() {
             }),
             "not valid JSON",
         ),
-        (
-            "version",
-            Box::new(|_, m| edit_meta(m, |v| v["format_version"] = 2.into())),
-            "format_version",
-        ),
-        (
-            "unknown-kind",
-            Box::new(|_, m| edit_meta(m, |v| v["tensors"][TARGET]["kind"] = "q3".into())),
-            "unknown kind",
-        ),
-        (
-            "bad-group",
-            Box::new(|_, m| edit_meta(m, |v| v["tensors"][TARGET]["group"] = 12.into())),
-            "group 12",
-        ),
-        (
-            "group-mismatch",
-            Box::new(|_, m| edit_meta(m, |v| v["tensors"][TARGET]["group"] = 128.into())),
-            "not a multiple of the group",
-        ),
+        ("version", Box::new(|_, m| edit_meta(m, |v| v["format_version"] = 2.into())), "format_version"),
+        ("unknown-kind", Box::new(|_, m| edit_meta(m, |v| v["tensors"][TARGET]["kind"] = "q3".into())), "unknown kind"),
+        ("bad-group", Box::new(|_, m| edit_meta(m, |v| v["tensors"][TARGET]["group"] = 12.into())), "group 12"),
+        ("group-mismatch", Box::new(|_, m| edit_meta(m, |v| v["tensors"][TARGET]["group"] = 128.into())), "not a multiple of the group"),
         (
             "missing-entry",
             Box::new(|_, m| {
@@ -869,23 +633,12 @@ fn corrupt_quantized_folders_give_typed_errors() {
             }),
             "no entry",
         ),
-        (
-            "missing-scales",
-            Box::new(|t, _| t.retain(|e| e.0 != format!("{TARGET}.scales"))),
-            "has no",
-        ),
-        (
-            "missing-qweight",
-            Box::new(|t, _| t.retain(|e| e.0 != format!("{TARGET}.qweight"))),
-            "has no",
-        ),
+        ("missing-scales", Box::new(|t, _| t.retain(|e| e.0 != format!("{TARGET}.scales"))), "has no"),
+        ("missing-qweight", Box::new(|t, _| t.retain(|e| e.0 != format!("{TARGET}.qweight"))), "has no"),
         (
             "scales-shape",
             Box::new(|t, _| {
-                let e = t
-                    .iter_mut()
-                    .find(|e| e.0 == format!("{TARGET}.scales"))
-                    .unwrap();
+                let e = t.iter_mut().find(|e| e.0 == format!("{TARGET}.scales")).unwrap();
                 let rows = e.2[0];
                 e.2 = vec![rows / 2, e.2[1] * 2];
             }),
@@ -894,10 +647,7 @@ fn corrupt_quantized_folders_give_typed_errors() {
         (
             "qweight-dtype",
             Box::new(|t, _| {
-                let e = t
-                    .iter_mut()
-                    .find(|e| e.0 == format!("{TARGET}.qweight"))
-                    .unwrap();
+                let e = t.iter_mut().find(|e| e.0 == format!("{TARGET}.qweight")).unwrap();
                 e.1 = safetensors::Dtype::I32;
             }),
             "",
@@ -914,10 +664,7 @@ fn corrupt_quantized_folders_give_typed_errors() {
         let msg = err.to_string();
         eprintln!("{case}: {msg}");
         assert!(msg.contains(needle), "{case}: {msg}");
-        assert!(
-            msg.contains("model.safetensors"),
-            "{case}: error does not name the file: {msg}"
-        );
+        assert!(msg.contains("model.safetensors"), "{case}: error does not name the file: {msg}");
         match (case, &err) {
             ("qweight-dtype", LanternError::Load(LoadError::UnsupportedDType { tensor, .. })) => {
                 assert!(tensor.starts_with(target))
@@ -927,10 +674,7 @@ fn corrupt_quantized_folders_give_typed_errors() {
                 // tensor); the others the tensor that is wrong.
                 let file_level = matches!(case, "no-metadata" | "bad-json" | "version");
                 assert!(
-                    tensor == target
-                        || (file_level
-                            && (tensor.contains(METADATA_KEY)
-                                || q.metadata.tensors.contains_key(tensor))),
+                    tensor == target || (file_level && (tensor.contains(METADATA_KEY) || q.metadata.tensors.contains_key(tensor))),
                     "{case}: names {tensor}"
                 )
             }
@@ -944,10 +688,7 @@ fn corrupt_quantized_folders_give_typed_errors() {
     let p = dir.join("model.safetensors");
     let b = std::fs::read(&p).unwrap();
     std::fs::write(&p, &b[..b.len() - 7]).unwrap();
-    assert!(matches!(
-        load_path(&dir),
-        Err(LanternError::Load(LoadError::Safetensors { .. }))
-    ));
+    assert!(matches!(load_path(&dir), Err(LanternError::Load(LoadError::Safetensors { .. }))));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -955,11 +696,10 @@ fn corrupt_quantized_folders_give_typed_errors() {
 fn metadata_parse_rejects_garbage() {
     assert!(parse_metadata("[]", "f").is_err());
     assert!(parse_metadata(r#"{"format_version": 1}"#, "f").is_err());
-    let ok = parse_metadata(r#"{"format_version": 1, "tensors": {"a": {"kind": "q4sym", "group": 64, "method": "awq", "alpha": 0.5}}}"#, "f").unwrap();
-    assert_eq!(
-        ok.tensors["a"].format(),
-        QuantFormat::new(QuantKind::Q4Sym, 64)
-    );
+    let ok =
+        parse_metadata(r#"{"format_version": 1, "tensors": {"a": {"kind": "q4sym", "group": 64, "method": "awq", "alpha": 0.5}}}"#, "f")
+            .unwrap();
+    assert_eq!(ok.tensors["a"].format(), QuantFormat::new(QuantKind::Q4Sym, 64));
     assert_eq!(ok.tensors["a"].alpha, Some(0.5));
     let m = QuantMetadata::default();
     assert_eq!(m.format_version, 1);
@@ -972,30 +712,15 @@ fn cli_quantizes_a_folder() {
     let status = std::process::Command::new(env!("CARGO_BIN_EXE_lantern"))
         .args(["quantize", "--model"])
         .arg(common::tiny_dir().join("llama-mha-tied"))
-        .args([
-            "--to",
-            "q4sym",
-            "--group",
-            "16",
-            "--embeddings",
-            "same",
-            "--out",
-        ])
+        .args(["--to", "q4sym", "--group", "16", "--embeddings", "same", "--out"])
         .arg(&out)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&status.stderr);
     assert!(status.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("bytes after") && stderr.contains("rtn"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("bytes after") && stderr.contains("rtn"), "{stderr}");
     let l = load_path(&out).unwrap();
-    assert!(l
-        .weights
-        .tensors
-        .values()
-        .any(|t| t.dtype == DType::Packed(QuantFormat::new(QuantKind::Q4Sym, 16))));
+    assert!(l.weights.tensors.values().any(|t| t.dtype == DType::Packed(QuantFormat::new(QuantKind::Q4Sym, 16))));
     // A group that does not divide the rows: a clear error naming a tensor.
     let bad = std::process::Command::new(env!("CARGO_BIN_EXE_lantern"))
         .args(["quantize", "--model"])
@@ -1006,10 +731,7 @@ fn cli_quantizes_a_folder() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&bad.stderr);
     assert!(!bad.status.success());
-    assert!(
-        stderr.contains("not a multiple of the group size 128") && stderr.contains("model."),
-        "{stderr}"
-    );
+    assert!(stderr.contains("not a multiple of the group size 128") && stderr.contains("model."), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -1020,17 +742,12 @@ fn smollm2_awq_folder_round_trip() {
     let t0 = std::time::Instant::now();
     let src = load_path(&common::smollm2_gguf()).unwrap();
     let tok = src.tokenizer.as_ref().unwrap();
-    let text =
-        std::fs::read_to_string(common::fixtures_dir().join("smollm2/perplexity.txt")).unwrap();
+    let text = std::fs::read_to_string(common::fixtures_dir().join("smollm2/perplexity.txt")).unwrap();
     let ids = tok.encode(&text).unwrap();
     let mut opts = QuantizeOptions::new(QuantKind::Q4Sym);
     opts.method = Method::Awq;
     // A coarse grid and few sampled tokens keep this short on a 2-core CI machine.
-    opts.awq = AwqOptions {
-        grid: 5,
-        max_tokens: 64,
-        sample_tokens: 16,
-    };
+    opts.awq = AwqOptions { grid: 5, max_tokens: 64, sample_tokens: 16 };
     let q = quantize_model(&src.weights, &opts, Some(&ids), &mut no_progress()).unwrap();
     eprintln!(
         "SmolLM2 AWQ: calibration {:.1} s, search {:.1} s, quantize {:.1} s",
@@ -1041,27 +758,18 @@ fn smollm2_awq_folder_round_trip() {
     assert!(q.report.awq.iter().any(|r| r.alpha > 0.0));
     // Tied embeddings: one matrix, Q8_0 in the GGUF, repacked as q8g32.
     assert!(src.weights.config.tie_word_embeddings);
-    assert_eq!(
-        q.metadata.tensors["model.embed_tokens.weight"].method,
-        "repack"
-    );
+    assert_eq!(q.metadata.tensors["model.embed_tokens.weight"].method, "repack");
     let dir = tmp_dir("smollm2");
     write_model_folder(&dir, &q.weights, &q.metadata, Some(tok)).unwrap();
     let back = load_path(&dir).unwrap();
     assert_same_weights(&q.weights, &back.weights);
     let tok2 = back.tokenizer.as_ref().unwrap();
-    for case in common::fixture_json("smollm2/tokenize.json")["cases"]
-        .as_array()
-        .unwrap()
-    {
+    for case in common::fixture_json("smollm2/tokenize.json")["cases"].as_array().unwrap() {
         let t = case["text"].as_str().unwrap();
         assert_eq!(tok2.encode(t).unwrap(), tok.encode(t).unwrap(), "{t:?}");
         assert_eq!(tok2.encode(t).unwrap(), common::ids(&case["ids"]), "{t:?}");
     }
-    assert_eq!(
-        (tok2.bos_id(), tok2.eos_id(), tok2.add_bos()),
-        (tok.bos_id(), tok.eos_id(), tok.add_bos())
-    );
+    assert_eq!((tok2.bos_id(), tok2.eos_id(), tok2.add_bos()), (tok.bos_id(), tok.eos_id(), tok.add_bos()));
     assert_eq!(tok2.chat_template_source(), tok.chat_template_source());
     // Logits on text outside the calibration tokens: AWQ stays close to the source model
     // and does at least about as well as RTN (this is a second rounding of a Q4_1 model, so
@@ -1078,8 +786,7 @@ fn smollm2_awq_folder_round_trip() {
             let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
             let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
             cos += dot / (na * nb);
-            agree +=
-                (lantern::reference::ops::argmax(a) == lantern::reference::ops::argmax(b)) as usize;
+            agree += (lantern::reference::ops::argmax(a) == lantern::reference::ops::argmax(b)) as usize;
         }
         (cos / probe.len() as f64, agree)
     };
@@ -1124,13 +831,7 @@ fn gpu_runs_quantized_folders() {
         let mut m = pollster::block_on(GpuModel::load(ctx.clone(), &loaded, ModelOptions::default())).unwrap();
         let seq = m.new_sequence().unwrap();
         let got = pollster::block_on(m.forward_all_logits(seq, &input)).unwrap();
-        common::assert_close(
-            &format!("{name} {kind:?} g{group} {method:?} on the GPU"),
-            &got,
-            &want,
-            w.config.vocab_size,
-            1e-3,
-        );
+        common::assert_close(&format!("{name} {kind:?} g{group} {method:?} on the GPU"), &got, &want, w.config.vocab_size, 1e-3);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
@@ -1143,8 +844,19 @@ fn gpu_runs_quantized_folders() {
 fn gemma3_folder_round_trip_uses_the_hf_norm_convention() {
     use common::random::{random_model, Spec};
     let w = random_model(Spec {
-        seed: 11, vocab: 64, hidden: 32, ffn: 64, layers: 2, heads: 2, kv_heads: 1, head_dim: 16,
-        bias: false, tied: true, f16: false, llama3: false, gemma: true,
+        seed: 11,
+        vocab: 64,
+        hidden: 32,
+        ffn: 64,
+        layers: 2,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 16,
+        bias: false,
+        tied: true,
+        f16: false,
+        llama3: false,
+        gemma: true,
     });
     let q = quantize_model(&w, &QuantizeOptions::new(QuantKind::Q8), None, &mut no_progress()).unwrap();
     let dir = tmp_dir("gemma3-folder");

@@ -12,8 +12,8 @@
 
 mod common;
 
-use lantern::model::llama::{GpuModel, ModelOptions};
 use common::real::{check_memory, json, model};
+use lantern::model::llama::{GpuModel, ModelOptions};
 use lantern::model::load::load_path;
 
 #[test]
@@ -46,7 +46,8 @@ fn qwen_1_5b_q4km_matches_transformers_on_its_first_tokens() {
     let mut m = pollster::block_on(GpuModel::load(common::gpu_with(&Default::default()), &l.weights, opts)).expect("upload");
     check_memory(&path, &m);
     // The short cases (the long one's 566-token prompt takes minutes here), 4 greedy tokens.
-    let cases: Vec<_> = json(dir, "cases.json").as_array().unwrap().iter().filter(|c| c["n_prompt_tokens"].as_u64().unwrap() <= 48).cloned().collect();
+    let cases: Vec<_> =
+        json(dir, "cases.json").as_array().unwrap().iter().filter(|c| c["n_prompt_tokens"].as_u64().unwrap() <= 48).cloned().collect();
     assert_eq!(cases.len(), 3);
     let reports = common::real::check_cases(&mut m, tok, &cases, Some(4)).unwrap_or_else(|e| panic!("{e}"));
     let worst = reports.iter().map(|r| r.top20_diff).fold(0.0, f32::max);

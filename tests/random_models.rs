@@ -7,8 +7,8 @@
 
 mod common;
 
-use lantern::model::llama::{GpuModel, ModelOptions};
 use common::random::{random_model, Rng, Spec};
+use lantern::model::llama::{GpuModel, ModelOptions};
 use lantern::reference::ReferenceModel;
 
 const TOL: f32 = 2e-4;
@@ -118,7 +118,8 @@ fn f16_weight_storage_stays_close_to_the_f32_reference() {
 #[test]
 fn gemma_block_with_windows_in_uneven_chunks() {
     // 23 tokens through a 5-key window: chunks of 7 and pages of 3 cut across it.
-    let s = Spec { seed: 6, vocab: 120, hidden: 48, ffn: 80, layers: 3, heads: 4, kv_heads: 2, head_dim: 16, tied: true, gemma: true, ..BASE };
+    let s =
+        Spec { seed: 6, vocab: 120, hidden: 48, ffn: 80, layers: 3, heads: 4, kv_heads: 2, head_dim: 16, tied: true, gemma: true, ..BASE };
     check(s, 23, ModelOptions { context: Some(32), page_size: 3, max_batch_tokens: 7, max_logit_rows: 7, ..Default::default() });
 }
 
@@ -126,7 +127,8 @@ fn gemma_block_with_windows_in_uneven_chunks() {
 fn gemma_block_decoding_token_by_token_with_split_keys() {
     // Single-token steps (the decode kernels) with each token's keys cut into ranges of 2:
     // most ranges of a windowed layer are empty and must not count.
-    let s = Spec { seed: 7, vocab: 90, hidden: 64, ffn: 96, layers: 2, heads: 2, kv_heads: 1, head_dim: 32, f16: true, gemma: true, ..BASE };
+    let s =
+        Spec { seed: 7, vocab: 90, hidden: 64, ffn: 96, layers: 2, heads: 2, kv_heads: 1, head_dim: 32, f16: true, gemma: true, ..BASE };
     let opts = ModelOptions {
         context: Some(24),
         page_size: 4,

@@ -15,16 +15,8 @@ use serde_json::Value;
 /// Largest allowed |logit - reference| (logits have std about 0.16).
 const LOGIT_TOL: f32 = 1e-4;
 
-
-
-
-
-
 fn argmax_rows(logits: &[f32], vocab: usize) -> Vec<u32> {
-    logits
-        .chunks_exact(vocab)
-        .map(lantern::reference::ops::argmax)
-        .collect()
+    logits.chunks_exact(vocab).map(lantern::reference::ops::argmax).collect()
 }
 
 /// Loads `dir`, checks config values, inv_freq, logits and argmax against `reference.json`;
@@ -34,96 +26,29 @@ fn check_logits(name: &str, dir: &Path) -> (ReferenceModel, Value) {
     let weights = load_hf_folder(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
     let rc = &reference["config"];
     let c = &weights.config;
-    assert_eq!(
-        c.vocab_size as u64,
-        rc["vocab_size"].as_u64().unwrap(),
-        "{name}: vocab_size"
-    );
-    assert_eq!(
-        c.hidden_size as u64,
-        rc["hidden_size"].as_u64().unwrap(),
-        "{name}: hidden_size"
-    );
-    assert_eq!(
-        c.intermediate_size as u64,
-        rc["intermediate_size"].as_u64().unwrap(),
-        "{name}: intermediate_size"
-    );
-    assert_eq!(
-        c.num_layers as u64,
-        rc["num_hidden_layers"].as_u64().unwrap(),
-        "{name}: layers"
-    );
-    assert_eq!(
-        c.num_heads as u64,
-        rc["num_attention_heads"].as_u64().unwrap(),
-        "{name}: heads"
-    );
-    assert_eq!(
-        c.num_kv_heads as u64,
-        rc["num_key_value_heads"].as_u64().unwrap(),
-        "{name}: kv heads"
-    );
-    assert_eq!(
-        c.head_dim as u64,
-        rc["head_dim"].as_u64().unwrap(),
-        "{name}: head_dim"
-    );
-    assert_eq!(
-        c.rms_norm_eps,
-        rc["rms_norm_eps"].as_f64().unwrap() as f32,
-        "{name}: eps"
-    );
-    assert_eq!(
-        c.rope_theta,
-        rc["rope_theta"].as_f64().unwrap(),
-        "{name}: rope_theta"
-    );
-    assert_eq!(
-        c.max_position_embeddings as u64,
-        rc["max_position_embeddings"].as_u64().unwrap(),
-        "{name}: max pos"
-    );
-    assert_eq!(
-        c.tie_word_embeddings,
-        rc["tie_word_embeddings"].as_bool().unwrap(),
-        "{name}: tied"
-    );
-    assert_eq!(
-        c.qkv_bias,
-        rc["qkv_bias"].as_bool().unwrap(),
-        "{name}: qkv_bias"
-    );
-    assert_eq!(
-        c.rope_scaling.is_some(),
-        rc["rope_type"].as_str() != Some("default"),
-        "{name}: rope type"
-    );
+    assert_eq!(c.vocab_size as u64, rc["vocab_size"].as_u64().unwrap(), "{name}: vocab_size");
+    assert_eq!(c.hidden_size as u64, rc["hidden_size"].as_u64().unwrap(), "{name}: hidden_size");
+    assert_eq!(c.intermediate_size as u64, rc["intermediate_size"].as_u64().unwrap(), "{name}: intermediate_size");
+    assert_eq!(c.num_layers as u64, rc["num_hidden_layers"].as_u64().unwrap(), "{name}: layers");
+    assert_eq!(c.num_heads as u64, rc["num_attention_heads"].as_u64().unwrap(), "{name}: heads");
+    assert_eq!(c.num_kv_heads as u64, rc["num_key_value_heads"].as_u64().unwrap(), "{name}: kv heads");
+    assert_eq!(c.head_dim as u64, rc["head_dim"].as_u64().unwrap(), "{name}: head_dim");
+    assert_eq!(c.rms_norm_eps, rc["rms_norm_eps"].as_f64().unwrap() as f32, "{name}: eps");
+    assert_eq!(c.rope_theta, rc["rope_theta"].as_f64().unwrap(), "{name}: rope_theta");
+    assert_eq!(c.max_position_embeddings as u64, rc["max_position_embeddings"].as_u64().unwrap(), "{name}: max pos");
+    assert_eq!(c.tie_word_embeddings, rc["tie_word_embeddings"].as_bool().unwrap(), "{name}: tied");
+    assert_eq!(c.qkv_bias, rc["qkv_bias"].as_bool().unwrap(), "{name}: qkv_bias");
+    assert_eq!(c.rope_scaling.is_some(), rc["rope_type"].as_str() != Some("default"), "{name}: rope type");
 
-    let want_inv: Vec<f32> = rc["rope_inv_freq"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap() as f32)
-        .collect();
+    let want_inv: Vec<f32> = rc["rope_inv_freq"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
     assert_eq!(c.rope_inv_freq(), want_inv, "{name}: rope_inv_freq");
 
     let model = ReferenceModel::new(&weights).unwrap_or_else(|e| panic!("{name}: {e}"));
     let input = ids(&reference["input_ids"]);
     let logits = model.forward(&input);
     let want = read_f32(&tiny_dir().join(name).join("logits.f32"));
-    assert_close(
-        &format!("{name} logits ({})", dir.display()),
-        &logits,
-        &want,
-        c.vocab_size,
-        LOGIT_TOL,
-    );
-    assert_eq!(
-        argmax_rows(&logits, c.vocab_size),
-        ids(&reference["argmax"]),
-        "{name}: argmax"
-    );
+    assert_close(&format!("{name} logits ({})", dir.display()), &logits, &want, c.vocab_size, LOGIT_TOL);
+    assert_eq!(argmax_rows(&logits, c.vocab_size), ids(&reference["argmax"]), "{name}: argmax");
     (model, reference)
 }
 
@@ -172,11 +97,7 @@ fn llama_gqa_long_input_200_tokens() {
     let logits = model.forward(&input);
     let want = read_f32(&dir.join("logits_long.f32"));
     assert_close("llama-gqa long logits", &logits, &want, 512, LOGIT_TOL);
-    assert_eq!(
-        argmax_rows(&logits, 512),
-        ids(&long["argmax"]),
-        "llama-gqa long argmax"
-    );
+    assert_eq!(argmax_rows(&logits, 512), ids(&long["argmax"]), "llama-gqa long argmax");
 }
 
 #[test]
@@ -185,17 +106,14 @@ fn forward_hidden_has_one_state_per_layer_plus_embedding() {
     let model = ReferenceModel::new(&load_hf_folder(&dir).unwrap()).unwrap();
     let states = model.forward_hidden(&[1, 2, 3]);
     assert_eq!(states.len(), model.config().num_layers + 1);
-    assert!(states
-        .iter()
-        .all(|s| s.len() == 3 * model.config().hidden_size));
+    assert!(states.iter().all(|s| s.len() == 3 * model.config().hidden_size));
 }
 
 /// Copies fixture `name` to a temp folder with its config rewritten to the transformers 4
 /// form: top-level `rope_theta` + `rope_scaling`, `torch_dtype` instead of `dtype`.
 fn legacy_copy(name: &str) -> PathBuf {
     let src = tiny_dir().join(name);
-    let dst =
-        std::env::temp_dir().join(format!("lantern-ref-legacy-{}-{name}", std::process::id()));
+    let dst = std::env::temp_dir().join(format!("lantern-ref-legacy-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dst);
     std::fs::create_dir_all(&dst).unwrap();
     for entry in std::fs::read_dir(&src).unwrap() {
@@ -207,24 +125,14 @@ fn legacy_copy(name: &str) -> PathBuf {
     }
     let mut config = read_json(&src.join("config.json"));
     let o = config.as_object_mut().unwrap();
-    let rope = o
-        .remove("rope_parameters")
-        .expect("fixture uses rope_parameters");
+    let rope = o.remove("rope_parameters").expect("fixture uses rope_parameters");
     let mut rope = rope.as_object().unwrap().clone();
     o.insert("rope_theta".into(), rope.remove("rope_theta").unwrap());
-    let scaling = if rope["rope_type"] == "default" {
-        Value::Null
-    } else {
-        Value::Object(rope)
-    };
+    let scaling = if rope["rope_type"] == "default" { Value::Null } else { Value::Object(rope) };
     o.insert("rope_scaling".into(), scaling);
     let dtype = o.remove("dtype").unwrap();
     o.insert("torch_dtype".into(), dtype);
-    std::fs::write(
-        dst.join("config.json"),
-        serde_json::to_string_pretty(&config).unwrap(),
-    )
-    .unwrap();
+    std::fs::write(dst.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
     dst
 }
 
@@ -232,17 +140,9 @@ fn check_legacy(name: &str) {
     let dir = legacy_copy(name);
     let (legacy, reference) = check_logits(name, &dir);
     let modern = ReferenceModel::new(&load_hf_folder(&tiny_dir().join(name)).unwrap()).unwrap();
-    assert_eq!(
-        legacy.config(),
-        modern.config(),
-        "{name}: legacy config differs"
-    );
+    assert_eq!(legacy.config(), modern.config(), "{name}: legacy config differs");
     let input = ids(&reference["input_ids"]);
-    assert_eq!(
-        legacy.forward(&input),
-        modern.forward(&input),
-        "{name}: legacy logits differ"
-    );
+    assert_eq!(legacy.forward(&input), modern.forward(&input), "{name}: legacy logits differ");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -263,10 +163,7 @@ fn legacy_rope_scaling_accepts_type_key() {
         "num_hidden_layers":1,"num_attention_heads":2,"rope_theta":500000.0,
         "rope_scaling":{"type":"linear","factor":4.0}}"#;
     let c = lantern::model::ModelConfig::from_hf_json(text, "config.json").unwrap();
-    assert_eq!(
-        c.rope_scaling,
-        Some(lantern::model::RopeScaling::Linear { factor: 4.0 })
-    );
+    assert_eq!(c.rope_scaling, Some(lantern::model::RopeScaling::Linear { factor: 4.0 }));
     assert_eq!(c.num_kv_heads, 2);
     assert_eq!(c.head_dim, 4);
 }

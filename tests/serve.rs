@@ -103,8 +103,7 @@ impl Server {
         let t0 = Instant::now();
         loop {
             let text = self.get("/metrics").text();
-            let (running, waiting) =
-                (metric(&text, "lantern_requests_running"), metric(&text, "lantern_requests_waiting"));
+            let (running, waiting) = (metric(&text, "lantern_requests_running"), metric(&text, "lantern_requests_waiting"));
             let (free, total) = (metric(&text, "lantern_kv_pages_free"), metric(&text, "lantern_kv_pages_total"));
             if running == 0.0 && waiting == 0.0 && free == total {
                 return text;
@@ -151,8 +150,7 @@ impl Response {
     }
 
     fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("status {}: not JSON ({e}): {}", self.status, self.text()))
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("status {}: not JSON ({e}): {}", self.status, self.text()))
     }
 
     /// The `data:` payloads of a server-sent-event body.
@@ -279,10 +277,7 @@ fn completion_and_chat_equal_lantern_run_greedy() {
     let _s = serial();
     let server = Server::start(&[]);
     let run = lantern_run(&["--max-tokens", "6", "Once upon a time"]);
-    let r = server.post(
-        "/v1/completions",
-        &json!({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}),
-    );
+    let r = server.post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}));
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(r.header("content-type").unwrap().starts_with("application/json"));
     let v = r.json();
@@ -382,13 +377,10 @@ fn streaming_chunks_concatenate_to_the_same_text() {
 
     // Chat: a role delta first, content deltas, a final chunk with finish_reason, [DONE].
     let msgs = json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]);
-    let full = server
-        .post("/v1/chat/completions", &json!({"model": MODEL_ID, "messages": msgs, "max_tokens": 8, "temperature": 0}));
+    let full = server.post("/v1/chat/completions", &json!({"model": MODEL_ID, "messages": msgs, "max_tokens": 8, "temperature": 0}));
     let full = full.json();
-    let r = server.post(
-        "/v1/chat/completions",
-        &json!({"model": MODEL_ID, "messages": msgs, "max_tokens": 8, "temperature": 0, "stream": true}),
-    );
+    let r = server
+        .post("/v1/chat/completions", &json!({"model": MODEL_ID, "messages": msgs, "max_tokens": 8, "temperature": 0, "stream": true}));
     assert_eq!(r.status, 200);
     let events = r.events();
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
@@ -455,8 +447,7 @@ fn models_health_and_request_errors() {
     let msg = e["message"].as_str().unwrap();
     let numbers: Vec<usize> = msg.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
     assert!(numbers.contains(&CONTEXT) && numbers.iter().any(|&n| n > CONTEXT), "{msg}");
-    let r = server
-        .post("/v1/chat/completions", &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": long}]}));
+    let r = server.post("/v1/chat/completions", &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": long}]}));
     assert_eq!((r.status, error_of(&r)["code"].clone()), (400, json!("context_length_exceeded")));
 
     // Parameters out of range or unsupported.
@@ -560,12 +551,9 @@ fn api_key_is_required_everywhere_but_health() {
         ("POST", "/v1/chat/completions", "{}"),
         ("GET", "/no/such/route", ""),
     ] {
-        for headers in [
-            vec![],
-            vec![("Authorization", "Bearer wrong")],
-            vec![("Authorization", key)],
-            vec![("Authorization", "Basic eDp5")],
-        ] {
+        for headers in
+            [vec![], vec![("Authorization", "Bearer wrong")], vec![("Authorization", key)], vec![("Authorization", "Basic eDp5")]]
+        {
             let r = http(&server.addr, method, path, &headers, body.as_bytes());
             assert_eq!(r.status, 401, "{method} {path} {headers:?}");
             assert_eq!(r.header("www-authenticate"), Some("Bearer"));
@@ -603,12 +591,7 @@ fn concurrent_clients_all_complete() {
                     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
                     ev[..ev.len() - 1]
                         .iter()
-                        .map(|e| {
-                            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"]
-                                .as_str()
-                                .unwrap()
-                                .to_string()
-                        })
+                        .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
                         .collect::<String>()
                 } else {
                     let v = r.json();
@@ -708,9 +691,7 @@ fn load_request(addr: &str, body: &Value, abandon: bool) -> Outcome {
             Ok(resp) => resp,
             Err(e) => return Outcome::Failed(format!("reading a {status}: {e}")),
         };
-        let reason = serde_json::from_slice::<Value>(&resp.body)
-            .ok()
-            .and_then(|v| v["error"]["message"].as_str().map(String::from));
+        let reason = serde_json::from_slice::<Value>(&resp.body).ok().and_then(|v| v["error"]["message"].as_str().map(String::from));
         if reason.is_none_or(|m| m.is_empty()) || resp.header("retry-after").is_none() {
             return Outcome::Failed(format!("{status} without a reason or Retry-After: {}", resp.text()));
         }
@@ -769,13 +750,11 @@ fn bounded_load_test_loses_nothing_and_returns_to_idle() {
     let _s = serial();
     let server = Server::start(&["--max-waiting", "4", "--quiet"]);
     // Warm up (pipelines, allocator), then take the baseline.
-    let r = server
-        .post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0}));
+    let r = server.post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0}));
     assert_eq!(r.status, 200, "{}", r.text());
     let base = server.wait_idle(Duration::from_secs(10));
     let (rss0, threads0) = (metric(&base, "process_resident_memory_bytes"), metric(&base, "process_threads"));
-    let finished0 = metric(&base, "lantern_requests_total{outcome=\"length\"}")
-        + metric(&base, "lantern_requests_total{outcome=\"stop\"}");
+    let finished0 = metric(&base, "lantern_requests_total{outcome=\"length\"}") + metric(&base, "lantern_requests_total{outcome=\"stop\"}");
 
     let prompts = [
         "Once upon a time",
@@ -861,11 +840,7 @@ fn bounded_load_test_loses_nothing_and_returns_to_idle() {
         let text = server.get("/metrics").text();
         let (rss, threads) = (metric(&text, "process_resident_memory_bytes"), metric(&text, "process_threads"));
         if threads <= threads0 && rss <= rss0 + 64.0 * 1048576.0 {
-            eprintln!(
-                "resident memory {:.1} MiB -> {:.1} MiB, threads {threads0} -> {threads}",
-                rss0 / 1048576.0,
-                rss / 1048576.0
-            );
+            eprintln!("resident memory {:.1} MiB -> {:.1} MiB, threads {threads0} -> {threads}", rss0 / 1048576.0, rss / 1048576.0);
             break;
         }
         assert!(
@@ -877,14 +852,12 @@ fn bounded_load_test_loses_nothing_and_returns_to_idle() {
         std::thread::sleep(Duration::from_millis(200));
     }
     // And it still serves.
-    let r = server
-        .post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0}));
+    let r = server.post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0}));
     assert_eq!(r.status, 200);
     assert_eq!(
         r.json()["choices"][0]["text"],
-        server
-            .post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0}))
-            .json()["choices"][0]["text"]
+        server.post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0})).json()["choices"]
+            [0]["text"]
     );
 }
 

@@ -15,10 +15,7 @@ fn feature_sets() -> Vec<Features> {
 }
 
 fn all_keys() -> Vec<PipelineKey> {
-    let mut keys: Vec<PipelineKey> = feature_sets()
-        .into_iter()
-        .flat_map(PipelineKey::all_variants)
-        .collect();
+    let mut keys: Vec<PipelineKey> = feature_sets().into_iter().flat_map(PipelineKey::all_variants).collect();
     keys.sort();
     keys.dedup();
     keys
@@ -26,8 +23,7 @@ fn all_keys() -> Vec<PipelineKey> {
 
 fn parse_validate(key: &PipelineKey, caps: Capabilities) -> (naga::Module, naga::valid::ModuleInfo) {
     let src = key.expand().unwrap_or_else(|e| panic!("{}: preprocess: {e}", key.label()));
-    let module = naga::front::wgsl::parse_str(&src)
-        .unwrap_or_else(|e| panic!("{}: parse: {}", key.label(), e.emit_to_string(&src)));
+    let module = naga::front::wgsl::parse_str(&src).unwrap_or_else(|e| panic!("{}: parse: {}", key.label(), e.emit_to_string(&src)));
     let info = Validator::new(ValidationFlags::all(), caps)
         .validate(&module)
         .unwrap_or_else(|e| panic!("{}: validate: {}", key.label(), e.emit_to_string(&src)));
@@ -80,16 +76,10 @@ fn every_variant_translates_to_spirv_msl_and_hlsl() {
         let spv = naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
             .unwrap_or_else(|e| panic!("{}: SPIR-V: {e}", key.label()));
         assert!(!spv.is_empty());
-        let msl_opts = naga::back::msl::Options {
-            lang_version: (2, 1),
-            ..Default::default()
-        };
+        let msl_opts = naga::back::msl::Options { lang_version: (2, 1), ..Default::default() };
         naga::back::msl::write_string(&module, &info, &msl_opts, &naga::back::msl::PipelineOptions::default())
             .unwrap_or_else(|e| panic!("{}: MSL: {e}", key.label()));
-        let hlsl_opts = naga::back::hlsl::Options {
-            shader_model: naga::back::hlsl::ShaderModel::V6_0,
-            ..Default::default()
-        };
+        let hlsl_opts = naga::back::hlsl::Options { shader_model: naga::back::hlsl::ShaderModel::V6_0, ..Default::default() };
         let pipeline_opts = naga::back::hlsl::PipelineOptions::default();
         let mut out = String::new();
         naga::back::hlsl::Writer::new(&mut out, &hlsl_opts, &pipeline_opts)
@@ -113,7 +103,8 @@ fn snapshotted(key: &PipelineKey) -> bool {
     if !key.weights.is_packed() || matches!(key.weights, WeightFormat::Q8 | WeightFormat::Q4 | WeightFormat::Q4Sym) {
         return true;
     }
-    key.op == ShaderOp::Embedding || key.flags & (flags::NORM | flags::GATED | flags::BIAS | flags::RESIDUAL | flags::GATHER) == flags::NORM | flags::GATED
+    key.op == ShaderOp::Embedding
+        || key.flags & (flags::NORM | flags::GATED | flags::BIAS | flags::RESIDUAL | flags::GATHER) == flags::NORM | flags::GATED
 }
 
 #[test]

@@ -22,19 +22,10 @@ fn loaded() -> &'static Mutex<Loaded> {
     static M: OnceLock<Mutex<Loaded>> = OnceLock::new();
     M.get_or_init(|| {
         let l = load_path(&common::smollm2_gguf()).expect("load SmolLM2 GGUF");
-        let model = pollster::block_on(GpuModel::load(
-            common::gpu(),
-            &l.weights,
-            ModelOptions {
-                context: Some(256),
-                ..Default::default()
-            },
-        ))
-        .expect("upload SmolLM2");
-        Mutex::new(Loaded {
-            model,
-            tokenizer: l.tokenizer.expect("GGUF tokenizer"),
-        })
+        let model =
+            pollster::block_on(GpuModel::load(common::gpu(), &l.weights, ModelOptions { context: Some(256), ..Default::default() }))
+                .expect("upload SmolLM2");
+        Mutex::new(Loaded { model, tokenizer: l.tokenizer.expect("GGUF tokenizer") })
     })
 }
 

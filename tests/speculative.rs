@@ -108,8 +108,9 @@ fn sample_counts(
     let (mut proposed, mut accepted) = (0, 0);
     for run in 0..runs {
         let sampling = SamplingParams { seed: run as u64 * 7919 + 1, ..params };
-        let g = pollster::block_on(generate_with(target, draft.as_deref_mut(), &tok, &request(prompt, new, sampling, speculation), |_| true))
-            .expect("generate");
+        let g =
+            pollster::block_on(generate_with(target, draft.as_deref_mut(), &tok, &request(prompt, new, sampling, speculation), |_| true))
+                .expect("generate");
         assert_eq!(g.output_ids.len(), new);
         if let Some(s) = &g.speculative {
             proposed += s.proposed;
@@ -186,14 +187,27 @@ fn rejected_drafts_roll_back_and_long_greedy_generation_stays_exact() {
     let prompt = [5u32, 6, 7, 8, 9, 10, 11];
     let n = 100;
     let want = reference.greedy(&prompt, n);
-    let plain = pollster::block_on(generate(&mut target, &tokenizer(), &request(&prompt, n, SamplingParams::default(), Speculation::default()), |_| true)).unwrap();
+    let plain = pollster::block_on(generate(
+        &mut target,
+        &tokenizer(),
+        &request(&prompt, n, SamplingParams::default(), Speculation::default()),
+        |_| true,
+    ))
+    .unwrap();
     assert_eq!(plain.output_ids, want, "plain greedy against the reference");
     for spec in [
         Speculation { drafter: Drafter::Model, draft_tokens: Some(5), ..Default::default() },
         Speculation { drafter: Drafter::Model, ..Default::default() },
         Speculation { drafter: Drafter::Lookup, draft_tokens: Some(7), lookup_ngram: 2, ..Default::default() },
     ] {
-        let g = pollster::block_on(generate_with(&mut target, Some(&mut draft), &tokenizer(), &request(&prompt, n, SamplingParams::default(), spec), |_| true)).unwrap();
+        let g = pollster::block_on(generate_with(
+            &mut target,
+            Some(&mut draft),
+            &tokenizer(),
+            &request(&prompt, n, SamplingParams::default(), spec),
+            |_| true,
+        ))
+        .unwrap();
         let s = g.speculative.clone().unwrap();
         eprintln!("{:?} k {:?}: {}/{} accepted over {} verify steps", s.drafter, spec.draft_tokens, s.accepted, s.proposed, s.steps);
         assert!(s.proposed - s.accepted >= 10, "the test needs many rejected drafts: {}/{}", s.accepted, s.proposed);
@@ -224,13 +238,21 @@ fn refusals_and_k_zero() {
     let tok = tokenizer();
     let prompt = [1u32, 2, 3];
     // A draft-model request without a draft model.
-    let err = pollster::block_on(generate(&mut target, &tok, &request(&prompt, 4, SamplingParams::default(), Speculation::draft_model()), |_| true)).unwrap_err();
+    let err = pollster::block_on(generate(
+        &mut target,
+        &tok,
+        &request(&prompt, 4, SamplingParams::default(), Speculation::draft_model()),
+        |_| true,
+    ))
+    .unwrap_err();
     assert!(matches!(err, LanternError::InvalidRequest(_)) && err.to_string().contains("draft model"), "{err}");
     // k = 0: plain decoding, no speculative statistics.
     let zero = Speculation { draft_tokens: Some(0), ..Speculation::lookup() };
     let g = pollster::block_on(generate(&mut target, &tok, &request(&prompt, 6, SamplingParams::default(), zero), |_| true)).unwrap();
     assert!(g.speculative.is_none());
-    let plain = pollster::block_on(generate(&mut target, &tok, &request(&prompt, 6, SamplingParams::default(), Speculation::default()), |_| true)).unwrap();
+    let plain =
+        pollster::block_on(generate(&mut target, &tok, &request(&prompt, 6, SamplingParams::default(), Speculation::default()), |_| true))
+            .unwrap();
     assert_eq!(g.output_ids, plain.output_ids);
     // A draft with another vocabulary, named in the error with both sizes.
     let other = random_model(Spec { seed: 52, vocab: 30, ..TINY });
@@ -268,7 +290,8 @@ fn qwen_1_5b_with_the_0_5b_drafting_gives_the_fixture_greedy_ids() {
     let draft_path = common::real::model("LANTERN_QWEN05_GGUF", "qwen2.5-coder-0.5b");
     let ctx = common::gpu();
     let opts = ModelOptions { context: Some(128), max_seqs: 1, ..Default::default() };
-    let (mut target, tok) = pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &target_path, opts.clone(), &mut |_, _| {})).unwrap();
+    let (mut target, tok) =
+        pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &target_path, opts.clone(), &mut |_, _| {})).unwrap();
     let tok = tok.unwrap();
     let (mut draft, dtok) = pollster::block_on(lantern::model::load::load_to_gpu(ctx, &draft_path, opts, &mut |_, _| {})).unwrap();
     check_pair(("1.5b", &target.config, &tok), ("0.5b", &draft.config, dtok.as_ref().unwrap())).expect("one tokenizer");
@@ -281,7 +304,8 @@ fn qwen_1_5b_with_the_0_5b_drafting_gives_the_fixture_greedy_ids() {
         .cloned()
         .collect();
     assert_eq!(cases.len(), 3);
-    let stats = common::real::check_speculative_cases(&mut target, Some(&mut draft), &tok, &cases, Speculation::draft_model()).unwrap_or_else(|e| panic!("{e}"));
+    let stats = common::real::check_speculative_cases(&mut target, Some(&mut draft), &tok, &cases, Speculation::draft_model())
+        .unwrap_or_else(|e| panic!("{e}"));
     let (p, a) = stats.iter().fold((0, 0), |(p, a), (_, s)| (p + s.proposed, a + s.accepted));
     eprintln!("0.5B drafting for 1.5B: {a}/{p} accepted");
     assert!(a * 2 > p, "the 0.5B should agree with the 1.5B on most tokens: {a}/{p}");
@@ -343,7 +367,8 @@ fn engine_batches_speculative_and_plain_requests_and_each_gets_its_solo_output()
         .collect();
     // Together, with room for all, then with a KV pool that forces preemption.
     for kv_pages in [None, Some(30)] {
-        let mut e = Engine::new(up(&tw, opts(6, kv_pages)), tok.clone(), EngineOptions { step_tokens: 48, prefill_chunk: 8, max_waiting: 16 });
+        let mut e =
+            Engine::new(up(&tw, opts(6, kv_pages)), tok.clone(), EngineOptions { step_tokens: 48, prefill_chunk: 8, max_waiting: 16 });
         e.set_draft(up(&dw, opts(6, None)), &tok).unwrap();
         let mut handles: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
         pollster::block_on(e.run_until_idle()).unwrap();

@@ -22,11 +22,7 @@ fn smollm2() -> &'static Tokenizer {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
 fn stream_decode(tok: &Tokenizer, ids: &[u32]) -> String {
@@ -68,34 +64,17 @@ fn tokenize_fixture_ids_and_decode() {
         let text = case["text"].as_str().unwrap();
         let want = ids(&case["ids"]);
         assert_eq!(tok.encode(text).unwrap(), want, "case {name}: ids");
-        assert_eq!(
-            tok.encode_with(text, false).unwrap(),
-            ids(&case["ids_add_special_tokens_false"]),
-            "case {name}"
-        );
-        assert_eq!(
-            tok.decode(&want).unwrap(),
-            case["decoded"].as_str().unwrap(),
-            "case {name}: decode"
-        );
+        assert_eq!(tok.encode_with(text, false).unwrap(), ids(&case["ids_add_special_tokens_false"]), "case {name}");
+        assert_eq!(tok.decode(&want).unwrap(), case["decoded"].as_str().unwrap(), "case {name}: decode");
         assert_eq!(
             tok.decode_with(&want, true).unwrap(),
             case["decoded_skip_special_tokens"].as_str().unwrap(),
             "case {name}: decode skipping specials"
         );
         let tokens: Vec<String> = want.iter().map(|&i| tok.id_to_token(i).unwrap()).collect();
-        let want_tokens: Vec<&str> = case["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_str().unwrap())
-            .collect();
+        let want_tokens: Vec<&str> = case["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
         assert_eq!(tokens, want_tokens, "case {name}: token strings");
-        assert_eq!(
-            stream_decode(tok, &want),
-            case["decoded"].as_str().unwrap(),
-            "case {name}: stream"
-        );
+        assert_eq!(stream_decode(tok, &want), case["decoded"].as_str().unwrap(), "case {name}: stream");
     }
 }
 
@@ -110,21 +89,11 @@ fn chat_cases_render_and_encode() {
         let prompt_text = case["prompt_text"].as_str().unwrap();
         if case["chat"].as_bool().unwrap() {
             n_chat += 1;
-            let rendered = template
-                .render(&[ChatMessage::user(case["prompt"].as_str().unwrap())], true)
-                .unwrap();
+            let rendered = template.render(&[ChatMessage::user(case["prompt"].as_str().unwrap())], true).unwrap();
             assert_eq!(rendered, prompt_text, "case {name}: rendered prompt");
-            assert_eq!(
-                tok.encode_chat(&rendered).unwrap(),
-                ids(&case["input_ids"]),
-                "case {name}: chat ids"
-            );
+            assert_eq!(tok.encode_chat(&rendered).unwrap(), ids(&case["input_ids"]), "case {name}: chat ids");
         }
-        assert_eq!(
-            tok.encode(prompt_text).unwrap(),
-            ids(&case["input_ids"]),
-            "case {name}: ids"
-        );
+        assert_eq!(tok.encode(prompt_text).unwrap(), ids(&case["input_ids"]), "case {name}: ids");
     }
     assert!(n_chat >= 2);
 }
@@ -140,11 +109,7 @@ fn streaming_decode_matches_full_decode() {
         assert_eq!(full, case["greedy_text"].as_str().unwrap(), "case {name}: greedy_text");
         assert_eq!(stream_decode(tok, &greedy), full, "case {name}: streamed greedy");
         let prompt = ids(&case["input_ids"]);
-        assert_eq!(
-            stream_decode(tok, &prompt),
-            tok.decode(&prompt).unwrap(),
-            "case {name}: streamed prompt"
-        );
+        assert_eq!(stream_decode(tok, &prompt), tok.decode(&prompt).unwrap(), "case {name}: streamed prompt");
     }
 }
 
@@ -192,10 +157,7 @@ fn hf_files_roundtrip() {
     let e = Tokenizer::from_hf_files(b"{not json", None).unwrap_err();
     assert!(matches!(e, TokenizerError::InvalidJson { .. }), "{e}");
     assert!(e.to_string().contains("tokenizer.json"));
-    assert!(matches!(
-        Tokenizer::from_hf_files(json.as_bytes(), None).unwrap().chat_template(),
-        Err(TokenizerError::NoChatTemplate { .. })
-    ));
+    assert!(matches!(Tokenizer::from_hf_files(json.as_bytes(), None).unwrap().chat_template(), Err(TokenizerError::NoChatTemplate { .. })));
 }
 
 /// A tiny SentencePiece (`tokenizer.ggml.model = llama`) vocabulary, as in TinyLlama/Llama 2
@@ -245,10 +207,7 @@ fn spm_gguf() -> Vec<u8> {
         .kv("tokenizer.ggml.unknown_token_id", Meta::U32(0))
         .kv(
             "tokenizer.chat_template",
-            Meta::Str(
-                "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}"
-                    .into(),
-            ),
+            Meta::Str("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}".into()),
         );
     w.to_bytes()
 }
@@ -261,14 +220,8 @@ fn sentencepiece_gguf_vocabulary() {
     let id = |t: &str| tok.token_to_id(t).unwrap();
     assert!(tok.add_bos(), "SentencePiece vocabularies add BOS by default");
     assert_eq!(tok.encode("hello world").unwrap(), vec![1, id("▁hello"), id("▁world")]);
-    assert_eq!(
-        tok.decode(&tok.encode("hello world").unwrap()).unwrap(),
-        "<s> hello world"
-    );
-    assert_eq!(
-        tok.decode_with(&tok.encode("hello world").unwrap(), true).unwrap(),
-        "hello world"
-    );
+    assert_eq!(tok.decode(&tok.encode("hello world").unwrap()).unwrap(), "<s> hello world");
+    assert_eq!(tok.decode_with(&tok.encode("hello world").unwrap(), true).unwrap(), "hello world");
     // Byte fallback for characters outside the vocabulary: é = C3 A9.
     let ids = tok.encode_with("hé", false).unwrap();
     assert_eq!(ids, vec![id("▁h"), id("<0xC3>"), id("<0xA9>")]);
@@ -283,39 +236,25 @@ fn sentencepiece_gguf_vocabulary() {
     assert_eq!(t.render(&[ChatMessage::user("hi")], false).unwrap(), "<s>[user] hi</s>");
     let rendered = t.render(&[ChatMessage::user("hello")], false).unwrap();
     assert_eq!(tok.encode_chat(&rendered).unwrap()[0], 1);
-    assert_eq!(
-        tok.encode_chat(&rendered).unwrap().iter().filter(|&&i| i == 1).count(),
-        1,
-        "no double BOS"
-    );
+    assert_eq!(tok.encode_chat(&rendered).unwrap().iter().filter(|&&i| i == 1).count(), 1, "no double BOS");
 }
 
 #[test]
 fn gguf_tokenizer_errors() {
     let mut w = GgufWriter::default();
-    w.kv("tokenizer.ggml.model", Meta::Str("bert".into()))
-        .kv("tokenizer.ggml.tokens", Meta::StrArray(vec!["a".into()]));
+    w.kv("tokenizer.ggml.model", Meta::Str("bert".into())).kv("tokenizer.ggml.tokens", Meta::StrArray(vec!["a".into()]));
     let bytes = w.to_bytes();
     let e = Tokenizer::from_gguf(&GgufFile::parse(&bytes, "b.gguf").unwrap()).unwrap_err();
-    assert!(
-        matches!(&e, TokenizerError::UnsupportedModel { model, .. } if model == "bert"),
-        "{e}"
-    );
+    assert!(matches!(&e, TokenizerError::UnsupportedModel { model, .. } if model == "bert"), "{e}");
 
     let mut w = GgufWriter::default();
     w.kv("tokenizer.ggml.model", Meta::Str("gpt2".into()))
         .kv("tokenizer.ggml.pre", Meta::Str("mystery".into()))
-        .kv(
-            "tokenizer.ggml.tokens",
-            Meta::StrArray(vec!["a".into(), "b".into(), "ab".into()]),
-        )
+        .kv("tokenizer.ggml.tokens", Meta::StrArray(vec!["a".into(), "b".into(), "ab".into()]))
         .kv("tokenizer.ggml.merges", Meta::StrArray(vec!["a b".into()]));
     let bytes = w.to_bytes();
     let e = Tokenizer::from_gguf(&GgufFile::parse(&bytes, "p.gguf").unwrap()).unwrap_err();
-    assert!(
-        e.to_string().contains("mystery") && e.to_string().contains("p.gguf"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("mystery") && e.to_string().contains("p.gguf"), "{e}");
 
     let mut w = GgufWriter::default();
     w.kv("tokenizer.ggml.model", Meta::Str("gpt2".into()))
@@ -342,10 +281,7 @@ fn template_features() {
     )
     .unwrap();
     let e = t.render(&[ChatMessage::system("x")], false).unwrap_err();
-    assert!(
-        matches!(&e, TokenizerError::TemplateRender { reason } if reason.contains("first message must be from the user")),
-        "{e}"
-    );
+    assert!(matches!(&e, TokenizerError::TemplateRender { reason } if reason.contains("first message must be from the user")), "{e}");
     assert_eq!(t.render(&[ChatMessage::user("x")], false).unwrap(), "ok");
 
     // Python string methods, trim_blocks/lstrip_blocks, tojson like Python's json.dumps.
@@ -355,12 +291,7 @@ fn template_features() {
         Some("</s>"),
     )
     .unwrap();
-    let out = t
-        .render(
-            &[ChatMessage::user("  shout  "), ChatMessage::assistant("a \"q\" é\n")],
-            true,
-        )
-        .unwrap();
+    let out = t.render(&[ChatMessage::user("  shout  "), ChatMessage::assistant("a \"q\" é\n")], true).unwrap();
     assert_eq!(out, "SHOUT\"a \\\"q\\\" é\\n\"<gen>");
 
     let e = ChatTemplate::new("{% if %}", None, None).unwrap_err();

@@ -20,7 +20,9 @@ use wasm_bindgen_test::*;
 wasm_bindgen_test_configure!(run_in_browser);
 
 async fn browser_gpu() -> std::sync::Arc<GpuContext> {
-    GpuContext::new(&DeviceOptions { backend: Some("webgpu".into()), ..Default::default() }).await.expect("a WebGPU adapter (Chromium with --enable-unsafe-webgpu)")
+    GpuContext::new(&DeviceOptions { backend: Some("webgpu".into()), ..Default::default() })
+        .await
+        .expect("a WebGPU adapter (Chromium with --enable-unsafe-webgpu)")
 }
 
 async fn check_against_reference(w: &ModelWeights, tokens: usize, opts: ModelOptions, tol: f32) {
@@ -50,7 +52,21 @@ async fn the_browser_offers_a_webgpu_adapter() {
 
 #[wasm_bindgen_test]
 async fn forward_matches_the_reference_mqa_odd_widths_uneven_chunks() {
-    let w = random_model(Spec { seed: 1, vocab: 97, hidden: 40, ffn: 72, layers: 2, heads: 5, kv_heads: 1, head_dim: 8, bias: false, tied: false, f16: false, llama3: false, gemma: false });
+    let w = random_model(Spec {
+        seed: 1,
+        vocab: 97,
+        hidden: 40,
+        ffn: 72,
+        layers: 2,
+        heads: 5,
+        kv_heads: 1,
+        head_dim: 8,
+        bias: false,
+        tied: false,
+        f16: false,
+        llama3: false,
+        gemma: false,
+    });
     let opts = ModelOptions { context: Some(64), page_size: 5, max_batch_tokens: 7, max_logit_rows: 7, ..Default::default() };
     check_against_reference(&w, 23, opts, 2e-4).await;
 }
@@ -59,7 +75,21 @@ async fn forward_matches_the_reference_mqa_odd_widths_uneven_chunks() {
 async fn forward_matches_the_reference_gqa_f16_weights_without_shader_f16() {
     // f16 weights are read with unpack2x16float: no shader-f16 needed (SwiftShader has none);
     // with q/k/v biases, a tied head and Llama 3 RoPE scaling.
-    let w = random_model(Spec { seed: 3, vocab: 130, hidden: 64, ffn: 130, layers: 2, heads: 4, kv_heads: 2, head_dim: 16, bias: true, tied: true, f16: true, llama3: true, gemma: false });
+    let w = random_model(Spec {
+        seed: 3,
+        vocab: 130,
+        hidden: 64,
+        ffn: 130,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        bias: true,
+        tied: true,
+        f16: true,
+        llama3: true,
+        gemma: false,
+    });
     let opts = ModelOptions { context: Some(64), page_size: 16, max_batch_tokens: 16, max_logit_rows: 16, ..Default::default() };
     check_against_reference(&w, 20, opts, 2e-4).await;
 }
@@ -78,7 +108,10 @@ async fn corrupt_and_truncated_files_are_clear_errors() {
     let e = lantern::web::Lantern::load_bytes(not_gguf, "page.gguf".into(), JsValue::UNDEFINED, None).await.err().expect("an error");
     assert!(message(e.into()).contains("page.gguf"));
     let opts = js_sys::JSON::parse(r#"{"kvDtype": "q3"}"#).unwrap();
-    let e = lantern::web::Lantern::load_bytes(js_sys::Uint8Array::new_with_length(0), "empty.gguf".into(), opts, None).await.err().expect("an error");
+    let e = lantern::web::Lantern::load_bytes(js_sys::Uint8Array::new_with_length(0), "empty.gguf".into(), opts, None)
+        .await
+        .err()
+        .expect("an error");
     assert!(!message(e.into()).is_empty());
 }
 
@@ -96,7 +129,8 @@ async fn every_gguf_block_format_matches_transformers_in_the_browser() {
             )
         };
     }
-    let input: [u32; 24] = [303, 211, 294, 53, 204, 372, 152, 505, 143, 177, 279, 233, 154, 30, 171, 158, 236, 380, 282, 374, 442, 120, 368, 476];
+    let input: [u32; 24] =
+        [303, 211, 294, 53, 204, 372, 152, 505, 143, 177, 279, 233, 154, 30, 171, 158, 236, 380, 282, 374, 442, 120, 368, 476];
     let ctx = browser_gpu().await;
     for (ty, gguf, logits) in [
         fixture!("Q5_0"),

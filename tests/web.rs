@@ -95,9 +95,17 @@ fn tiny_web_gguf(path: &Path) {
 fn native_ids(model: &Path, prompt: &str, max_tokens: usize) -> Vec<u32> {
     let loaded = lantern::model::load::load_path(model).unwrap();
     let tok = loaded.tokenizer.unwrap();
-    let mut m = pollster::block_on(GpuModel::load(common::gpu(), &loaded.weights, ModelOptions { max_seqs: 1, ..Default::default() })).unwrap();
+    let mut m =
+        pollster::block_on(GpuModel::load(common::gpu(), &loaded.weights, ModelOptions { max_seqs: 1, ..Default::default() })).unwrap();
     let stop_ids = lantern::engine::generate::default_stop_ids(&m.config.eos_token_ids, &tok);
-    let req = GenerateRequest { prompt_ids: tok.encode(prompt).unwrap(), max_tokens, sampling: SamplingParams::default(), stop_ids, stop_strings: vec![], speculation: Default::default() };
+    let req = GenerateRequest {
+        prompt_ids: tok.encode(prompt).unwrap(),
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids,
+        stop_strings: vec![],
+        speculation: Default::default(),
+    };
     pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap().output_ids
 }
 
@@ -150,7 +158,8 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
         .expect("node (scripts/web.sh installs Node.js)");
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stderr}");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("e2e printed no report ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("e2e printed no report ({e}): {}", String::from_utf8_lossy(&out.stdout)));
     assert!(out.status.success() && report["ok"] == true, "browser e2e failed: {}", serde_json::to_string_pretty(&report).unwrap());
     let results = report["results"].as_array().unwrap();
     assert_eq!(results.len(), 8);

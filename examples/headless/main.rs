@@ -25,7 +25,12 @@ struct HostWork {
 impl HostWork {
     fn new(device: &wgpu::Device) -> HostWork {
         let words = 1u32 << 18;
-        let buf = device.create_buffer(&wgpu::BufferDescriptor { label: Some("host particles"), size: words as u64 * 4, usage: wgpu::BufferUsages::STORAGE, mapped_at_creation: false });
+        let buf = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("host particles"),
+            size: words as u64 * 4,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
         let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some("host work"),
             source: wgpu::ShaderSource::Wgsl(
@@ -75,7 +80,11 @@ fn main() {
 fn run(args: shared::Args) -> Result<(), Box<dyn std::error::Error>> {
     // The host's device, made the way an application makes one.
     let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
-    let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions { power_preference: wgpu::PowerPreference::HighPerformance, ..Default::default() }))?;
+    let adapter =
+        pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            ..Default::default()
+        }))?;
     let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
         label: Some("host"),
         required_features: shared::wanted_features(&adapter),

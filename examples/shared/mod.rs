@@ -55,8 +55,7 @@ impl Args {
 
 /// Features the host asks for: what Lantern's fast paths use, when the adapter has them.
 pub fn wanted_features(adapter: &wgpu::Adapter) -> wgpu::Features {
-    adapter.features()
-        & (wgpu::Features::SHADER_F16 | wgpu::Features::SUBGROUP | wgpu::Features::PIPELINE_CACHE)
+    adapter.features() & (wgpu::Features::SHADER_F16 | wgpu::Features::SUBGROUP | wgpu::Features::PIPELINE_CACHE)
 }
 
 /// The model loaded onto the host's device, with the request `lantern run PROMPT
@@ -130,7 +129,12 @@ impl FrameLog {
         let f = Distribution::of(&self.frame_ms);
         let c = Distribution::of(&self.call_ms);
         let over = self.call_ms.iter().filter(|&&x| x > budget.as_secs_f64() * 1e3).count();
-        println!("frames: {} in {wall_s:.1} s ({:.1} fps); {} GPU steps completed", self.frame_ms.len(), self.frame_ms.len() as f64 / wall_s.max(1e-9), self.steps);
+        println!(
+            "frames: {} in {wall_s:.1} s ({:.1} fps); {} GPU steps completed",
+            self.frame_ms.len(),
+            self.frame_ms.len() as f64 / wall_s.max(1e-9),
+            self.steps
+        );
         println!("frame time ms: p50 {:.2} p95 {:.2} p99 {:.2} max {:.2}", f.p50, f.p95, f.p99, f.max);
         println!(
             "lantern call ms (budget {:.1}): p50 {:.2} p95 {:.2} p99 {:.2} max {:.2}; {over} of {} calls over budget",

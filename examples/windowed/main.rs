@@ -163,7 +163,10 @@ impl Gfx {
             layout: &self.pipeline.get_bind_group_layout(0),
             entries: &[
                 wgpu::BindGroupEntry { binding: 0, resource: self.uniform.as_entire_binding() },
-                wgpu::BindGroupEntry { binding: 1, resource: wgpu::BindingResource::TextureView(&self.text_tex.create_view(&Default::default())) },
+                wgpu::BindGroupEntry {
+                    binding: 1,
+                    resource: wgpu::BindingResource::TextureView(&self.text_tex.create_view(&Default::default())),
+                },
             ],
         });
     }
@@ -179,7 +182,12 @@ impl Gfx {
     fn upload_text(&self, text: &str) {
         let (mask, w, h) = rasterize(text, self.config.width);
         self.queue.write_texture(
-            wgpu::TexelCopyTextureInfo { texture: &self.text_tex, mip_level: 0, origin: wgpu::Origin3d::ZERO, aspect: wgpu::TextureAspect::All },
+            wgpu::TexelCopyTextureInfo {
+                texture: &self.text_tex,
+                mip_level: 0,
+                origin: wgpu::Origin3d::ZERO,
+                aspect: wgpu::TextureAspect::All,
+            },
             &mask,
             wgpu::TexelCopyBufferLayout { offset: 0, bytes_per_row: Some(w), rows_per_image: Some(h) },
             wgpu::Extent3d { width: w, height: h, depth_or_array_layers: 1 },
@@ -241,12 +249,20 @@ impl Gfx {
             view_formats: &[],
         });
         let row = (w * 4).div_ceil(256) * 256;
-        let buf = self.device.create_buffer(&wgpu::BufferDescriptor { label: Some("screenshot"), size: (row * h) as u64, usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::MAP_READ, mapped_at_creation: false });
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("screenshot"),
+            size: (row * h) as u64,
+            usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::MAP_READ,
+            mapped_at_creation: false,
+        });
         let mut enc = self.device.create_command_encoder(&Default::default());
         self.encode_scene(&mut enc, &tex.create_view(&Default::default()));
         enc.copy_texture_to_buffer(
             tex.as_image_copy(),
-            wgpu::TexelCopyBufferInfo { buffer: &buf, layout: wgpu::TexelCopyBufferLayout { offset: 0, bytes_per_row: Some(row), rows_per_image: Some(h) } },
+            wgpu::TexelCopyBufferInfo {
+                buffer: &buf,
+                layout: wgpu::TexelCopyBufferLayout { offset: 0, bytes_per_row: Some(row), rows_per_image: Some(h) },
+            },
             wgpu::Extent3d { width: w, height: h, depth_or_array_layers: 1 },
         );
         self.queue.submit([enc.finish()]);
@@ -301,8 +317,15 @@ struct App {
 
 impl App {
     fn start(&mut self, el: &ActiveEventLoop) -> Result<Session, Box<dyn std::error::Error>> {
-        let (w, h): (u32, u32) = self.args.size.split_once('x').and_then(|(w, h)| Some((w.parse().ok()?, h.parse().ok()?))).ok_or("--size must be WIDTHxHEIGHT")?;
-        let window = Arc::new(el.create_window(Window::default_attributes().with_title("Lantern: loading the model").with_inner_size(PhysicalSize::new(w, h)))?);
+        let (w, h): (u32, u32) = self
+            .args
+            .size
+            .split_once('x')
+            .and_then(|(w, h)| Some((w.parse().ok()?, h.parse().ok()?)))
+            .ok_or("--size must be WIDTHxHEIGHT")?;
+        let window = Arc::new(el.create_window(
+            Window::default_attributes().with_title("Lantern: loading the model").with_inner_size(PhysicalSize::new(w, h)),
+        )?);
         let surface = self.instance.create_surface(window.clone())?;
         let adapter = pollster::block_on(self.instance.request_adapter(&wgpu::RequestAdapterOptions {
             power_preference: wgpu::PowerPreference::HighPerformance,
@@ -316,31 +339,57 @@ impl App {
             ..Default::default()
         }))?;
         let size = window.inner_size();
-        let config = surface.get_default_config(&adapter, size.width.max(1), size.height.max(1)).ok_or("the surface does not work with this adapter")?;
+        let config = surface
+            .get_default_config(&adapter, size.width.max(1), size.height.max(1))
+            .ok_or("the surface does not work with this adapter")?;
         surface.configure(&device, &config);
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor { label: Some("scene"), source: wgpu::ShaderSource::Wgsl(SHADER.into()) });
+        let module = device
+            .create_shader_module(wgpu::ShaderModuleDescriptor { label: Some("scene"), source: wgpu::ShaderSource::Wgsl(SHADER.into()) });
         let pipeline = device.create_render_pipeline(&wgpu::RenderPipelineDescriptor {
             label: Some("scene"),
             layout: None,
             vertex: wgpu::VertexState { module: &module, entry_point: Some("vs"), compilation_options: Default::default(), buffers: &[] },
-            fragment: Some(wgpu::FragmentState { module: &module, entry_point: Some("fs"), compilation_options: Default::default(), targets: &[Some(config.format.into())] }),
+            fragment: Some(wgpu::FragmentState {
+                module: &module,
+                entry_point: Some("fs"),
+                compilation_options: Default::default(),
+                targets: &[Some(config.format.into())],
+            }),
             primitive: Default::default(),
             depth_stencil: None,
             multisample: Default::default(),
             multiview_mask: None,
             cache: None,
         });
-        let uniform = device.create_buffer(&wgpu::BufferDescriptor { label: Some("frame"), size: std::mem::size_of::<FrameUniform>() as u64, usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST, mapped_at_creation: false });
+        let uniform = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("frame"),
+            size: std::mem::size_of::<FrameUniform>() as u64,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
         let text_tex = Gfx::text_texture(&device, config.width);
         let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("frame"),
             layout: &pipeline.get_bind_group_layout(0),
             entries: &[
                 wgpu::BindGroupEntry { binding: 0, resource: uniform.as_entire_binding() },
-                wgpu::BindGroupEntry { binding: 1, resource: wgpu::BindingResource::TextureView(&text_tex.create_view(&Default::default())) },
+                wgpu::BindGroupEntry {
+                    binding: 1,
+                    resource: wgpu::BindingResource::TextureView(&text_tex.create_view(&Default::default())),
+                },
             ],
         });
-        let gfx = Gfx { window: window.clone(), surface, config, device: device.clone(), queue: queue.clone(), pipeline, uniform, text_tex, bind };
+        let gfx = Gfx {
+            window: window.clone(),
+            surface,
+            config,
+            device: device.clone(),
+            queue: queue.clone(),
+            pipeline,
+            uniform,
+            text_tex,
+            bind,
+        };
         gfx.render(0.0, None)?;
         let mut loaded = shared::load(&self.args.common, device, queue)?;
         eprintln!(
@@ -359,7 +408,18 @@ impl App {
         let handle = loaded.engine.submit(loaded.request.clone())?;
         window.set_title("Lantern: generating");
         let now = Instant::now();
-        Ok(Session { gfx, loaded, handle, text: self.args.common.prompt.clone(), ids: Vec::new(), finish: None, done_at: None, log: shared::FrameLog::default(), start: now, next_frame: now })
+        Ok(Session {
+            gfx,
+            loaded,
+            handle,
+            text: self.args.common.prompt.clone(),
+            ids: Vec::new(),
+            finish: None,
+            done_at: None,
+            log: shared::FrameLog::default(),
+            start: now,
+            next_frame: now,
+        })
     }
 
     /// One frame: Lantern's share of the budget, the new text, then the animation.
@@ -396,10 +456,16 @@ impl App {
         if changed || s.log.frame_ms.is_empty() {
             s.gfx.upload_text(&s.text);
             let secs = s.start.elapsed().as_secs_f64();
-            s.gfx.window.set_title(&format!("Lantern: {} tokens, {:.1} tok/s on {}", s.ids.len(), s.ids.len() as f64 / secs.max(1e-3), s.loaded.ctx.info.name));
+            s.gfx.window.set_title(&format!(
+                "Lantern: {} tokens, {:.1} tok/s on {}",
+                s.ids.len(),
+                s.ids.len() as f64 / secs.max(1e-3),
+                s.loaded.ctx.info.name
+            ));
         }
         let elapsed = s.start.elapsed().as_secs_f64();
-        let over = if common.seconds > 0.0 { elapsed >= common.seconds } else { s.done_at.is_some_and(|d| d.elapsed() >= Duration::from_secs(1)) };
+        let over =
+            if common.seconds > 0.0 { elapsed >= common.seconds } else { s.done_at.is_some_and(|d| d.elapsed() >= Duration::from_secs(1)) };
         s.gfx.render(elapsed as f32, if over { self.args.screenshot.as_deref() } else { None })?;
         s.log.frame_ms.push(t.elapsed().as_secs_f64() * 1e3);
         Ok(over)
@@ -492,7 +558,8 @@ fn main() {
     let args = Args::parse();
     let run = || -> Result<(), Box<dyn std::error::Error>> {
         let event_loop = EventLoop::new()?;
-        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_with_display_handle_from_env(Box::new(event_loop.owned_display_handle())));
+        let instance =
+            wgpu::Instance::new(wgpu::InstanceDescriptor::new_with_display_handle_from_env(Box::new(event_loop.owned_display_handle())));
         let mut app = App { args, instance, session: None, error: None };
         event_loop.run_app(&mut app)?;
         match app.error.take() {

@@ -15,16 +15,16 @@ use lantern::model::llama::{ModelOptions, WeightPrecision};
 use lantern::model::tokenizer::ChatMessage;
 
 // Subcommand modules live in src/bin/lantern/: every file directly in src/bin is a binary.
+#[path = "lantern/bench_cmd.rs"]
+mod bench_cmd;
 #[path = "lantern/eval_cmd.rs"]
 mod eval_cmd;
-#[path = "lantern/quantize_cmd.rs"]
-mod quantize_cmd;
 #[path = "lantern/info_cmd.rs"]
 mod info_cmd;
 #[path = "lantern/plan_cmd.rs"]
 mod plan_cmd;
-#[path = "lantern/bench_cmd.rs"]
-mod bench_cmd;
+#[path = "lantern/quantize_cmd.rs"]
+mod quantize_cmd;
 #[path = "lantern/serve_cmd.rs"]
 mod serve_cmd;
 #[path = "lantern/spec_args.rs"]
@@ -298,17 +298,17 @@ fn run(a: RunArgs) -> Result<()> {
     let ctx = a.device.open()?;
     pb.set_message(format!("uploading weights to {}", ctx.info.name));
     let model_options = ModelOptions {
-            context: a.context,
-            weights: match a.weights {
-                Weights::Native => WeightPrecision::Native,
-                Weights::F32 => WeightPrecision::F32,
-                Weights::F16 => WeightPrecision::F16,
-            },
-            kv_dtype: a.kv_dtype.dtype(),
-            memory_budget: a.memory_budget.as_deref().map(plan_cmd::parse_bytes).transpose()?,
-            prefix_cache: !a.no_prefix_cache,
-            ..Default::default()
-        };
+        context: a.context,
+        weights: match a.weights {
+            Weights::Native => WeightPrecision::Native,
+            Weights::F32 => WeightPrecision::F32,
+            Weights::F16 => WeightPrecision::F16,
+        },
+        kv_dtype: a.kv_dtype.dtype(),
+        memory_budget: a.memory_budget.as_deref().map(plan_cmd::parse_bytes).transpose()?,
+        prefix_cache: !a.no_prefix_cache,
+        ..Default::default()
+    };
     let (mut model, tokenizer) =
         pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &model_path, model_options.clone(), &mut |_, _| {}))
             .with_context(|| format!("loading {}", model_path.display()))?;
@@ -331,21 +331,12 @@ fn run(a: RunArgs) -> Result<()> {
     } else {
         a.prompt.clone()
     };
-    let prompt_ids = if a.chat {
-        tokenizer.encode_chat(&prompt_text)?
-    } else {
-        tokenizer.encode(&prompt_text)?
-    };
+    let prompt_ids = if a.chat { tokenizer.encode_chat(&prompt_text)? } else { tokenizer.encode(&prompt_text)? };
     let stop_ids = lantern::engine::generate::default_stop_ids(&model.config.eos_token_ids, &tokenizer);
     let req = GenerateRequest {
         prompt_ids,
         max_tokens: a.max_tokens,
-        sampling: SamplingParams {
-            temperature: a.temperature,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            seed: a.seed,
-        },
+        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
         stop_ids,
         stop_strings: a.stop.clone(),
         speculation: a.spec.speculation(),

@@ -237,7 +237,17 @@ impl Engine {
     pub fn new(model: GpuModel, tokenizer: Arc<Tokenizer>, mut options: EngineOptions) -> Engine {
         options.step_tokens = options.step_tokens.clamp(1, model.options.max_batch_tokens.max(1));
         options.prefill_chunk = options.prefill_chunk.clamp(1, options.step_tokens);
-        Engine { model, tokenizer, options, waiting: VecDeque::new(), running: Vec::new(), next_id: 0, stats: EngineStats::default(), pending: None, draft: None }
+        Engine {
+            model,
+            tokenizer,
+            options,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+            stats: EngineStats::default(),
+            pending: None,
+            draft: None,
+        }
     }
 
     /// Load `weights` onto a device the host application already has and serve them: the
@@ -277,7 +287,10 @@ impl Engine {
         if !self.is_idle() {
             return Err(LanternError::InvalidRequest("set_draft needs an idle engine".into()));
         }
-        speculative::check_pair(("the target model", &self.model.config, &self.tokenizer), ("the draft model", &draft.config, draft_tokenizer))?;
+        speculative::check_pair(
+            ("the target model", &self.model.config, &self.tokenizer),
+            ("the draft model", &draft.config, draft_tokenizer),
+        )?;
         self.draft = Some(draft);
         Ok(())
     }
@@ -491,7 +504,12 @@ impl Engine {
         if s.slot.is_none() || s.computed + 1 != s.tokens.len() {
             return 0;
         }
-        let limit = s.req.max_tokens.saturating_sub(s.out.len() + 1).min(context.saturating_sub(s.tokens.len())).min(self.model.logit_rows.saturating_sub(1));
+        let limit = s
+            .req
+            .max_tokens
+            .saturating_sub(s.out.len() + 1)
+            .min(context.saturating_sub(s.tokens.len()))
+            .min(self.model.logit_rows.saturating_sub(1));
         sp.len.next(limit)
     }
 
@@ -565,7 +583,9 @@ impl Engine {
                 sch.started = Instant::now();
                 match self.model.begin_step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want) {
                     Ok(p) => (sch, p, report),
-                    Err(e) => return self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false, submitted: 0 }),
+                    Err(e) => {
+                        return self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false, submitted: 0 })
+                    }
                 }
             }
         };

@@ -103,11 +103,7 @@ pub async fn generate_with(
         return Err(LanternError::InvalidRequest("the prompt is empty (no tokens to condition on)".into()));
     }
     if req.prompt_ids.len() >= context {
-        return Err(LanternError::PromptTooLong {
-            prompt_tokens: req.prompt_ids.len(),
-            max_new: req.max_tokens,
-            context,
-        });
+        return Err(LanternError::PromptTooLong { prompt_tokens: req.prompt_ids.len(), max_new: req.max_tokens, context });
     }
     if req.speculation.enabled() && req.speculation.drafter == Drafter::Model && draft.is_none() {
         return Err(LanternError::InvalidRequest("speculation with a draft model needs the draft model loaded (--draft)".into()));
@@ -220,7 +216,11 @@ async fn next_tokens(
     let verdict = if drafts.is_empty() {
         // Lookup not drafting this step: its would-be draft, checked against the target's
         // token, keeps the acceptance estimate current.
-        let shadow = if req.speculation.drafter == Drafter::Lookup { speculative::lookup(history, 1, req.speculation.lookup_ngram) } else { Vec::new() };
+        let shadow = if req.speculation.drafter == Drafter::Lookup {
+            speculative::lookup(history, 1, req.speculation.lookup_ngram)
+        } else {
+            Vec::new()
+        };
         let out = model.forward(seq, &[last], want).await?;
         let token = sample(&out, sampler);
         if let Some(&d) = shadow.first() {

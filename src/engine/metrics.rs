@@ -27,11 +27,7 @@ pub struct RequestMetrics {
 
 impl RequestTimings {
     pub fn new(arrival: Instant) -> Self {
-        RequestTimings {
-            arrival,
-            tokens: Vec::new(),
-            finished: None,
-        }
+        RequestTimings { arrival, tokens: Vec::new(), finished: None }
     }
 
     /// Milliseconds between two instants.
@@ -47,11 +43,7 @@ impl RequestTimings {
     pub fn metrics(&self) -> RequestMetrics {
         let ttft = self.tokens.first().map(|&t| Self::ms(self.arrival, t));
         let n = self.tokens.len();
-        let tpot = if n >= 2 {
-            Some(Self::ms(self.tokens[0], self.tokens[n - 1]) / (n - 1) as f64)
-        } else {
-            None
-        };
+        let tpot = if n >= 2 { Some(Self::ms(self.tokens[0], self.tokens[n - 1]) / (n - 1) as f64) } else { None };
         let end = self.finished.or(self.tokens.last().copied());
         RequestMetrics {
             ttft_ms: ttft,

@@ -19,12 +19,7 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 0,
-        }
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
     }
 }
 
@@ -55,9 +50,7 @@ impl Rng {
             x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             x ^ (x >> 31)
         };
-        Rng {
-            s: [next(), next(), next(), next()],
-        }
+        Rng { s: [next(), next(), next(), next()] }
     }
 
     pub fn next_u64(&mut self) -> u64 {
@@ -87,10 +80,7 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
-        Sampler {
-            params,
-            rng: Rng::new(params.seed),
-        }
+        Sampler { params, rng: Rng::new(params.seed) }
     }
 
     /// Draw a token from one row of logits.
@@ -99,12 +89,8 @@ impl Sampler {
             return argmax(logits);
         }
         let t = self.params.temperature as f64;
-        let cand: Vec<(u32, f64)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.is_finite())
-            .map(|(i, &v)| (i as u32, v as f64 / t))
-            .collect();
+        let cand: Vec<(u32, f64)> =
+            logits.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v as f64 / t)).collect();
         if cand.is_empty() {
             return argmax(logits);
         }
@@ -190,9 +176,7 @@ impl Sampler {
     fn shape(&self, mut cand: Vec<(u32, f64)>) -> Dist {
         // Descending by logit, ties by lower id (a total order, so deterministic). With top-k,
         // select the k best in linear time and sort only those, not the whole vocabulary.
-        let order = |a: &(u32, f64), b: &(u32, f64)| {
-            b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0))
-        };
+        let order = |a: &(u32, f64), b: &(u32, f64)| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0));
         if self.params.top_k > 0 && self.params.top_k < cand.len() {
             cand.select_nth_unstable_by(self.params.top_k - 1, order);
             cand.truncate(self.params.top_k);
@@ -256,8 +240,14 @@ mod tests {
     fn same_seed_same_draws_and_top_k_limits_support() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 100) as f32 / 10.0).collect();
         let p = SamplingParams { temperature: 1.0, top_k: 5, top_p: 1.0, seed: 42 };
-        let a: Vec<u32> = { let mut s = Sampler::new(p); (0..200).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(p); (0..200).map(|_| s.sample(&logits)).collect() };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(p);
+            (0..200).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(p);
+            (0..200).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b);
         let mut top5: Vec<u32> = (0..100u32).collect();
         top5.sort_by(|&x, &y| logits[y as usize].partial_cmp(&logits[x as usize]).unwrap());

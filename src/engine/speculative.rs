@@ -476,10 +476,7 @@ pub async fn draft_tokens(draft: &mut GpuModel, jobs: &mut [DraftJob<'_>]) -> Re
 
 /// Refuse a draft model that does not share the target's tokenizer: another vocabulary
 /// size, or any id whose token differs. `target` and `draft` name the models in the error.
-pub fn check_pair(
-    target: (&str, &ModelConfig, &Tokenizer),
-    draft: (&str, &ModelConfig, &Tokenizer),
-) -> Result<()> {
+pub fn check_pair(target: (&str, &ModelConfig, &Tokenizer), draft: (&str, &ModelConfig, &Tokenizer)) -> Result<()> {
     let (tn, tc, tt) = target;
     let (dn, dc, dt) = draft;
     let mismatch = |reason: String| Err(LanternError::DraftMismatch { target: tn.to_string(), draft: dn.to_string(), reason });

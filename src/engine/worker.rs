@@ -61,9 +61,7 @@ impl EngineClient {
     /// Queue a request; the engine's refusals (`Engine::submit`) come back as errors.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle> {
         let (tx, rx) = channel();
-        self.tx
-            .send(Cmd::Submit(Box::new(req), tx))
-            .map_err(|_| LanternError::EngineStopped)?;
+        self.tx.send(Cmd::Submit(Box::new(req), tx)).map_err(|_| LanternError::EngineStopped)?;
         rx.recv().map_err(|_| LanternError::EngineStopped)?
     }
 
@@ -85,10 +83,8 @@ impl EngineWorker {
         let (tx, rx) = channel();
         let snap = Arc::new(Mutex::new(snapshot(&engine, None)));
         let s2 = snap.clone();
-        let thread = std::thread::Builder::new()
-            .name("lantern-engine".into())
-            .spawn(move || run(engine, rx, s2))
-            .expect("spawn the engine thread");
+        let thread =
+            std::thread::Builder::new().name("lantern-engine".into()).spawn(move || run(engine, rx, s2)).expect("spawn the engine thread");
         EngineWorker { client: EngineClient { tx, snapshot: snap }, thread: Some(thread) }
     }
 

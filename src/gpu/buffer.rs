@@ -29,20 +29,10 @@ pub struct GpuTensor {
 
 impl GpuTensor {
     /// Upload `data` (rows x row_bytes) split into chunks of at most the binding limit.
-    pub fn upload_rows(
-        ctx: &GpuContext,
-        name: &str,
-        data: &[u8],
-        rows: usize,
-        row_bytes: usize,
-    ) -> Result<GpuTensor, GpuError> {
+    pub fn upload_rows(ctx: &GpuContext, name: &str, data: &[u8], rows: usize, row_bytes: usize) -> Result<GpuTensor, GpuError> {
         let limit = ctx.max_binding() as usize;
         if row_bytes > limit || row_bytes == 0 && rows > 0 {
-            return Err(GpuError::BindingTooLarge {
-                tensor: name.into(),
-                bytes: row_bytes as u64,
-                limit: limit as u64,
-            });
+            return Err(GpuError::BindingTooLarge { tensor: name.into(), bytes: row_bytes as u64, limit: limit as u64 });
         }
         debug_assert_eq!(data.len(), rows * row_bytes);
         let rows_per_chunk = (limit / row_bytes.max(1)).max(1);
@@ -51,34 +41,19 @@ impl GpuTensor {
         while r < rows || (rows == 0 && chunks.is_empty()) {
             let n = rows_per_chunk.min(rows - r);
             let bytes = &data[r * row_bytes..(r + n) * row_bytes];
-            chunks.push(Chunk {
-                buffer: create_storage(ctx, &format!("{name}[{r}..{}]", r + n), bytes)?,
-                row_offset: r,
-                rows: n,
-            });
+            chunks.push(Chunk { buffer: create_storage(ctx, &format!("{name}[{r}..{}]", r + n), bytes)?, row_offset: r, rows: n });
             r += n;
             if rows == 0 {
                 break;
             }
         }
-        Ok(GpuTensor {
-            name: name.into(),
-            rows,
-            row_bytes,
-            chunks,
-        })
+        Ok(GpuTensor { name: name.into(), rows, row_bytes, chunks })
     }
 
     /// Upload `data` (rows x row_bytes) split at the same row boundaries as `like` (the
     /// scales of a packed weight follow the chunks of its codes, so each dispatch binds a
     /// matching pair).
-    pub fn upload_rows_like(
-        ctx: &GpuContext,
-        name: &str,
-        data: &[u8],
-        row_bytes: usize,
-        like: &GpuTensor,
-    ) -> Result<GpuTensor, GpuError> {
+    pub fn upload_rows_like(ctx: &GpuContext, name: &str, data: &[u8], row_bytes: usize, like: &GpuTensor) -> Result<GpuTensor, GpuError> {
         if data.len() != like.rows * row_bytes {
             return Err(GpuError::Validation {
                 context: name.into(),
@@ -94,12 +69,7 @@ impl GpuTensor {
                 rows: c.rows,
             });
         }
-        Ok(GpuTensor {
-            name: name.into(),
-            rows: like.rows,
-            row_bytes,
-            chunks,
-        })
+        Ok(GpuTensor { name: name.into(), rows: like.rows, row_bytes, chunks })
     }
 
     /// Bytes held on the GPU.
@@ -112,11 +82,7 @@ impl GpuTensor {
         if self.chunks.len() == 1 {
             Ok(&self.chunks[0].buffer)
         } else {
-            Err(GpuError::BindingTooLarge {
-                tensor: self.name.clone(),
-                bytes: self.bytes(),
-                limit: 0,
-            })
+            Err(GpuError::BindingTooLarge { tensor: self.name.clone(), bytes: self.bytes(), limit: 0 })
         }
     }
 }
@@ -126,11 +92,7 @@ impl GpuTensor {
 pub fn create_storage(ctx: &GpuContext, label: &str, bytes: &[u8]) -> Result<wgpu::Buffer, GpuError> {
     let limit = ctx.max_binding();
     if bytes.len() as u64 > limit {
-        return Err(GpuError::BindingTooLarge {
-            tensor: label.into(),
-            bytes: bytes.len() as u64,
-            limit,
-        });
+        return Err(GpuError::BindingTooLarge { tensor: label.into(), bytes: bytes.len() as u64, limit });
     }
     let padded;
     let contents = if !bytes.len().is_multiple_of(4) || bytes.is_empty() {
@@ -163,11 +125,7 @@ pub const UPLOAD_CHUNK: usize = 8 << 20;
 pub fn create_zeroed(ctx: &GpuContext, label: &str, size: u64) -> Result<wgpu::Buffer, GpuError> {
     let limit = ctx.max_binding();
     if size > limit {
-        return Err(GpuError::BindingTooLarge {
-            tensor: label.into(),
-            bytes: size,
-            limit,
-        });
+        return Err(GpuError::BindingTooLarge { tensor: label.into(), bytes: size, limit });
     }
     let size = (size.div_ceil(4) * 4).max(4);
     ctx.ledger.record(label, size, AllocUsage::Storage);
@@ -252,18 +210,14 @@ impl Readback {
             let _ = tx.send(r);
         });
         #[cfg(not(target_arch = "wasm32"))]
-        ctx.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| GpuError::Readback(e.to_string()))?;
+        ctx.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Readback(e.to_string()))?;
         #[cfg(target_arch = "wasm32")]
         let _ = ctx;
         rx.await
             .map_err(|_| GpuError::Readback("map callback dropped (device lost?)".into()))?
             .map_err(|e| GpuError::Readback(e.to_string()))?;
         let out = {
-            let view = slice
-                .get_mapped_range()
-                .map_err(|e| GpuError::Readback(e.to_string()))?;
+            let view = slice.get_mapped_range().map_err(|e| GpuError::Readback(e.to_string()))?;
             view.to_vec()
         };
         self.buffer.unmap();

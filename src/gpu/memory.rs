@@ -53,10 +53,7 @@ pub fn adapter_memory(ctx: &GpuContext) -> AdapterMemory {
         device_local_bytes: None,
         budget_bytes: None,
         origin: MemoryOrigin::Unknown,
-        source: format!(
-            "WebGPU exposes no memory size (backend {:?}, {:?} adapter)",
-            ctx.info.backend, ctx.info.device_type
-        ),
+        source: format!("WebGPU exposes no memory size (backend {:?}, {:?} adapter)", ctx.info.backend, ctx.info.device_type),
     }
 }
 
@@ -92,10 +89,7 @@ fn vulkan_memory(device: &wgpu::Device) -> Option<AdapterMemory> {
     let heaps = props.memory_heaps_as_slice();
     let local = |i: &usize| heaps[*i].flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL);
     // Every Vulkan device has a device-local heap; fall back to the largest heap regardless.
-    let idx = (0..heaps.len())
-        .filter(local)
-        .max_by_key(|&i| heaps[i].size)
-        .or_else(|| (0..heaps.len()).max_by_key(|&i| heaps[i].size))?;
+    let idx = (0..heaps.len()).filter(local).max_by_key(|&i| heaps[i].size).or_else(|| (0..heaps.len()).max_by_key(|&i| heaps[i].size))?;
     let size = heaps[idx].size;
     let heap_budget = with_budget.then(|| budget.heap_budget[idx]).filter(|&b| b > 0);
     let query = if v11 { "vkGetPhysicalDeviceMemoryProperties2" } else { "vkGetPhysicalDeviceMemoryProperties" };
@@ -109,12 +103,7 @@ fn vulkan_memory(device: &wgpu::Device) -> Option<AdapterMemory> {
             None => ", no VK_EXT_memory_budget".into(),
         }
     );
-    Some(AdapterMemory {
-        device_local_bytes: Some(size),
-        budget_bytes: heap_budget,
-        origin: MemoryOrigin::VulkanHeap,
-        source,
-    })
+    Some(AdapterMemory { device_local_bytes: Some(size), budget_bytes: heap_budget, origin: MemoryOrigin::VulkanHeap, source })
 }
 
 /// `MemTotal` and `MemAvailable` from `/proc/meminfo`.

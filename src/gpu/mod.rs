@@ -20,28 +20,17 @@ pub use shader::{Features, PipelineKey, ShaderOp};
 #[non_exhaustive]
 pub enum GpuError {
     #[error("no GPU adapter found{}{}", match .backend { Some(b) => format!(" for backend {b}"), None => String::new() }, if .available.is_empty() { String::new() } else { format!(" matching the request; available: {}", .available.join(", ")) })]
-    NoAdapter {
-        backend: Option<String>,
-        available: Vec<String>,
-    },
+    NoAdapter { backend: Option<String>, available: Vec<String> },
     #[error("adapter {adapter}: device request failed: {reason}")]
     RequestDevice { adapter: String, reason: String },
     #[error("adapter {adapter} lacks {capability}, which Lantern needs: {why}")]
-    MissingCapability {
-        adapter: String,
-        capability: String,
-        why: String,
-    },
+    MissingCapability { adapter: String, capability: String, why: String },
     #[error("shader `{label}`: {message}")]
     Shader { label: String, message: String },
     #[error("tensor `{tensor}` needs a binding of {bytes} bytes but the device allows {limit} (max_storage_buffer_binding_size); it must be split")]
     BindingTooLarge { tensor: String, bytes: u64, limit: u64 },
     #[error("allocating `{what}` ({bytes} bytes) failed: {reason}")]
-    Allocation {
-        what: String,
-        bytes: u64,
-        reason: String,
-    },
+    Allocation { what: String, bytes: u64, reason: String },
     #[error("GPU readback failed: {0}")]
     Readback(String),
     #[error("GPU validation error in {context}: {message}")]
@@ -193,10 +182,7 @@ pub async fn list_adapters(backend: Option<&str>) -> Result<Vec<AdapterSummary>,
     Ok(adapters.iter().enumerate().map(|(i, a)| summarize(i, a)).collect())
 }
 
-async fn sorted_adapters(
-    instance: &wgpu::Instance,
-    backend: Option<&str>,
-) -> Result<Vec<wgpu::Adapter>, GpuError> {
+async fn sorted_adapters(instance: &wgpu::Instance, backend: Option<&str>) -> Result<Vec<wgpu::Adapter>, GpuError> {
     let backends = match backend {
         Some(b) => parse_backend(b)?,
         None => instance_backends(),
@@ -320,26 +306,19 @@ impl GpuContext {
                     adapters.into_iter().nth(idx)
                 } else {
                     let sel_l = sel.to_lowercase();
-                    adapters
-                        .into_iter()
-                        .find(|a| a.get_info().name.to_lowercase().contains(&sel_l))
+                    adapters.into_iter().find(|a| a.get_info().name.to_lowercase().contains(&sel_l))
                 }
             }
         };
         let adapter = chosen.ok_or_else(|| GpuError::NoAdapter {
-            backend: backend
-                .map(String::from)
-                .or_else(|| std::env::var("WGPU_BACKEND").ok()),
+            backend: backend.map(String::from).or_else(|| std::env::var("WGPU_BACKEND").ok()),
             available: names,
         })?;
         Self::from_adapter(adapter, opts).await
     }
 
     /// Request a device on a given adapter.
-    pub async fn from_adapter(
-        adapter: wgpu::Adapter,
-        opts: &DeviceOptions,
-    ) -> Result<Arc<GpuContext>, GpuError> {
+    pub async fn from_adapter(adapter: wgpu::Adapter, opts: &DeviceOptions) -> Result<Arc<GpuContext>, GpuError> {
         let info = adapter.get_info();
         let mut limits = adapter.limits();
         if let Some(cap) = opts.max_binding_size {
@@ -357,18 +336,11 @@ impl GpuContext {
         if limits.max_storage_buffers_per_shader_stage < 8 {
             return Err(GpuError::MissingCapability {
                 adapter: info.name.clone(),
-                capability: format!(
-                    "8 storage buffers per shader stage (has {})",
-                    limits.max_storage_buffers_per_shader_stage
-                ),
+                capability: format!("8 storage buffers per shader stage (has {})", limits.max_storage_buffers_per_shader_stage),
                 why: "the fused kernels bind up to 8 storage buffers".into(),
             });
         }
-        if !adapter
-            .get_downlevel_capabilities()
-            .flags
-            .contains(wgpu::DownlevelFlags::COMPUTE_SHADERS)
-        {
+        if !adapter.get_downlevel_capabilities().flags.contains(wgpu::DownlevelFlags::COMPUTE_SHADERS) {
             return Err(GpuError::MissingCapability {
                 adapter: info.name.clone(),
                 capability: "compute shaders".into(),
@@ -385,10 +357,7 @@ impl GpuContext {
                 trace: wgpu::Trace::Off,
             })
             .await
-            .map_err(|e| GpuError::RequestDevice {
-                adapter: info.name.clone(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| GpuError::RequestDevice { adapter: info.name.clone(), reason: e.to_string() })?;
         Ok(Self::wrap(device, queue, info, limits, opts.pipeline_cache_dir.as_deref()))
     }
 
@@ -492,9 +461,6 @@ impl GpuContext {
 
     /// The kernel feature set this device supports.
     pub fn features(&self) -> Features {
-        Features {
-            f16: self.caps.shader_f16,
-            subgroups: self.caps.subgroups,
-        }
+        Features { f16: self.caps.shader_f16, subgroups: self.caps.subgroups }
     }
 }

@@ -228,26 +228,17 @@ impl PipelineCache {
 
     /// The pipeline for `key`, compiling it on first use. Shader errors are captured in an
     /// error scope and returned, never raised as an uncaptured device error.
-    pub async fn get(
-        &self,
-        device: &wgpu::Device,
-        key: PipelineKey,
-    ) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
+    pub async fn get(&self, device: &wgpu::Device, key: PipelineKey) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
         if let Some(p) = self.map.lock().ok().and_then(|m| m.get(&key).cloned()) {
             return Ok(p);
         }
         let label = key.label();
-        let src = key.expand().map_err(|e| GpuError::Shader {
-            label: label.clone(),
-            message: e.to_string(),
-        })?;
+        let src = key.expand().map_err(|e| GpuError::Shader { label: label.clone(), message: e.to_string() })?;
         let t0 = web_time::Instant::now();
         let scope_v = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let scope_i = device.push_error_scope(wgpu::ErrorFilter::Internal);
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(&label),
-            source: wgpu::ShaderSource::Wgsl(src.into()),
-        });
+        let module =
+            device.create_shader_module(wgpu::ShaderModuleDescriptor { label: Some(&label), source: wgpu::ShaderSource::Wgsl(src.into()) });
         let pipeline = {
             let driver = self.driver.lock().ok();
             let cache = driver.as_ref().and_then(|d| d.as_ref()).map(|d| &d.cache);
@@ -264,10 +255,7 @@ impl PipelineCache {
         let internal = scope_i.pop().await;
         let validation = scope_v.pop().await;
         if let Some(e) = validation.or(internal) {
-            return Err(GpuError::Shader {
-                label,
-                message: e.to_string(),
-            });
+            return Err(GpuError::Shader { label, message: e.to_string() });
         }
         if let Ok(mut s) = self.stats.lock() {
             s.compiled += 1;

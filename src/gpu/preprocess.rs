@@ -71,21 +71,11 @@ fn expand(
                         top.0 = !top.1;
                         top.1 = true;
                     }
-                    None => {
-                        return Err(PreprocessError::Unbalanced {
-                            file: file.into(),
-                            line: lineno,
-                            directive: "#else".into(),
-                        })
-                    }
+                    None => return Err(PreprocessError::Unbalanced { file: file.into(), line: lineno, directive: "#else".into() }),
                 },
                 "endif" => {
                     if stack.pop().is_none() {
-                        return Err(PreprocessError::Unbalanced {
-                            file: file.into(),
-                            line: lineno,
-                            directive: "#endif".into(),
-                        });
+                        return Err(PreprocessError::Unbalanced { file: file.into(), line: lineno, directive: "#endif".into() });
                     }
                 }
                 "include" => {
@@ -105,13 +95,7 @@ fn expand(
                         out.push_str(&format!("// ---- end {target}\n"));
                     }
                 }
-                other => {
-                    return Err(PreprocessError::UnknownDirective {
-                        file: file.into(),
-                        line: lineno,
-                        directive: format!("#{other}"),
-                    })
-                }
+                other => return Err(PreprocessError::UnknownDirective { file: file.into(), line: lineno, directive: format!("#{other}") }),
             }
             continue;
         }
@@ -153,21 +137,9 @@ mod tests {
     #[test]
     fn errors_are_typed() {
         let d = BTreeSet::new();
-        assert!(matches!(
-            preprocess("t", "#endif\n", &d, &lookup),
-            Err(PreprocessError::Unbalanced { .. })
-        ));
-        assert!(matches!(
-            preprocess("t", "#if X\n", &d, &lookup),
-            Err(PreprocessError::Unterminated { .. })
-        ));
-        assert!(matches!(
-            preprocess("t", "#include \"nope\"\n", &d, &lookup),
-            Err(PreprocessError::UnknownInclude { .. })
-        ));
-        assert!(matches!(
-            preprocess("t", "#pragma x\n", &d, &lookup),
-            Err(PreprocessError::UnknownDirective { .. })
-        ));
+        assert!(matches!(preprocess("t", "#endif\n", &d, &lookup), Err(PreprocessError::Unbalanced { .. })));
+        assert!(matches!(preprocess("t", "#if X\n", &d, &lookup), Err(PreprocessError::Unterminated { .. })));
+        assert!(matches!(preprocess("t", "#include \"nope\"\n", &d, &lookup), Err(PreprocessError::UnknownInclude { .. })));
+        assert!(matches!(preprocess("t", "#pragma x\n", &d, &lookup), Err(PreprocessError::UnknownDirective { .. })));
     }
 }

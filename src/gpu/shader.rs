@@ -290,13 +290,7 @@ pub struct PipelineKey {
 impl PipelineKey {
     /// A key with no flags, f32 weights, no optional features.
     pub fn new(op: ShaderOp, workgroup: u32) -> Self {
-        PipelineKey {
-            op,
-            flags: 0,
-            weights: WeightFormat::F32,
-            workgroup,
-            features: Features::default(),
-        }
+        PipelineKey { op, flags: 0, weights: WeightFormat::F32, workgroup, features: Features::default() }
     }
 
     pub fn with_flags(mut self, flags: u32) -> Self {
@@ -366,11 +360,8 @@ impl PipelineKey {
     /// The expanded WGSL of this variant.
     pub fn expand(&self) -> Result<String, PreprocessError> {
         let file = self.op.file();
-        let src = source(file).ok_or_else(|| PreprocessError::UnknownInclude {
-            file: "<registry>".into(),
-            line: 0,
-            target: file.into(),
-        })?;
+        let src =
+            source(file).ok_or_else(|| PreprocessError::UnknownInclude { file: "<registry>".into(), line: 0, target: file.into() })?;
         let defines = self.defines().ok_or_else(|| PreprocessError::UnknownDirective {
             file: file.into(),
             line: 0,
@@ -410,7 +401,8 @@ impl PipelineKey {
         let mut v = Vec::new();
         let sg = Features { f16: false, subgroups: features.subgroups };
         v.push(PipelineKey::new(ShaderOp::Embedding, 64));
-        for mode in [crate::kernels::rmsnorm::Mode::Write, crate::kernels::rmsnorm::Mode::Residual, crate::kernels::rmsnorm::Mode::InPlace] {
+        for mode in [crate::kernels::rmsnorm::Mode::Write, crate::kernels::rmsnorm::Mode::Residual, crate::kernels::rmsnorm::Mode::InPlace]
+        {
             v.push(crate::kernels::rmsnorm::key(mode));
         }
         for kv in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8] {
@@ -423,34 +415,16 @@ impl PipelineKey {
         v.push(PipelineKey::new(ShaderOp::AttentionReduce, 64));
         v.push(PipelineKey::new(ShaderOp::Argmax, 256));
         v.push(PipelineKey::new(ShaderOp::TopK, 64));
-        let combos = [
-            NORM | BIAS,
-            0,
-            RESIDUAL,
-            NORM | GATED,
-            NORM | GATED | GELU,
-            NORM | GATHER,
-            NORM,
-            BIAS,
-        ];
+        let combos = [NORM | BIAS, 0, RESIDUAL, NORM | GATED, NORM | GATED | GELU, NORM | GATHER, NORM, BIAS];
         for w in [WeightFormat::F32, WeightFormat::F16] {
             for &c in &combos {
                 v.push(PipelineKey::new(ShaderOp::Matvec, 64).with_flags(c).with_weights(w));
                 v.push(PipelineKey::new(ShaderOp::Matvec, 8).with_flags(c | ROWS4).with_weights(w));
-                v.push(
-                    PipelineKey::new(ShaderOp::Matvec, 64)
-                        .with_flags(c | ROW_PER_WORKGROUP)
-                        .with_weights(w)
-                        .with_features(sg),
-                );
+                v.push(PipelineKey::new(ShaderOp::Matvec, 64).with_flags(c | ROW_PER_WORKGROUP).with_weights(w).with_features(sg));
                 if c & GATHER == 0 {
                     v.push(PipelineKey::new(ShaderOp::Matmul, 64).with_flags(c).with_weights(w));
                     // The blocked matmul CPU adapters get (kernels::linear::BLOCKED_DEFAULT).
-                    v.push(
-                        PipelineKey::new(ShaderOp::MatmulBlocked, 8)
-                            .with_flags(c | BLOCK_M8 | BLOCK_N8)
-                            .with_weights(w),
-                    );
+                    v.push(PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(c | BLOCK_M8 | BLOCK_N8).with_weights(w));
                 }
             }
         }
@@ -464,18 +438,8 @@ impl PipelineKey {
             for &c in &combos {
                 v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4).with_weights(w));
                 if features.subgroups {
-                    v.push(
-                        PipelineKey::new(ShaderOp::MatvecQ, 8)
-                            .with_flags(c | ROWS4 | XBCAST)
-                            .with_weights(w)
-                            .with_features(sg),
-                    );
-                    v.push(
-                        PipelineKey::new(ShaderOp::MatvecQ, 8)
-                            .with_flags(c | ROWS4 | XBCAST | TOK4)
-                            .with_weights(w)
-                            .with_features(sg),
-                    );
+                    v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST).with_weights(w).with_features(sg));
+                    v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST | TOK4).with_weights(w).with_features(sg));
                     for tok in [0, TOK4] {
                         v.push(
                             PipelineKey::new(ShaderOp::MatvecQ, 8)
@@ -486,22 +450,13 @@ impl PipelineKey {
                     }
                 }
                 for feat in [sg, f16_sg] {
-                    v.push(
-                        PipelineKey::new(ShaderOp::MatvecQ, 64)
-                            .with_flags(c | ROW_PER_WORKGROUP)
-                            .with_weights(w)
-                            .with_features(feat),
-                    );
+                    v.push(PipelineKey::new(ShaderOp::MatvecQ, 64).with_flags(c | ROW_PER_WORKGROUP).with_weights(w).with_features(feat));
                 }
                 if c & GATHER == 0 {
                     for feat in [Features::default(), f16] {
                         v.push(PipelineKey::new(ShaderOp::Matmul, 64).with_flags(c).with_weights(w).with_features(feat));
                     }
-                    v.push(
-                        PipelineKey::new(ShaderOp::MatmulBlockedQ, 8)
-                            .with_flags(c | BLOCK_M8 | BLOCK_N8)
-                            .with_weights(w),
-                    );
+                    v.push(PipelineKey::new(ShaderOp::MatmulBlockedQ, 8).with_flags(c | BLOCK_M8 | BLOCK_N8).with_weights(w));
                     if features.subgroups {
                         v.push(
                             PipelineKey::new(ShaderOp::MatmulBlockedQ, 8)

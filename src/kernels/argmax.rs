@@ -25,10 +25,5 @@ pub async fn build(
     let pipe = pipeline(ctx, key).await?;
     let ubuf = create_uniform(ctx, "argmax.params", &ArgmaxParams { n: n as u32, _pad: [0; 3] });
     let bg = bind(ctx, "argmax", &pipe, &[(0, step), (1, &ubuf), (2, logits), (3, out)]);
-    Ok(Dispatch {
-        label: "argmax".into(),
-        pipeline: pipe,
-        bind_group: bg,
-        grid: [Dim::Out, Dim::Const(1), Dim::Const(1)],
-    })
+    Ok(Dispatch { label: "argmax".into(), pipeline: pipe, bind_group: bg, grid: [Dim::Out, Dim::Const(1), Dim::Const(1)] })
 }

@@ -151,12 +151,7 @@ pub async fn build_variant(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionP
         )));
     }
     if io.kv.k.len() != layout.n_shards || io.kv.v.len() != layout.n_shards {
-        return Err(invalid(format!(
-            "{} K and {} V buffers for a layout of {} shards",
-            io.kv.k.len(),
-            io.kv.v.len(),
-            layout.n_shards
-        )));
+        return Err(invalid(format!("{} K and {} V buffers for a layout of {} shards", io.kv.k.len(), io.kv.v.len(), layout.n_shards)));
     }
     if layout.dtype != KvDtype::F32 && !p.head_dim.is_multiple_of(4) {
         return Err(invalid(format!("a {:?} KV cache needs head_dim a multiple of 4 (got {})", layout.dtype, p.head_dim)));

@@ -94,7 +94,13 @@ fn padded_rows(words: &[u32], per_row: usize, r0: usize, n: usize) -> Vec<u32> {
     v
 }
 
-fn texture_copy(ctx: &GpuContext, name: &str, w: &PackedMatrix, u: Option<&PackedMatrix>, chunks: &[crate::gpu::buffer::Chunk]) -> Option<TexCopy> {
+fn texture_copy(
+    ctx: &GpuContext,
+    name: &str,
+    w: &PackedMatrix,
+    u: Option<&PackedMatrix>,
+    chunks: &[crate::gpu::buffer::Chunk],
+) -> Option<TexCopy> {
     use crate::gpu::buffer::create_u32_texture;
     let (qw, sw) = (w.format.qs_words(w.k), w.format.scale_words(w.k));
     let mut out = Vec::new();
@@ -129,7 +135,13 @@ fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usiz
             }
             p.format.check(name, k).map_err(|e| bad(e.to_string()))?;
             let qs = GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(&p.qs), n, p.format.qs_words(k) * 4)?;
-            let sc = GpuTensor::upload_rows_like(ctx, &format!("{name}.scales"), bytemuck::cast_slice(&p.scales), p.format.scale_words(k) * 4, &qs)?;
+            let sc = GpuTensor::upload_rows_like(
+                ctx,
+                &format!("{name}.scales"),
+                bytemuck::cast_slice(&p.scales),
+                p.format.scale_words(k) * 4,
+                &qs,
+            )?;
             Ok((qs, Some(sc)))
         }
         HostMatrix::F32(v) => {
@@ -194,10 +206,7 @@ impl GpuLinear {
             _ => false,
         };
         if !same {
-            return Err(GpuError::Validation {
-                context: name.into(),
-                message: "gate and up weights must share one storage format".into(),
-            });
+            return Err(GpuError::Validation { context: name.into(), message: "gate and up weights must share one storage format".into() });
         }
         let (wt, w_scales) = upload_matrix(ctx, name, &w, n_rows, k)?;
         let (ut, u_scales) = match &u {
@@ -217,11 +226,7 @@ impl GpuLinear {
                 }
                 let mut v = Vec::new();
                 for c in &wt.chunks {
-                    v.push(create_storage(
-                        ctx,
-                        &format!("{name}.bias"),
-                        bytemuck::cast_slice(&b[c.row_offset..c.row_offset + c.rows]),
-                    )?);
+                    v.push(create_storage(ctx, &format!("{name}.bias"), bytemuck::cast_slice(&b[c.row_offset..c.row_offset + c.rows]))?);
                 }
                 Some(v)
             }
@@ -237,20 +242,7 @@ impl GpuLinear {
             }
             _ => None,
         };
-        Ok(GpuLinear {
-            name: name.into(),
-            n_rows,
-            k,
-            format,
-            w: wt,
-            u: ut,
-            quant,
-            w_scales,
-            u_scales,
-            bias,
-            tex,
-            gelu: false,
-        })
+        Ok(GpuLinear { name: name.into(), n_rows, k, format, w: wt, u: ut, quant, w_scales, u_scales, bias, tex, gelu: false })
     }
 
     /// Bytes of weights held on the GPU (codes and scales).
@@ -303,12 +295,7 @@ pub struct LinearIo<'a> {
 }
 
 /// Build the dispatches (one per weight chunk) of `y = epilogue(W x)`.
-pub async fn build(
-    ctx: &GpuContext,
-    lin: &GpuLinear,
-    io: &LinearIo<'_>,
-    shape: Shape,
-) -> Result<Vec<Dispatch>, GpuError> {
+pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: Shape) -> Result<Vec<Dispatch>, GpuError> {
     let mut fl = 0;
     if io.norm.is_some() {
         fl |= flags::NORM;
@@ -384,10 +371,7 @@ pub async fn build(
             }
         }
     };
-    let key = PipelineKey::new(op, wg)
-        .with_flags(fl)
-        .with_weights(lin.format)
-        .with_features(features);
+    let key = PipelineKey::new(op, wg).with_flags(fl).with_weights(lin.format).with_features(features);
     build_with_key(ctx, lin, io, key).await
 }
 
@@ -474,12 +458,7 @@ pub fn blocked_tile(fl: u32) -> (u32, u32) {
 }
 
 /// Build with an explicit variant (tests use this to cover every layout on one adapter).
-pub async fn build_with_key(
-    ctx: &GpuContext,
-    lin: &GpuLinear,
-    io: &LinearIo<'_>,
-    key: PipelineKey,
-) -> Result<Vec<Dispatch>, GpuError> {
+pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, key: PipelineKey) -> Result<Vec<Dispatch>, GpuError> {
     if key.weights != lin.format {
         return Err(GpuError::Validation {
             context: lin.name.clone(),
@@ -551,10 +530,10 @@ pub async fn build_with_key(
         let ubuf = create_uniform(ctx, &format!("{}.params", lin.name), &params);
         let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(0, io.step), (1, &ubuf), (2, io.x), (3, &chunk.buffer), (7, io.y)];
         if key.flags & flags::GATED != 0 {
-            let u = lin.u.as_ref().ok_or_else(|| GpuError::Validation {
-                context: lin.name.clone(),
-                message: "gated kernel without up weight".into(),
-            })?;
+            let u = lin
+                .u
+                .as_ref()
+                .ok_or_else(|| GpuError::Validation { context: lin.name.clone(), message: "gated kernel without up weight".into() })?;
             entries.push((4, &u.chunks[ci].buffer));
         }
         if let Some(g) = io.norm {
@@ -578,10 +557,7 @@ pub async fn build_with_key(
             None
         };
         if key.weights.is_packed() && tex.is_none() {
-            let missing = || GpuError::Validation {
-                context: lin.name.clone(),
-                message: "packed kernel without scales".into(),
-            };
+            let missing = || GpuError::Validation { context: lin.name.clone(), message: "packed kernel without scales".into() };
             entries.push((9, &lin.w_scales.as_ref().ok_or_else(missing)?.chunks[ci].buffer));
             if key.flags & flags::GATED != 0 {
                 entries.push((10, &lin.u_scales.as_ref().ok_or_else(missing)?.chunks[ci].buffer));
@@ -590,10 +566,8 @@ pub async fn build_with_key(
         let bg = match tex {
             None => bind(ctx, &lin.name, &pipe, &entries),
             Some(tc) => {
-                let mut all: Vec<wgpu::BindGroupEntry> = entries
-                    .iter()
-                    .map(|(b, buf)| wgpu::BindGroupEntry { binding: *b, resource: buf.as_entire_binding() })
-                    .collect();
+                let mut all: Vec<wgpu::BindGroupEntry> =
+                    entries.iter().map(|(b, buf)| wgpu::BindGroupEntry { binding: *b, resource: buf.as_entire_binding() }).collect();
                 let views = [(11, Some(&tc.w)), (12, Some(&tc.ws)), (13, tc.u.as_ref()), (14, tc.us.as_ref())];
                 for (b, v) in views {
                     if let Some(v) = v.filter(|_| b < 13 || key.flags & flags::GATED != 0) {
@@ -607,12 +581,7 @@ pub async fn build_with_key(
                 })
             }
         };
-        out.push(Dispatch {
-            label: format!("{} [{}]", lin.name, key.label()),
-            pipeline: pipe.clone(),
-            bind_group: bg,
-            grid,
-        });
+        out.push(Dispatch { label: format!("{} [{}]", lin.name, key.label()), pipeline: pipe.clone(), bind_group: bg, grid });
     }
     Ok(out)
 }

@@ -97,25 +97,11 @@ impl Dispatch {
 }
 
 /// Build a bind group for `pipeline` from (binding, buffer) pairs.
-pub fn bind(
-    ctx: &GpuContext,
-    label: &str,
-    pipeline: &wgpu::ComputePipeline,
-    entries: &[(u32, &wgpu::Buffer)],
-) -> wgpu::BindGroup {
+pub fn bind(ctx: &GpuContext, label: &str, pipeline: &wgpu::ComputePipeline, entries: &[(u32, &wgpu::Buffer)]) -> wgpu::BindGroup {
     let layout = pipeline.get_bind_group_layout(0);
-    let entries: Vec<wgpu::BindGroupEntry> = entries
-        .iter()
-        .map(|(b, buf)| wgpu::BindGroupEntry {
-            binding: *b,
-            resource: buf.as_entire_binding(),
-        })
-        .collect();
-    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: Some(label),
-        layout: &layout,
-        entries: &entries,
-    })
+    let entries: Vec<wgpu::BindGroupEntry> =
+        entries.iter().map(|(b, buf)| wgpu::BindGroupEntry { binding: *b, resource: buf.as_entire_binding() }).collect();
+    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor { label: Some(label), layout: &layout, entries: &entries })
 }
 
 /// Fetch (compile or reuse) the pipeline of `key`.
@@ -134,10 +120,7 @@ pub fn submit_step(ctx: &GpuContext, step: &wgpu::Buffer, s: &StepUniform, dispa
     ctx.queue.write_buffer(step, 0, bytemuck::bytes_of(s));
     let mut enc = ctx.device.create_command_encoder(&Default::default());
     {
-        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-            label: Some("lantern ops"),
-            timestamp_writes: None,
-        });
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("lantern ops"), timestamp_writes: None });
         for d in dispatches {
             d.encode(&mut pass, s);
         }

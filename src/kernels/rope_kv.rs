@@ -78,12 +78,21 @@ pub async fn build(ctx: &GpuContext, io: &RopeKvIo<'_>, p: RopeKvParams) -> Resu
             message: format!("bad head layout: {} heads, {} kv heads, head_dim {}", p.n_heads, p.n_kv_heads, p.head_dim),
         });
     }
-    if layout.head_dim != p.head_dim as usize || layout.n_kv_heads != p.n_kv_heads as usize || io.kv.k.len() != layout.n_shards || io.kv.v.len() != layout.n_shards {
+    if layout.head_dim != p.head_dim as usize
+        || layout.n_kv_heads != p.n_kv_heads as usize
+        || io.kv.k.len() != layout.n_shards
+        || io.kv.v.len() != layout.n_shards
+    {
         return Err(GpuError::Validation {
             context: "rope_kv".into(),
             message: format!(
                 "the KV layout ({} heads of {} dims, {} shards) does not match the layer ({} heads of {}) and its {} buffers",
-                layout.n_kv_heads, layout.head_dim, layout.n_shards, p.n_kv_heads, p.head_dim, io.kv.k.len()
+                layout.n_kv_heads,
+                layout.head_dim,
+                layout.n_shards,
+                p.n_kv_heads,
+                p.head_dim,
+                io.kv.k.len()
             ),
         });
     }

@@ -24,9 +24,19 @@ struct TopkParams {
 /// `out[r]` = the `k` (at most [`TOPK_MAX`]) best (id, value) of `logits[r, :n]` for the
 /// step's `n_out` rows: ids in words `0..TOPK_MAX` of the row's slot, values (f32 bits) in
 /// `TOPK_MAX..2 TOPK_MAX`.
-pub async fn build(ctx: &GpuContext, step: &wgpu::Buffer, logits: &wgpu::Buffer, out: &wgpu::Buffer, n: usize, k: usize) -> Result<Dispatch, GpuError> {
+pub async fn build(
+    ctx: &GpuContext,
+    step: &wgpu::Buffer,
+    logits: &wgpu::Buffer,
+    out: &wgpu::Buffer,
+    n: usize,
+    k: usize,
+) -> Result<Dispatch, GpuError> {
     if k == 0 || k > TOPK_MAX {
-        return Err(GpuError::Validation { context: "topk".into(), message: format!("k = {k}: the kernel returns 1..={TOPK_MAX} pairs per row") });
+        return Err(GpuError::Validation {
+            context: "topk".into(),
+            message: format!("k = {k}: the kernel returns 1..={TOPK_MAX} pairs per row"),
+        });
     }
     let key = PipelineKey::new(ShaderOp::TopK, 64);
     let pipe = pipeline(ctx, key).await?;
@@ -38,8 +48,5 @@ pub async fn build(ctx: &GpuContext, step: &wgpu::Buffer, logits: &wgpu::Buffer,
 /// One row's pairs from the words the kernel wrote (`2 TOPK_MAX` per row), best first,
 /// without the empty slots.
 pub fn decode_row(words: &[u32], k: usize) -> Vec<(u32, f32)> {
-    (0..k.min(TOPK_MAX))
-        .filter(|&j| words[j] != u32::MAX)
-        .map(|j| (words[j], f32::from_bits(words[TOPK_MAX + j])))
-        .collect()
+    (0..k.min(TOPK_MAX)).filter(|&j| words[j] != u32::MAX).map(|j| (words[j], f32::from_bits(words[TOPK_MAX + j]))).collect()
 }

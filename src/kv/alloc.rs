@@ -58,10 +58,7 @@ const HASH_SEED: u64 = 0x6c61_6e74_6572_6e6b;
 fn chain_hash(prev: u64, tokens: &[u32]) -> u64 {
     const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
     const PRIME: u64 = 0x0000_0100_0000_01b3;
-    let bytes = prev
-        .to_le_bytes()
-        .into_iter()
-        .chain(tokens.iter().flat_map(|t| t.to_le_bytes()));
+    let bytes = prev.to_le_bytes().into_iter().chain(tokens.iter().flat_map(|t| t.to_le_bytes()));
     bytes.fold(OFFSET, |h, b| (h ^ b as u64).wrapping_mul(PRIME))
 }
 
@@ -152,35 +149,21 @@ impl PageAllocator {
     }
 
     fn seq(&self, seq: usize) -> Result<&Seq, KvError> {
-        self.seqs
-            .get(seq)
-            .and_then(|s| s.as_ref())
-            .ok_or(KvError::UnknownSequence(seq))
+        self.seqs.get(seq).and_then(|s| s.as_ref()).ok_or(KvError::UnknownSequence(seq))
     }
 
     fn seq_mut(&mut self, seq: usize) -> Result<&mut Seq, KvError> {
-        self.seqs
-            .get_mut(seq)
-            .and_then(|s| s.as_mut())
-            .ok_or(KvError::UnknownSequence(seq))
+        self.seqs.get_mut(seq).and_then(|s| s.as_mut()).ok_or(KvError::UnknownSequence(seq))
     }
 
     fn free_slot(&self) -> Result<usize, KvError> {
-        self.seqs
-            .iter()
-            .position(|s| s.is_none())
-            .ok_or(KvError::NoSequenceSlot {
-                max_seqs: self.config.max_seqs,
-            })
+        self.seqs.iter().position(|s| s.is_none()).ok_or(KvError::NoSequenceSlot { max_seqs: self.config.max_seqs })
     }
 
     /// Start a sequence; returns its slot.
     pub fn create(&mut self) -> Result<usize, KvError> {
         let slot = self.free_slot()?;
-        self.seqs[slot] = Some(Seq {
-            pages: Vec::new(),
-            len: 0,
-        });
+        self.seqs[slot] = Some(Seq { pages: Vec::new(), len: 0 });
         Ok(slot)
     }
 
@@ -217,14 +200,9 @@ impl PageAllocator {
         let s = self.seq(seq)?;
         let new_len = s.len + n;
         if new_len > self.config.context {
-            return Err(KvError::ContextExceeded {
-                tokens: new_len,
-                context: self.config.context,
-            });
+            return Err(KvError::ContextExceeded { tokens: new_len, context: self.config.context });
         }
-        let fresh = new_len
-            .div_ceil(self.config.page_size)
-            .saturating_sub(s.pages.len());
+        let fresh = new_len.div_ceil(self.config.page_size).saturating_sub(s.pages.len());
         Ok(fresh + usize::from(self.cow_source(s, n).is_some()))
     }
 
@@ -235,12 +213,7 @@ impl PageAllocator {
     pub fn append(&mut self, seq: usize, n: usize) -> Result<usize, KvError> {
         let needed = self.pages_needed(seq, n)?;
         if needed > self.free_pages() {
-            return Err(KvError::Full {
-                needed,
-                free: self.free_pages(),
-                total: self.config.num_pages,
-                page_size: self.config.page_size,
-            });
+            return Err(KvError::Full { needed, free: self.free_pages(), total: self.config.num_pages, page_size: self.config.page_size });
         }
         let ps = self.config.page_size;
         let s = self.seq(seq)?;
@@ -252,11 +225,7 @@ impl PageAllocator {
             self.refs[src as usize] -= 1;
             self.refs[dst as usize] = 1;
             self.seq_mut(seq)?.pages[held - 1] = dst;
-            self.copies.push(PageCopy {
-                src,
-                dst,
-                tokens: start % ps,
-            });
+            self.copies.push(PageCopy { src, dst, tokens: start % ps });
             self.stats.cow_copies += 1;
         } else if let Some(last) = last.filter(|_| n > 0 && !start.is_multiple_of(ps)) {
             self.uncache(last);
@@ -325,11 +294,7 @@ impl PageAllocator {
     pub fn register_prefix(&mut self, seq: usize, tokens: &[u32]) -> Result<usize, KvError> {
         let s = self.seq(seq)?;
         if tokens.len() > s.len {
-            return Err(KvError::BeyondLength {
-                seq,
-                tokens: tokens.len(),
-                len: s.len,
-            });
+            return Err(KvError::BeyondLength { seq, tokens: tokens.len(), len: s.len });
         }
         let pages = s.pages.clone();
         let (mut hash, mut parent, mut added) = (HASH_SEED, None, 0);
@@ -348,13 +313,7 @@ impl PageAllocator {
                 }
                 parent = Some(q);
             } else {
-                self.cache[page as usize] = Some(Cached {
-                    hash,
-                    tokens: chunk.to_vec(),
-                    parent,
-                    children: Vec::new(),
-                    lru: None,
-                });
+                self.cache[page as usize] = Some(Cached { hash, tokens: chunk.to_vec(), parent, children: Vec::new(), lru: None });
                 self.map.insert(hash, page);
                 if let Some(c) = parent.and_then(|p| self.cache[p as usize].as_mut()) {
                     c.children.push(page);
@@ -383,9 +342,7 @@ impl PageAllocator {
         for chunk in tokens.chunks_exact(ps).take(max_pages) {
             hash = chain_hash(hash, chunk);
             let Some(&q) = self.map.get(&hash) else { break };
-            let ok = self.cache[q as usize]
-                .as_ref()
-                .is_some_and(|c| c.hash == hash && c.tokens == chunk && c.parent == parent);
+            let ok = self.cache[q as usize].as_ref().is_some_and(|c| c.hash == hash && c.tokens == chunk && c.parent == parent);
             if !ok {
                 break;
             }
@@ -422,10 +379,7 @@ impl PageAllocator {
         if let Some(p) = self.free.pop() {
             return p;
         }
-        let (_, p) = self
-            .lru
-            .pop_first()
-            .expect("free_pages() checked by the caller");
+        let (_, p) = self.lru.pop_first().expect("free_pages() checked by the caller");
         if let Some(c) = self.cache[p as usize].as_mut() {
             c.lru = None;
         }
@@ -480,12 +434,7 @@ mod tests {
     use super::*;
 
     fn cfg(page_size: usize, num_pages: usize, max_seqs: usize, context: usize) -> KvConfig {
-        KvConfig {
-            page_size,
-            num_pages,
-            max_seqs,
-            context,
-        }
+        KvConfig { page_size, num_pages, max_seqs, context }
     }
 
     fn refs(a: &PageAllocator, pages: &[u32]) -> Vec<u32> {
@@ -514,10 +463,7 @@ mod tests {
         }
         for (&stamp, &p) in &a.lru {
             assert_eq!(state[p as usize], 0, "page {p} twice");
-            assert_eq!(
-                a.cache[p as usize].as_ref().and_then(|c| c.lru),
-                Some(stamp)
-            );
+            assert_eq!(a.cache[p as usize].as_ref().and_then(|c| c.lru), Some(stamp));
             state[p as usize] = 2;
         }
         for (p, st) in state.iter_mut().enumerate() {
@@ -539,17 +485,10 @@ mod tests {
             assert_eq!(a.map.get(&c.hash), Some(&(p as u32)));
             assert_eq!(c.tokens.len(), ps);
             if let Some(par) = c.parent {
-                assert!(a.cache[par as usize]
-                    .as_ref()
-                    .unwrap()
-                    .children
-                    .contains(&(p as u32)));
+                assert!(a.cache[par as usize].as_ref().unwrap().children.contains(&(p as u32)));
             }
             for &ch in &c.children {
-                assert_eq!(
-                    a.cache[ch as usize].as_ref().unwrap().parent,
-                    Some(p as u32)
-                );
+                assert_eq!(a.cache[ch as usize].as_ref().unwrap().parent, Some(p as u32));
             }
         }
     }
@@ -570,10 +509,7 @@ mod tests {
         let s2 = a.create().unwrap();
         a.append(s1, 12).unwrap();
         let err = a.append(s2, 12).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "KV cache full: the sequence needs 3 more page(s) (12 tokens of room) but only 2 of 5 pages are free"
-        );
+        assert_eq!(err.to_string(), "KV cache full: the sequence needs 3 more page(s) (12 tokens of room) but only 2 of 5 pages are free");
     }
 
     #[test]
@@ -618,20 +554,9 @@ mod tests {
         let fp = a.pages(f).unwrap().to_vec();
         assert_eq!(fp[0], before[0], "full pages stay shared");
         assert_ne!(fp[1], before[1]);
-        assert_eq!(
-            a.take_copies(),
-            [PageCopy {
-                src: before[1],
-                dst: fp[1],
-                tokens: 2
-            }]
-        );
+        assert_eq!(a.take_copies(), [PageCopy { src: before[1], dst: fp[1], tokens: 2 }]);
         assert!(a.take_copies().is_empty());
-        assert_eq!(
-            a.pages(s).unwrap(),
-            before,
-            "the other sequence is unchanged"
-        );
+        assert_eq!(a.pages(s).unwrap(), before, "the other sequence is unchanged");
         assert_eq!(refs(&a, &before), [2, 1]);
         assert_eq!(a.stats().cow_copies, 1);
         // Neither page is shared any more: no further copies.
@@ -662,15 +587,7 @@ mod tests {
         a.append(s, 6).unwrap();
         let f = a.fork(s).unwrap();
         let pages = a.pages(s).unwrap().to_vec();
-        assert_eq!(
-            a.append(f, 1),
-            Err(KvError::Full {
-                needed: 1,
-                free: 0,
-                total: 2,
-                page_size: 4
-            })
-        );
+        assert_eq!(a.append(f, 1), Err(KvError::Full { needed: 1, free: 0, total: 2, page_size: 4 }));
         assert_eq!(a.pages(f).unwrap(), pages);
         assert_eq!(a.pages(s).unwrap(), pages);
         assert_eq!(a.len(f).unwrap(), 6);
@@ -714,20 +631,10 @@ mod tests {
         let v = a.create().unwrap();
         assert_eq!(a.match_prefix(v, &prompt[..9]).unwrap(), 8);
         let st = a.stats();
-        assert_eq!(
-            (st.lookups, st.hit_pages, st.hit_tokens, st.registered_pages),
-            (3, 5, 20, 2)
-        );
+        assert_eq!((st.lookups, st.hit_pages, st.hit_tokens, st.registered_pages), (3, 5, 20, 2));
         // Only empty sequences match; only stored tokens register.
         assert_eq!(a.match_prefix(t, &prompt), Err(KvError::NotEmpty(t)));
-        assert_eq!(
-            a.register_prefix(u, &prompt[..5]),
-            Err(KvError::BeyondLength {
-                seq: u,
-                tokens: 5,
-                len: 4
-            })
-        );
+        assert_eq!(a.register_prefix(u, &prompt[..5]), Err(KvError::BeyondLength { seq: u, tokens: 5, len: 4 }));
         // The matched sequence appends after the shared pages into a page of its own.
         assert_eq!(a.append(t, 2).unwrap(), 8);
         assert!(a.take_copies().is_empty());
@@ -756,11 +663,7 @@ mod tests {
         let mut first = prompt.clone();
         first[0] = 99;
         let u = a.create().unwrap();
-        assert_eq!(
-            a.match_prefix(u, &first).unwrap(),
-            0,
-            "later pages hang on the first"
-        );
+        assert_eq!(a.match_prefix(u, &first).unwrap(), 0, "later pages hang on the first");
         assert_eq!(a.pages(u).unwrap(), &[] as &[u32]);
         assert_eq!(a.stats().hit_pages, 1);
         check_invariants(&a);
@@ -798,17 +701,9 @@ mod tests {
         rekey(&mut a, s1, h);
         let c = a.create().unwrap();
         a.append(c, 6).unwrap();
-        assert_eq!(
-            a.register_prefix(c, &[7, 8, 3, 4, 5, 6]).unwrap(),
-            1,
-            "stops at the collision"
-        );
+        assert_eq!(a.register_prefix(c, &[7, 8, 3, 4, 5, 6]).unwrap(), 1, "stops at the collision");
         let u = a.create().unwrap();
-        assert_eq!(
-            a.match_prefix(u, &[7, 8, 3, 4, 5]).unwrap(),
-            2,
-            "parent differs"
-        );
+        assert_eq!(a.match_prefix(u, &[7, 8, 3, 4, 5]).unwrap(), 2, "parent differs");
         assert_eq!(a.pages(u).unwrap(), &a.pages(c).unwrap()[..1]);
         check_invariants(&a);
     }
@@ -826,10 +721,7 @@ mod tests {
         let p2 = a.pages(s2).unwrap().to_vec();
         a.release(s1);
         a.release(s2);
-        assert_eq!(
-            (a.free_pages(), a.used_pages(), a.cached_pages()),
-            (4, 0, 4)
-        );
+        assert_eq!((a.free_pages(), a.used_pages(), a.cached_pages()), (4, 0, 4));
         assert!(a.free.is_empty());
         // The LRU page is s1's last page (released first, last page first).
         let s3 = a.create().unwrap();
@@ -877,16 +769,9 @@ mod tests {
         a.register_prefix(s, &[1, 2, 3, 4]).unwrap();
         let t = a.create().unwrap();
         a.append(t, 6).unwrap();
-        assert_eq!(
-            a.register_prefix(t, &[1, 2, 3, 4, 5, 6]).unwrap(),
-            1,
-            "chains through s"
-        );
+        assert_eq!(a.register_prefix(t, &[1, 2, 3, 4, 5, 6]).unwrap(), 1, "chains through s");
         let (sp, tp) = (a.pages(s).unwrap().to_vec(), a.pages(t).unwrap().to_vec());
-        assert_eq!(
-            a.cache[tp[2] as usize].as_ref().unwrap().parent,
-            Some(sp[1])
-        );
+        assert_eq!(a.cache[tp[2] as usize].as_ref().unwrap().parent, Some(sp[1]));
         let u = a.create().unwrap();
         assert_eq!(a.match_prefix(u, &[1, 2, 3, 4, 5, 6, 7]).unwrap(), 6);
         assert_eq!(a.pages(u).unwrap(), [sp[0], sp[1], tp[2]]);
@@ -938,14 +823,7 @@ mod tests {
         a.truncate(s, 6).unwrap();
         a.append(s, 1).unwrap();
         let q = a.pages(s).unwrap().to_vec();
-        assert_eq!(
-            a.take_copies(),
-            [PageCopy {
-                src: p[1],
-                dst: q[1],
-                tokens: 2
-            }]
-        );
+        assert_eq!(a.take_copies(), [PageCopy { src: p[1], dst: q[1], tokens: 2 }]);
         assert_eq!(a.cached_pages(), 2);
         a.release(t);
         let u = a.create().unwrap();
@@ -969,11 +847,7 @@ mod tests {
         let u = a.create().unwrap();
         assert_eq!(a.match_prefix(u, &[1, 2, 3, 4, 5]).unwrap(), 0);
         a.release(t);
-        assert_eq!(
-            a.free.len(),
-            6,
-            "uncached pages go straight to the free list"
-        );
+        assert_eq!(a.free.len(), 6, "uncached pages go straight to the free list");
         check_invariants(&a);
     }
 
@@ -1003,28 +877,14 @@ mod tests {
     }
 
     /// Append `new` tokens to `seq` and write their KV into `mem`; false if it did not fit.
-    fn append_tokens(
-        a: &mut PageAllocator,
-        mem: &mut Mem,
-        text: &mut Vec<u32>,
-        seq: usize,
-        new: &[u32],
-    ) -> bool {
+    fn append_tokens(a: &mut PageAllocator, mem: &mut Mem, text: &mut Vec<u32>, seq: usize, new: &[u32]) -> bool {
         let ps = a.config.page_size;
-        let (pages0, len0, free0) = (
-            a.pages(seq).unwrap().to_vec(),
-            a.len(seq).unwrap(),
-            a.free_pages(),
-        );
+        let (pages0, len0, free0) = (a.pages(seq).unwrap().to_vec(), a.len(seq).unwrap(), a.free_pages());
         let needed = a.pages_needed(seq, new.len());
         match a.append(seq, new.len()) {
             Ok(start) => {
                 assert_eq!(start, len0);
-                assert_eq!(
-                    free0 - a.free_pages(),
-                    needed.unwrap(),
-                    "pages_needed is exact"
-                );
+                assert_eq!(free0 - a.free_pages(), needed.unwrap(), "pages_needed is exact");
                 apply_copies(a, mem);
                 text.extend_from_slice(new);
                 let pages = a.pages(seq).unwrap();
@@ -1034,10 +894,7 @@ mod tests {
                 true
             }
             Err(e) => {
-                assert!(
-                    matches!(e, KvError::Full { .. } | KvError::ContextExceeded { .. }),
-                    "{e:?}"
-                );
+                assert!(matches!(e, KvError::Full { .. } | KvError::ContextExceeded { .. }), "{e:?}");
                 assert_eq!(a.pages(seq).unwrap(), pages0);
                 assert_eq!((a.len(seq).unwrap(), a.free_pages()), (len0, free0));
                 assert!(a.copies.is_empty());
@@ -1058,11 +915,7 @@ mod tests {
             assert_eq!(a.len(i).unwrap(), text.len());
             let pages = a.pages(i).unwrap();
             for p in 0..text.len() {
-                assert_eq!(
-                    mem[pages[p / ps] as usize][p % ps].as_deref(),
-                    Some(&text[..=p]),
-                    "seq {i} pos {p}"
-                );
+                assert_eq!(mem[pages[p / ps] as usize][p % ps].as_deref(), Some(&text[..=p]), "seq {i} pos {p}");
             }
         }
         for (p, c) in a.cache.iter().enumerate() {
@@ -1103,8 +956,7 @@ mod tests {
                     },
                     1 | 2 if !live.is_empty() => {
                         let s = pick(&mut rng);
-                        let new: Vec<u32> =
-                            (0..rng.below(6)).map(|_| rng.below(2) as u32).collect();
+                        let new: Vec<u32> = (0..rng.below(6)).map(|_| rng.below(2) as u32).collect();
                         let mut text = texts[s].take().unwrap();
                         append_tokens(&mut a, &mut mem, &mut text, s, &new);
                         texts[s] = Some(text);
@@ -1135,10 +987,7 @@ mod tests {
                         assert!(added <= k / config.page_size);
                         prompts.push(text[..k].to_vec());
                         let over = text.len() + 1;
-                        assert!(matches!(
-                            a.register_prefix(s, &vec![0; over]),
-                            Err(KvError::BeyondLength { .. })
-                        ));
+                        assert!(matches!(a.register_prefix(s, &vec![0; over]), Err(KvError::BeyondLength { .. })));
                     }
                     8 | 9 => {
                         let Ok(s) = a.create() else { continue };
@@ -1163,10 +1012,7 @@ mod tests {
                 check_contents(&a, &mem, &texts);
             }
             let st = a.stats();
-            assert!(
-                hits > 0 && st.evictions > 0 && st.cow_copies > 0,
-                "seed {seed:x}: {st:?}"
-            );
+            assert!(hits > 0 && st.evictions > 0 && st.cow_copies > 0, "seed {seed:x}: {st:?}");
             assert_eq!(st.hit_tokens, hits as u64);
         }
     }

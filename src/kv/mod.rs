@@ -13,7 +13,6 @@ pub mod plan;
 
 pub use self::alloc::*;
 
-
 /// Errors of the cache.
 #[derive(Debug, thiserror::Error, PartialEq)]
 #[non_exhaustive]
@@ -22,12 +21,7 @@ pub enum KvError {
         "KV cache full: the sequence needs {needed} more page(s) ({} tokens of room) but only {free} of {total} pages are free",
         .needed * .page_size
     )]
-    Full {
-        needed: usize,
-        free: usize,
-        total: usize,
-        page_size: usize,
-    },
+    Full { needed: usize, free: usize, total: usize, page_size: usize },
     #[error("sequence would reach {tokens} tokens but the context holds {context}")]
     ContextExceeded { tokens: usize, context: usize },
     #[error("no free sequence slot ({max_seqs} sequences at most)")]
@@ -37,11 +31,7 @@ pub enum KvError {
     #[error("sequence {0} is not empty (only an empty sequence can take a cached prefix)")]
     NotEmpty(usize),
     #[error("{tokens} tokens given for sequence {seq}, which holds {len}")]
-    BeyondLength {
-        seq: usize,
-        tokens: usize,
-        len: usize,
-    },
+    BeyondLength { seq: usize, tokens: usize, len: usize },
 }
 
 /// Sizes of the cache.
@@ -69,12 +59,7 @@ mod tests {
     use super::*;
 
     fn cfg() -> KvConfig {
-        KvConfig {
-            page_size: 4,
-            num_pages: 5,
-            max_seqs: 2,
-            context: 12,
-        }
+        KvConfig { page_size: 4, num_pages: 5, max_seqs: 2, context: 12 }
     }
 
     #[test]
@@ -96,10 +81,7 @@ mod tests {
         let s1 = a.create().unwrap();
         let s2 = a.create().unwrap();
         a.append(s1, 12).unwrap(); // 3 pages
-        assert_eq!(
-            a.append(s1, 1),
-            Err(KvError::ContextExceeded { tokens: 13, context: 12 })
-        );
+        assert_eq!(a.append(s1, 1), Err(KvError::ContextExceeded { tokens: 13, context: 12 }));
         let err = a.append(s2, 12).unwrap_err();
         assert!(matches!(err, KvError::Full { needed: 3, free: 2, .. }), "{err:?}");
         assert_eq!(a.len(s2).unwrap(), 0);

@@ -76,14 +76,7 @@ pub fn param_count(c: &ModelConfig) -> ParamCount {
     let embedding = c.vocab_size as u64 * d;
     let lm_head = if c.tie_word_embeddings { 0 } else { embedding };
     let layers = c.num_layers as u64 * per_layer;
-    ParamCount {
-        embedding,
-        per_layer,
-        layers,
-        lm_head,
-        total: embedding + layers + d + lm_head,
-        block_12d2: 12 * d * d,
-    }
+    ParamCount { embedding, per_layer, layers, lm_head, total: embedding + layers + d + lm_head, block_12d2: 12 * d * d }
 }
 
 /// Activation bytes of one forward step of `max_batch_tokens` tokens with `logit_rows` rows

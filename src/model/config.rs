@@ -184,19 +184,12 @@ pub enum RopeScaling {
     /// Frequency `i` divided by `divisors[i]`: a GGUF's `rope_freqs.weight` taken as it is,
     /// when it matches no Llama 3 parameters Lantern can infer (llama.cpp applies the same
     /// tensor directly).
-    Divisors {
-        divisors: Vec<f32>,
-    },
+    Divisors { divisors: Vec<f32> },
     /// LongRoPE (Phi-3 128k): frequency `i` divided by `short_factor[i]` for sequences within
     /// `original_max_position_embeddings`, by `long_factor[i]` beyond, and cos/sin scaled by
     /// `attention_factor`. transformers switches sets with the current sequence length; Lantern
     /// picks one set per load, by the context it is loaded for (as llama.cpp does).
-    LongRope {
-        short_factor: Vec<f32>,
-        long_factor: Vec<f32>,
-        original_max_position_embeddings: f64,
-        attention_factor: f64,
-    },
+    LongRope { short_factor: Vec<f32>, long_factor: Vec<f32>, original_max_position_embeddings: f64, attention_factor: f64 },
 }
 
 /// Everything the forward pass needs to know about a model's shape.
@@ -283,9 +276,7 @@ impl ModelConfig {
     fn rope_inv_freq_with(&self, theta: f64, scaling: Option<&RopeScaling>, seq_len: usize) -> Vec<f32> {
         let dim = self.head_dim;
         let base = theta as f32;
-        let mut inv: Vec<f32> = (0..dim / 2)
-            .map(|i| 1.0f32 / base.powf((2 * i) as f32 / dim as f32))
-            .collect();
+        let mut inv: Vec<f32> = (0..dim / 2).map(|i| 1.0f32 / base.powf((2 * i) as f32 / dim as f32)).collect();
         match scaling {
             None => {}
             Some(RopeScaling::Linear { factor }) => {
@@ -305,12 +296,7 @@ impl ModelConfig {
                     *f = 1.0f32 / (ext[i] * base.powf((2 * i) as f32 / dim as f32));
                 }
             }
-            Some(&RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings: old_ctx,
-            }) => {
+            Some(&RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old_ctx }) => {
                 // Same float32 operations, in the same order, as transformers'
                 // `_compute_llama3_parameters` (Python scalars meet f32 tensors as f32).
                 let low_wavelen = (old_ctx / low_freq_factor) as f32;
@@ -356,10 +342,7 @@ mod hf_json {
     type Obj = Map<String, Value>;
 
     fn cfg_err(file: &str, field: &str, reason: impl std::fmt::Display) -> LanternError {
-        LanternError::Config {
-            field: field.to_string(),
-            reason: format!("{reason} (in {file})"),
-        }
+        LanternError::Config { field: field.to_string(), reason: format!("{reason} (in {file})") }
     }
 
     /// A present, non-null value.
@@ -374,13 +357,7 @@ mod hf_json {
                 .as_u64()
                 .and_then(|n| usize::try_from(n).ok())
                 .map(Some)
-                .ok_or_else(|| {
-                    cfg_err(
-                        file,
-                        key,
-                        format!("expected a non-negative integer, got {v}"),
-                    )
-                }),
+                .ok_or_else(|| cfg_err(file, key, format!("expected a non-negative integer, got {v}"))),
         }
     }
 
@@ -395,27 +372,19 @@ mod hf_json {
     fn f64_field(o: &Obj, key: &str, field: &str, file: &str) -> Result<Option<f64>, LanternError> {
         match get(o, key) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| cfg_err(file, field, format!("expected a number, got {v}"))),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| cfg_err(file, field, format!("expected a number, got {v}"))),
         }
     }
 
     fn bool_field(o: &Obj, key: &str, file: &str) -> Result<Option<bool>, LanternError> {
         match get(o, key) {
             None => Ok(None),
-            Some(v) => v
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| cfg_err(file, key, format!("expected true or false, got {v}"))),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| cfg_err(file, key, format!("expected true or false, got {v}"))),
         }
     }
 
     fn token_id(v: &Value, field: &str, file: &str) -> Result<u32, LanternError> {
-        v.as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| cfg_err(file, field, format!("expected a token id, got {v}")))
+        v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| cfg_err(file, field, format!("expected a token id, got {v}")))
     }
 
     /// Architecture from `model_type`, cross-checked with `architectures`.
@@ -444,36 +413,21 @@ mod hf_json {
             Some("phi3") => Arch::Phi3,
             Some("gemma3") => {
                 return Err(LanternError::UnsupportedArchitecture {
-                    arch: "gemma3 (the multimodal Gemma3ForConditionalGeneration; its text model, model_type gemma3_text, is supported)".into(),
+                    arch: "gemma3 (the multimodal Gemma3ForConditionalGeneration; its text model, model_type gemma3_text, is supported)"
+                        .into(),
                 })
             }
-            Some(other) => {
-                return Err(LanternError::UnsupportedArchitecture {
-                    arch: other.to_string(),
-                })
-            }
+            Some(other) => return Err(LanternError::UnsupportedArchitecture { arch: other.to_string() }),
             None => match classes.first() {
-                Some(c) => from_class(c).ok_or_else(|| LanternError::UnsupportedArchitecture {
-                    arch: c.to_string(),
-                })?,
-                None => {
-                    return Err(cfg_err(
-                        file,
-                        "model_type",
-                        "missing (and no `architectures` list)",
-                    ))
-                }
+                Some(c) => from_class(c).ok_or_else(|| LanternError::UnsupportedArchitecture { arch: c.to_string() })?,
+                None => return Err(cfg_err(file, "model_type", "missing (and no `architectures` list)")),
             },
         };
         // A head other than the causal-LM one (e.g. `LlamaForSequenceClassification`) has no
         // lm_head to run; refuse rather than guess.
         if !classes.is_empty() && !classes.iter().any(|c| from_class(c).is_some()) {
             return Err(LanternError::UnsupportedArchitecture {
-                arch: format!(
-                    "{} (model_type {:?})",
-                    classes.join(", "),
-                    model_type.unwrap_or("?")
-                ),
+                arch: format!("{} (model_type {:?})", classes.join(", "), model_type.unwrap_or("?")),
             });
         }
         Ok(arch)
@@ -485,13 +439,7 @@ mod hf_json {
         let mut params: Option<&Obj> = match get(o, "rope_parameters") {
             None => None,
             Some(Value::Object(p)) => Some(p),
-            Some(v) => {
-                return Err(cfg_err(
-                    file,
-                    "rope_parameters",
-                    format!("expected an object, got {v}"),
-                ))
-            }
+            Some(v) => return Err(cfg_err(file, "rope_parameters", format!("expected an object, got {v}"))),
         };
         // Per-layer-type form ({"full_attention": {...}, "sliding_attention": {...}}): the
         // global layers' parameters here; `gemma3_block` reads the sliding ones.
@@ -505,29 +453,18 @@ mod hf_json {
         let legacy_scaling: Option<&Obj> = match get(o, "rope_scaling") {
             None => None,
             Some(Value::Object(p)) => Some(p),
-            Some(v) => {
-                return Err(cfg_err(
-                    file,
-                    "rope_scaling",
-                    format!("expected an object or null, got {v}"),
-                ))
-            }
+            Some(v) => return Err(cfg_err(file, "rope_scaling", format!("expected an object or null, got {v}"))),
         };
-        let theta =
-            match params.map(|p| f64_field(p, "rope_theta", "rope_parameters.rope_theta", file)) {
-                Some(r) => r?,
-                None => None,
-            };
+        let theta = match params.map(|p| f64_field(p, "rope_theta", "rope_parameters.rope_theta", file)) {
+            Some(r) => r?,
+            None => None,
+        };
         let theta = match theta {
             Some(t) => t,
             None => f64_field(o, "rope_theta", "rope_theta", file)?.unwrap_or(10000.0),
         };
         if !(theta.is_finite() && theta > 0.0) {
-            return Err(cfg_err(
-                file,
-                "rope_theta",
-                format!("must be a positive number, got {theta}"),
-            ));
+            return Err(cfg_err(file, "rope_theta", format!("must be a positive number, got {theta}")));
         }
         let (scaling, prefix): (Option<&Obj>, &str) = match (params, legacy_scaling) {
             (Some(p), _) => (Some(p), "rope_parameters"),
@@ -539,35 +476,20 @@ mod hf_json {
         };
         let kind = get(s, "rope_type")
             .or_else(|| get(s, "type"))
-            .map(|v| {
-                v.as_str()
-                    .map(str::to_string)
-                    .unwrap_or_else(|| v.to_string())
-            })
+            .map(|v| v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string()))
             .unwrap_or_else(|| "default".to_string());
         let num = |key: &str| -> Result<f64, LanternError> {
             let field = format!("{prefix}.{key}");
-            let v = f64_field(s, key, &field, file)?.ok_or_else(|| {
-                cfg_err(
-                    file,
-                    &field,
-                    format!("missing (needed by rope_type `{kind}`)"),
-                )
-            })?;
+            let v =
+                f64_field(s, key, &field, file)?.ok_or_else(|| cfg_err(file, &field, format!("missing (needed by rope_type `{kind}`)")))?;
             if !(v.is_finite() && v > 0.0) {
-                return Err(cfg_err(
-                    file,
-                    &field,
-                    format!("must be a positive number, got {v}"),
-                ));
+                return Err(cfg_err(file, &field, format!("must be a positive number, got {v}")));
             }
             Ok(v)
         };
         let scaling = match kind.as_str() {
             "default" => None,
-            "linear" => Some(RopeScaling::Linear {
-                factor: num("factor")?,
-            }),
+            "linear" => Some(RopeScaling::Linear { factor: num("factor")? }),
             "llama3" => {
                 let low = num("low_freq_factor")?;
                 let high = num("high_freq_factor")?;
@@ -594,11 +516,12 @@ mod hf_json {
                         .collect::<Option<Vec<f32>>>()
                         .ok_or_else(|| cfg_err(file, &field, "expected a list of positive numbers"))
                 };
-                let orig = match f64_field(s, "original_max_position_embeddings", &format!("{prefix}.original_max_position_embeddings"), file)? {
-                    Some(v) => v,
-                    None => f64_field(o, "original_max_position_embeddings", "original_max_position_embeddings", file)?
-                        .ok_or_else(|| cfg_err(file, "original_max_position_embeddings", "missing (needed by LongRoPE)"))?,
-                };
+                let orig =
+                    match f64_field(s, "original_max_position_embeddings", &format!("{prefix}.original_max_position_embeddings"), file)? {
+                        Some(v) => v,
+                        None => f64_field(o, "original_max_position_embeddings", "original_max_position_embeddings", file)?
+                            .ok_or_else(|| cfg_err(file, "original_max_position_embeddings", "missing (needed by LongRoPE)"))?,
+                    };
                 if !(orig.is_finite() && orig >= 1.0) {
                     return Err(cfg_err(file, "original_max_position_embeddings", format!("must be a positive number, got {orig}")));
                 }
@@ -629,16 +552,10 @@ mod hf_json {
     }
 
     pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError> {
-        let root: Value = serde_json::from_str(text).map_err(|e| LoadError::Invalid {
-            file: file.to_string(),
-            reason: format!("not valid JSON: {e}"),
-        })?;
+        let root: Value = serde_json::from_str(text)
+            .map_err(|e| LoadError::Invalid { file: file.to_string(), reason: format!("not valid JSON: {e}") })?;
         let Value::Object(o) = root else {
-            return Err(LoadError::Invalid {
-                file: file.to_string(),
-                reason: "expected a JSON object at the top level".to_string(),
-            }
-            .into());
+            return Err(LoadError::Invalid { file: file.to_string(), reason: "expected a JSON object at the top level".to_string() }.into());
         };
         let o = &o;
         let arch = arch(o, file)?;
@@ -647,11 +564,7 @@ mod hf_json {
         for key in ["hidden_act", "hidden_activation"] {
             if let Some(act) = get(o, key) {
                 if act.as_str() != Some(want_act) {
-                    return Err(cfg_err(
-                        file,
-                        key,
-                        format!("a {arch:?} model runs `{want_act}`, got {act}"),
-                    ));
+                    return Err(cfg_err(file, key, format!("a {arch:?} model runs `{want_act}`, got {act}")));
                 }
             }
         }
@@ -663,11 +576,7 @@ mod hf_json {
         let num_heads = required_usize(o, "num_attention_heads", file)?;
         let num_kv_heads = usize_field(o, "num_key_value_heads", file)?.unwrap_or(num_heads);
         if num_kv_heads == 0 {
-            return Err(cfg_err(
-                file,
-                "num_key_value_heads",
-                "must be positive, got 0",
-            ));
+            return Err(cfg_err(file, "num_key_value_heads", "must be positive, got 0"));
         }
         if num_heads % num_kv_heads != 0 {
             return Err(cfg_err(
@@ -690,20 +599,12 @@ mod hf_json {
             }
         };
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(cfg_err(
-                file,
-                "head_dim",
-                format!("must be positive and even (RoPE pairs dimensions), got {head_dim}"),
-            ));
+            return Err(cfg_err(file, "head_dim", format!("must be positive and even (RoPE pairs dimensions), got {head_dim}")));
         }
 
         let rms_norm_eps = f64_field(o, "rms_norm_eps", "rms_norm_eps", file)?.unwrap_or(1e-6);
         if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
-            return Err(cfg_err(
-                file,
-                "rms_norm_eps",
-                format!("must be a positive number, got {rms_norm_eps}"),
-            ));
+            return Err(cfg_err(file, "rms_norm_eps", format!("must be a positive number, got {rms_norm_eps}")));
         }
         let (rope_theta, rope_scaling) = rope(o, file)?;
 
@@ -715,23 +616,14 @@ mod hf_json {
             Arch::Qwen3 => 40960,
             Arch::Phi3 => 4096,
         };
-        let max_position_embeddings =
-            usize_field(o, "max_position_embeddings", file)?.unwrap_or(default_max_pos);
+        let max_position_embeddings = usize_field(o, "max_position_embeddings", file)?.unwrap_or(default_max_pos);
         if max_position_embeddings == 0 {
-            return Err(cfg_err(
-                file,
-                "max_position_embeddings",
-                "must be positive, got 0",
-            ));
+            return Err(cfg_err(file, "max_position_embeddings", "must be positive, got 0"));
         }
         let tie_word_embeddings = bool_field(o, "tie_word_embeddings", file)?.unwrap_or(false);
 
         if bool_field(o, "mlp_bias", file)? == Some(true) {
-            return Err(cfg_err(
-                file,
-                "mlp_bias",
-                "MLP projection biases are not supported",
-            ));
+            return Err(cfg_err(file, "mlp_bias", "MLP projection biases are not supported"));
         }
         let qkv_bias = match arch {
             Arch::Qwen2 => true,
@@ -806,7 +698,15 @@ mod hf_json {
             Some(RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings: orig, attention_factor }) => {
                 let n = head_dim / 2;
                 if short_factor.len() != n || long_factor.len() != n {
-                    return Err(cfg_err(file, "rope_parameters.short_factor", format!("LongRoPE needs head_dim / 2 = {n} factors, got {} short and {} long", short_factor.len(), long_factor.len())));
+                    return Err(cfg_err(
+                        file,
+                        "rope_parameters.short_factor",
+                        format!(
+                            "LongRoPE needs head_dim / 2 = {n} factors, got {} short and {} long",
+                            short_factor.len(),
+                            long_factor.len()
+                        ),
+                    ));
                 }
                 // transformers: factor = max_position_embeddings / original, attention factor
                 // sqrt(1 + ln(factor) / ln(original)) unless given.
@@ -824,11 +724,7 @@ mod hf_json {
         };
         if let (Some(Value::Array(types)), false) = (get(o, "layer_types"), arch == Arch::Gemma3) {
             if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
-                return Err(cfg_err(
-                    file,
-                    "layer_types",
-                    format!("layer type {t} is not supported; only `full_attention` is"),
-                ));
+                return Err(cfg_err(file, "layer_types", format!("layer type {t} is not supported; only `full_attention` is")));
             }
         }
 
@@ -838,10 +734,7 @@ mod hf_json {
         };
         let eos_token_ids = match get(o, "eos_token_id") {
             None => Vec::new(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| token_id(v, "eos_token_id", file))
-                .collect::<Result<Vec<_>, _>>()?,
+            Some(Value::Array(a)) => a.iter().map(|v| token_id(v, "eos_token_id", file)).collect::<Result<Vec<_>, _>>()?,
             Some(v) => vec![token_id(v, "eos_token_id", file)?],
         };
 
@@ -951,10 +844,7 @@ impl ModelConfig {
         if self.qkv_bias && self.arch != Arch::Qwen2 {
             return Err(crate::LanternError::Config {
                 field: "qkv_bias".into(),
-                reason: format!(
-                    "a {:?} model with q/k/v biases (and no o_proj bias) has no Hugging Face config.json form",
-                    self.arch
-                ),
+                reason: format!("a {:?} model with q/k/v biases (and no o_proj bias) has no Hugging Face config.json form", self.arch),
             });
         }
         let (model_type, class) = match self.arch {
@@ -973,9 +863,7 @@ impl ModelConfig {
             }
         };
         // The shortest decimal that reads back as the same f32 (1e-5, not 9.99999974e-6).
-        let eps: f64 = format!("{}", self.rms_norm_eps)
-            .parse()
-            .unwrap_or(self.rms_norm_eps as f64);
+        let eps: f64 = format!("{}", self.rms_norm_eps).parse().unwrap_or(self.rms_norm_eps as f64);
         let mut rope = json!({"rope_theta": self.rope_theta, "rope_type": "default"});
         let scaling = match self.rope_scaling.clone() {
             None => Value::Null,
@@ -995,12 +883,7 @@ impl ModelConfig {
             Some(RopeScaling::Linear { factor }) => {
                 json!({"rope_type": "linear", "factor": factor})
             }
-            Some(RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            }) => json!({
+            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => json!({
                 "rope_type": "llama3",
                 "factor": factor,
                 "low_freq_factor": low_freq_factor,
@@ -1050,10 +933,14 @@ impl ModelConfig {
                 let b = &self.block;
                 o["attention_bias"] = json!(false);
                 o["sliding_window"] = json!(b.sliding_window);
-                o["layer_types"] = json!(b.layer_attention.iter().map(|a| match a {
-                    LayerAttention::Full => "full_attention",
-                    LayerAttention::Sliding => "sliding_attention",
-                }).collect::<Vec<_>>());
+                o["layer_types"] = json!(b
+                    .layer_attention
+                    .iter()
+                    .map(|a| match a {
+                        LayerAttention::Full => "full_attention",
+                        LayerAttention::Sliding => "sliding_attention",
+                    })
+                    .collect::<Vec<_>>());
                 // 1/scale^2 (the scale is stored as f32; the scalar is an integer in practice).
                 let scale = self.attention_scale() as f64;
                 o["query_pre_attn_scalar"] = json!((1.0 / (scale * scale)).round());
@@ -1066,7 +953,6 @@ impl ModelConfig {
                 o["attn_logit_softcapping"] = Value::Null;
             }
         }
-        serde_json::to_string_pretty(&o)
-            .map_err(|e| crate::LanternError::Serialize { what: "config.json".into(), reason: e.to_string() })
+        serde_json::to_string_pretty(&o).map_err(|e| crate::LanternError::Serialize { what: "config.json".into(), reason: e.to_string() })
     }
 }

@@ -41,15 +41,13 @@ fn describe(err: SafeTensorError, len: usize) -> String {
         SafeTensorError::HeaderTooSmall => {
             format!("file is {len} bytes, too short for the 8-byte header length (truncated or not a safetensors file)")
         }
-        SafeTensorError::InvalidHeaderLength => format!(
-            "header length runs past the end of the file ({len} bytes): truncated or not a safetensors file"
-        ),
-        SafeTensorError::HeaderTooLarge => {
-            "header length is implausibly large (corrupt, or not a safetensors file)".to_string()
+        SafeTensorError::InvalidHeaderLength => {
+            format!("header length runs past the end of the file ({len} bytes): truncated or not a safetensors file")
         }
-        SafeTensorError::MetadataIncompleteBuffer => format!(
-            "tensor data does not match the file size ({len} bytes): the file is truncated or has trailing bytes"
-        ),
+        SafeTensorError::HeaderTooLarge => "header length is implausibly large (corrupt, or not a safetensors file)".to_string(),
+        SafeTensorError::MetadataIncompleteBuffer => {
+            format!("tensor data does not match the file size ({len} bytes): the file is truncated or has trailing bytes")
+        }
         SafeTensorError::InvalidHeaderDeserialization(e) => format!("corrupt header JSON: {e}"),
         other => other.to_string(),
     }
@@ -67,18 +65,10 @@ fn describe(err: SafeTensorError, len: usize) -> String {
 /// [`LoadError::UnsupportedDType`] for a dtype other than F32/F16/BF16 (or U32 outside a
 /// packed pair), [`LoadError::Quantized`] for packed tensors with bad or missing metadata or
 /// mismatched sizes, and [`LoadError::Invalid`] for a tensor name already present in `out`.
-pub fn read_safetensors(
-    file: &str,
-    bytes: &[u8],
-    out: &mut HashMap<String, HostTensor>,
-) -> Result<(), LanternError> {
-    use crate::quant::safetensors::{
-        packed_from_views, parse_metadata, METADATA_KEY, QWEIGHT_SUFFIX, SCALES_SUFFIX,
-    };
-    let st = SafeTensors::deserialize(bytes).map_err(|e| LoadError::Safetensors {
-        file: file.to_string(),
-        reason: describe(e, bytes.len()),
-    })?;
+pub fn read_safetensors(file: &str, bytes: &[u8], out: &mut HashMap<String, HostTensor>) -> Result<(), LanternError> {
+    use crate::quant::safetensors::{packed_from_views, parse_metadata, METADATA_KEY, QWEIGHT_SUFFIX, SCALES_SUFFIX};
+    let st =
+        SafeTensors::deserialize(bytes).map_err(|e| LoadError::Safetensors { file: file.to_string(), reason: describe(e, bytes.len()) })?;
     // `deserialize` succeeded, so the header parses again.
     let quant = match SafeTensors::read_metadata(bytes) {
         Ok((_, md)) => match md.metadata().as_ref().and_then(|m| m.get(METADATA_KEY)) {
@@ -92,20 +82,13 @@ pub fn read_safetensors(
     views.sort_by(|a, b| a.0.cmp(&b.0));
     let mut insert = |name: String, t: HostTensor| -> Result<(), LanternError> {
         if out.contains_key(&name) {
-            return Err(LoadError::Invalid {
-                file: file.to_string(),
-                reason: format!("tensor `{name}` is stored more than once"),
-            }
-            .into());
+            return Err(LoadError::Invalid { file: file.to_string(), reason: format!("tensor `{name}` is stored more than once") }.into());
         }
         out.insert(name, t);
         Ok(())
     };
     // Packed pairs by logical name: (qweight, scales).
-    type Pair<'v, 'd> = (
-        Option<&'v safetensors::tensor::TensorView<'d>>,
-        Option<&'v safetensors::tensor::TensorView<'d>>,
-    );
+    type Pair<'v, 'd> = (Option<&'v safetensors::tensor::TensorView<'d>>, Option<&'v safetensors::tensor::TensorView<'d>>);
     let mut packed: BTreeMap<String, Pair> = BTreeMap::new();
     for (name, view) in &views {
         if view.dtype() == StDtype::U32 {
@@ -126,15 +109,7 @@ pub fn read_safetensors(
                 view.dtype()
             ),
         })?;
-        insert(
-            name.clone(),
-            HostTensor {
-                name: name.clone(),
-                shape: view.shape().to_vec(),
-                dtype,
-                data: view.data().to_vec(),
-            },
-        )?;
+        insert(name.clone(), HostTensor { name: name.clone(), shape: view.shape().to_vec(), dtype, data: view.data().to_vec() })?;
     }
     for (base, (q, s)) in packed {
         let t = packed_from_views(file, quant.as_ref(), &base, q, s)?;
@@ -146,29 +121,15 @@ pub fn read_safetensors(
 /// Reads a `model.safetensors.index.json`: its `weight_map` (tensor name -> shard file name).
 /// `file` names the index in errors.
 pub fn parse_index(text: &str, file: &str) -> Result<BTreeMap<String, String>, LanternError> {
-    let invalid = |reason: String| LoadError::Invalid {
-        file: file.to_string(),
-        reason,
-    };
-    let root: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
-    let map = root
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| invalid("no `weight_map` object".to_string()))?;
+    let invalid = |reason: String| LoadError::Invalid { file: file.to_string(), reason };
+    let root: serde_json::Value = serde_json::from_str(text).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
+    let map = root.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| invalid("no `weight_map` object".to_string()))?;
     let mut out = BTreeMap::new();
     for (tensor, shard) in map {
-        let shard = shard.as_str().ok_or_else(|| {
-            invalid(format!(
-                "weight_map entry for `{tensor}` is not a file name: {shard}"
-            ))
-        })?;
+        let shard = shard.as_str().ok_or_else(|| invalid(format!("weight_map entry for `{tensor}` is not a file name: {shard}")))?;
         // Shards must sit beside the index: no paths.
         if shard.is_empty() || shard.contains('/') || shard.contains('\\') || shard == ".." {
-            return Err(invalid(format!(
-                "weight_map entry for `{tensor}` is not a plain file name: {shard:?}"
-            ))
-            .into());
+            return Err(invalid(format!("weight_map entry for `{tensor}` is not a plain file name: {shard:?}")).into());
         }
         out.insert(tensor.clone(), shard.to_string());
     }
@@ -187,11 +148,7 @@ pub fn shard_files(index_json: &str, file: &str) -> Result<Vec<String>, LanternE
 }
 
 /// Checks that every tensor the index names was found in the shard it names.
-fn check_index(
-    index_file: &str,
-    weight_map: &BTreeMap<String, String>,
-    found_in: &HashMap<String, String>,
-) -> Result<(), LanternError> {
+fn check_index(index_file: &str, weight_map: &BTreeMap<String, String>, found_in: &HashMap<String, String>) -> Result<(), LanternError> {
     use crate::quant::safetensors::{QWEIGHT_SUFFIX, SCALES_SUFFIX};
     for (tensor, shard) in weight_map {
         // The `.qweight` / `.scales` entries of a packed tensor load as one tensor.
@@ -204,19 +161,11 @@ fn check_index(
             Some(f) => {
                 return Err(LoadError::Invalid {
                     file: index_file.to_string(),
-                    reason: format!(
-                        "weight_map puts `{tensor}` in {shard}, but it is stored in {f}"
-                    ),
+                    reason: format!("weight_map puts `{tensor}` in {shard}, but it is stored in {f}"),
                 }
                 .into())
             }
-            None => {
-                return Err(LoadError::MissingTensor {
-                    file: shard.clone(),
-                    tensor: tensor.clone(),
-                }
-                .into())
-            }
+            None => return Err(LoadError::MissingTensor { file: shard.clone(), tensor: tensor.clone() }.into()),
         }
     }
     Ok(())
@@ -234,11 +183,9 @@ fn merge(
     let mut names: Vec<String> = part.keys().cloned().collect();
     names.sort();
     if let Some(dup) = names.iter().find(|n| tensors.contains_key(*n)) {
-        return Err(LoadError::Invalid {
-            file: file.to_string(),
-            reason: format!("tensor `{dup}` is also stored in {}", found_in[dup]),
-        }
-        .into());
+        return Err(
+            LoadError::Invalid { file: file.to_string(), reason: format!("tensor `{dup}` is also stored in {}", found_in[dup]) }.into()
+        );
     }
     for (name, t) in part {
         found_in.insert(name.clone(), shard.to_string());
@@ -253,11 +200,7 @@ fn merge(
 ///
 /// With an index, every shard it names must be among `files` and hold the tensors it says.
 /// The result is validated against the config.
-pub fn load_hf_buffers(
-    config_json: &str,
-    index_json: Option<&str>,
-    files: &[(&str, &[u8])],
-) -> Result<ModelWeights, LanternError> {
+pub fn load_hf_buffers(config_json: &str, index_json: Option<&str>, files: &[(&str, &[u8])]) -> Result<ModelWeights, LanternError> {
     let config = ModelConfig::from_hf_json(config_json, CONFIG_FILE)?;
     let mut tensors = HashMap::new();
     let mut found_in = HashMap::new();
@@ -283,11 +226,7 @@ pub fn load_hf_buffers(
         [(one, _)] => one.to_string(),
         _ => format!("{} safetensors files", files.len()),
     };
-    let mut weights = ModelWeights {
-        config,
-        tensors,
-        source,
-    };
+    let mut weights = ModelWeights { config, tensors, source };
     apply_norm_offset(&mut weights);
     weights.unfuse()?;
     validate(&weights)?;
@@ -318,9 +257,7 @@ mod native {
     use std::fs::File;
     use std::path::Path;
 
-    use super::{
-        check_index, merge, parse_index, read_safetensors, CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
-    };
+    use super::{check_index, merge, parse_index, read_safetensors, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
     use crate::error::LanternError;
     use crate::model::validate::validate;
     use crate::model::{LoadError, ModelConfig, ModelWeights};
@@ -330,16 +267,10 @@ mod native {
     }
 
     /// Memory-maps one safetensors file and copies its tensors into `out`.
-    fn read_file(
-        path: &Path,
-        out: &mut HashMap<String, crate::model::HostTensor>,
-    ) -> Result<(), LanternError> {
+    fn read_file(path: &Path, out: &mut HashMap<String, crate::model::HostTensor>) -> Result<(), LanternError> {
         let shown = path.display().to_string();
         let file = File::open(path).map_err(|e| LanternError::io(path, e))?;
-        let len = file
-            .metadata()
-            .map_err(|e| LanternError::io(path, e))?
-            .len();
+        let len = file.metadata().map_err(|e| LanternError::io(path, e))?.len();
         if len < 8 {
             // Too short to map usefully (and zero-length maps fail on some platforms).
             let bytes = std::fs::read(path).map_err(|e| LanternError::io(path, e))?;
@@ -365,10 +296,7 @@ mod native {
             }
             .into());
         }
-        let config = ModelConfig::from_hf_json(
-            &read_text(&config_path)?,
-            &config_path.display().to_string(),
-        )?;
+        let config = ModelConfig::from_hf_json(&read_text(&config_path)?, &config_path.display().to_string())?;
 
         let mut tensors = HashMap::new();
         let index_path = dir.join(INDEX_FILE);
@@ -385,29 +313,19 @@ mod native {
                 if !shard_path.is_file() {
                     return Err(LoadError::Invalid {
                         file: index_name,
-                        reason: format!(
-                            "names shard {shard}, which does not exist in {}",
-                            dir.display()
-                        ),
+                        reason: format!("names shard {shard}, which does not exist in {}", dir.display()),
                     }
                     .into());
                 }
                 let mut part = HashMap::new();
                 read_file(&shard_path, &mut part)?;
-                merge(
-                    &shard_path.display().to_string(),
-                    shard,
-                    part,
-                    &mut tensors,
-                    &mut found_in,
-                )?;
+                merge(&shard_path.display().to_string(), shard, part, &mut tensors, &mut found_in)?;
             }
             check_index(&index_name, &weight_map, &found_in)?;
         } else if single_path.is_file() {
             read_file(&single_path, &mut tensors)?;
         } else {
-            let has_bin = dir.join("pytorch_model.bin").is_file()
-                || dir.join("pytorch_model.bin.index.json").is_file();
+            let has_bin = dir.join("pytorch_model.bin").is_file() || dir.join("pytorch_model.bin.index.json").is_file();
             return Err(LoadError::Invalid {
                 file: dir.display().to_string(),
                 reason: if has_bin {
@@ -418,11 +336,7 @@ mod native {
             }
             .into());
         }
-        let mut weights = ModelWeights {
-            config,
-            tensors,
-            source: dir.display().to_string(),
-        };
+        let mut weights = ModelWeights { config, tensors, source: dir.display().to_string() };
         super::apply_norm_offset(&mut weights);
         weights.unfuse()?;
         Ok(weights)

@@ -2,9 +2,9 @@
 
 use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelWeights;
-use crate::Result;
 #[cfg(not(target_arch = "wasm32"))]
 use crate::LanternError;
+use crate::Result;
 
 /// Weights plus the tokenizer that came with them (if the source has one).
 pub struct LoadedModel {
@@ -22,11 +22,7 @@ pub fn load_path(path: &std::path::Path) -> Result<LoadedModel> {
         let tokenizer = if tj.is_file() {
             let bytes = std::fs::read(&tj).map_err(|e| LanternError::io(&tj, e))?;
             let tc = path.join("tokenizer_config.json");
-            let cfg = if tc.is_file() {
-                Some(std::fs::read(&tc).map_err(|e| LanternError::io(&tc, e))?)
-            } else {
-                None
-            };
+            let cfg = if tc.is_file() { Some(std::fs::read(&tc).map_err(|e| LanternError::io(&tc, e))?) } else { None };
             Some(Tokenizer::from_hf_files(&bytes, cfg.as_deref())?)
         } else {
             None
@@ -34,10 +30,7 @@ pub fn load_path(path: &std::path::Path) -> Result<LoadedModel> {
         return Ok(LoadedModel { weights, tokenizer });
     }
     if !path.exists() {
-        return Err(LanternError::io(
-            path,
-            std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder"),
-        ));
+        return Err(LanternError::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder")));
     }
     let map = crate::model::gguf::GgufMmap::open(path)?;
     let gguf = map.parse()?;
@@ -114,6 +107,7 @@ pub async fn load_gguf_streamed(
         }
         weights_part(&config, layer, tensors, name)
     };
-    let model = crate::model::llama::GpuModel::load_streamed(ctx, config.clone(), packed_bytes(&gguf), options, &mut fetch, progress).await?;
+    let model =
+        crate::model::llama::GpuModel::load_streamed(ctx, config.clone(), packed_bytes(&gguf), options, &mut fetch, progress).await?;
     Ok((model, tokenizer))
 }

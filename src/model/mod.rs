@@ -4,11 +4,11 @@
 pub mod config;
 pub mod gguf;
 pub mod hf;
+pub mod llama;
+pub mod load;
 pub mod tensor;
 pub mod tokenizer;
 pub mod validate;
-pub mod llama;
-pub mod load;
 
 pub use config::{Activation, Arch, BlockSpec, LayerAttention, ModelConfig, NormPlacement, RopeScaling};
 pub use tensor::{DType, HostTensor, ModelWeights};
@@ -21,18 +21,9 @@ pub enum LoadError {
     #[error("{file}: missing tensor `{tensor}`")]
     MissingTensor { file: String, tensor: String },
     #[error("{file}: tensor `{tensor}` has shape {got:?}, expected {expected:?}")]
-    WrongShape {
-        file: String,
-        tensor: String,
-        got: Vec<usize>,
-        expected: Vec<usize>,
-    },
+    WrongShape { file: String, tensor: String, got: Vec<usize>, expected: Vec<usize> },
     #[error("{file}: tensor `{tensor}` has unsupported dtype {dtype}")]
-    UnsupportedDType {
-        file: String,
-        tensor: String,
-        dtype: String,
-    },
+    UnsupportedDType { file: String, tensor: String, dtype: String },
     #[error("{file}: invalid safetensors data: {reason}")]
     Safetensors { file: String, reason: String },
     #[error("{file}: {reason}")]
@@ -40,9 +31,5 @@ pub enum LoadError {
     /// A quantized checkpoint (written by `lantern quantize`) whose packed tensors or
     /// `lantern.quantization` metadata are missing, malformed or inconsistent.
     #[error("{file}: quantized tensor `{tensor}`: {reason}")]
-    Quantized {
-        file: String,
-        tensor: String,
-        reason: String,
-    },
+    Quantized { file: String, tensor: String, reason: String },
 }

@@ -7,8 +7,8 @@ use super::LoadError;
 use std::collections::HashMap;
 
 use super::config::ModelConfig;
-use crate::quant::{ggml, PackedMatrix, QuantError, QuantKind};
 pub use crate::quant::QuantFormat;
+use crate::quant::{ggml, PackedMatrix, QuantError, QuantKind};
 
 /// Storage dtype of a host tensor.
 // Variants keep ggml's type names (`Q4_K`, `IQ4_XS`).
@@ -139,12 +139,7 @@ impl HostTensor {
     }
 
     pub fn from_f32(name: impl Into<String>, shape: Vec<usize>, values: &[f32]) -> Self {
-        HostTensor {
-            name: name.into(),
-            shape,
-            dtype: DType::F32,
-            data: bytemuck::cast_slice(values).to_vec(),
-        }
+        HostTensor { name: name.into(), shape, dtype: DType::F32, data: bytemuck::cast_slice(values).to_vec() }
     }
 
     /// This 2-D tensor in the packed GPU layout, for integer dtypes (GGUF blocks are
@@ -174,10 +169,7 @@ impl HostTensor {
         match self.dtype {
             DType::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             DType::F16 => d.chunks_exact(2).map(f16).collect(),
-            DType::BF16 => d
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
+            DType::BF16 => d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             DType::Q8_0 => {
                 let mut out = Vec::with_capacity(n);
                 for b in d.chunks_exact(34) {
@@ -268,7 +260,8 @@ impl ModelWeights {
         if matches!(t.dtype, DType::Packed(_)) {
             return Err(invalid("fused Lantern-packed tensors cannot be split".into()));
         }
-        let row_bytes = t.dtype.bytes_for_shape(&[&[1usize][..], &rest].concat()).ok_or_else(|| invalid("rows are not whole blocks".into()))?;
+        let row_bytes =
+            t.dtype.bytes_for_shape(&[&[1usize][..], &rest].concat()).ok_or_else(|| invalid("rows are not whole blocks".into()))?;
         if row_bytes * rows != t.data.len() {
             return Err(invalid(format!("holds {} bytes, expected {rows} rows of {row_bytes}", t.data.len())));
         }
@@ -292,7 +285,11 @@ impl ModelWeights {
         let (q, kv, f) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
         for l in 0..c.num_layers {
             let p = format!("model.layers.{l}");
-            let qkv = [(format!("{p}.self_attn.q_proj.weight"), q), (format!("{p}.self_attn.k_proj.weight"), kv), (format!("{p}.self_attn.v_proj.weight"), kv)];
+            let qkv = [
+                (format!("{p}.self_attn.q_proj.weight"), q),
+                (format!("{p}.self_attn.k_proj.weight"), kv),
+                (format!("{p}.self_attn.v_proj.weight"), kv),
+            ];
             self.split_rows(&format!("{p}.self_attn.qkv_proj.weight"), &qkv)?;
             let gu = [(format!("{p}.mlp.gate_proj.weight"), f), (format!("{p}.mlp.up_proj.weight"), f)];
             self.split_rows(&format!("{p}.mlp.gate_up_proj.weight"), &gu)?;

@@ -59,10 +59,10 @@ mod token_type {
 }
 
 /// Llama 3 split regex (`tokenizer.ggml.pre` = `llama-bpe`), as in its tokenizer.json.
-const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const LLAMA3_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2 split regex (single digits), as in its tokenizer.json.
-const QWEN2_REGEX: &str =
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A text tokenizer with the model's special tokens and chat template.
 #[derive(Clone)]
@@ -89,17 +89,11 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 fn build_err(source_name: &str, e: impl std::fmt::Display) -> TokenizerError {
-    TokenizerError::Build {
-        source_name: source_name.to_string(),
-        reason: e.to_string(),
-    }
+    TokenizerError::Build { source_name: source_name.to_string(), reason: e.to_string() }
 }
 
 fn vocab_err(source_name: &str, reason: impl Into<String>) -> TokenizerError {
-    TokenizerError::InvalidVocab {
-        source_name: source_name.to_string(),
-        reason: reason.into(),
-    }
+    TokenizerError::InvalidVocab { source_name: source_name.to_string(), reason: reason.into() }
 }
 
 /// A `TemplateProcessing` post-processor that prepends `bos` (as tokenizer.json JSON).
@@ -132,16 +126,8 @@ fn merges_from_scores(tokens: &[String], scores: &[f32], vocab: &HashMap<&str, u
         merges[start..].sort_by_key(|m| (m.3, m.4));
     }
     // Stable sort, descending on (score, len(left), len(right)) like Python's reverse=True.
-    merges.sort_by(|a, b| {
-        b.0.partial_cmp(&a.0)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(b.1.cmp(&a.1))
-            .then(b.2.cmp(&a.2))
-    });
-    merges
-        .into_iter()
-        .map(|m| (tokens[m.3 as usize].clone(), tokens[m.4 as usize].clone()))
-        .collect()
+    merges.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
+    merges.into_iter().map(|m| (tokens[m.3 as usize].clone(), tokens[m.4 as usize].clone())).collect()
 }
 
 impl Tokenizer {
@@ -161,10 +147,7 @@ impl Tokenizer {
         let types = gguf.get_int_array_opt("tokenizer.ggml.token_type")?;
         if let Some(t) = &types {
             if t.len() != n {
-                return Err(vocab_err(
-                    src,
-                    format!("tokenizer.ggml.token_type has {} entries for {n} tokens", t.len()),
-                ));
+                return Err(vocab_err(src, format!("tokenizer.ggml.token_type has {} entries for {n} tokens", t.len())));
             }
         }
         let id_key = |key: &str| -> Result<Option<u32>, TokenizerError> {
@@ -202,10 +185,7 @@ impl Tokenizer {
                 let mut pairs = Vec::with_capacity(merges.len());
                 for (i, m) in merges.iter().enumerate() {
                     let Some((a, b)) = m.split_once(' ') else {
-                        return Err(vocab_err(
-                            src,
-                            format!("merge #{i} {m:?} is not two tokens separated by a space"),
-                        ));
+                        return Err(vocab_err(src, format!("merge #{i} {m:?} is not two tokens separated by a space")));
                     };
                     pairs.push((a, b));
                 }
@@ -221,20 +201,11 @@ impl Tokenizer {
                             {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
                         false,
                     ),
-                    "llama-bpe" | "llama3" => (
-                        json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_REGEX), byte_level(false)]}),
-                        true,
-                    ),
-                    "qwen2" => (
-                        json!({"type": "Sequence", "pretokenizers": [split(QWEN2_REGEX), byte_level(false)]}),
-                        false,
-                    ),
-                    other => {
-                        return Err(TokenizerError::UnsupportedPreTokenizer {
-                            source_name: src.to_string(),
-                            pre: other.to_string(),
-                        })
+                    "llama-bpe" | "llama3" => {
+                        (json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_REGEX), byte_level(false)]}), true)
                     }
+                    "qwen2" => (json!({"type": "Sequence", "pretokenizers": [split(QWEN2_REGEX), byte_level(false)]}), false),
+                    other => return Err(TokenizerError::UnsupportedPreTokenizer { source_name: src.to_string(), pre: other.to_string() }),
                 };
                 let spec = json!({
                     "version": "1.0",
@@ -264,10 +235,7 @@ impl Tokenizer {
                             .get_f32_array_opt("tokenizer.ggml.scores")?
                             .ok_or_else(|| vocab_err(src, "SentencePiece vocabulary without tokenizer.ggml.scores"))?;
                         if scores.len() != n {
-                            return Err(vocab_err(
-                                src,
-                                format!("tokenizer.ggml.scores has {} entries for {n} tokens", scores.len()),
-                            ));
+                            return Err(vocab_err(src, format!("tokenizer.ggml.scores has {} entries for {n} tokens", scores.len())));
                         }
                         merges_from_scores(tokens, &scores, &vocab)
                     }
@@ -303,17 +271,10 @@ impl Tokenizer {
                 });
                 (true, spec)
             }
-            other => {
-                return Err(TokenizerError::UnsupportedModel {
-                    source_name: src.to_string(),
-                    model: other.to_string(),
-                })
-            }
+            other => return Err(TokenizerError::UnsupportedModel { source_name: src.to_string(), model: other.to_string() }),
         };
         let mut spec = spec;
-        let add_bos = gguf
-            .get_bool_opt("tokenizer.ggml.add_bos_token")?
-            .unwrap_or(add_bos_default);
+        let add_bos = gguf.get_bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(add_bos_default);
         let bos_token = bos_id.map(|i| tokens[i as usize].clone());
         if let (true, Some(bos), Some(id)) = (add_bos, &bos_token, bos_id) {
             spec["post_processor"] = bos_post_processor(bos, id);
@@ -336,16 +297,12 @@ impl Tokenizer {
     /// `tokenizer_config.json` (special token names, `add_bos_token`, `chat_template`).
     pub fn from_hf_files(tokenizer_json: &[u8], tokenizer_config: Option<&[u8]>) -> Result<Self, TokenizerError> {
         let src = "tokenizer.json";
-        let mut inner = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| TokenizerError::InvalidJson {
-            file: src.to_string(),
-            reason: e.to_string(),
-        })?;
+        let mut inner = tokenizers::Tokenizer::from_bytes(tokenizer_json)
+            .map_err(|e| TokenizerError::InvalidJson { file: src.to_string(), reason: e.to_string() })?;
         let config: Json = match tokenizer_config {
             None => Json::Null,
-            Some(b) => serde_json::from_slice(b).map_err(|e| TokenizerError::InvalidJson {
-                file: "tokenizer_config.json".into(),
-                reason: e.to_string(),
-            })?,
+            Some(b) => serde_json::from_slice(b)
+                .map_err(|e| TokenizerError::InvalidJson { file: "tokenizer_config.json".into(), reason: e.to_string() })?,
         };
         // Special tokens may be plain strings or AddedToken objects {"content": ...}.
         let token_name = |key: &str| -> Option<String> {
@@ -382,11 +339,7 @@ impl Tokenizer {
         // post-processor when tokenizer.json disagrees with it.
         if let Some(want) = config.get("add_bos_token").and_then(Json::as_bool) {
             if want != detected {
-                let pp = match (
-                    want,
-                    &bos_token,
-                    bos_token.as_deref().and_then(|b| inner.token_to_id(b)),
-                ) {
+                let pp = match (want, &bos_token, bos_token.as_deref().and_then(|b| inner.token_to_id(b))) {
                     (true, Some(b), Some(id)) => Some(
                         serde_json::from_value::<tokenizers::PostProcessorWrapper>(bos_post_processor(b, id))
                             .map_err(|e| build_err(src, e))?,
@@ -423,10 +376,7 @@ impl Tokenizer {
         self.inner
             .encode_fast(text, add_special_tokens)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizerError::Encode {
-                text_start: text.chars().take(40).collect(),
-                reason: e.to_string(),
-            })
+            .map_err(|e| TokenizerError::Encode { text_start: text.chars().take(40).collect(), reason: e.to_string() })
     }
 
     /// Encode a prompt rendered by a chat template: like [`Tokenizer::encode`], but no
@@ -447,12 +397,7 @@ impl Tokenizer {
 
     /// Decode ids, optionally dropping special tokens.
     pub fn decode_with(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
-        self.inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| TokenizerError::Decode {
-                n_ids: ids.len(),
-                reason: e.to_string(),
-            })
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Decode { n_ids: ids.len(), reason: e.to_string() })
     }
 
     /// A fresh streaming decoder for one generated sequence.
@@ -507,12 +452,7 @@ impl Tokenizer {
 
     /// The model's chat template, compiled, with this tokenizer's BOS/EOS strings.
     pub fn chat_template(&self) -> Result<ChatTemplate, TokenizerError> {
-        let src = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| TokenizerError::NoChatTemplate {
-                source_name: self.source_name.clone(),
-            })?;
+        let src = self.chat_template.as_deref().ok_or_else(|| TokenizerError::NoChatTemplate { source_name: self.source_name.clone() })?;
         ChatTemplate::new(src, self.bos_token.as_deref(), self.eos_token.as_deref())
     }
 
@@ -590,10 +530,7 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with any role.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 
     /// A `system` message.
@@ -622,10 +559,7 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate")
-            .field("bos_token", &self.bos_token)
-            .field("eos_token", &self.eos_token)
-            .finish_non_exhaustive()
+        f.debug_struct("ChatTemplate").field("bos_token", &self.bos_token).field("eos_token", &self.eos_token).finish_non_exhaustive()
     }
 }
 
@@ -639,32 +573,19 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<minijinja::Value, minijinja::Error> {
-                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-            },
-        );
+        env.add_function("raise_exception", |msg: String| -> Result<minijinja::Value, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
-            .map_err(|e| TokenizerError::TemplateSyntax {
-                reason: format!("{e:#}"),
-            })?;
-        Ok(ChatTemplate {
-            env,
-            bos_token: bos_token.unwrap_or_default().to_string(),
-            eos_token: eos_token.unwrap_or_default().to_string(),
-        })
+            .map_err(|e| TokenizerError::TemplateSyntax { reason: format!("{e:#}") })?;
+        Ok(ChatTemplate { env, bos_token: bos_token.unwrap_or_default().to_string(), eos_token: eos_token.unwrap_or_default().to_string() })
     }
 
     /// Render `messages`; with `add_generation_prompt` the template appends the assistant
     /// turn header.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
-        self.render_with(
-            minijinja::Value::from_serialize(messages),
-            add_generation_prompt,
-            minijinja::Value::UNDEFINED,
-        )
+        self.render_with(minijinja::Value::from_serialize(messages), add_generation_prompt, minijinja::Value::UNDEFINED)
     }
 
     /// Render with arbitrary message values (e.g. messages carrying tool calls) and extra
@@ -709,12 +630,7 @@ fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<S
     Ok(out)
 }
 
-fn py_json(
-    v: &minijinja::Value,
-    indent: Option<usize>,
-    level: usize,
-    out: &mut String,
-) -> Result<(), minijinja::Error> {
+fn py_json(v: &minijinja::Value, indent: Option<usize>, level: usize, out: &mut String) -> Result<(), minijinja::Error> {
     use minijinja::value::ValueKind;
     let newline = |out: &mut String, level: usize| {
         if let Some(n) = indent {

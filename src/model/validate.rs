@@ -20,10 +20,7 @@ pub fn expected_tensors(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
 /// The tensors outside the layers: embedding, final norm, and the head unless tied.
 pub fn expected_global_tensors(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let h = c.hidden_size;
-    let mut out = vec![
-        ("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h]),
-        ("model.norm.weight".to_string(), vec![h]),
-    ];
+    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h]), ("model.norm.weight".to_string(), vec![h])];
     if !c.tie_word_embeddings {
         out.push(("lm_head.weight".to_string(), vec![c.vocab_size, h]));
     }
@@ -118,9 +115,7 @@ fn is_unexpected_bias(c: &ModelConfig, name: &str) -> bool {
     if !name.starts_with("model.layers.") || !name.ends_with(".bias") {
         return name == "lm_head.bias";
     }
-    let qkv = name.ends_with("q_proj.bias")
-        || name.ends_with("k_proj.bias")
-        || name.ends_with("v_proj.bias");
+    let qkv = name.ends_with("q_proj.bias") || name.ends_with("k_proj.bias") || name.ends_with("v_proj.bias");
     !(qkv && c.qkv_bias)
 }
 
@@ -145,31 +140,22 @@ pub fn validate(weights: &ModelWeights) -> Result<(), LanternError> {
             Some(n) => {
                 return Err(LoadError::Invalid {
                     file: file(),
-                    reason: format!(
-                        "tensor `{name}` ({:?} {:?}) should hold {n} bytes but holds {}",
-                        t.dtype,
-                        t.shape,
-                        t.data.len()
-                    ),
+                    reason: format!("tensor `{name}` ({:?} {:?}) should hold {n} bytes but holds {}", t.dtype, t.shape, t.data.len()),
                 }
                 .into())
             }
-            None => return Err(LoadError::Invalid {
-                file: file(),
-                reason: format!(
-                    "tensor `{name}` has {numel} elements, not a multiple of the {:?} block size",
-                    t.dtype
-                ),
+            None => {
+                return Err(LoadError::Invalid {
+                    file: file(),
+                    reason: format!("tensor `{name}` has {numel} elements, not a multiple of the {:?} block size", t.dtype),
+                }
+                .into())
             }
-            .into()),
         }
         if is_unexpected_bias(c, name) {
             return Err(LoadError::Invalid {
                 file: file(),
-                reason: format!(
-                    "tensor `{name}` is a bias this {:?} config does not use; refusing to ignore it",
-                    c.arch
-                ),
+                reason: format!("tensor `{name}` is a bias this {:?} config does not use; refusing to ignore it", c.arch),
             }
             .into());
         }

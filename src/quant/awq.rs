@@ -50,11 +50,7 @@ pub struct AwqOptions {
 
 impl Default for AwqOptions {
     fn default() -> Self {
-        AwqOptions {
-            grid: 10,
-            max_tokens: 256,
-            sample_tokens: 32,
-        }
+        AwqOptions { grid: 10, max_tokens: 256, sample_tokens: 32 }
     }
 }
 
@@ -112,15 +108,9 @@ impl Site {
     pub fn weights(&self, l: usize) -> Vec<String> {
         let p = format!("model.layers.{l}");
         match self {
-            Site::Qkv => ["q", "k", "v"]
-                .iter()
-                .map(|n| format!("{p}.self_attn.{n}_proj.weight"))
-                .collect(),
+            Site::Qkv => ["q", "k", "v"].iter().map(|n| format!("{p}.self_attn.{n}_proj.weight")).collect(),
             Site::O => vec![format!("{p}.self_attn.o_proj.weight")],
-            Site::GateUp => vec![
-                format!("{p}.mlp.gate_proj.weight"),
-                format!("{p}.mlp.up_proj.weight"),
-            ],
+            Site::GateUp => vec![format!("{p}.mlp.gate_proj.weight"), format!("{p}.mlp.up_proj.weight")],
             Site::Down => vec![format!("{p}.mlp.down_proj.weight")],
         }
     }
@@ -163,10 +153,7 @@ fn threads() -> usize {
     if cfg!(target_arch = "wasm32") {
         return 1;
     }
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .min(16)
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(16)
 }
 
 /// Splits `0..n` into up to `threads()` ranges and runs `f` on each (in parallel natively),
@@ -174,19 +161,13 @@ fn threads() -> usize {
 fn par_ranges<T: Send>(n: usize, f: impl Fn(std::ops::Range<usize>) -> T + Sync) -> Vec<T> {
     let t = threads().min(n.max(1));
     let chunk = n.div_ceil(t.max(1)).max(1);
-    let ranges: Vec<_> = (0..n)
-        .step_by(chunk)
-        .map(|a| a..(a + chunk).min(n))
-        .collect();
+    let ranges: Vec<_> = (0..n).step_by(chunk).map(|a| a..(a + chunk).min(n)).collect();
     if ranges.len() <= 1 {
         return ranges.into_iter().map(&f).collect();
     }
     std::thread::scope(|sc| {
         let handles: Vec<_> = ranges.into_iter().map(|r| sc.spawn(|| f(r))).collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
     })
 }
 
@@ -210,14 +191,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn matmul_rows_generic(
-    x: &[f32],
-    w: &[f32],
-    bias: Option<&[f32]>,
-    k: usize,
-    rows: std::ops::Range<usize>,
-    out: &mut Vec<f32>,
-) {
+fn matmul_rows_generic(x: &[f32], w: &[f32], bias: Option<&[f32]>, k: usize, rows: std::ops::Range<usize>, out: &mut Vec<f32>) {
     for j in rows {
         let wr = &w[j * k..(j + 1) * k];
         let b = bias.map_or(0.0, |b| b[j]);
@@ -226,14 +200,7 @@ fn matmul_rows_generic(
 }
 
 /// Rows `rows` of `W` against every row of `x`, appended as `[rows, t]`.
-fn matmul_rows(
-    x: &[f32],
-    w: &[f32],
-    bias: Option<&[f32]>,
-    k: usize,
-    rows: std::ops::Range<usize>,
-    out: &mut Vec<f32>,
-) {
+fn matmul_rows(x: &[f32], w: &[f32], bias: Option<&[f32]>, k: usize, rows: std::ops::Range<usize>, out: &mut Vec<f32>) {
     #[cfg(target_arch = "x86_64")]
     if avx::available() {
         for j in rows {
@@ -283,14 +250,7 @@ fn record(x: &[f32], k: usize, sample: &[usize]) -> InputStats {
     for &i in sample {
         s.extend_from_slice(&x[i * k..(i + 1) * k]);
     }
-    InputStats {
-        k,
-        mean_abs: mean
-            .into_iter()
-            .map(|m| (m / t.max(1) as f64) as f32)
-            .collect(),
-        sample: s,
-    }
+    InputStats { k, mean_abs: mean.into_iter().map(|m| (m / t.max(1) as f64) as f32).collect(), sample: s }
 }
 
 /// The sampled token indices: all of them when `t <= n`, else position 0 and `n - 1`
@@ -330,10 +290,7 @@ fn forward(
     let (h, hd) = (c.hidden_size, c.head_dim);
     let (qd, kvd, ffn) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-        return Err(LanternError::Calibration(format!(
-            "AWQ calibration: token id {bad} is outside the vocabulary ({})",
-            c.vocab_size
-        )));
+        return Err(LanternError::Calibration(format!("AWQ calibration: token id {bad} is outside the vocabulary ({})", c.vocab_size)));
     }
     let positions: Vec<usize> = (0..tokens.len()).collect();
     let sample = sample_indices(tokens.len(), sample_tokens);
@@ -345,8 +302,7 @@ fn forward(
         let lw = |n: &str| get(&format!("{p}.{n}"));
         let bias = |n: &str| -> Option<&[f32]> {
             if c.qkv_bias {
-                w.get(&format!("{p}.self_attn.{n}_proj.bias"))
-                    .map(Vec::as_slice)
+                w.get(&format!("{p}.self_attn.{n}_proj.bias")).map(Vec::as_slice)
             } else {
                 None
             }
@@ -358,16 +314,7 @@ fn forward(
         let q = ops::rope(&q, &positions, c.num_heads, hd, &inv_freq);
         let k = ops::rope(&k, &positions, c.num_kv_heads, hd, &inv_freq);
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
-        let a = ops::attention(
-            &q,
-            &k,
-            &v,
-            &positions,
-            c.num_heads,
-            c.num_kv_heads,
-            hd,
-            scale,
-        );
+        let a = ops::attention(&q, &k, &v, &positions, c.num_heads, c.num_kv_heads, hd, scale);
         let o = matmul(&a, lw("self_attn.o_proj.weight")?, None, qd, h);
         let x1 = ops::add(&x, &o);
         let n2 = ops::rmsnorm(&x1, lw("post_attention_layernorm.weight")?, c.rms_norm_eps);
@@ -400,42 +347,24 @@ pub fn capture(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<LayerStats>, LanternError> {
     if tokens.is_empty() {
-        return Err(LanternError::Calibration(
-            "AWQ calibration: no calibration tokens".into(),
-        ));
+        return Err(LanternError::Calibration("AWQ calibration: no calibration tokens".into()));
     }
     let mut stats = Vec::with_capacity(config.num_layers);
-    forward(
-        config,
-        weights,
-        tokens,
-        sample_tokens,
-        Some(&mut stats),
-        progress,
-    )?;
+    forward(config, weights, tokens, sample_tokens, Some(&mut stats), progress)?;
     Ok(stats)
 }
 
 /// The final residual stream `[T, hidden]` of the lean f32 forward pass (for checking it
 /// against [`crate::reference::ReferenceModel::forward_hidden`]).
-pub fn forward_hidden(
-    config: &ModelConfig,
-    weights: &FloatWeights,
-    tokens: &[u32],
-) -> Result<Vec<f32>, LanternError> {
+pub fn forward_hidden(config: &ModelConfig, weights: &FloatWeights, tokens: &[u32]) -> Result<Vec<f32>, LanternError> {
     forward(config, weights, tokens, 0, None, &mut |_, _| {})
 }
 
 /// Per-channel scales `mean_abs^alpha`, floored at 1e-4 and normalized by
 /// `sqrt(max * min)` (llm-awq's `auto_scale`).
 pub fn scales_for(mean_abs: &[f32], alpha: f32) -> Vec<f32> {
-    let mut s: Vec<f32> = mean_abs
-        .iter()
-        .map(|&m| (m.max(0.0) as f64).powf(alpha as f64).max(1e-4) as f32)
-        .collect();
-    let (lo, hi) = s
-        .iter()
-        .fold((f32::INFINITY, 0f32), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    let mut s: Vec<f32> = mean_abs.iter().map(|&m| (m.max(0.0) as f64).powf(alpha as f64).max(1e-4) as f32).collect();
+    let (lo, hi) = s.iter().fold((f32::INFINITY, 0f32), |(lo, hi), &v| (lo.min(v), hi.max(v)));
     let norm = ((lo as f64) * (hi as f64)).sqrt() as f32;
     if norm.is_finite() && norm > 0.0 {
         for v in &mut s {
@@ -450,9 +379,7 @@ pub fn scales_for(mean_abs: &[f32], alpha: f32) -> Vec<f32> {
 pub fn expand_kv(c: &ModelConfig, s_kv: &[f32]) -> Vec<f32> {
     let hd = c.head_dim;
     let rep = c.group_size();
-    (0..c.num_heads)
-        .flat_map(|h| s_kv[(h / rep) * hd..(h / rep + 1) * hd].iter().copied())
-        .collect()
+    (0..c.num_heads).flat_map(|h| s_kv[(h / rep) * hd..(h / rep + 1) * hd].iter().copied()).collect()
 }
 
 /// Averages o_proj input statistics over the query heads of each KV head.
@@ -474,19 +401,11 @@ fn dot4(e: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
     let (mut a0, mut a1, mut a2, mut a3) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
     let xc = x.chunks_exact(8);
     let xr = xc.remainder();
-    let it = xc
-        .zip(e[0].chunks_exact(8))
-        .zip(e[1].chunks_exact(8))
-        .zip(e[2].chunks_exact(8))
-        .zip(e[3].chunks_exact(8));
+    let it = xc.zip(e[0].chunks_exact(8)).zip(e[1].chunks_exact(8)).zip(e[2].chunks_exact(8)).zip(e[3].chunks_exact(8));
     for ((((xs, e0), e1), e2), e3) in it {
         let xs: &[f32; 8] = xs.try_into().expect("8");
-        let (e0, e1, e2, e3): (&[f32; 8], &[f32; 8], &[f32; 8], &[f32; 8]) = (
-            e0.try_into().expect("8"),
-            e1.try_into().expect("8"),
-            e2.try_into().expect("8"),
-            e3.try_into().expect("8"),
-        );
+        let (e0, e1, e2, e3): (&[f32; 8], &[f32; 8], &[f32; 8], &[f32; 8]) =
+            (e0.try_into().expect("8"), e1.try_into().expect("8"), e2.try_into().expect("8"), e3.try_into().expect("8"));
         for l in 0..8 {
             a0[l] += e0[l] * xs[l];
             a1[l] += e1[l] * xs[l];
@@ -510,12 +429,7 @@ fn block_error_generic(e: &[f32], k: usize, x: &[f32]) -> f64 {
     let mut err = 0f64;
     let mut quad = e.chunks_exact(4 * k);
     for four in &mut quad {
-        let rows4 = [
-            &four[..k],
-            &four[k..2 * k],
-            &four[2 * k..3 * k],
-            &four[3 * k..],
-        ];
+        let rows4 = [&four[..k], &four[k..2 * k], &four[2 * k..3 * k], &four[3 * k..]];
         for xt in x.chunks_exact(k) {
             for d in dot4(rows4, xt) {
                 err += (d as f64) * (d as f64);
@@ -559,27 +473,13 @@ mod avx {
             unsafe {
                 let xv = _mm256_loadu_ps(x.as_ptr().add(i));
                 for j in 0..4 {
-                    a[j] = _mm256_add_ps(
-                        a[j],
-                        _mm256_mul_ps(_mm256_loadu_ps(e[j].as_ptr().add(i)), xv),
-                    );
+                    a[j] = _mm256_add_ps(a[j], _mm256_mul_ps(_mm256_loadu_ps(e[j].as_ptr().add(i)), xv));
                 }
             }
             i += 8;
         }
-        let tail = |ej: &[f32]| {
-            ej[n..x.len()]
-                .iter()
-                .zip(&x[n..])
-                .map(|(p, q)| p * q)
-                .sum::<f32>()
-        };
-        [
-            hsum(a[0]) + tail(e[0]),
-            hsum(a[1]) + tail(e[1]),
-            hsum(a[2]) + tail(e[2]),
-            hsum(a[3]) + tail(e[3]),
-        ]
+        let tail = |ej: &[f32]| ej[n..x.len()].iter().zip(&x[n..]).map(|(p, q)| p * q).sum::<f32>();
+        [hsum(a[0]) + tail(e[0]), hsum(a[1]) + tail(e[1]), hsum(a[2]) + tail(e[2]), hsum(a[3]) + tail(e[3])]
     }
 
     /// [`super::dot`]: 16 lanes as two registers.
@@ -592,20 +492,8 @@ mod avx {
         while i < n {
             // SAFETY: i + 16 <= n <= len of both slices.
             unsafe {
-                lo = _mm256_add_ps(
-                    lo,
-                    _mm256_mul_ps(
-                        _mm256_loadu_ps(a.as_ptr().add(i)),
-                        _mm256_loadu_ps(b.as_ptr().add(i)),
-                    ),
-                );
-                hi = _mm256_add_ps(
-                    hi,
-                    _mm256_mul_ps(
-                        _mm256_loadu_ps(a.as_ptr().add(i + 8)),
-                        _mm256_loadu_ps(b.as_ptr().add(i + 8)),
-                    ),
-                );
+                lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i))));
+                hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(a.as_ptr().add(i + 8)), _mm256_loadu_ps(b.as_ptr().add(i + 8))));
             }
             i += 16;
         }
@@ -633,12 +521,7 @@ fn block_error(e: &[f32], k: usize, x: &[f32]) -> f64 {
         let mut err = 0f64;
         let mut quad = e.chunks_exact(4 * k);
         for four in &mut quad {
-            let rows4 = [
-                &four[..k],
-                &four[k..2 * k],
-                &four[2 * k..3 * k],
-                &four[3 * k..],
-            ];
+            let rows4 = [&four[..k], &four[k..2 * k], &four[2 * k..3 * k], &four[3 * k..]];
             for xt in x.chunks_exact(k) {
                 // SAFETY: the CPU supports AVX (checked above).
                 for d in unsafe { avx::dot4(rows4, xt) } {
@@ -661,14 +544,7 @@ fn block_error(e: &[f32], k: usize, x: &[f32]) -> f64 {
 /// The output error `sum_t ||(W - deq(Q(W diag(s))) diag(1/s)) x_t||^2` of quantizing the
 /// `rows x k` matrix `w` with input scales `s` (`None`: plain RTN) over the sampled inputs
 /// `x` (`[n, k]`). The rounding is exactly [`super::PackedMatrix::quantize`]'s.
-pub fn output_error(
-    tensor: &str,
-    w: &[f32],
-    k: usize,
-    s: Option<&[f32]>,
-    x: &[f32],
-    format: QuantFormat,
-) -> Result<f64, QuantError> {
+pub fn output_error(tensor: &str, w: &[f32], k: usize, s: Option<&[f32]>, x: &[f32], format: QuantFormat) -> Result<f64, QuantError> {
     format.check(tensor, k)?;
     let rows = w.len() / k;
     let inv_s: Option<Vec<f32>> = s.map(|s| s.iter().map(|v| 1.0 / v).collect());
@@ -741,19 +617,11 @@ pub fn search_site(
     alphas: &[f32],
 ) -> Result<SiteResult, QuantError> {
     let k = stats.k;
-    let base = if site == Site::O {
-        tie_kv(c, &stats.mean_abs)
-    } else {
-        stats.mean_abs.clone()
-    };
+    let base = if site == Site::O { tie_kv(c, &stats.mean_abs) } else { stats.mean_abs.clone() };
     let mut best: Option<(f32, Vec<f32>, f64)> = None;
     let mut err_rtn = f64::NAN;
     for &alpha in alphas {
-        let s = if alpha == 0.0 {
-            None
-        } else {
-            Some(scales_for(&base, alpha))
-        };
+        let s = if alpha == 0.0 { None } else { Some(scales_for(&base, alpha)) };
         let full = match (&s, site) {
             (Some(s), Site::O) => Some(expand_kv(c, s)),
             (s, _) => s.clone(),
@@ -778,13 +646,7 @@ pub fn search_site(
             err_rtn += output_error(name, w, k, None, &stats.sample, format)?;
         }
     }
-    Ok(SiteResult {
-        site,
-        alpha,
-        scales,
-        err_rtn,
-        err_best,
-    })
+    Ok(SiteResult { site, alpha, scales, err_rtn, err_best })
 }
 
 /// Scales for one layer, by site (`None`: leave that site unscaled). o_proj scales are per
@@ -821,21 +683,12 @@ fn divide(v: &mut [f32], s: &[f32]) {
 
 /// Applies one layer's scales to float weights, folding `1 / s` exactly (see the module
 /// docs): the float model computes the same function afterwards (up to f32 rounding).
-pub fn fold_layer(
-    c: &ModelConfig,
-    w: &mut FloatWeights,
-    l: usize,
-    s: &LayerScales,
-) -> Result<(), LanternError> {
+pub fn fold_layer(c: &ModelConfig, w: &mut FloatWeights, l: usize, s: &LayerScales) -> Result<(), LanternError> {
     let (h, hd) = (c.hidden_size, c.head_dim);
     let qd = c.num_heads * hd;
     let ffn = c.intermediate_size;
     let p = format!("model.layers.{l}");
-    fn get_in<'a>(
-        w: &'a mut FloatWeights,
-        p: &str,
-        n: &str,
-    ) -> Result<&'a mut Vec<f32>, LanternError> {
+    fn get_in<'a>(w: &'a mut FloatWeights, p: &str, n: &str) -> Result<&'a mut Vec<f32>, LanternError> {
         let name = format!("{p}.{n}");
         w.get_mut(&name).ok_or_else(|| missing(&name))
     }
@@ -846,11 +699,7 @@ pub fn fold_layer(
         divide(get_in(w, &p, "input_layernorm.weight")?, s);
     }
     if let Some(s_kv) = &s.o {
-        scale_cols(
-            get_in(w, &p, "self_attn.o_proj.weight")?,
-            qd,
-            &expand_kv(c, s_kv),
-        );
+        scale_cols(get_in(w, &p, "self_attn.o_proj.weight")?, qd, &expand_kv(c, s_kv));
         divide_rows(get_in(w, &p, "self_attn.v_proj.weight")?, h, s_kv);
         if c.qkv_bias {
             if let Ok(b) = get_in(w, &p, "self_attn.v_proj.bias") {

@@ -217,15 +217,15 @@ impl QuantFormat {
             return Err(QuantError::BadGroup { tensor: tensor.into(), group: self.group });
         }
         if !self.kind.is_rtn() && !k.is_multiple_of(self.kind.super_block()) {
-            return Err(QuantError::SuperBlockMismatch { tensor: tensor.into(), k, block: self.kind.super_block(), format: self.to_string() });
-        }
-        if k == 0 || !k.is_multiple_of(self.group as usize) {
-            return Err(QuantError::GroupMismatch {
+            return Err(QuantError::SuperBlockMismatch {
                 tensor: tensor.into(),
                 k,
-                group: self.group,
+                block: self.kind.super_block(),
                 format: self.to_string(),
             });
+        }
+        if k == 0 || !k.is_multiple_of(self.group as usize) {
+            return Err(QuantError::GroupMismatch { tensor: tensor.into(), k, group: self.group, format: self.to_string() });
         }
         Ok(())
     }
@@ -331,10 +331,7 @@ fn group_params(kind: QuantKind, x: &[f32]) -> (u32, f32, f32) {
             (d.to_bits() as u32, d.to_f32(), -8.0 * d.to_f32())
         }
         QuantKind::Q4 => {
-            let (lo, hi) = x
-                .iter()
-                .map(|v| order_key(v.to_bits() as i32))
-                .fold((i32::MAX, i32::MIN), |(lo, hi), k| (lo.min(k), hi.max(k)));
+            let (lo, hi) = x.iter().map(|v| order_key(v.to_bits() as i32)).fold((i32::MAX, i32::MIN), |(lo, hi), k| (lo.min(k), hi.max(k)));
             let (lo, hi) = (f32::from_bits(order_key(lo) as u32), f32::from_bits(order_key(hi) as u32));
             let m = f16::from_f32(lo);
             // Scale from the stored minimum so the top of the range is reachable.
@@ -544,22 +541,16 @@ impl PackedMatrix {
 
     /// Stack matrices with the same format and row length (q|k|v into one projection).
     pub fn concat_rows(parts: &[PackedMatrix]) -> Result<PackedMatrix, QuantError> {
-        let first = parts.first().ok_or_else(|| QuantError::Invalid {
-            tensor: "<concat>".into(),
-            reason: "no parts".into(),
-        })?;
-        let mut out = PackedMatrix {
-            format: first.format,
-            rows: 0,
-            k: first.k,
-            qs: Vec::new(),
-            scales: Vec::new(),
-        };
+        let first = parts.first().ok_or_else(|| QuantError::Invalid { tensor: "<concat>".into(), reason: "no parts".into() })?;
+        let mut out = PackedMatrix { format: first.format, rows: 0, k: first.k, qs: Vec::new(), scales: Vec::new() };
         for p in parts {
             if p.format != first.format || p.k != first.k {
                 return Err(QuantError::Invalid {
                     tensor: "<concat>".into(),
-                    reason: format!("cannot stack {} x {} ({}) under {} x {} ({})", p.rows, p.k, p.format, first.rows, first.k, first.format),
+                    reason: format!(
+                        "cannot stack {} x {} ({}) under {} x {} ({})",
+                        p.rows, p.k, p.format, first.rows, first.k, first.format
+                    ),
                 });
             }
             out.rows += p.rows;
@@ -633,16 +624,10 @@ impl PackedMatrix {
         check_rtn(tensor, format)?;
         format.check(tensor, k)?;
         if values.len() != rows * k {
-            return Err(QuantError::Invalid {
-                tensor: tensor.into(),
-                reason: format!("{} values, expected {rows} x {k}", values.len()),
-            });
+            return Err(QuantError::Invalid { tensor: tensor.into(), reason: format!("{} values, expected {rows} x {k}", values.len()) });
         }
         if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-            return Err(QuantError::Invalid {
-                tensor: tensor.into(),
-                reason: format!("non-finite value {} at element {i}", values[i]),
-            });
+            return Err(QuantError::Invalid { tensor: tensor.into(), reason: format!("non-finite value {} at element {i}", values[i]) });
         }
         let group = format.group as usize;
         let groups = format.groups(k);
@@ -699,12 +684,6 @@ impl PackedMatrix {
             });
         }
         let words = |b: &[u8]| -> Vec<u32> { b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() };
-        Ok(PackedMatrix {
-            format,
-            rows,
-            k,
-            qs: words(&data[..nq * 4]),
-            scales: words(&data[nq * 4..]),
-        })
+        Ok(PackedMatrix { format, rows, k, qs: words(&data[..nq * 4]), scales: words(&data[nq * 4..]) })
     }
 }

@@ -77,13 +77,7 @@ pub struct QuantizeOptions {
 impl QuantizeOptions {
     /// RTN, group 32, embeddings q8.
     pub fn new(kind: QuantKind) -> Self {
-        QuantizeOptions {
-            kind,
-            group: 32,
-            method: Method::Rtn,
-            embeddings: EmbeddingPolicy::Q8,
-            awq: AwqOptions::default(),
-        }
+        QuantizeOptions { kind, group: 32, method: Method::Rtn, embeddings: EmbeddingPolicy::Q8, awq: AwqOptions::default() }
     }
 
     /// The linear layers' format.
@@ -139,11 +133,7 @@ pub enum Progress<'a> {
     /// The AWQ search finished `layer` of `layers`.
     Search { layer: usize, layers: usize },
     /// Tensor `done` of `total` (`name`) is being written.
-    Quantize {
-        name: &'a str,
-        done: usize,
-        total: usize,
-    },
+    Quantize { name: &'a str, done: usize, total: usize },
 }
 
 /// The quantized model: weights (packed linear layers), the metadata to store with them,
@@ -188,29 +178,14 @@ fn role(name: &str) -> Role {
 fn rows_k(t: &HostTensor) -> Result<(usize, usize), QuantError> {
     match t.shape.as_slice() {
         [r, k] => Ok((*r, *k)),
-        s => Err(QuantError::Invalid {
-            tensor: t.name.clone(),
-            reason: format!("expected a 2-D weight, shape is {s:?}"),
-        }),
+        s => Err(QuantError::Invalid { tensor: t.name.clone(), reason: format!("expected a 2-D weight, shape is {s:?}") }),
     }
 }
 
 /// Round to nearest on all cores (row blocks quantized in parallel, then stacked).
-pub fn quantize_parallel(
-    tensor: &str,
-    values: &[f32],
-    rows: usize,
-    k: usize,
-    format: QuantFormat,
-) -> Result<PackedMatrix, QuantError> {
+pub fn quantize_parallel(tensor: &str, values: &[f32], rows: usize, k: usize, format: QuantFormat) -> Result<PackedMatrix, QuantError> {
     format.check(tensor, k)?;
-    let threads = if cfg!(target_arch = "wasm32") {
-        1
-    } else {
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-    };
+    let threads = if cfg!(target_arch = "wasm32") { 1 } else { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) };
     if threads <= 1 || rows < 64 {
         return PackedMatrix::quantize(tensor, values, rows, k, format);
     }
@@ -220,15 +195,10 @@ pub fn quantize_parallel(
             .step_by(chunk)
             .map(|r0| {
                 let r1 = (r0 + chunk).min(rows);
-                sc.spawn(move || {
-                    PackedMatrix::quantize(tensor, &values[r0 * k..r1 * k], r1 - r0, k, format)
-                })
+                sc.spawn(move || PackedMatrix::quantize(tensor, &values[r0 * k..r1 * k], r1 - r0, k, format))
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
     });
     let parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
     PackedMatrix::concat_rows(&parts)
@@ -239,9 +209,7 @@ pub fn quantize_parallel(
 fn repack(t: &HostTensor, format: QuantFormat) -> Option<Result<PackedMatrix, QuantError>> {
     let same = match t.dtype {
         DType::Packed(f) => f == format,
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-            t.dtype.quant_kind() == Some(format.kind) && format.group == 32
-        }
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => t.dtype.quant_kind() == Some(format.kind) && format.group == 32,
         _ => false,
     };
     if same && t.shape.len() == 2 {
@@ -252,25 +220,13 @@ fn repack(t: &HostTensor, format: QuantFormat) -> Option<Result<PackedMatrix, Qu
 }
 
 fn packed_tensor(name: &str, m: &PackedMatrix) -> HostTensor {
-    HostTensor {
-        name: name.to_string(),
-        shape: vec![m.rows, m.k],
-        dtype: DType::Packed(m.format),
-        data: m.to_bytes(),
-    }
+    HostTensor { name: name.to_string(), shape: vec![m.rows, m.k], dtype: DType::Packed(m.format), data: m.to_bytes() }
 }
 
 /// The calibration tokens actually used: at most `max_tokens`, and no more than the
 /// model's context.
-pub fn calibration_slice<'a>(
-    tokens: &'a [u32],
-    opts: &AwqOptions,
-    max_position_embeddings: usize,
-) -> &'a [u32] {
-    let n = tokens
-        .len()
-        .min(opts.max_tokens.max(1))
-        .min(max_position_embeddings);
+pub fn calibration_slice<'a>(tokens: &'a [u32], opts: &AwqOptions, max_position_embeddings: usize) -> &'a [u32] {
+    let n = tokens.len().min(opts.max_tokens.max(1)).min(max_position_embeddings);
     &tokens[..n]
 }
 
@@ -310,10 +266,7 @@ pub fn quantize_model(
     for t in weights.tensors.values() {
         *report.bytes_before.entry(t.dtype.name()).or_default() += t.data.len();
     }
-    let mut meta = QuantMetadata {
-        source: Some(weights.source.clone()),
-        ..QuantMetadata::default()
-    };
+    let mut meta = QuantMetadata { source: Some(weights.source.clone()), ..QuantMetadata::default() };
 
     // AWQ: calibrate on the float model, search, fold into float copies of the weights.
     let mut floats: FloatWeights = HashMap::new();
@@ -325,13 +278,10 @@ pub fn quantize_model(
                 reason: format!("AWQ's calibration forward runs the Llama block only, not {:?}'s; use round-to-nearest", c.arch),
             });
         }
-        let tokens = calibration
-            .ok_or_else(|| LanternError::Calibration("AWQ needs calibration tokens".into()))?;
+        let tokens = calibration.ok_or_else(|| LanternError::Calibration("AWQ needs calibration tokens".into()))?;
         let tokens = calibration_slice(tokens, &opts.awq, c.max_position_embeddings);
         if tokens.is_empty() {
-            return Err(LanternError::Calibration(
-                "AWQ: the calibration text has no tokens".into(),
-            ));
+            return Err(LanternError::Calibration("AWQ: the calibration text has no tokens".into()));
         }
         for name in &names {
             if role(name) != Role::Embedding || name.as_str() == "model.embed_tokens.weight" {
@@ -339,13 +289,8 @@ pub fn quantize_model(
             }
         }
         let t0 = Instant::now();
-        let stats = awq::capture(
-            c,
-            &floats,
-            tokens,
-            opts.awq.sample_tokens,
-            &mut |layer, layers| progress(Progress::Calibrate { layer, layers }),
-        )?;
+        let stats =
+            awq::capture(c, &floats, tokens, opts.awq.sample_tokens, &mut |layer, layers| progress(Progress::Calibrate { layer, layers }))?;
         report.calibration_tokens = tokens.len();
         report.calibration_seconds = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
@@ -356,30 +301,16 @@ pub fn quantize_model(
                 let wn = site.weights(l);
                 let ws: Vec<&[f32]> = wn.iter().map(|n| floats[n].as_slice()).collect();
                 let r = awq::search_site(c, site, &wn, &ws, st.get(site), format, &alphas)?;
-                report.awq.push(AwqSiteReport {
-                    layer: l,
-                    site: site.name(),
-                    alpha: r.alpha,
-                    err_rtn: r.err_rtn,
-                    err_awq: r.err_best,
-                });
+                report.awq.push(AwqSiteReport { layer: l, site: site.name(), alpha: r.alpha, err_rtn: r.err_rtn, err_awq: r.err_best });
                 one.push(r);
             }
-            progress(Progress::Search {
-                layer: l + 1,
-                layers: c.num_layers,
-            });
+            progress(Progress::Search { layer: l + 1, layers: c.num_layers });
             let [a, b, cc, d]: [SiteResult; 4] = one.try_into().expect("four sites");
             results.push([a, b, cc, d]);
         }
         for (l, r) in results.iter().enumerate() {
             let pick = |r: &SiteResult| (r.alpha > 0.0).then(|| r.scales.clone());
-            let s = LayerScales {
-                qkv: pick(&r[0]),
-                o: pick(&r[1]),
-                gate_up: pick(&r[2]),
-                down: pick(&r[3]),
-            };
+            let s = LayerScales { qkv: pick(&r[0]), o: pick(&r[1]), gate_up: pick(&r[2]), down: pick(&r[3]) };
             awq::fold_layer(c, &mut floats, l, &s)?;
         }
         report.search_seconds = t1.elapsed().as_secs_f64();
@@ -402,24 +333,16 @@ pub fn quantize_model(
     let mut out = HashMap::new();
     let total = names.len();
     for (i, name) in names.iter().enumerate() {
-        progress(Progress::Quantize {
-            name,
-            done: i,
-            total,
-        });
+        progress(Progress::Quantize { name, done: i, total });
         let t = &weights.tensors[*name];
-        let float =
-            |floats: &FloatWeights| floats.get(*name).cloned().unwrap_or_else(|| t.to_f32());
+        let float = |floats: &FloatWeights| floats.get(*name).cloned().unwrap_or_else(|| t.to_f32());
         let float_tensor = |dtype: DType, values: Vec<f32>| HostTensor {
             name: (*name).clone(),
             shape: t.shape.clone(),
             dtype,
             data: match dtype {
                 DType::F16 if t.dtype == DType::F16 => t.data.clone(),
-                DType::F16 => values
-                    .iter()
-                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-                    .collect(),
+                DType::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
                 _ => bytemuck::cast_slice(&values).to_vec(),
             },
         };
@@ -432,11 +355,7 @@ pub fn quantize_model(
                     out.insert((*name).clone(), float_tensor(DType::F32, t.to_f32()));
                 }
                 (EmbeddingPolicy::F16, _) => {
-                    let v = if t.dtype == DType::F16 {
-                        Vec::new()
-                    } else {
-                        t.to_f32()
-                    };
+                    let v = if t.dtype == DType::F16 { Vec::new() } else { t.to_f32() };
                     out.insert((*name).clone(), float_tensor(DType::F16, v));
                 }
                 (_, Some(f)) => {
@@ -445,8 +364,7 @@ pub fn quantize_model(
                         Some(r) => (r?, "repack"),
                         None => (quantize_parallel(name, &t.to_f32(), rows, k, f)?, "rtn"),
                     };
-                    meta.tensors
-                        .insert((*name).clone(), TensorInfo::new(f, method));
+                    meta.tensors.insert((*name).clone(), TensorInfo::new(f, method));
                     out.insert((*name).clone(), packed_tensor(name, &m));
                 }
                 (_, None) => unreachable!("quantized embedding policies have a format"),
@@ -459,10 +377,7 @@ pub fn quantize_model(
                 } else {
                     match repack(t, format) {
                         Some(r) => (r?, TensorInfo::new(format, "repack")),
-                        None => (
-                            quantize_parallel(name, &t.to_f32(), rows, k, format)?,
-                            TensorInfo::new(format, "rtn"),
-                        ),
+                        None => (quantize_parallel(name, &t.to_f32(), rows, k, format)?, TensorInfo::new(format, "rtn")),
                     }
                 };
                 if opts.method == Method::Awq {
@@ -473,11 +388,7 @@ pub fn quantize_model(
             }
         }
     }
-    progress(Progress::Quantize {
-        name: "",
-        done: total,
-        total,
-    });
+    progress(Progress::Quantize { name: "", done: total, total });
     report.quantize_seconds = t2.elapsed().as_secs_f64();
     for t in out.values() {
         *report.bytes_after.entry(t.dtype.name()).or_default() += t.data.len();
@@ -492,17 +403,9 @@ pub fn quantize_model(
         };
         *report.methods.entry(method).or_default() += 1;
     }
-    let weights = ModelWeights {
-        config: c.clone(),
-        tensors: out,
-        source: format!("{} quantized to {}", weights.source, format),
-    };
+    let weights = ModelWeights { config: c.clone(), tensors: out, source: format!("{} quantized to {}", weights.source, format) };
     validate(&weights)?;
-    Ok(QuantizedModel {
-        weights,
-        metadata: meta,
-        report,
-    })
+    Ok(QuantizedModel { weights, metadata: meta, report })
 }
 
 /// Fills the AWQ fields of a linear weight's metadata: its input-scale alpha and fold, and
@@ -516,10 +419,7 @@ fn awq_info(info: &mut TensorInfo, name: &str, results: &[[SiteResult; 4]]) {
     };
     let Some(r) = results.get(l) else { return };
     let site_of = |n: &str| -> Option<usize> {
-        if n.ends_with("q_proj.weight")
-            || n.ends_with("k_proj.weight")
-            || n.ends_with("v_proj.weight")
-        {
+        if n.ends_with("q_proj.weight") || n.ends_with("k_proj.weight") || n.ends_with("v_proj.weight") {
             Some(0)
         } else if n.ends_with("o_proj.weight") {
             Some(1)

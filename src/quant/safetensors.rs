@@ -113,30 +113,22 @@ impl Default for QuantMetadata {
 }
 
 fn meta_err(file: &str, tensor: &str, reason: impl Into<String>) -> LoadError {
-    LoadError::Quantized {
-        file: file.to_string(),
-        tensor: tensor.to_string(),
-        reason: reason.into(),
-    }
+    LoadError::Quantized { file: file.to_string(), tensor: tensor.to_string(), reason: reason.into() }
 }
 
 /// Parses the `lantern.quantization` JSON of `file`; every entry is checked (known kind,
 /// valid group) and errors name the tensor.
 pub fn parse_metadata(text: &str, file: &str) -> Result<QuantMetadata, LoadError> {
     let where_ = format!("__metadata__[\"{METADATA_KEY}\"]");
-    let root: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| meta_err(file, &where_, format!("not valid JSON: {e}")))?;
-    let version = root
-        .get("format_version")
-        .and_then(serde_json::Value::as_u64);
+    let root: serde_json::Value = serde_json::from_str(text).map_err(|e| meta_err(file, &where_, format!("not valid JSON: {e}")))?;
+    let version = root.get("format_version").and_then(serde_json::Value::as_u64);
     if version != Some(FORMAT_VERSION as u64) {
         return Err(meta_err(
             file,
             &where_,
             format!(
                 "format_version is {}, this build reads {FORMAT_VERSION}",
-                root.get("format_version")
-                    .map_or("missing".to_string(), |v| v.to_string())
+                root.get("format_version").map_or("missing".to_string(), |v| v.to_string())
             ),
         ));
     }
@@ -147,21 +139,12 @@ pub fn parse_metadata(text: &str, file: &str) -> Result<QuantMetadata, LoadError
     for (name, v) in entries {
         if let Some(kind) = v.get("kind") {
             if kind.as_str().and_then(QuantKind::parse).is_none() {
-                return Err(meta_err(
-                    file,
-                    name,
-                    format!("unknown kind {kind} (known: q8, q4, q4sym)"),
-                ));
+                return Err(meta_err(file, name, format!("unknown kind {kind} (known: q8, q4, q4sym)")));
             }
         }
-        let info: TensorInfo = serde_json::from_value(v.clone())
-            .map_err(|e| meta_err(file, name, format!("bad metadata entry: {e}")))?;
+        let info: TensorInfo = serde_json::from_value(v.clone()).map_err(|e| meta_err(file, name, format!("bad metadata entry: {e}")))?;
         if info.group == 0 || !info.group.is_multiple_of(8) {
-            return Err(meta_err(
-                file,
-                name,
-                format!("group {} is not a positive multiple of 8", info.group),
-            ));
+            return Err(meta_err(file, name, format!("group {} is not a positive multiple of 8", info.group)));
         }
         tensors.insert(name.clone(), info);
     }
@@ -169,8 +152,7 @@ pub fn parse_metadata(text: &str, file: &str) -> Result<QuantMetadata, LoadError
     if let Some(o) = rest.as_object_mut() {
         o.insert("tensors".into(), serde_json::json!({}));
     }
-    let mut meta: QuantMetadata = serde_json::from_value(rest)
-        .map_err(|e| meta_err(file, &where_, format!("bad metadata: {e}")))?;
+    let mut meta: QuantMetadata = serde_json::from_value(rest).map_err(|e| meta_err(file, &where_, format!("bad metadata: {e}")))?;
     meta.tensors = tensors;
     Ok(meta)
 }
@@ -185,37 +167,17 @@ pub fn packed_from_views(
     scales: Option<&TensorView<'_>>,
 ) -> Result<HostTensor, LoadError> {
     let err = |reason: String| meta_err(file, base, reason);
-    let meta = meta.ok_or_else(|| {
-        err(format!(
-            "stored as U32 {QWEIGHT_SUFFIX}/{SCALES_SUFFIX} but the file has no `{METADATA_KEY}` metadata"
-        ))
-    })?;
-    let info = meta
-        .tensors
-        .get(base)
-        .ok_or_else(|| err(format!("no entry in the `{METADATA_KEY}` metadata")))?;
-    let q = qweight.ok_or_else(|| {
-        err(format!(
-            "`{base}{SCALES_SUFFIX}` has no `{base}{QWEIGHT_SUFFIX}`"
-        ))
-    })?;
-    let s = scales.ok_or_else(|| {
-        err(format!(
-            "`{base}{QWEIGHT_SUFFIX}` has no `{base}{SCALES_SUFFIX}`"
-        ))
-    })?;
+    let meta =
+        meta.ok_or_else(|| err(format!("stored as U32 {QWEIGHT_SUFFIX}/{SCALES_SUFFIX} but the file has no `{METADATA_KEY}` metadata")))?;
+    let info = meta.tensors.get(base).ok_or_else(|| err(format!("no entry in the `{METADATA_KEY}` metadata")))?;
+    let q = qweight.ok_or_else(|| err(format!("`{base}{SCALES_SUFFIX}` has no `{base}{QWEIGHT_SUFFIX}`")))?;
+    let s = scales.ok_or_else(|| err(format!("`{base}{QWEIGHT_SUFFIX}` has no `{base}{SCALES_SUFFIX}`")))?;
     for (suffix, v) in [(QWEIGHT_SUFFIX, q), (SCALES_SUFFIX, s)] {
         if v.dtype() != StDtype::U32 {
-            return Err(err(format!(
-                "`{base}{suffix}` is {}, expected U32",
-                v.dtype()
-            )));
+            return Err(err(format!("`{base}{suffix}` is {}, expected U32", v.dtype())));
         }
         if v.shape().len() != 2 {
-            return Err(err(format!(
-                "`{base}{suffix}` has shape {:?}, expected 2-D",
-                v.shape()
-            )));
+            return Err(err(format!("`{base}{suffix}` has shape {:?}, expected 2-D", v.shape())));
         }
     }
     let format = info.format();
@@ -224,20 +186,12 @@ pub fn packed_from_views(
     format.check(base, k).map_err(|e| err(format!("{e}")))?;
     let want = [rows, format.scale_words(k)];
     if s.shape() != want {
-        return Err(err(format!(
-            "`{base}{SCALES_SUFFIX}` has shape {:?}, expected {want:?} for {rows} x {k} in {format}",
-            s.shape()
-        )));
+        return Err(err(format!("`{base}{SCALES_SUFFIX}` has shape {:?}, expected {want:?} for {rows} x {k} in {format}", s.shape())));
     }
     let mut data = Vec::with_capacity(q.data().len() + s.data().len());
     data.extend_from_slice(q.data());
     data.extend_from_slice(s.data());
-    Ok(HostTensor {
-        name: base.to_string(),
-        shape: vec![rows, k],
-        dtype: DType::Packed(format),
-        data,
-    })
+    Ok(HostTensor { name: base.to_string(), shape: vec![rows, k], dtype: DType::Packed(format), data })
 }
 
 /// One safetensors entry to write: name, dtype, shape and borrowed bytes.
@@ -251,21 +205,14 @@ struct Entry<'a> {
 /// Plans the entries of `weights`: packed tensors split in two, GGUF blocks repacked, floats
 /// as they are. Fills `meta.tensors` for packed tensors it has no entry for, and
 /// `meta.float_tensors`.
-fn entries<'a>(
-    weights: &'a ModelWeights,
-    meta: &mut QuantMetadata,
-) -> Result<Vec<Entry<'a>>, LanternError> {
+fn entries<'a>(weights: &'a ModelWeights, meta: &mut QuantMetadata) -> Result<Vec<Entry<'a>>, LanternError> {
     let mut names: Vec<&String> = weights.tensors.keys().collect();
     names.sort();
     let mut out = Vec::new();
     meta.float_tensors.clear();
     for name in names {
         let t = &weights.tensors[name];
-        let packed_entry = |out: &mut Vec<Entry<'a>>,
-                            format: QuantFormat,
-                            rows: usize,
-                            k: usize,
-                            data: std::borrow::Cow<'a, [u8]>| {
+        let packed_entry = |out: &mut Vec<Entry<'a>>, format: QuantFormat, rows: usize, k: usize, data: std::borrow::Cow<'a, [u8]>| {
             let nq = rows * format.qs_words(k) * 4;
             let (q, s) = match data {
                 std::borrow::Cow::Borrowed(b) => (b[..nq].into(), b[nq..].into()),
@@ -304,12 +251,7 @@ fn entries<'a>(
                     _ => StDtype::BF16,
                 };
                 meta.float_tensors.insert(name.clone(), t.dtype.name());
-                out.push(Entry {
-                    name: name.clone(),
-                    dtype,
-                    shape: t.shape.clone(),
-                    data: t.data.as_slice().into(),
-                });
+                out.push(Entry { name: name.clone(), dtype, shape: t.shape.clone(), data: t.data.as_slice().into() });
             }
             DType::Packed(f) => {
                 let m = match t.packed() {
@@ -317,10 +259,7 @@ fn entries<'a>(
                     Some(Err(e)) => return Err(e.into()),
                     None => unreachable!("packed dtype"),
                 };
-                let info = meta
-                    .tensors
-                    .entry(name.clone())
-                    .or_insert_with(|| TensorInfo::new(f, "unknown"));
+                let info = meta.tensors.entry(name.clone()).or_insert_with(|| TensorInfo::new(f, "unknown"));
                 if info.format() != f {
                     return Err(LanternError::Serialize {
                         what: format!("tensor `{name}`"),
@@ -331,9 +270,7 @@ fn entries<'a>(
             }
             DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => match (t.packed(), t.shape.len()) {
                 (Some(Ok(m)), 2) => {
-                    meta.tensors
-                        .entry(name.clone())
-                        .or_insert_with(|| TensorInfo::new(m.format, "repack"));
+                    meta.tensors.entry(name.clone()).or_insert_with(|| TensorInfo::new(m.format, "repack"));
                     packed_entry(&mut out, m.format, m.rows, m.k, m.to_bytes().into());
                 }
                 (Some(Err(e)), _) => return Err(e.into()),
@@ -350,18 +287,16 @@ fn entries<'a>(
             other => {
                 return Err(QuantError::Invalid {
                     tensor: name.clone(),
-                    reason: format!("is {}: quantized safetensors hold q8, q4 and q4sym packs only (run from the GGUF file itself)", other.name()),
+                    reason: format!(
+                        "is {}: quantized safetensors hold q8, q4 and q4sym packs only (run from the GGUF file itself)",
+                        other.name()
+                    ),
                 }
                 .into())
             }
         }
     }
-    meta.tensors.retain(|n, _| {
-        weights
-            .tensors
-            .get(n)
-            .is_some_and(|t| t.dtype.quant_kind().is_some())
-    });
+    meta.tensors.retain(|n, _| weights.tensors.get(n).is_some_and(|t| t.dtype.quant_kind().is_some()));
     Ok(out)
 }
 
@@ -370,31 +305,18 @@ fn st_err(e: safetensors::SafeTensorError) -> LanternError {
 }
 
 fn views<'a>(entries: &'a [Entry<'a>]) -> Result<Vec<(String, TensorView<'a>)>, LanternError> {
-    entries
-        .iter()
-        .map(|e| {
-            TensorView::new(e.dtype, e.shape.clone(), &e.data)
-                .map(|v| (e.name.clone(), v))
-                .map_err(st_err)
-        })
-        .collect()
+    entries.iter().map(|e| TensorView::new(e.dtype, e.shape.clone(), &e.data).map(|v| (e.name.clone(), v)).map_err(st_err)).collect()
 }
 
 fn header(meta: &QuantMetadata) -> Result<HashMap<String, String>, LanternError> {
     let json = serde_json::to_string(meta)
         .map_err(|e| LanternError::Serialize { what: "the lantern.quantization metadata".into(), reason: e.to_string() })?;
-    Ok(HashMap::from([
-        (METADATA_KEY.to_string(), json),
-        ("format".to_string(), "pt".to_string()),
-    ]))
+    Ok(HashMap::from([(METADATA_KEY.to_string(), json), ("format".to_string(), "pt".to_string())]))
 }
 
 /// `weights` as the bytes of a quantized `model.safetensors` (see the module docs), with
 /// `meta` (completed for every packed tensor) in `__metadata__`.
-pub fn to_safetensors_bytes(
-    weights: &ModelWeights,
-    meta: &QuantMetadata,
-) -> Result<Vec<u8>, LanternError> {
+pub fn to_safetensors_bytes(weights: &ModelWeights, meta: &QuantMetadata) -> Result<Vec<u8>, LanternError> {
     let mut meta = meta.clone();
     let entries = entries(weights, &mut meta)?;
     safetensors::tensor::serialize(views(&entries)?, Some(header(&meta)?)).map_err(st_err)
@@ -403,14 +325,9 @@ pub fn to_safetensors_bytes(
 /// `tokenizer.json` and `tokenizer_config.json` texts that
 /// [`Tokenizer::from_hf_files`] reads back into an identical tokenizer (same ids, special
 /// tokens, BOS behaviour and chat template).
-pub fn tokenizer_files(
-    tok: &Tokenizer,
-    config: &ModelConfig,
-) -> Result<(String, String), LanternError> {
-    let json = tok
-        .inner()
-        .to_string(false)
-        .map_err(|e| LanternError::Serialize { what: "tokenizer.json".into(), reason: e.to_string() })?;
+pub fn tokenizer_files(tok: &Tokenizer, config: &ModelConfig) -> Result<(String, String), LanternError> {
+    let json =
+        tok.inner().to_string(false).map_err(|e| LanternError::Serialize { what: "tokenizer.json".into(), reason: e.to_string() })?;
     let mut cfg = serde_json::json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": tok.add_bos(),
@@ -427,7 +344,8 @@ pub fn tokenizer_files(
     if let Some(t) = tok.chat_template_source() {
         cfg["chat_template"] = t.into();
     }
-    let cfg = serde_json::to_string_pretty(&cfg).map_err(|e| LanternError::Serialize { what: "tokenizer_config.json".into(), reason: e.to_string() })?;
+    let cfg = serde_json::to_string_pretty(&cfg)
+        .map_err(|e| LanternError::Serialize { what: "tokenizer_config.json".into(), reason: e.to_string() })?;
     Ok((json, cfg))
 }
 
@@ -469,16 +387,12 @@ pub fn write_model_folder(
     // Written under a temporary name and renamed, so a failed run leaves no half file that
     // looks complete.
     let tmp = dir.join(format!("{SINGLE_FILE}.partial"));
-    safetensors::tensor::serialize_to_file(views(&entries)?, Some(header(&meta)?), &tmp).map_err(
-        |e| match e {
-            safetensors::SafeTensorError::IoError(io) => LanternError::io(&tmp, io),
-            other => st_err(other),
-        },
-    )?;
+    safetensors::tensor::serialize_to_file(views(&entries)?, Some(header(&meta)?), &tmp).map_err(|e| match e {
+        safetensors::SafeTensorError::IoError(io) => LanternError::io(&tmp, io),
+        other => st_err(other),
+    })?;
     std::fs::rename(&tmp, &path).map_err(|e| LanternError::io(&path, e))?;
-    let len = std::fs::metadata(&path)
-        .map_err(|e| LanternError::io(&path, e))?
-        .len();
+    let len = std::fs::metadata(&path).map_err(|e| LanternError::io(&path, e))?.len();
     written.files.push((path, len));
     Ok(written)
 }

@@ -27,11 +27,11 @@ struct RefLayer {
     attn_out_norm: Option<Vec<f32>>,
     mlp_out_norm: Option<Vec<f32>>,
     /// The MLP input's norm.
-    post_norm: Vec<f32>,      // (hidden)
+    post_norm: Vec<f32>, // (hidden)
     window: Option<usize>,
-    gate: Vec<f32>,           // (intermediate, hidden)
-    up: Vec<f32>,             // (intermediate, hidden)
-    down: Vec<f32>,           // (hidden, intermediate)
+    gate: Vec<f32>, // (intermediate, hidden)
+    up: Vec<f32>,   // (intermediate, hidden)
+    down: Vec<f32>, // (hidden, intermediate)
 }
 
 /// A CPU reference model: every weight converted to f32 with `HostTensor::to_f32`.
@@ -64,7 +64,10 @@ impl ReferenceModel {
                 };
                 let norms = crate::model::validate::layer_norm_names(&c, l);
                 RefLayer {
-                    qk_norm: c.block.qk_norm.then(|| (get(&format!("{p}.self_attn.q_norm.weight")), get(&format!("{p}.self_attn.k_norm.weight")))),
+                    qk_norm: c
+                        .block
+                        .qk_norm
+                        .then(|| (get(&format!("{p}.self_attn.q_norm.weight")), get(&format!("{p}.self_attn.k_norm.weight")))),
                     attn_out_norm: norms.attn_out.as_deref().map(get),
                     mlp_out_norm: norms.mlp_out.as_deref().map(get),
                     window: c.block.window(l),
@@ -86,11 +89,7 @@ impl ReferenceModel {
         Ok(ReferenceModel {
             embed: get("model.embed_tokens.weight"),
             norm: get("model.norm.weight"),
-            lm_head: if c.tie_word_embeddings {
-                None
-            } else {
-                Some(get("lm_head.weight"))
-            },
+            lm_head: if c.tie_word_embeddings { None } else { Some(get("lm_head.weight")) },
             layers,
             config: c,
         })
@@ -158,12 +157,7 @@ impl ReferenceModel {
         for (l, layer) in self.layers.iter().enumerate() {
             // transformers picks LongRoPE's factor set by the sequence's length.
             let inv_freq = c.layer_rope_inv_freq(l, tokens.len());
-            let next = self.layer(
-                layer,
-                states.last().map(Vec::as_slice).unwrap_or(&[]),
-                &positions,
-                &inv_freq,
-            );
+            let next = self.layer(layer, states.last().map(Vec::as_slice).unwrap_or(&[]), &positions, &inv_freq);
             states.push(next);
         }
         states

@@ -12,11 +12,7 @@
 /// # Panics
 /// If an id is `>= vocab` or `table.len() != vocab * dim`.
 pub fn embedding(table: &[f32], vocab: usize, dim: usize, ids: &[u32]) -> Vec<f32> {
-    assert_eq!(
-        table.len(),
-        vocab * dim,
-        "embedding table is not [vocab, dim]"
-    );
+    assert_eq!(table.len(), vocab * dim, "embedding table is not [vocab, dim]");
     let mut out = Vec::with_capacity(ids.len() * dim);
     for &id in ids {
         let id = id as usize;
@@ -32,19 +28,12 @@ pub fn embedding(table: &[f32], vocab: usize, dim: usize, ids: &[u32]) -> Vec<f3
 /// `x`: `[T, D]` with `D = w.len()`. Returns `[T, D]`.
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let d = w.len();
-    assert!(
-        d > 0 && x.len().is_multiple_of(d),
-        "rmsnorm: x is not [T, {d}]"
-    );
+    assert!(d > 0 && x.len().is_multiple_of(d), "rmsnorm: x is not [T, {d}]");
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks_exact(d) {
         let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64;
         let r = 1.0 / (ms + eps as f64).sqrt();
-        out.extend(
-            row.iter()
-                .zip(w)
-                .map(|(&v, &g)| (v as f64 * r * g as f64) as f32),
-        );
+        out.extend(row.iter().zip(w).map(|(&v, &g)| (v as f64 * r * g as f64) as f32));
     }
     out
 }
@@ -54,10 +43,7 @@ pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 /// `x`: `[T, K]`; `w`: `[N, K]` (Hugging Face `[out_features, in_features]`);
 /// `bias`: `[N]` or `None`. Returns `[T, N]`.
 pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, k: usize, n: usize) -> Vec<f32> {
-    assert!(
-        k > 0 && x.len().is_multiple_of(k),
-        "linear: x is not [T, {k}]"
-    );
+    assert!(k > 0 && x.len().is_multiple_of(k), "linear: x is not [T, {k}]");
     assert_eq!(w.len(), n * k, "linear: w is not [{n}, {k}]");
     if let Some(b) = bias {
         assert_eq!(b.len(), n, "linear: bias is not [{n}]");
@@ -85,38 +71,18 @@ pub fn linear(x: &[f32], w: &[f32], bias: Option<&[f32]>, k: usize, n: usize) ->
 ///
 /// `x`: `[T, n_heads * head_dim]`; `positions`: `T` absolute positions;
 /// `inv_freq`: `head_dim / 2` frequencies. Returns `[T, n_heads * head_dim]`.
-pub fn rope(
-    x: &[f32],
-    positions: &[usize],
-    n_heads: usize,
-    head_dim: usize,
-    inv_freq: &[f32],
-) -> Vec<f32> {
+pub fn rope(x: &[f32], positions: &[usize], n_heads: usize, head_dim: usize, inv_freq: &[f32]) -> Vec<f32> {
     rope_scaled(x, positions, n_heads, head_dim, inv_freq, 1.0)
 }
 
 /// [`rope`] with cos and sin multiplied by `mscale` (in f32, as transformers applies
 /// LongRoPE's attention factor).
-pub fn rope_scaled(
-    x: &[f32],
-    positions: &[usize],
-    n_heads: usize,
-    head_dim: usize,
-    inv_freq: &[f32],
-    mscale: f32,
-) -> Vec<f32> {
+pub fn rope_scaled(x: &[f32], positions: &[usize], n_heads: usize, head_dim: usize, inv_freq: &[f32], mscale: f32) -> Vec<f32> {
     let half = head_dim / 2;
     let width = n_heads * head_dim;
-    assert!(
-        head_dim.is_multiple_of(2),
-        "rope: head_dim {head_dim} is odd"
-    );
+    assert!(head_dim.is_multiple_of(2), "rope: head_dim {head_dim} is odd");
     assert_eq!(inv_freq.len(), half, "rope: inv_freq is not [head_dim/2]");
-    assert_eq!(
-        x.len(),
-        positions.len() * width,
-        "rope: x is not [T, n_heads*head_dim]"
-    );
+    assert_eq!(x.len(), positions.len() * width, "rope: x is not [T, n_heads*head_dim]");
     let mut out = vec![0.0f32; x.len()];
     for (t, &pos) in positions.iter().enumerate() {
         for i in 0..half {
@@ -169,30 +135,17 @@ pub fn attention_windowed(
     scale: f32,
     window: Option<usize>,
 ) -> Vec<f32> {
-    assert!(
-        n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
-        "attention: heads not a multiple of kv heads"
-    );
+    assert!(n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads), "attention: heads not a multiple of kv heads");
     let qw = n_heads * head_dim;
     let kw = n_kv_heads * head_dim;
-    assert_eq!(
-        q.len(),
-        q_positions.len() * qw,
-        "attention: q is not [T, n_heads*head_dim]"
-    );
-    assert!(
-        k.len().is_multiple_of(kw) && k.len() == v.len(),
-        "attention: k/v are not [S, n_kv_heads*head_dim]"
-    );
+    assert_eq!(q.len(), q_positions.len() * qw, "attention: q is not [T, n_heads*head_dim]");
+    assert!(k.len().is_multiple_of(kw) && k.len() == v.len(), "attention: k/v are not [S, n_kv_heads*head_dim]");
     let s = k.len() / kw;
     let group = n_heads / n_kv_heads;
     let mut out = vec![0.0f32; q.len()];
     let mut scores = vec![0.0f64; s];
     for (t, &pos) in q_positions.iter().enumerate() {
-        assert!(
-            pos < s,
-            "attention: query position {pos} has no key (S = {s})"
-        );
+        assert!(pos < s, "attention: query position {pos} has no key (S = {s})");
         let n_keys = pos + 1;
         let first = window.map_or(0, |w| n_keys.saturating_sub(w.max(1)));
         for h in 0..n_heads {
@@ -233,15 +186,8 @@ fn silu_f64(v: f64) -> f64 {
 
 /// Gated MLP activation `silu(gate) * up`, elementwise; both have the same length.
 pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    assert_eq!(
-        gate.len(),
-        up.len(),
-        "silu_mul: gate and up differ in length"
-    );
-    gate.iter()
-        .zip(up)
-        .map(|(&g, &u)| (silu_f64(g as f64) * u as f64) as f32)
-        .collect()
+    assert_eq!(gate.len(), up.len(), "silu_mul: gate and up differ in length");
+    gate.iter().zip(up).map(|(&g, &u)| (silu_f64(g as f64) * u as f64) as f32).collect()
 }
 
 /// GELU with the tanh approximation (PyTorch `gelu(approximate="tanh")`,
@@ -265,10 +211,7 @@ pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
 
 /// Softmax over each row of `x` (`[T, n]`), max-subtracted, in f64. Returns `[T, n]`.
 pub fn softmax(x: &[f32], n: usize) -> Vec<f32> {
-    assert!(
-        n > 0 && x.len().is_multiple_of(n),
-        "softmax: x is not [T, {n}]"
-    );
+    assert!(n > 0 && x.len().is_multiple_of(n), "softmax: x is not [T, {n}]");
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks_exact(n) {
         let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));

@@ -188,14 +188,7 @@ pub struct GgufWriter {
 
 impl Default for GgufWriter {
     fn default() -> Self {
-        GgufWriter {
-            magic: *b"GGUF",
-            version: 3,
-            alignment: 32,
-            kv: Vec::new(),
-            tensors: Vec::new(),
-            tensor_count_override: None,
-        }
+        GgufWriter { magic: *b"GGUF", version: 3, alignment: 32, kv: Vec::new(), tensors: Vec::new(), tensor_count_override: None }
     }
 }
 
@@ -313,9 +306,8 @@ pub fn tiny_model(arch: &str, s: TinyShape, qk_type: u32) -> GgufWriter {
     let q = s.heads * s.head_dim;
     let kv = s.kv_heads * s.head_dim;
     let ramp = |n: u64, base: f32| (0..n).map(|i| base + i as f32 * 0.001).collect::<Vec<f32>>();
-    let rows = |out_rows: u64, inner: u64| -> Vec<f32> {
-        (0..out_rows).flat_map(|r| std::iter::repeat_n(r as f32, inner as usize)).collect()
-    };
+    let rows =
+        |out_rows: u64, inner: u64| -> Vec<f32> { (0..out_rows).flat_map(|r| std::iter::repeat_n(r as f32, inner as usize)).collect() };
     let qk = |w: &mut GgufWriter, name: &str, out_rows: u64| {
         let vals = rows(out_rows, s.hidden);
         match qk_type {

@@ -41,7 +41,13 @@ pub struct Spec {
 pub fn random_model(s: Spec) -> ModelWeights {
     let mut rng = Rng(s.seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
     let config = ModelConfig {
-        arch: if s.gemma { Arch::Gemma3 } else if s.bias { Arch::Qwen2 } else { Arch::Llama },
+        arch: if s.gemma {
+            Arch::Gemma3
+        } else if s.bias {
+            Arch::Qwen2
+        } else {
+            Arch::Llama
+        },
         vocab_size: s.vocab,
         hidden_size: s.hidden,
         intermediate_size: s.ffn,
@@ -113,4 +119,3 @@ pub fn random_model(s: Spec) -> ModelWeights {
     }
     ModelWeights { config, tensors, source: format!("random model seed {}", s.seed) }
 }
-

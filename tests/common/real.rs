@@ -6,8 +6,8 @@
 use lantern::engine::sampler::argmax;
 use lantern::eval::{perplexity, Window};
 use lantern::model::llama::{GpuModel, Want};
-use lantern::model::tokenizer::Tokenizer;
 use lantern::model::load::load_path;
+use lantern::model::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 
 /// A vendored fixture folder, `tests/fixtures/NAME`.
@@ -17,9 +17,9 @@ pub fn fixtures(name: &str) -> PathBuf {
 
 /// A catalogue model file (`lantern fetch NAME`), or the path in `$var`.
 pub fn model(var: &str, name: &str) -> PathBuf {
-    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
-        lantern::fetch::model_path(lantern::fetch::find_model(name).expect("catalogue entry"))
-    });
+    let path = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| lantern::fetch::model_path(lantern::fetch::find_model(name).expect("catalogue entry")));
     assert!(path.is_file(), "{} not found: run `lantern fetch {name}` (the README's test command does) or set {var}", path.display());
     path
 }
@@ -37,14 +37,22 @@ pub fn check_memory(path: &Path, model: &GpuModel) {
     let m = model.memory();
     let gpu_quant: u64 = m.weights.iter().filter(|(k, _)| k.as_str() != "f32").map(|(_, w)| w.bytes + w.scale_bytes).sum();
     let ratio = gpu_quant as f64 / file_quant as f64;
-    eprintln!("{}: quantized weights {gpu_quant} bytes on the GPU for {file_quant} in the file ({:+.3}%); by dtype {:?}", path.display(), 100.0 * (ratio - 1.0), m.weights.keys());
+    eprintln!(
+        "{}: quantized weights {gpu_quant} bytes on the GPU for {file_quant} in the file ({:+.3}%); by dtype {:?}",
+        path.display(),
+        100.0 * (ratio - 1.0),
+        m.weights.keys()
+    );
     assert!((ratio - 1.0).abs() <= 0.02, "GPU weight bytes {gpu_quant} vs file {file_quant}");
     // f32 norms and biases only: an f32 copy of any matrix would add its size here.
-    assert!(m.weights.get("f32").map_or(0, |w| w.bytes) <= file_f32, "f32 weights {:?} beyond the file's f32 tensors ({file_f32})", m.weights.get("f32"));
+    assert!(
+        m.weights.get("f32").map_or(0, |w| w.bytes) <= file_f32,
+        "f32 weights {:?} beyond the file's f32 tensors ({file_f32})",
+        m.weights.get("f32")
+    );
     assert!(!m.weights.contains_key("f16"));
     assert!(m.weight_textures == 0 || model.ctx.caps.cpu_like, "texture copies on CPU adapters only");
 }
-
 
 /// Last-position top-20 logits bound (the fixtures' "about 1e-3 absolute").
 pub const TOP20_TOL: f32 = 1e-3;
@@ -63,12 +71,7 @@ pub struct CaseReport {
 fn near_ties(case: &serde_json::Value, where_: &str) -> Vec<usize> {
     case["near_ties"]
         .as_array()
-        .map(|v| {
-            v.iter()
-                .filter(|t| t["where"].as_str() == Some(where_))
-                .filter_map(|t| t["index"].as_u64().map(|i| i as usize))
-                .collect()
-        })
+        .map(|v| v.iter().filter(|t| t["where"].as_str() == Some(where_)).filter_map(|t| t["index"].as_u64().map(|i| i as usize)).collect())
         .unwrap_or_default()
 }
 
@@ -77,7 +80,12 @@ fn near_ties(case: &serde_json::Value, where_: &str) -> Vec<usize> {
 /// position's top-20 within [`TOP20_TOL`]; then greedy decoding through the KV cache, one
 /// token per step, gives `greedy_ids` (the first `max_greedy` of them when given, and only up
 /// to a near-tie step). Returns each case's report, or every failure.
-pub fn check_cases(model: &mut GpuModel, tokenizer: &Tokenizer, cases: &[serde_json::Value], max_greedy: Option<usize>) -> Result<Vec<CaseReport>, String> {
+pub fn check_cases(
+    model: &mut GpuModel,
+    tokenizer: &Tokenizer,
+    cases: &[serde_json::Value],
+    max_greedy: Option<usize>,
+) -> Result<Vec<CaseReport>, String> {
     let vocab = model.config.vocab_size;
     let mut failures = Vec::new();
     let mut reports = Vec::new();
@@ -159,7 +167,10 @@ pub fn check_perplexity(model: &mut GpuModel, tokenizer: &Tokenizer, text: &str,
     assert_eq!(rep.predicted_tokens, fx["predicted_tokens"].as_u64().unwrap() as usize);
     let want = fx["perplexity"].as_f64().unwrap();
     let rel = (rep.perplexity - want).abs() / want;
-    eprintln!("perplexity {:.4} (transformers {want:.4}, rel diff {rel:.2e}), {} tokens at {:.1} tokens/s", rep.perplexity, rep.tokens_evaluated, rep.tokens_per_s);
+    eprintln!(
+        "perplexity {:.4} (transformers {want:.4}, rel diff {rel:.2e}), {} tokens at {:.1} tokens/s",
+        rep.perplexity, rep.tokens_evaluated, rep.tokens_per_s
+    );
     (rep.perplexity, want, rel)
 }
 

@@ -143,7 +143,14 @@ fn workload(a: &BenchArgs, vocab: usize, seed: u64) -> Result<Vec<Planned>> {
             t += -(1.0 - u).ln() / rate;
         }
         out.push(Planned {
-            req: GenerateRequest { prompt_ids: prompt, max_tokens: m, sampling: SamplingParams::default(), stop_ids: vec![], stop_strings: vec![], speculation: Default::default() },
+            req: GenerateRequest {
+                prompt_ids: prompt,
+                max_tokens: m,
+                sampling: SamplingParams::default(),
+                stop_ids: vec![],
+                stop_strings: vec![],
+                speculation: Default::default(),
+            },
             at: t,
         });
     }
@@ -277,7 +284,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let (mut model, tokenizer) = pollster::block_on(lantern::model::load::load_to_gpu(
         ctx.clone(),
         &model_path,
-        ModelOptions { context: Some(context), max_seqs, max_batch_tokens: a.step_tokens.max(1), kv_dtype: a.kv_dtype.dtype(), matvec_max_tokens: a.matvec_max_tokens, ..Default::default() },
+        ModelOptions {
+            context: Some(context),
+            max_seqs,
+            max_batch_tokens: a.step_tokens.max(1),
+            kv_dtype: a.kv_dtype.dtype(),
+            matvec_max_tokens: a.matvec_max_tokens,
+            ..Default::default()
+        },
         &mut |_, _| {},
     ))
     .with_context(|| format!("loading {}", model_path.display()))?;
@@ -305,7 +319,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
     for &c in &levels {
         let plan = workload(&a, vocab, a.seed)?;
         model.kv.alloc.clear_prefix_cache();
-        let mut engine = Engine::new(model, tokenizer.clone(), EngineOptions { step_tokens: a.step_tokens, prefill_chunk: a.prefill_chunk, max_waiting: a.requests.max(1) });
+        let mut engine = Engine::new(
+            model,
+            tokenizer.clone(),
+            EngineOptions { step_tokens: a.step_tokens, prefill_chunk: a.prefill_chunk, max_waiting: a.requests.max(1) },
+        );
         let bar = ProgressBar::new(a.requests as u64);
         bar.set_style(
             ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} requests, {elapsed}, ETA {eta}")
@@ -328,7 +346,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if all.len() > 1 {
         let base = all[0].2.output_tokens_per_s;
         println!("\nthroughput against latency:");
-        println!("  {:>11} {:>12} {:>8} {:>10} {:>10} {:>10} {:>10}", "concurrency", "output tok/s", "x c=1st", "TTFT p50", "TTFT p95", "TPOT p50", "E2E p50");
+        println!(
+            "  {:>11} {:>12} {:>8} {:>10} {:>10} {:>10} {:>10}",
+            "concurrency", "output tok/s", "x c=1st", "TTFT p50", "TTFT p95", "TPOT p50", "E2E p50"
+        );
         for (_, c, s, _, _) in &all {
             println!(
                 "  {:>11} {:>12.1} {:>8.2} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
@@ -418,8 +439,20 @@ mod plot {
             for i in 0..=4 {
                 let fx = self.xmax * i as f64 / 4.0;
                 let fy = self.ymax * i as f64 / 4.0;
-                let _ = write!(out, r##"<text x="{:.1}" y="{:.1}" font-size="9" text-anchor="middle">{}</text>"##, self.px(fx), b + 11.0, short(fx));
-                let _ = write!(out, r##"<text x="{:.1}" y="{:.1}" font-size="9" text-anchor="end">{}</text>"##, l - 3.0, self.py(fy) + 3.0, short(fy));
+                let _ = write!(
+                    out,
+                    r##"<text x="{:.1}" y="{:.1}" font-size="9" text-anchor="middle">{}</text>"##,
+                    self.px(fx),
+                    b + 11.0,
+                    short(fx)
+                );
+                let _ = write!(
+                    out,
+                    r##"<text x="{:.1}" y="{:.1}" font-size="9" text-anchor="end">{}</text>"##,
+                    l - 3.0,
+                    self.py(fy) + 3.0,
+                    short(fy)
+                );
             }
         }
         fn line(&self, out: &mut String, pts: &[(f64, f64)], color: &str, dash: bool) {
@@ -456,7 +489,11 @@ mod plot {
         let mut out = String::new();
         let rows = 3.0;
         let height = H * rows + 40.0 + 16.0 * runs.len() as f64;
-        let _ = write!(out, r##"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{height}" font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>"##, 2.0 * W);
+        let _ = write!(
+            out,
+            r##"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{height}" font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>"##,
+            2.0 * W
+        );
         // Left: CDFs of TTFT, TPOT, E2E.
         for (row, (name, get)) in [
             ("TTFT", (|r: &RequestRecord| r.ttft_ms()) as fn(&RequestRecord) -> Option<f64>),

@@ -115,7 +115,13 @@ fn gpu(device: &DeviceArgs) -> Result<Arc<GpuContext>> {
 }
 
 /// Load `path` onto `ctx`; returns the model, its tokenizer (if any) and the load time.
-fn load(ctx: &Arc<GpuContext>, path: &Path, context: Option<usize>, weights: Weights, kv: KvArg) -> Result<(GpuModel, Option<Tokenizer>, f64)> {
+fn load(
+    ctx: &Arc<GpuContext>,
+    path: &Path,
+    context: Option<usize>,
+    weights: Weights,
+    kv: KvArg,
+) -> Result<(GpuModel, Option<Tokenizer>, f64)> {
     let t0 = Instant::now();
     let pb = spinner(&format!("loading {}", path.display()), false);
     let loaded = load_path(path).with_context(|| format!("loading {}", path.display()))?;
@@ -240,7 +246,11 @@ fn read_prompts(path: &Path, tok: Option<&Tokenizer>, chat: bool) -> Result<Vec<
                 encode_text(need_tok()?, s, chat)?
             } else if let Some(ids) = item.get("input_ids").and_then(|x| x.as_array()) {
                 ids.iter()
-                    .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()).with_context(|| format!("{}: prompt {i}: input_ids must be token ids", path.display())))
+                    .map(|x| {
+                        x.as_u64()
+                            .and_then(|x| u32::try_from(x).ok())
+                            .with_context(|| format!("{}: prompt {i}: input_ids must be token ids", path.display()))
+                    })
                     .collect::<Result<Vec<u32>>>()?
             } else if let Some(text) = item.get("prompt_text").and_then(|x| x.as_str()) {
                 // Already the exact text to tokenize (a rendered template for chat cases).

@@ -117,7 +117,9 @@ pub fn info(a: InfoArgs) -> Result<()> {
             parts.push(format!("{w}-key sliding window on {n} of {} layers{local}", c.num_layers));
         }
         match &c.rope_scaling {
-            Some(lantern::model::RopeScaling::LongRope { original_max_position_embeddings: o, .. }) => parts.push(format!("LongRoPE (original context {o})")),
+            Some(lantern::model::RopeScaling::LongRope { original_max_position_embeddings: o, .. }) => {
+                parts.push(format!("LongRoPE (original context {o})"))
+            }
             Some(lantern::model::RopeScaling::Llama3 { factor, .. }) => parts.push(format!("Llama 3 RoPE x{factor}")),
             Some(lantern::model::RopeScaling::Linear { factor }) => parts.push(format!("linear RoPE x{factor}")),
             Some(lantern::model::RopeScaling::Divisors { .. }) => parts.push("RoPE divisors from rope_freqs.weight".into()),
@@ -136,9 +138,6 @@ pub fn info(a: InfoArgs) -> Result<()> {
         println!("    {k:<8} {:4} tensors {:9.1} MB{sc}", r.tensors, mb(r.bytes + r.scale_bytes));
     }
     println!("    total    {:9.1} MB of weights", mb(gpu_total));
-    println!(
-        "  KV cache: {} bytes per token (f32 K and V, all layers)",
-        2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
-    );
+    println!("  KV cache: {} bytes per token (f32 K and V, all layers)", 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4);
     Ok(())
 }

@@ -68,20 +68,14 @@ fn resolve_budget(user: Option<u64>, adapter: Option<&AdapterMemory>) -> (u64, S
         (Some(u), Some((Some((a, a_src)), _))) if u <= a => {
             (u, format!("--memory-budget, below the adapter's {:.2} GiB = {a_src}", gib(a)))
         }
-        (Some(u), Some((Some((a, a_src)), _))) => {
-            (a, format!("adapter: {a_src}, below --memory-budget {:.2} GiB", gib(u)))
-        }
+        (Some(u), Some((Some((a, a_src)), _))) => (a, format!("adapter: {a_src}, below --memory-budget {:.2} GiB", gib(u))),
         (Some(u), Some((None, m))) => (u, format!("--memory-budget; the adapter reports no memory size: {}", m.source)),
         (Some(u), None) => (u, "--memory-budget".to_string()),
         (None, Some((Some((a, a_src)), _))) => (a, format!("adapter: {a_src}")),
-        (None, Some((None, m))) => {
-            (0, format!("none: the adapter reports no memory size ({}); pass --memory-budget", m.source))
-        }
+        (None, Some((None, m))) => (0, format!("none: the adapter reports no memory size ({}); pass --memory-budget", m.source)),
         // WebGPU does not expose an adapter's memory size; without a budget the plan shows
         // the requirement and no capacity.
-        (None, None) => {
-            (0, "none given (WebGPU exposes no memory size; pass --memory-budget or --adapter)".to_string())
-        }
+        (None, None) => (0, "none given (WebGPU exposes no memory size; pass --memory-budget or --adapter)".to_string()),
     }
 }
 
@@ -135,9 +129,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     // A config.json (file, or a folder holding only a config): no weights to count.
     let config_only = if path.is_file() && path.extension().is_some_and(|e| e == "json") {
         Some(path.clone())
-    } else if path.is_dir()
-        && !std::fs::read_dir(&path)?.flatten().any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-    {
+    } else if path.is_dir() && !std::fs::read_dir(&path)?.flatten().any(|e| e.path().extension().is_some_and(|x| x == "safetensors")) {
         Some(path.join("config.json"))
     } else {
         None
@@ -161,8 +153,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let ws = workspace_bytes(&config, a.max_batch_tokens, 64, context);
     let user_budget = a.memory_budget.as_deref().map(parse_bytes).transpose()?;
     let ctx = if a.adapter.is_some() || a.probe || a.backend.is_some() {
-        let opts =
-            DeviceOptions { backend: a.backend.clone(), adapter: a.adapter.clone().flatten(), ..Default::default() };
+        let opts = DeviceOptions { backend: a.backend.clone(), adapter: a.adapter.clone().flatten(), ..Default::default() };
         Some(pollster::block_on(GpuContext::new(&opts)).context("opening the GPU adapter for --adapter/--probe")?)
     } else {
         None
@@ -178,11 +169,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         let r = pollster::block_on(probe_largest(ctx, want, ctx.max_binding(), PROBE_HALVINGS))
             .with_context(|| format!("probing {want} bytes of KV cache on {}", ctx.info.name))?;
         if !r.complete() && budget > 0 {
-            let src = format!(
-                "{}; lowered to the {:.3} GB the probe allocated",
-                p.budget_source,
-                r.allocated_bytes as f64 / 1e9
-            );
+            let src = format!("{}; lowered to the {:.3} GB the probe allocated", p.budget_source, r.allocated_bytes as f64 / 1e9);
             let b = weight_bytes + ws + reserve + r.allocated_bytes;
             p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, b, src);
             p.window = lantern::kv::plan::window_saving(&config, kv_dtype, context, a.max_batch_tokens);
@@ -263,12 +250,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     } else {
         println!("  reserve          {:10.3} GB", gb(p.reserve_bytes));
         println!("  budget           {:10.3} GB  ({})", gb(p.budget_bytes), p.budget_source);
-        println!(
-            "  KV pages         {:10}     ({} tokens each) = {:.3} GB",
-            p.pages,
-            p.page_size,
-            gb(planned_kv_bytes(&p))
-        );
+        println!("  KV pages         {:10}     ({} tokens each) = {:.3} GB", p.pages, p.page_size, gb(planned_kv_bytes(&p)));
     }
     if let Some(k) = &kv_buffers {
         println!(

@@ -9,9 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use lantern::model::load::load_path;
 use lantern::quant::awq::AwqOptions;
-use lantern::quant::quantize::{
-    quantize_model, EmbeddingPolicy, Method, Progress, QuantizeOptions,
-};
+use lantern::quant::quantize::{quantize_model, EmbeddingPolicy, Method, Progress, QuantizeOptions};
 use lantern::quant::safetensors::write_model_folder;
 use lantern::quant::QuantKind;
 
@@ -54,39 +52,28 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
     let t0 = Instant::now();
     let model_path = lantern::fetch::resolve_model(a.model.as_deref(), true)?;
     let kind = QuantKind::parse(&a.to).with_context(|| format!("unknown --to {}", a.to))?;
-    let embeddings = EmbeddingPolicy::parse(&a.embeddings)
-        .with_context(|| format!("unknown --embeddings {}", a.embeddings))?;
+    let embeddings = EmbeddingPolicy::parse(&a.embeddings).with_context(|| format!("unknown --embeddings {}", a.embeddings))?;
     if a.group == 0 || !a.group.is_multiple_of(8) {
-        bail!(
-            "--group {} must be a positive multiple of 8 (32, 64 or 128 usually)",
-            a.group
-        );
+        bail!("--group {} must be a positive multiple of 8 (32, 64 or 128 usually)", a.group);
     }
     if a.out.exists() && !a.out.is_dir() {
         bail!("--out {} exists and is not a folder", a.out.display());
     }
     eprintln!("loading {}", model_path.display());
-    let loaded =
-        load_path(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
+    let loaded = load_path(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
     // Fail before the work if the config has no config.json form.
     loaded.weights.config.to_hf_json()?;
     let mut opts = QuantizeOptions::new(kind);
     opts.group = a.group;
     opts.embeddings = embeddings;
-    opts.awq = AwqOptions {
-        max_tokens: a.calibration_tokens.max(1),
-        ..AwqOptions::default()
-    };
+    opts.awq = AwqOptions { max_tokens: a.calibration_tokens.max(1), ..AwqOptions::default() };
     let calibration = match &a.calibration {
         Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("reading calibration text {}", p.display()))?;
-            let tok = loaded.tokenizer.as_ref().with_context(|| {
-                format!(
-                    "{} has no tokenizer to encode the calibration text with",
-                    model_path.display()
-                )
-            })?;
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading calibration text {}", p.display()))?;
+            let tok = loaded
+                .tokenizer
+                .as_ref()
+                .with_context(|| format!("{} has no tokenizer to encode the calibration text with", model_path.display()))?;
             let ids = tok.encode(&text)?;
             if ids.is_empty() {
                 bail!("calibration text {} is empty", p.display());
@@ -119,12 +106,7 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
             pb.set_position(done as u64);
         }
     };
-    let q = quantize_model(
-        &loaded.weights,
-        &opts,
-        calibration.as_deref(),
-        &mut progress,
-    )?;
+    let q = quantize_model(&loaded.weights, &opts, calibration.as_deref(), &mut progress)?;
     pb.finish_and_clear();
     drop(loaded.weights);
     let mut meta = q.metadata.clone();
@@ -155,11 +137,7 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
     for (d, b) in &r.bytes_before {
         eprintln!("  {d:>8}: {}", mib(*b));
     }
-    eprintln!(
-        "bytes after: {} total ({:.1}% of before)",
-        mib(after),
-        100.0 * after as f64 / before.max(1) as f64
-    );
+    eprintln!("bytes after: {} total ({:.1}% of before)", mib(after), 100.0 * after as f64 / before.max(1) as f64);
     for (d, b) in &r.bytes_after {
         eprintln!("  {d:>8}: {}", mib(*b));
     }
@@ -168,10 +146,7 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
     if opts.method == Method::Awq {
         let n = r.awq.len().max(1);
         let mean_alpha = r.awq.iter().map(|s| s.alpha as f64).sum::<f64>() / n as f64;
-        let (rtn, awq) = r
-            .awq
-            .iter()
-            .fold((0.0, 0.0), |(a, b), s| (a + s.err_rtn, b + s.err_awq));
+        let (rtn, awq) = r.awq.iter().fold((0.0, 0.0), |(a, b), s| (a + s.err_rtn, b + s.err_awq));
         let unscaled = r.awq.iter().filter(|s| s.alpha == 0.0).count();
         let gain = if rtn > 0.0 {
             format!("{:.1}% lower", 100.0 * (1.0 - awq / rtn))

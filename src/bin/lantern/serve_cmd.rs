@@ -32,8 +32,7 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use lantern::engine::{
-    Engine, EngineClient, EngineOptions, EngineWorker, Event, FinishReason, GenerateRequest, Generation, RequestHandle,
-    SamplingParams,
+    Engine, EngineClient, EngineOptions, EngineWorker, Event, FinishReason, GenerateRequest, Generation, RequestHandle, SamplingParams,
 };
 use lantern::kv::KvError;
 use lantern::model::llama::ModelOptions;
@@ -124,20 +123,24 @@ pub fn run(a: ServeArgs) -> Result<()> {
         batch_invariant: a.batch_invariant,
         ..Default::default()
     };
-    let (model, tokenizer) = pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &model_path, model_options.clone(), &mut |_, _| {}))
-        .with_context(|| format!("loading {}", model_path.display()))?;
+    let (model, tokenizer) =
+        pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &model_path, model_options.clone(), &mut |_, _| {}))
+            .with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = tokenizer.with_context(|| format!("{} has no tokenizer (tokenizer.json)", model_path.display()))?;
     if a.spec.draft.is_some() {
         pb.set_message("loading the draft model");
     }
-    let draft = pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &model, &tokenizer, ModelOptions { prefix_cache: false, ..model_options }))?;
+    let draft = pollster::block_on(a.spec.load_draft(
+        ctx.clone(),
+        &model_path,
+        &model,
+        &tokenizer,
+        ModelOptions { prefix_cache: false, ..model_options },
+    ))?;
     pb.finish_and_clear();
 
-    let stem = model_path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "lantern".to_string());
+    let stem =
+        model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).filter(|s| !s.is_empty()).unwrap_or_else(|| "lantern".to_string());
     let model_id = a.model_name.clone().unwrap_or_else(|| stem.clone());
     let mut aliases = vec![model_path.display().to_string()];
     if let Some(name) = model_path.file_name() {
@@ -154,11 +157,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let api_key = a.api_key.clone().or_else(|| std::env::var("LANTERN_API_KEY").ok()).filter(|k| !k.is_empty());
     let adapter = ctx.info.name.clone();
     let kv_dtype = format!("{:?}", model.options.kv_dtype).to_lowercase();
-    let mut engine = Engine::new(
-        model,
-        Arc::new(tokenizer),
-        EngineOptions { max_waiting: a.max_waiting, ..EngineOptions::default() },
-    );
+    let mut engine = Engine::new(model, Arc::new(tokenizer), EngineOptions { max_waiting: a.max_waiting, ..EngineOptions::default() });
     if let Some((d, dtok)) = draft {
         engine.set_draft(d, &dtok)?;
     }
@@ -377,8 +376,7 @@ pub fn start(engine: Engine, cfg: ServerConfig) -> Result<Server> {
 
 fn bind(host: &str, port: u16) -> Result<TcpListener> {
     let h = host.trim_start_matches('[').trim_end_matches(']');
-    let addrs: Vec<SocketAddr> =
-        (h, port).to_socket_addrs().with_context(|| format!("resolving --host {host}"))?.collect();
+    let addrs: Vec<SocketAddr> = (h, port).to_socket_addrs().with_context(|| format!("resolving --host {host}"))?.collect();
     let mut last = None;
     for a in &addrs {
         match TcpListener::bind(a) {
@@ -556,11 +554,7 @@ impl HttpRequest {
     }
 
     fn header_has_token(&self, name: &str, token: &str) -> bool {
-        self.headers
-            .iter()
-            .filter(|(n, _)| n == name)
-            .flat_map(|(_, v)| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case(token))
+        self.headers.iter().filter(|(n, _)| n == name).flat_map(|(_, v)| v.split(',')).any(|t| t.trim().eq_ignore_ascii_case(token))
     }
 
     fn keep_alive(&self) -> bool {
@@ -604,9 +598,7 @@ fn read_line(r: &mut impl BufRead, buf: &mut Vec<u8>, max: usize) -> std::io::Re
 
 fn timeout_or_closed(e: &std::io::Error) -> ReadErr {
     match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            ReadErr::Http(408, "the request did not arrive in time".into())
-        }
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ReadErr::Http(408, "the request did not arrive in time".into()),
         _ => ReadErr::Closed,
     }
 }
@@ -631,8 +623,7 @@ fn read_request(r: &mut BufReader<TcpStream>, w: &mut TcpStream) -> std::result:
     let request_line = std::mem::take(&mut line);
     let text = std::str::from_utf8(&request_line).map_err(|_| http_err(400, "the request line is not UTF-8"))?;
     let mut parts = text.split(' ');
-    let (Some(method), Some(target), Some(version), None) = (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
+    let (Some(method), Some(target), Some(version), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
         return Err(http_err(400, "malformed request line"));
     };
     if method.is_empty() || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
@@ -828,13 +819,7 @@ fn reason_phrase(status: u16) -> &'static str {
 }
 
 /// Write a complete response.
-fn send(
-    conn: &mut Conn,
-    status: u16,
-    content_type: &str,
-    body: &[u8],
-    extra: &[(&str, String)],
-) -> std::io::Result<()> {
+fn send(conn: &mut Conn, status: u16, content_type: &str, body: &[u8], extra: &[(&str, String)]) -> std::io::Result<()> {
     let mut head = format!(
         "HTTP/1.1 {status} {}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: {}\r\n",
         reason_phrase(status),
@@ -934,12 +919,8 @@ fn dispatch(shared: &Shared, req: &HttpRequest, conn: &mut Conn) -> (&'static st
     } else if route == "other" {
         Reply::Error(ApiError::new(404, "invalid_request_error", format!("no route {path}")).code("not_found"))
     } else if !allowed.split(", ").any(|m| m == req.method) {
-        let mut e = ApiError::new(
-            405,
-            "invalid_request_error",
-            format!("{} is not allowed on {path} (allowed: {allowed})", req.method),
-        )
-        .code("method_not_allowed");
+        let mut e = ApiError::new(405, "invalid_request_error", format!("{} is not allowed on {path} (allowed: {allowed})", req.method))
+            .code("method_not_allowed");
         e.headers.push(("Allow", allowed.to_string()));
         Reply::Error(e)
     } else {
@@ -977,9 +958,7 @@ fn model_object(shared: &Shared) -> Value {
 }
 
 fn model_not_found(id: &str) -> ApiError {
-    ApiError::new(404, "invalid_request_error", format!("the model `{id}` does not exist"))
-        .param("model")
-        .code("model_not_found")
+    ApiError::new(404, "invalid_request_error", format!("the model `{id}` does not exist")).param("model").code("model_not_found")
 }
 
 fn health(shared: &Shared) -> Reply {
@@ -1051,20 +1030,16 @@ fn field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
 fn opt_f64(obj: &Map<String, Value>, key: &'static str) -> std::result::Result<Option<f64>, ApiError> {
     match field(obj, key) {
         None => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .filter(|x| x.is_finite())
-            .map(Some)
-            .ok_or_else(|| ApiError::bad(format!("`{key}` must be a number")).param(key)),
+        Some(v) => {
+            v.as_f64().filter(|x| x.is_finite()).map(Some).ok_or_else(|| ApiError::bad(format!("`{key}` must be a number")).param(key))
+        }
     }
 }
 
 fn opt_bool(obj: &Map<String, Value>, key: &'static str) -> std::result::Result<Option<bool>, ApiError> {
     match field(obj, key) {
         None => Ok(None),
-        Some(v) => {
-            v.as_bool().map(Some).ok_or_else(|| ApiError::bad(format!("`{key}` must be true or false")).param(key))
-        }
+        Some(v) => v.as_bool().map(Some).ok_or_else(|| ApiError::bad(format!("`{key}` must be true or false")).param(key)),
     }
 }
 
@@ -1094,48 +1069,32 @@ fn parse_stop(obj: &Map<String, Value>) -> std::result::Result<Vec<String>, ApiE
     let stop: Vec<String> = match field(obj, "stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => {
-            a.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(bad)).collect::<std::result::Result<_, _>>()?
-        }
+        Some(Value::Array(a)) => a.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(bad)).collect::<std::result::Result<_, _>>()?,
         Some(_) => return Err(bad()),
     };
     if stop.len() > MAX_STOP {
-        return Err(
-            ApiError::bad(format!("`stop` has {} strings; at most {MAX_STOP} are accepted", stop.len())).param("stop")
-        );
+        return Err(ApiError::bad(format!("`stop` has {} strings; at most {MAX_STOP} are accepted", stop.len())).param("stop"));
     }
     Ok(stop.into_iter().filter(|s| !s.is_empty()).collect())
 }
 
 /// The completions prompt: a string, a list of token ids, or a one-element list of either.
 fn parse_prompt(shared: &Shared, v: Option<&Value>) -> std::result::Result<Vec<u32>, ApiError> {
-    let one =
-        || ApiError::bad("only one prompt per request is supported (send one request per prompt)").param("prompt");
+    let one = || ApiError::bad("only one prompt per request is supported (send one request per prompt)").param("prompt");
     let ids = |a: &[Value]| -> std::result::Result<Vec<u32>, ApiError> {
         a.iter()
             .map(|t| {
-                t.as_u64().and_then(|t| u32::try_from(t).ok()).filter(|&t| (t as usize) < shared.vocab).ok_or_else(
-                    || {
-                        ApiError::bad(format!(
-                            "the prompt's token ids must be integers below the vocabulary size ({})",
-                            shared.vocab
-                        ))
+                t.as_u64().and_then(|t| u32::try_from(t).ok()).filter(|&t| (t as usize) < shared.vocab).ok_or_else(|| {
+                    ApiError::bad(format!("the prompt's token ids must be integers below the vocabulary size ({})", shared.vocab))
                         .param("prompt")
-                    },
-                )
+                })
             })
             .collect()
     };
-    let encode = |s: &str| {
-        shared
-            .tokenizer
-            .encode(s)
-            .map_err(|e| ApiError::bad(format!("the prompt could not be tokenized: {e}")).param("prompt"))
-    };
+    let encode =
+        |s: &str| shared.tokenizer.encode(s).map_err(|e| ApiError::bad(format!("the prompt could not be tokenized: {e}")).param("prompt"));
     match v {
-        None | Some(Value::Null) => {
-            Err(ApiError::bad("you must provide a `prompt`").param("prompt").code("missing_required_parameter"))
-        }
+        None | Some(Value::Null) => Err(ApiError::bad("you must provide a `prompt`").param("prompt").code("missing_required_parameter")),
         Some(Value::String(s)) => encode(s),
         Some(Value::Array(a)) if a.iter().all(Value::is_number) && !a.is_empty() => ids(a),
         Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
@@ -1161,8 +1120,7 @@ fn parse_messages(shared: &Shared, v: Option<&Value>) -> std::result::Result<Vec
     let mut msgs = Vec::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
         let o = m.as_object().ok_or_else(|| bad(format!("messages[{i}] must be an object")))?;
-        let role =
-            o.get("role").and_then(Value::as_str).ok_or_else(|| bad(format!("messages[{i}].role must be a string")))?;
+        let role = o.get("role").and_then(Value::as_str).ok_or_else(|| bad(format!("messages[{i}].role must be a string")))?;
         let role = if role == "developer" { "system" } else { role };
         let content = match o.get("content") {
             None | Some(Value::Null) => String::new(),
@@ -1182,8 +1140,7 @@ fn parse_messages(shared: &Shared, v: Option<&Value>) -> std::result::Result<Vec
         msgs.push(ChatMessage::new(role, content));
     }
     let tmpl = shared.template.as_ref().map_err(|e| {
-        ApiError::bad(format!("this model has no usable chat template ({e}); use /v1/completions"))
-            .code("no_chat_template")
+        ApiError::bad(format!("this model has no usable chat template ({e}); use /v1/completions")).code("no_chat_template")
     })?;
     let rendered = tmpl.render(&msgs, true).map_err(|e| bad(format!("the chat template refused the messages: {e}")))?;
     shared.tokenizer.encode_chat(&rendered).map_err(|e| bad(format!("the messages could not be tokenized: {e}")))
@@ -1216,15 +1173,11 @@ fn parse_speculation(shared: &Shared, obj: &Map<String, Value>) -> std::result::
 }
 
 fn parse_generation(shared: &Shared, body: &[u8], chat: bool) -> std::result::Result<Parsed, ApiError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad(format!("the request body is not valid JSON: {e}")).code("invalid_json"))?;
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("the request body is not valid JSON: {e}")).code("invalid_json"))?;
     let obj = v.as_object().ok_or_else(|| ApiError::bad("the request body must be a JSON object"))?;
     match field(obj, "model") {
-        None => {
-            return Err(ApiError::bad("you must provide a `model` parameter")
-                .param("model")
-                .code("missing_required_parameter"))
-        }
+        None => return Err(ApiError::bad("you must provide a `model` parameter").param("model").code("missing_required_parameter")),
         Some(Value::String(m)) if shared.knows_model(m) => {}
         Some(Value::String(m)) => return Err(model_not_found(m)),
         Some(_) => return Err(ApiError::bad("`model` must be a string").param("model")),
@@ -1257,13 +1210,10 @@ fn parse_generation(shared: &Shared, body: &[u8], chat: bool) -> std::result::Re
         }
     }
     let stream = opt_bool(obj, "stream")?.unwrap_or(false);
-    let include_usage =
-        field(obj, "stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = field(obj, "stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
     let temperature = opt_f64(obj, "temperature")?.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
-        return Err(
-            ApiError::bad(format!("`temperature` is {temperature}; it must be between 0 and 2")).param("temperature")
-        );
+        return Err(ApiError::bad(format!("`temperature` is {temperature}; it must be between 0 and 2")).param("temperature"));
     }
     let top_p = opt_f64(obj, "top_p")?.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
@@ -1272,18 +1222,13 @@ fn parse_generation(shared: &Shared, body: &[u8], chat: bool) -> std::result::Re
     let top_k = match opt_i64(obj, "top_k")? {
         None | Some(-1) | Some(0) => 0,
         Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
-        Some(k) => {
-            return Err(
-                ApiError::bad(format!("`top_k` is {k}; it must be 0 (off), -1 (off) or positive")).param("top_k")
-            )
-        }
+        Some(k) => return Err(ApiError::bad(format!("`top_k` is {k}; it must be 0 (off), -1 (off) or positive")).param("top_k")),
     };
     let seed = match field(obj, "seed") {
         None => random_u64(),
-        Some(v) => v
-            .as_u64()
-            .or_else(|| v.as_i64().map(|s| s as u64))
-            .ok_or_else(|| ApiError::bad("`seed` must be an integer").param("seed"))?,
+        Some(v) => {
+            v.as_u64().or_else(|| v.as_i64().map(|s| s as u64)).ok_or_else(|| ApiError::bad("`seed` must be an integer").param("seed"))?
+        }
     };
     let stop = parse_stop(obj)?;
     let requested = if chat {
@@ -1294,8 +1239,7 @@ fn parse_generation(shared: &Shared, body: &[u8], chat: bool) -> std::result::Re
     } else {
         opt_count(obj, "max_tokens")?
     };
-    let prompt_ids =
-        if chat { parse_messages(shared, obj.get("messages"))? } else { parse_prompt(shared, obj.get("prompt"))? };
+    let prompt_ids = if chat { parse_messages(shared, obj.get("messages"))? } else { parse_prompt(shared, obj.get("prompt"))? };
     let what = if chat { "messages" } else { "prompt" };
     if prompt_ids.is_empty() {
         return Err(ApiError::bad(format!("the {what} is empty (no tokens to condition on)")).param(what));
@@ -1335,28 +1279,21 @@ fn parse_generation(shared: &Shared, body: &[u8], chat: bool) -> std::result::Re
 fn submit_error(shared: &Shared, e: LanternError) -> (ApiError, &'static str) {
     match e {
         LanternError::PromptTooLong { prompt_tokens, context, .. } => (
-            ApiError::bad(format!(
-                "this model's context holds {context} tokens but the prompt has {prompt_tokens} tokens"
-            ))
-            .code("context_length_exceeded"),
+            ApiError::bad(format!("this model's context holds {context} tokens but the prompt has {prompt_tokens} tokens"))
+                .code("context_length_exceeded"),
             "rejected",
         ),
-        LanternError::Kv(k @ KvError::Full { .. }) => (
-            ApiError::bad(format!("this request can never fit the server's KV cache: {k}")).code("kv_cache_too_small"),
-            "rejected",
-        ),
+        LanternError::Kv(k @ KvError::Full { .. }) => {
+            (ApiError::bad(format!("this request can never fit the server's KV cache: {k}")).code("kv_cache_too_small"), "rejected")
+        }
         m @ LanternError::Overloaded { .. } => (
-            ApiError::new(429, "server_overloaded", format!("the server is busy: {m}; retry shortly"))
-                .code("queue_full")
-                .retry_after(),
+            ApiError::new(429, "server_overloaded", format!("the server is busy: {m}; retry shortly")).code("queue_full").retry_after(),
             "overloaded",
         ),
         m @ LanternError::EngineStopped => {
             shared.engine_down.store(true, Ordering::SeqCst);
             (
-                ApiError::new(503, "server_error", format!("{m}; the server cannot take requests"))
-                    .code("engine_stopped")
-                    .retry_after(),
+                ApiError::new(503, "server_error", format!("{m}; the server cannot take requests")).code("engine_stopped").retry_after(),
                 "unavailable",
             )
         }
@@ -1388,8 +1325,7 @@ fn generate(shared: &Shared, req: &HttpRequest, conn: &mut Conn, chat: bool) -> 
             return Reply::Error(err);
         }
     };
-    let job =
-        Job { id: shared.new_id(if chat { "chatcmpl" } else { "cmpl" }), created: unix_now(), chat, prompt_tokens };
+    let job = Job { id: shared.new_id(if chat { "chatcmpl" } else { "cmpl" }), created: unix_now(), chat, prompt_tokens };
     let waiter = Waiter::new(handle, shared.request_timeout);
     if p.stream {
         stream_reply(shared, conn, &job, waiter, p.include_usage)
@@ -1475,17 +1411,14 @@ fn full_reply(shared: &Shared, conn: &mut Conn, job: &Job, mut w: Waiter) -> Rep
             }
             Wait::Event(Event::Error(m)) => {
                 shared.metrics().outcome("error");
-                return Reply::Error(
-                    ApiError::new(500, "server_error", format!("generation failed: {m}")).code("engine_error"),
-                );
+                return Reply::Error(ApiError::new(500, "server_error", format!("generation failed: {m}")).code("engine_error"));
             }
             Wait::Event(_) => {}
             Wait::Ended => {
                 shared.engine_down.store(true, Ordering::SeqCst);
                 shared.metrics().outcome("unavailable");
                 return Reply::Error(
-                    ApiError::new(503, "server_error", "the engine stopped before the request finished")
-                        .code("engine_stopped"),
+                    ApiError::new(503, "server_error", "the engine stopped before the request finished").code("engine_stopped"),
                 );
             }
             Wait::Gone => {
@@ -1495,12 +1428,8 @@ fn full_reply(shared: &Shared, conn: &mut Conn, job: &Job, mut w: Waiter) -> Rep
             Wait::TimedOut(s) => {
                 shared.metrics().outcome("timeout");
                 return Reply::Error(
-                    ApiError::new(
-                        504,
-                        "server_error",
-                        format!("the request did not finish within {s} s (--request-timeout)"),
-                    )
-                    .code("timeout"),
+                    ApiError::new(504, "server_error", format!("the request did not finish within {s} s (--request-timeout)"))
+                        .code("timeout"),
                 );
             }
         }
@@ -1593,19 +1522,14 @@ fn stream_reply(shared: &Shared, conn: &mut Conn, job: &Job, mut w: Waiter, incl
             Wait::Ended => {
                 shared.engine_down.store(true, Ordering::SeqCst);
                 shared.metrics().outcome("unavailable");
-                let e = ApiError::new(503, "server_error", "the engine stopped before the request finished")
-                    .code("engine_stopped");
+                let e = ApiError::new(503, "server_error", "the engine stopped before the request finished").code("engine_stopped");
                 let _ = sse.json(&e.json()).and_then(|_| sse.done());
                 return Reply::Written(200, false);
             }
             Wait::TimedOut(s) => {
                 shared.metrics().outcome("timeout");
-                let e = ApiError::new(
-                    504,
-                    "server_error",
-                    format!("the request did not finish within {s} s (--request-timeout)"),
-                )
-                .code("timeout");
+                let e = ApiError::new(504, "server_error", format!("the request did not finish within {s} s (--request-timeout)"))
+                    .code("timeout");
                 let _ = sse.json(&e.json()).and_then(|_| sse.done());
                 return Reply::Written(200, false);
             }
@@ -1656,13 +1580,7 @@ struct Waiter {
 impl Waiter {
     fn new(handle: RequestHandle, timeout: Option<Duration>) -> Self {
         let now = Instant::now();
-        Waiter {
-            handle,
-            timeout,
-            started: now,
-            last_check: now,
-            waker: Waker::from(Arc::new(ParkWaker(std::thread::current()))),
-        }
+        Waiter { handle, timeout, started: now, last_check: now, waker: Waker::from(Arc::new(ParkWaker(std::thread::current()))) }
     }
 
     fn cancel(&self) {
@@ -1898,35 +1816,27 @@ fn render_metrics(shared: &Shared) -> String {
         s.stats.prompt_tokens_cached as f64,
     );
     one("lantern_prefix_cache_lookups_total", "counter", "Prefix cache lookups.", s.prefix.lookups as f64);
-    one(
-        "lantern_prefix_cache_evictions_total",
-        "counter",
-        "Cached prefix pages reused for new data.",
-        s.prefix.evictions as f64,
-    );
+    one("lantern_prefix_cache_evictions_total", "counter", "Cached prefix pages reused for new data.", s.prefix.evictions as f64);
     if let Some((rss, threads)) = process_stats() {
         one("process_resident_memory_bytes", "gauge", "Resident memory of the server process.", rss as f64);
         one("process_threads", "gauge", "Threads of the server process.", threads as f64);
     }
     let m = shared.metrics();
     one("lantern_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", m.prompt_tokens as f64);
+    one("lantern_completion_tokens_total", "counter", "Completion tokens of finished requests.", m.completion_tokens as f64);
     one(
-        "lantern_completion_tokens_total",
+        "lantern_speculative_draft_tokens_total",
         "counter",
-        "Completion tokens of finished requests.",
-        m.completion_tokens as f64,
+        "Tokens drafted for speculative decoding (finished requests).",
+        m.draft_proposed as f64,
     );
-    one("lantern_speculative_draft_tokens_total", "counter", "Tokens drafted for speculative decoding (finished requests).", m.draft_proposed as f64);
     one(
         "lantern_speculative_accepted_tokens_total",
         "counter",
         "Drafted tokens the target accepted (finished requests).",
         m.draft_accepted as f64,
     );
-    let _ = writeln!(
-        o,
-        "# HELP lantern_requests_total Generation requests by outcome.\n# TYPE lantern_requests_total counter"
-    );
+    let _ = writeln!(o, "# HELP lantern_requests_total Generation requests by outcome.\n# TYPE lantern_requests_total counter");
     for (k, v) in &m.outcomes {
         let _ = writeln!(o, "lantern_requests_total{{outcome=\"{k}\"}} {v}");
     }
@@ -1959,11 +1869,7 @@ fn render_metrics(shared: &Shared) -> String {
 fn process_stats() -> Option<(u64, u64)> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse::<u64>().ok())
+        status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse::<u64>().ok())
     };
     Some((field("VmRSS:")? * 1024, field("Threads:")?))
 }

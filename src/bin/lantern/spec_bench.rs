@@ -87,9 +87,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let pb = spinner(&format!("loading {}", model_path.display()), false);
     let ctx = a.device.open()?;
     let max_tokens = a.output_len.parse::<usize>().context("--output-len must be one number with --draft/--lookup")?;
-    let options = ModelOptions { context: Some(a.context.unwrap_or(1024)), max_seqs: 2, kv_dtype: a.kv_dtype.dtype(), ..Default::default() };
-    let (mut target, tokenizer) = pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &model_path, options.clone(), &mut |_, _| {}))
-        .with_context(|| format!("loading {}", model_path.display()))?;
+    let options =
+        ModelOptions { context: Some(a.context.unwrap_or(1024)), max_seqs: 2, kv_dtype: a.kv_dtype.dtype(), ..Default::default() };
+    let (mut target, tokenizer) =
+        pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &model_path, options.clone(), &mut |_, _| {}))
+            .with_context(|| format!("loading {}", model_path.display()))?;
     let tokenizer = Arc::new(tokenizer.with_context(|| format!("{} has no tokenizer", model_path.display()))?);
     pb.set_message("loading the draft model");
     let mut draft = pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &target, &tokenizer, options))?.map(|d| d.0);
@@ -112,7 +114,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
 
     // 1. Step cost by width.
-    let widths: Vec<usize> = [1usize, 2, 3, 4, 5, 8, 9, 16].into_iter().filter(|&w| w <= target.options.max_batch_tokens.min(target.logit_rows)).collect();
+    let widths: Vec<usize> =
+        [1usize, 2, 3, 4, 5, 8, 9, 16].into_iter().filter(|&w| w <= target.options.max_batch_tokens.min(target.logit_rows)).collect();
     let prefix = 64;
     let reps = 3;
     let bar = indicatif::ProgressBar::new(widths.len() as u64);

@@ -76,10 +76,7 @@ pub fn unpermute_qk_rows(data: &[u8], n_rows: usize, n_head: usize) -> Option<Ve
 }
 
 fn config_err(field: &str, reason: impl Into<String>) -> LanternError {
-    LanternError::Config {
-        field: field.to_string(),
-        reason: reason.into(),
-    }
+    LanternError::Config { field: field.to_string(), reason: reason.into() }
 }
 
 fn nonzero(g: &GgufFile<'_>, key: &str) -> Result<usize, LanternError> {
@@ -101,11 +98,7 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         "gemma3" => Arch::Gemma3,
         "qwen3" => Arch::Qwen3,
         "phi3" => Arch::Phi3,
-        other => {
-            return Err(LanternError::UnsupportedArchitecture {
-                arch: other.to_string(),
-            })
-        }
+        other => return Err(LanternError::UnsupportedArchitecture { arch: other.to_string() }),
     };
     let k = |s: &str| format!("{arch_name}.{s}");
     let num_layers = nonzero(g, &k("block_count"))?;
@@ -118,40 +111,23 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         Some(v) => v as usize,
     };
     if num_heads % num_kv_heads != 0 {
-        return Err(config_err(
-            &k("attention.head_count_kv"),
-            format!("{num_kv_heads} does not divide the head count {num_heads}"),
-        ));
+        return Err(config_err(&k("attention.head_count_kv"), format!("{num_kv_heads} does not divide the head count {num_heads}")));
     }
     let head_dim = match g.get_u32_opt(&k("attention.key_length"))? {
         Some(v) if v > 0 => v as usize,
         Some(_) => return Err(config_err(&k("attention.key_length"), "must be greater than zero")),
         None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-        None => {
-            return Err(config_err(
-                &k("embedding_length"),
-                format!("{hidden_size} is not a multiple of the head count {num_heads}"),
-            ))
-        }
+        None => return Err(config_err(&k("embedding_length"), format!("{hidden_size} is not a multiple of the head count {num_heads}"))),
     };
     if head_dim % 2 != 0 {
-        return Err(config_err(
-            &k("attention.key_length"),
-            format!("head size {head_dim} is odd"),
-        ));
+        return Err(config_err(&k("attention.key_length"), format!("head size {head_dim} is odd")));
     }
     if num_heads.checked_mul(head_dim).is_none() {
-        return Err(config_err(
-            &k("attention.head_count"),
-            format!("{num_heads} heads of {head_dim} overflow the address space"),
-        ));
+        return Err(config_err(&k("attention.head_count"), format!("{num_heads} heads of {head_dim} overflow the address space")));
     }
     if let Some(v) = g.get_u32_opt(&k("attention.value_length"))? {
         if v as usize != head_dim {
-            return Err(config_err(
-                &k("attention.value_length"),
-                format!("{v} differs from the key length {head_dim} (unsupported)"),
-            ));
+            return Err(config_err(&k("attention.value_length"), format!("{v} differs from the key length {head_dim} (unsupported)")));
         }
     }
     if let Some(v) = g.get_u32_opt(&k("rope.dimension_count"))? {
@@ -169,10 +145,7 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
 
     let vocab_size = match g.get_array_opt("tokenizer.ggml.tokens")? {
         Some(a) => a.len(),
-        None => g
-            .get_u32_opt(&k("vocab_size"))?
-            .map(|v| v as usize)
-            .ok_or_else(|| g.missing("tokenizer.ggml.tokens"))?,
+        None => g.get_u32_opt(&k("vocab_size"))?.map(|v| v as usize).ok_or_else(|| g.missing("tokenizer.ggml.tokens"))?,
     };
     if vocab_size == 0 {
         return Err(config_err("tokenizer.ggml.tokens", "is empty"));
@@ -180,10 +153,7 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
     if let Some(t) = g.tensor_info("token_embd.weight") {
         let rows = t.dims.get(1).copied().unwrap_or(0);
         if rows != vocab_size as u64 {
-            return Err(config_err(
-                "tokenizer.ggml.tokens",
-                format!("has {vocab_size} tokens but token_embd.weight has {rows} rows"),
-            ));
+            return Err(config_err("tokenizer.ggml.tokens", format!("has {vocab_size} tokens but token_embd.weight has {rows} rows")));
         }
     }
     let bos_token_id = g.get_u32_opt("tokenizer.ggml.bos_token_id")?;
@@ -244,19 +214,17 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
 
 /// RoPE scaling from `{arch}.rope.scaling.*` (linear, llama3) or, for Llama 3.x files that
 /// only carry the precomputed `rope_freqs.weight` factors, inferred from that tensor.
-fn rope_scaling_from_gguf(
-    g: &GgufFile<'_>,
-    arch: &str,
-    theta: f64,
-    head_dim: usize,
-) -> Result<Option<RopeScaling>, LanternError> {
+fn rope_scaling_from_gguf(g: &GgufFile<'_>, arch: &str, theta: f64, head_dim: usize) -> Result<Option<RopeScaling>, LanternError> {
     let k = |s: &str| format!("{arch}.{s}");
     // LongRoPE (llama.cpp's Phi-3 conversion): both factor sets as tensors, the original
     // context and the attention factor as metadata.
     if let (Some(long), Some(short)) = (g.host_tensor("rope_factors_long.weight")?, g.host_tensor("rope_factors_short.weight")?) {
         let (long, short) = (long.to_f32(), short.to_f32());
         if long.len() != head_dim / 2 || short.len() != head_dim / 2 {
-            return Err(config_err("rope_factors_long.weight", format!("{} long and {} short factors, expected head_dim / 2 = {}", long.len(), short.len(), head_dim / 2)));
+            return Err(config_err(
+                "rope_factors_long.weight",
+                format!("{} long and {} short factors, expected head_dim / 2 = {}", long.len(), short.len(), head_dim / 2),
+            ));
         }
         let orig = g
             .get_u32_opt(&k("rope.scaling.original_context_length"))?
@@ -275,19 +243,12 @@ fn rope_scaling_from_gguf(
     let positive = |f: Option<f64>| -> Result<f64, LanternError> {
         match f {
             Some(f) if f > 0.0 && f.is_finite() => Ok(f),
-            Some(f) => Err(config_err(
-                &k("rope.scaling.factor"),
-                format!("{f} is not a positive number"),
-            )),
+            Some(f) => Err(config_err(&k("rope.scaling.factor"), format!("{f} is not a positive number"))),
             None => Err(config_err(&k("rope.scaling.factor"), "missing")),
         }
     };
     match ty {
-        Some("linear") => {
-            return Ok(Some(RopeScaling::Linear {
-                factor: positive(factor)?,
-            }))
-        }
+        Some("linear") => return Ok(Some(RopeScaling::Linear { factor: positive(factor)? })),
         Some("llama3") => {
             let low = g.get_f32_opt(&k("rope.scaling.low_freq_factor"))?.unwrap_or(1.0) as f64;
             let high = g.get_f32_opt(&k("rope.scaling.high_freq_factor"))?.unwrap_or(4.0) as f64;
@@ -300,18 +261,13 @@ fn rope_scaling_from_gguf(
         }
         Some("none") | None => {}
         Some(other) => {
-            return Err(config_err(
-                &k("rope.scaling.type"),
-                format!("{other:?} is not supported (supported: none, linear, llama3)"),
-            ))
+            return Err(config_err(&k("rope.scaling.type"), format!("{other:?} is not supported (supported: none, linear, llama3)")))
         }
     }
     if ty.is_none() {
         if let Some(f) = g.get_f32_opt(&k("rope.scale_linear"))? {
             if f != 1.0 {
-                return Ok(Some(RopeScaling::Linear {
-                    factor: positive(Some(f as f64))?,
-                }));
+                return Ok(Some(RopeScaling::Linear { factor: positive(Some(f as f64))? }));
             }
         }
     }
@@ -320,10 +276,7 @@ fn rope_scaling_from_gguf(
     };
     let ff = t.to_f32();
     if ff.len() != head_dim / 2 {
-        return Err(config_err(
-            "rope_freqs.weight",
-            format!("has {} factors, expected head_dim / 2 = {}", ff.len(), head_dim / 2),
-        ));
+        return Err(config_err("rope_freqs.weight", format!("has {} factors, expected head_dim / 2 = {}", ff.len(), head_dim / 2)));
     }
     let factor = ff.iter().copied().fold(1.0f32, f32::max) as f64;
     if factor == 1.0 {
@@ -336,11 +289,7 @@ fn rope_scaling_from_gguf(
         original_max_position_embeddings: orig.unwrap_or(8192) as f64,
     };
     let expected = llama3_rope_factors(&scaling, theta, head_dim);
-    let worst = ff
-        .iter()
-        .zip(&expected)
-        .map(|(&a, &b)| ((a as f64 - b) / b).abs())
-        .fold(0.0, f64::max);
+    let worst = ff.iter().zip(&expected).map(|(&a, &b)| ((a as f64 - b) / b).abs()).fold(0.0, f64::max);
     if worst > 1e-3 {
         // Another original context than the default: apply the file's divisors as they are.
         return Ok(Some(RopeScaling::Divisors { divisors: ff }));
@@ -350,13 +299,7 @@ fn rope_scaling_from_gguf(
 
 /// The per-frequency divisors `convert_hf_to_gguf.py` writes into `rope_freqs.weight`.
 fn llama3_rope_factors(s: &RopeScaling, theta: f64, head_dim: usize) -> Vec<f64> {
-    let RopeScaling::Llama3 {
-        factor,
-        low_freq_factor: low,
-        high_freq_factor: high,
-        original_max_position_embeddings: old,
-    } = *s
-    else {
+    let RopeScaling::Llama3 { factor, low_freq_factor: low, high_freq_factor: high, original_max_position_embeddings: old } = *s else {
         return vec![1.0; head_dim / 2];
     };
     (0..head_dim / 2)
@@ -386,11 +329,7 @@ pub fn weights_from_gguf(gguf: &GgufFile<'_>, file_name: &str) -> Result<ModelWe
             tensors.insert(t.name.clone(), t);
         }
     }
-    let mut weights = ModelWeights {
-        config,
-        tensors,
-        source: file_name.to_string(),
-    };
+    let mut weights = ModelWeights { config, tensors, source: file_name.to_string() };
     weights.unfuse()?;
     check_tensor_set(&weights.config, &weights.tensors, file_name)?;
     Ok(weights)
@@ -410,11 +349,7 @@ pub fn part_tensors<'g>(gguf: &'g GgufFile<'_>, layer: Option<usize>) -> Vec<&'g
 
 /// Bytes of the file's quantized tensors (what a load keeps packed).
 pub fn packed_bytes(gguf: &GgufFile<'_>) -> u64 {
-    gguf.tensors()
-        .iter()
-        .filter(|t| gguf.loadable_dtype(t).ok().and_then(|d| d.quant_kind()).is_some())
-        .map(|t| t.size)
-        .sum()
+    gguf.tensors().iter().filter(|t| gguf.loadable_dtype(t).ok().and_then(|d| d.quant_kind()).is_some()).map(|t| t.size).sum()
 }
 
 /// One GGUF tensor as Lantern holds it: its Hugging Face name, file dtype, and bytes (with
@@ -423,7 +358,13 @@ pub fn packed_bytes(gguf: &GgufFile<'_>) -> u64 {
 ///
 /// `raw` is taken by value: a streamed load hands over the buffer it read, and no second copy
 /// of the tensor is made unless its rows are un-permuted.
-pub fn convert_tensor(config: &ModelConfig, info: &GgufTensorInfo, dtype: DType, raw: Vec<u8>, file_name: &str) -> Result<Option<HostTensor>, LanternError> {
+pub fn convert_tensor(
+    config: &ModelConfig,
+    info: &GgufTensorInfo,
+    dtype: DType,
+    raw: Vec<u8>,
+    file_name: &str,
+) -> Result<Option<HostTensor>, LanternError> {
     let Some(hf) = hf_tensor_name(&info.name, config.arch) else {
         if !matches!(info.name.as_str(), "rope_freqs.weight" | "rope_factors_long.weight" | "rope_factors_short.weight") {
             log::warn!("{file_name}: ignoring tensor `{}` (no Hugging Face counterpart)", info.name);
@@ -433,7 +374,11 @@ pub fn convert_tensor(config: &ModelConfig, info: &GgufTensorInfo, dtype: DType,
     let permuted = matches!(config.arch, Arch::Llama | Arch::Mistral);
     let shape = info.shape();
     if raw.len() as u64 != info.size {
-        return Err(LoadError::Invalid { file: file_name.to_string(), reason: format!("tensor `{}`: {} bytes, expected {}", info.name, raw.len(), info.size) }.into());
+        return Err(LoadError::Invalid {
+            file: file_name.to_string(),
+            reason: format!("tensor `{}`: {} bytes, expected {}", info.name, raw.len(), info.size),
+        }
+        .into());
     }
     let heads = if hf.contains(".self_attn.q_proj.") {
         Some(config.num_heads)
@@ -466,8 +411,17 @@ pub fn convert_tensor(config: &ModelConfig, info: &GgufTensorInfo, dtype: DType,
 
 /// The tensors of one part of a streamed GGUF load ([`gguf_layer`]), converted
 /// ([`convert_tensor`]), unfused and checked against the part's expected set.
-pub fn weights_part(config: &ModelConfig, layer: Option<usize>, tensors: Vec<HostTensor>, file_name: &str) -> Result<ModelWeights, LanternError> {
-    let mut w = ModelWeights { config: config.clone(), tensors: tensors.into_iter().map(|t| (t.name.clone(), t)).collect(), source: file_name.to_string() };
+pub fn weights_part(
+    config: &ModelConfig,
+    layer: Option<usize>,
+    tensors: Vec<HostTensor>,
+    file_name: &str,
+) -> Result<ModelWeights, LanternError> {
+    let mut w = ModelWeights {
+        config: config.clone(),
+        tensors: tensors.into_iter().map(|t| (t.name.clone(), t)).collect(),
+        source: file_name.to_string(),
+    };
     w.unfuse()?;
     let expected = match layer {
         Some(l) => crate::model::validate::expected_layer_tensors(config, l),
@@ -476,7 +430,6 @@ pub fn weights_part(config: &ModelConfig, layer: Option<usize>, tensors: Vec<Hos
     crate::model::validate::check_expected(&w.tensors, expected, file_name)?;
     Ok(w)
 }
-
 
 /// Every tensor the forward pass needs is present with the shape the config implies
 /// ([`crate::model::validate::expected_layer_tensors`]). Checked layer by layer, so a

@@ -14,7 +14,10 @@ use super::LoadError;
 use crate::error::LanternError;
 
 pub mod hf_map;
-pub use hf_map::{config_from_gguf, convert_tensor, gguf_layer, hf_tensor_name, packed_bytes, part_tensors, unpermute_qk_rows, weights_from_gguf, weights_part};
+pub use hf_map::{
+    config_from_gguf, convert_tensor, gguf_layer, hf_tensor_name, packed_bytes, part_tensors, unpermute_qk_rows, weights_from_gguf,
+    weights_part,
+};
 
 /// The four bytes every GGUF file starts with.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
@@ -32,13 +35,7 @@ const MAX_ARRAY_DEPTH: usize = 8;
 pub enum GgufError {
     /// The file ends before a field that the header promised.
     #[error("{file}: truncated while reading {what}: needs {needed} bytes at offset {offset}, only {available} left")]
-    Truncated {
-        file: String,
-        what: String,
-        offset: u64,
-        needed: u64,
-        available: u64,
-    },
+    Truncated { file: String, what: String, offset: u64, needed: u64, available: u64 },
     /// The file does not start with `GGUF`.
     #[error("{file}: not a GGUF file: magic is {found:?}, expected \"GGUF\"")]
     BadMagic { file: String, found: [u8; 4] },
@@ -47,12 +44,7 @@ pub enum GgufError {
     UnsupportedVersion { file: String, version: u32 },
     /// A count or length larger than the rest of the file could hold.
     #[error("{file}: {what} is {value}, but the rest of the file can hold at most {limit}")]
-    TooLarge {
-        file: String,
-        what: String,
-        value: u64,
-        limit: u64,
-    },
+    TooLarge { file: String, what: String, value: u64, limit: u64 },
     /// A string that is not UTF-8 where UTF-8 is required (keys, tensor names).
     #[error("{file}: {what} is not valid UTF-8")]
     InvalidUtf8 { file: String, what: String },
@@ -61,11 +53,7 @@ pub enum GgufError {
     UnknownValueType { file: String, key: String, type_id: u32 },
     /// Arrays nested deeper than the reader accepts.
     #[error("{file}: metadata key `{key}` nests arrays deeper than {max_depth}")]
-    NestingTooDeep {
-        file: String,
-        key: String,
-        max_depth: usize,
-    },
+    NestingTooDeep { file: String, key: String, max_depth: usize },
     /// The same metadata key appears twice.
     #[error("{file}: metadata key `{key}` appears twice")]
     DuplicateKey { file: String, key: String },
@@ -83,49 +71,23 @@ pub enum GgufError {
     UnknownTensorType { file: String, tensor: String, type_id: u32 },
     /// A known ggml type that Lantern cannot load (IQ1/IQ2/IQ3, TQ, MXFP4, Q8_K, ...).
     #[error("{file}: tensor `{tensor}` has ggml type {ggml_type}, which Lantern does not load (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)")]
-    UnsupportedTensorType {
-        file: String,
-        tensor: String,
-        ggml_type: String,
-    },
+    UnsupportedTensorType { file: String, tensor: String, ggml_type: String },
     /// The innermost dimension is not a whole number of quantization blocks, or the element
     /// count overflows.
     #[error("{file}: tensor `{tensor}` of type {ggml_type} has dims {dims:?}: {reason}")]
-    BadTensorShape {
-        file: String,
-        tensor: String,
-        ggml_type: String,
-        dims: Vec<u64>,
-        reason: String,
-    },
+    BadTensorShape { file: String, tensor: String, ggml_type: String, dims: Vec<u64>, reason: String },
     /// A tensor data offset that is not a multiple of the file's alignment.
     #[error("{file}: tensor `{tensor}` starts at data offset {offset}, which is not a multiple of the alignment {alignment}")]
-    MisalignedTensor {
-        file: String,
-        tensor: String,
-        offset: u64,
-        alignment: u64,
-    },
+    MisalignedTensor { file: String, tensor: String, offset: u64, alignment: u64 },
     /// Tensor data that reaches past the end of the file.
     #[error("{file}: tensor `{tensor}` needs bytes {start}..{end} of the file, but the file has {file_len} bytes")]
-    TensorOutOfBounds {
-        file: String,
-        tensor: String,
-        start: u64,
-        end: u64,
-        file_len: u64,
-    },
+    TensorOutOfBounds { file: String, tensor: String, start: u64, end: u64, file_len: u64 },
     /// A required metadata key is absent.
     #[error("{file}: missing metadata key `{key}`")]
     MissingKey { file: String, key: String },
     /// A metadata key holds a value of the wrong type or out of range.
     #[error("{file}: metadata key `{key}` is {found}, expected {expected}")]
-    WrongType {
-        file: String,
-        key: String,
-        expected: String,
-        found: String,
-    },
+    WrongType { file: String, key: String, expected: String, found: String },
 }
 
 /// The type tag of a metadata value (`gguf_metadata_value_type`).
@@ -540,11 +502,7 @@ impl GgmlType {
 
     fn entry(self) -> (u32, GgmlType, u64, u64) {
         // Every variant is in TABLE; the fallback is unreachable but keeps this panic-free.
-        Self::TABLE
-            .iter()
-            .copied()
-            .find(|e| e.1 == self)
-            .unwrap_or((0, self, 1, 4))
+        Self::TABLE.iter().copied().find(|e| e.1 == self).unwrap_or((0, self, 1, 4))
     }
 
     /// The ggml type id written in files.
@@ -710,12 +668,7 @@ impl<'a> Reader<'a, '_> {
         let n = self.u64(&what)?;
         let limit = self.remaining_in_file() / min_size.max(1);
         if n > limit {
-            return Err(GgufError::TooLarge {
-                file: self.file.to_string(),
-                what: what(),
-                value: n,
-                limit,
-            });
+            return Err(GgufError::TooLarge { file: self.file.to_string(), what: what(), value: n, limit });
         }
         Ok(n)
     }
@@ -730,10 +683,7 @@ impl<'a> Reader<'a, '_> {
         let raw = self.raw_string(&what)?;
         match std::str::from_utf8(raw) {
             Ok(s) => Ok(s.to_string()),
-            Err(_) => Err(GgufError::InvalidUtf8 {
-                file: self.file.to_string(),
-                what: what(),
-            }),
+            Err(_) => Err(GgufError::InvalidUtf8 { file: self.file.to_string(), what: what() }),
         }
     }
 
@@ -773,11 +723,7 @@ impl<'a> Reader<'a, '_> {
 
     fn array_value(&mut self, key: &str, depth: usize) -> Result<GgufArray, GgufError> {
         if depth > MAX_ARRAY_DEPTH {
-            return Err(GgufError::NestingTooDeep {
-                file: self.file.to_string(),
-                key: key.to_string(),
-                max_depth: MAX_ARRAY_DEPTH,
-            });
+            return Err(GgufError::NestingTooDeep { file: self.file.to_string(), key: key.to_string(), max_depth: MAX_ARRAY_DEPTH });
         }
         let elem = self.value_type(key)?;
         let n = self.count(elem.min_size(), || format!("array length of `{key}`"))? as usize;
@@ -848,17 +794,11 @@ impl<'a> GgufFile<'a> {
         let mut r = Reader { bytes, pos: 0, file, file_len: file_len.max(bytes.len() as u64) };
         let magic: [u8; 4] = r.array(|| "magic".into())?;
         if magic != GGUF_MAGIC {
-            return Err(GgufError::BadMagic {
-                file: name.clone(),
-                found: magic,
-            });
+            return Err(GgufError::BadMagic { file: name.clone(), found: magic });
         }
         let version = r.u32(|| "version".into())?;
         if version != 2 && version != 3 {
-            return Err(GgufError::UnsupportedVersion {
-                file: name.clone(),
-                version,
-            });
+            return Err(GgufError::UnsupportedVersion { file: name.clone(), version });
         }
         // Minimum encoded sizes: tensor info = name len (8) + n_dims (4) + type (4) + offset (8);
         // key/value = key len (8) + type (4) + smallest value (1).
@@ -872,10 +812,7 @@ impl<'a> GgufFile<'a> {
             let ty = r.value_type(&key)?;
             let value = r.value(ty, &key, 0)?;
             if key_index.insert(key.clone(), metadata.len()).is_some() {
-                return Err(GgufError::DuplicateKey {
-                    file: name.clone(),
-                    key,
-                });
+                return Err(GgufError::DuplicateKey { file: name.clone(), key });
             }
             metadata.push((key, value));
         }
@@ -884,12 +821,7 @@ impl<'a> GgufFile<'a> {
             None => GGUF_DEFAULT_ALIGNMENT,
             Some(v) => match v.as_int() {
                 Some(a) if a > 0 && (a as u64).is_power_of_two() && a <= u32::MAX as i128 => a as u64,
-                Some(a) => {
-                    return Err(GgufError::BadAlignment {
-                        file: name.clone(),
-                        alignment: a.clamp(0, u64::MAX as i128) as u64,
-                    })
-                }
+                Some(a) => return Err(GgufError::BadAlignment { file: name.clone(), alignment: a.clamp(0, u64::MAX as i128) as u64 }),
                 None => {
                     return Err(GgufError::WrongType {
                         file: name.clone(),
@@ -906,10 +838,7 @@ impl<'a> GgufFile<'a> {
         for i in 0..n_tensors {
             let info = read_tensor_info(&mut r, i, alignment)?;
             if tensor_index.insert(info.name.clone(), tensors.len()).is_some() {
-                return Err(GgufError::DuplicateTensor {
-                    file: name.clone(),
-                    tensor: info.name,
-                });
+                return Err(GgufError::DuplicateTensor { file: name.clone(), tensor: info.name });
             }
             tensors.push(info);
         }
@@ -979,19 +908,11 @@ impl<'a> GgufFile<'a> {
     }
 
     fn missing(&self, key: &str) -> GgufError {
-        GgufError::MissingKey {
-            file: self.name.clone(),
-            key: key.to_string(),
-        }
+        GgufError::MissingKey { file: self.name.clone(), key: key.to_string() }
     }
 
     fn wrong(&self, key: &str, expected: &str, v: &GgufValue) -> GgufError {
-        GgufError::WrongType {
-            file: self.name.clone(),
-            key: key.to_string(),
-            expected: expected.to_string(),
-            found: v.describe(),
-        }
+        GgufError::WrongType { file: self.name.clone(), key: key.to_string(), expected: expected.to_string(), found: v.describe() }
     }
 
     /// A string value; `Ok(None)` if the key is absent, an error if it is not a string.
@@ -1027,10 +948,7 @@ impl<'a> GgufFile<'a> {
     pub fn get_f32_opt(&self, key: &str) -> Result<Option<f32>, GgufError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_float()
-                .map(|f| Some(f as f32))
-                .ok_or_else(|| self.wrong(key, "a float", v)),
+            Some(v) => v.as_float().map(|f| Some(f as f32)).ok_or_else(|| self.wrong(key, "a float", v)),
         }
     }
 
@@ -1073,10 +991,7 @@ impl<'a> GgufFile<'a> {
     pub fn get_int_array_opt(&self, key: &str) -> Result<Option<Vec<i64>>, GgufError> {
         match self.get_array_opt(key)? {
             None => Ok(None),
-            Some(a) => a
-                .to_i64_vec()
-                .map(Some)
-                .ok_or_else(|| self.wrong(key, "an array of integers", &GgufValue::Array(a.clone()))),
+            Some(a) => a.to_i64_vec().map(Some).ok_or_else(|| self.wrong(key, "an array of integers", &GgufValue::Array(a.clone()))),
         }
     }
 
@@ -1084,10 +999,7 @@ impl<'a> GgufFile<'a> {
     pub fn get_f32_array_opt(&self, key: &str) -> Result<Option<Vec<f32>>, GgufError> {
         match self.get_array_opt(key)? {
             None => Ok(None),
-            Some(a) => a
-                .to_f32_vec()
-                .map(Some)
-                .ok_or_else(|| self.wrong(key, "an array of floats", &GgufValue::Array(a.clone()))),
+            Some(a) => a.to_f32_vec().map(Some).ok_or_else(|| self.wrong(key, "an array of floats", &GgufValue::Array(a.clone()))),
         }
     }
 
@@ -1136,22 +1048,15 @@ impl<'a> GgufFile<'a> {
             return Ok(None);
         };
         let dtype = self.loadable_dtype(info)?;
-        Ok(Some(HostTensor {
-            name: info.name.clone(),
-            shape: info.shape(),
-            dtype,
-            data: self.tensor_data(info)?.to_vec(),
-        }))
+        Ok(Some(HostTensor { name: info.name.clone(), shape: info.shape(), dtype, data: self.tensor_data(info)?.to_vec() }))
     }
 
     pub fn loadable_dtype(&self, info: &GgufTensorInfo) -> Result<DType, GgufError> {
-        info.ggml_type
-            .to_dtype()
-            .ok_or_else(|| GgufError::UnsupportedTensorType {
-                file: self.name.clone(),
-                tensor: info.name.clone(),
-                ggml_type: info.ggml_type.name(),
-            })
+        info.ggml_type.to_dtype().ok_or_else(|| GgufError::UnsupportedTensorType {
+            file: self.name.clone(),
+            tensor: info.name.clone(),
+            ggml_type: info.ggml_type.name(),
+        })
     }
 }
 
@@ -1160,11 +1065,7 @@ fn read_tensor_info(r: &mut Reader<'_, '_>, index: u64, alignment: u64) -> Resul
     let name = r.strict_string(|| format!("name of tensor #{index}"))?;
     let n_dims = r.u32(|| format!("n_dims of tensor `{name}`"))?;
     if n_dims > GGUF_MAX_DIMS {
-        return Err(GgufError::TooManyDims {
-            file,
-            tensor: name,
-            n_dims,
-        });
+        return Err(GgufError::TooManyDims { file, tensor: name, n_dims });
     }
     let mut dims = Vec::with_capacity(n_dims as usize);
     for d in 0..n_dims {
@@ -1173,11 +1074,7 @@ fn read_tensor_info(r: &mut Reader<'_, '_>, index: u64, alignment: u64) -> Resul
     let type_id = r.u32(|| format!("type of tensor `{name}`"))?;
     let offset = r.u64(|| format!("data offset of tensor `{name}`"))?;
     let Some(ggml_type) = GgmlType::from_id(type_id) else {
-        return Err(GgufError::UnknownTensorType {
-            file,
-            tensor: name,
-            type_id,
-        });
+        return Err(GgufError::UnknownTensorType { file, tensor: name, type_id });
     };
     let bad_shape = |reason: String| GgufError::BadTensorShape {
         file: file.clone(),
@@ -1187,34 +1084,16 @@ fn read_tensor_info(r: &mut Reader<'_, '_>, index: u64, alignment: u64) -> Resul
         reason,
     };
     let (block_elems, block_bytes) = ggml_type.block();
-    let n = dims
-        .iter()
-        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| bad_shape("element count overflows".into()))?;
+    let n = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).ok_or_else(|| bad_shape("element count overflows".into()))?;
     let inner = dims.first().copied().unwrap_or(1);
     if inner % block_elems != 0 {
-        return Err(bad_shape(format!(
-            "innermost dim {inner} is not a multiple of the block size {block_elems}"
-        )));
+        return Err(bad_shape(format!("innermost dim {inner} is not a multiple of the block size {block_elems}")));
     }
-    let size = (n / block_elems)
-        .checked_mul(block_bytes)
-        .ok_or_else(|| bad_shape("byte size overflows".into()))?;
+    let size = (n / block_elems).checked_mul(block_bytes).ok_or_else(|| bad_shape("byte size overflows".into()))?;
     if offset % alignment != 0 {
-        return Err(GgufError::MisalignedTensor {
-            file,
-            tensor: name,
-            offset,
-            alignment,
-        });
+        return Err(GgufError::MisalignedTensor { file, tensor: name, offset, alignment });
     }
-    Ok(GgufTensorInfo {
-        name,
-        dims,
-        ggml_type,
-        offset,
-        size,
-    })
+    Ok(GgufTensorInfo { name, dims, ggml_type, offset, size })
 }
 
 /// A memory-mapped GGUF file (native only). Keep it alive while a [`GgufFile`] parsed from

@@ -28,9 +28,9 @@ use crate::kv::cache::{KvCache, KvLayout, KvStore};
 use crate::kv::{KvConfig, PageAllocator};
 use crate::model::{ModelConfig, ModelWeights};
 
+use crate::{LanternError, Result};
 use plan::{Plans, Workspace};
 use step::SPLIT_MAX_TOKENS;
-use crate::{LanternError, Result};
 
 mod memory;
 mod options;
@@ -147,22 +147,25 @@ impl GpuModel {
     }
 
     /// The KV cache, workspace, plans and memory report of a load whose weights are up.
-    async fn finish_load(ctx: Arc<GpuContext>, c: ModelConfig, options: ModelOptions, mark: usize, w: upload::GpuWeights) -> Result<GpuModel> {
+    async fn finish_load(
+        ctx: Arc<GpuContext>,
+        c: ModelConfig,
+        options: ModelOptions,
+        mark: usize,
+        w: upload::GpuWeights,
+    ) -> Result<GpuModel> {
         let hd = c.head_dim;
 
         // KV cache.
-        let context = options
-            .context
-            .unwrap_or(c.max_position_embeddings.min(2048))
-            .max(1);
+        let context = options.context.unwrap_or(c.max_position_embeddings.min(2048)).max(1);
         let page_size = options.page_size.max(1);
         let max_seqs = options.max_seqs.max(1);
         let requested_pages = options.kv_pages.unwrap_or(max_seqs * context.div_ceil(page_size)).max(1);
         let weights_bytes: u64 = ctx.ledger.since(mark).iter().map(|a| a.bytes).sum();
         let (num_pages, budget) = Self::size_kv(&ctx, &c, &options, context, requested_pages, weights_bytes)?;
         let kv_cfg = KvConfig { page_size, num_pages, max_seqs, context };
-        let layout = KvLayout::new(options.kv_dtype, kv_cfg.page_size, c.num_kv_heads, hd, kv_cfg.num_pages, ctx.max_binding())
-            .map_err(gpu_err)?;
+        let layout =
+            KvLayout::new(options.kv_dtype, kv_cfg.page_size, c.num_kv_heads, hd, kv_cfg.num_pages, ctx.max_binding()).map_err(gpu_err)?;
         // The cache is the big allocation: one the driver cannot honour is found here, at
         // load, not mid-generation.
         let oom = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
@@ -176,15 +179,16 @@ impl GpuModel {
         }
         let kv = KvCache { alloc: PageAllocator::new(kv_cfg), store };
         // Batch invariance: a token's key splits must not depend on the step it is in.
-        let attention_splits = if options.batch_invariant {
-            1
-        } else {
-            options.attention_splits.unwrap_or(if ctx.caps.cpu_like { 1 } else { 16 }).max(1)
-        };
+        let attention_splits =
+            if options.batch_invariant { 1 } else { options.attention_splits.unwrap_or(if ctx.caps.cpu_like { 1 } else { 16 }).max(1) };
         let attn_p = Self::attention_params(&c, kv_cfg, 0);
         let t_max = options.max_batch_tokens.max(1);
-        let partials_bytes = kernels::attention::partials_bytes(&attn_p, &layout, t_max, 1)
-            .max(kernels::attention::partials_bytes(&attn_p, &layout, t_max.min(SPLIT_MAX_TOKENS), attention_splits));
+        let partials_bytes = kernels::attention::partials_bytes(&attn_p, &layout, t_max, 1).max(kernels::attention::partials_bytes(
+            &attn_p,
+            &layout,
+            t_max.min(SPLIT_MAX_TOKENS),
+            attention_splits,
+        ));
 
         let (ws, r) = plan::Workspace::new(&ctx, &c, &options, kv_cfg, context, partials_bytes)?;
         let (plans, batch_max_tokens) = plan::build_plans(&ctx, &c, &options, &ws, &kv, kv_cfg, &w).await?;

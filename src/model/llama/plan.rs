@@ -67,24 +67,20 @@ fn lin_io<'a>(
     eps: f32,
     rows: Option<&'a wgpu::Buffer>,
 ) -> LinearIo<'a> {
-    LinearIo {
-        step: &ws.step,
-        x,
-        x_stride,
-        norm,
-        eps,
-        y,
-        out_stride,
-        out_offset: 0,
-        residual,
-        rows,
-    }
+    LinearIo { step: &ws.step, x, x_stride, norm, eps, y, out_stride, out_offset: 0, residual, rows }
 }
 
 impl Workspace {
     /// The buffers of steps of up to `max_batch_tokens` tokens; also returns the rows of
     /// logits one step can produce.
-    pub(super) fn new(ctx: &GpuContext, c: &ModelConfig, options: &ModelOptions, kv_cfg: KvConfig, context: usize, partials_bytes: u64) -> Result<(Workspace, usize)> {
+    pub(super) fn new(
+        ctx: &GpuContext,
+        c: &ModelConfig,
+        options: &ModelOptions,
+        kv_cfg: KvConfig,
+        context: usize,
+        partials_bytes: u64,
+    ) -> Result<(Workspace, usize)> {
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let qkv_dim = c.qkv_dim();
         let q_dim = c.num_heads * c.head_dim;
@@ -96,8 +92,7 @@ impl Workspace {
             ids: create_zeroed(ctx, "ids", (t * 4) as u64).map_err(gpu_err)?,
             positions: create_zeroed(ctx, "positions", (t * 4) as u64).map_err(gpu_err)?,
             token_seq: create_zeroed(ctx, "token_seq", (t * 4) as u64).map_err(gpu_err)?,
-            block_table: create_zeroed(ctx, "block_table", (kv_cfg.max_seqs * kv_cfg.max_pages_per_seq() * 4) as u64)
-                .map_err(gpu_err)?,
+            block_table: create_zeroed(ctx, "block_table", (kv_cfg.max_seqs * kv_cfg.max_pages_per_seq() * 4) as u64).map_err(gpu_err)?,
             logit_rows: create_zeroed(ctx, "logit_rows", (r * 4) as u64).map_err(gpu_err)?,
             hidden: create_zeroed(ctx, "hidden", (t * d * 4) as u64).map_err(gpu_err)?,
             qkv: create_zeroed(ctx, "qkv", (t * qkv_dim * 4) as u64).map_err(gpu_err)?,
@@ -106,11 +101,17 @@ impl Workspace {
             logits: create_zeroed(ctx, "logits", (r * c.vocab_size * 4) as u64).map_err(gpu_err)?,
             argmax: create_zeroed(ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
             topk: create_zeroed(ctx, "topk", (r * 2 * kernels::topk::TOPK_MAX * 4) as u64).map_err(gpu_err)?,
-            rope: create_storage(ctx, "rope", bytemuck::cast_slice(&rope_table(&c.rope_inv_freq_for(context), context, c.rope_attention_factor())))
-                .map_err(gpu_err)?,
-            rope_local: match (c.has_local_rope(), c.block.layer_attention.iter().position(|a| *a == crate::model::LayerAttention::Sliding)) {
+            rope: create_storage(
+                ctx,
+                "rope",
+                bytemuck::cast_slice(&rope_table(&c.rope_inv_freq_for(context), context, c.rope_attention_factor())),
+            )
+            .map_err(gpu_err)?,
+            rope_local: match (c.has_local_rope(), c.block.layer_attention.iter().position(|a| *a == crate::model::LayerAttention::Sliding))
+            {
                 (true, Some(l)) => Some(
-                    create_storage(ctx, "rope.local", bytemuck::cast_slice(&rope_table(&c.layer_rope_inv_freq(l, context), context, 1.0))).map_err(gpu_err)?,
+                    create_storage(ctx, "rope.local", bytemuck::cast_slice(&rope_table(&c.layer_rope_inv_freq(l, context), context, 1.0)))
+                        .map_err(gpu_err)?,
                 ),
                 _ => None,
             },
@@ -127,8 +128,20 @@ impl Workspace {
     /// Bytes of every buffer.
     pub(super) fn bytes(&self) -> u64 {
         [
-            &self.ids, &self.positions, &self.token_seq, &self.block_table, &self.logit_rows, &self.hidden, &self.qkv, &self.attn,
-            &self.act, &self.logits, &self.argmax, &self.topk, &self.rope, &self.partials,
+            &self.ids,
+            &self.positions,
+            &self.token_seq,
+            &self.block_table,
+            &self.logit_rows,
+            &self.hidden,
+            &self.qkv,
+            &self.attn,
+            &self.act,
+            &self.logits,
+            &self.argmax,
+            &self.topk,
+            &self.rope,
+            &self.partials,
         ]
         .iter()
         .map(|b| b.size())
@@ -138,11 +151,19 @@ impl Workspace {
 }
 
 /// Every plan of a load; also returns the most tokens the batched matvec takes (0 without it).
-pub(super) async fn build_plans(ctx: &GpuContext, c: &ModelConfig, options: &ModelOptions, ws: &Workspace, kv: &KvCache, kv_cfg: KvConfig, w: &GpuWeights) -> Result<(Plans, usize)> {
+pub(super) async fn build_plans(
+    ctx: &GpuContext,
+    c: &ModelConfig,
+    options: &ModelOptions,
+    ws: &Workspace,
+    kv: &KvCache,
+    kv_cfg: KvConfig,
+    w: &GpuWeights,
+) -> Result<(Plans, usize)> {
     let d = c.hidden_size;
     let (layers, lm_head, final_norm) = (&w.layers, &w.lm_head, &w.final_norm);
     let embed_own = &w.embed_own;
-        let embed_src = embed_own.as_ref().unwrap_or(lm_head);
+    let embed_src = embed_own.as_ref().unwrap_or(lm_head);
     let embed = kernels::embedding::build(ctx, &ws.step, &ws.ids, embed_src, &ws.hidden, c.block.embedding_scale.unwrap_or(1.0))
         .await
         .map_err(gpu_err)?;
@@ -170,25 +191,36 @@ pub(super) async fn build_plans(ctx: &GpuContext, c: &ModelConfig, options: &Mod
     let batch_max_tokens = if batch_plans { options.batch_max_tokens.unwrap_or(16) } else { 0 };
     let head_gather_batch = if batch_plans {
         Some(
-            kernels::linear::build(ctx, lm_head, &lin_io(ws, &ws.hidden, d, Some(final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, Some(&ws.logit_rows)), Shape::MatvecBatch)
-                .await
-                .map_err(gpu_err)?,
+            kernels::linear::build(
+                ctx,
+                lm_head,
+                &lin_io(ws, &ws.hidden, d, Some(final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, Some(&ws.logit_rows)),
+                Shape::MatvecBatch,
+            )
+            .await
+            .map_err(gpu_err)?,
         )
     } else {
         None
     };
-    let head_gather = kernels::linear::build(ctx, lm_head, &lin_io(ws, &ws.hidden, d, Some(final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, Some(&ws.logit_rows)), Shape::Matvec)
-        .await
-        .map_err(gpu_err)?;
-    let head_all = kernels::linear::build(ctx, lm_head, &lin_io(ws, &ws.hidden, d, Some(final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, None), Shape::Matmul)
-        .await
-        .map_err(gpu_err)?;
-    let argmax = kernels::argmax::build(ctx, &ws.step, &ws.logits, &ws.argmax, c.vocab_size)
-        .await
-        .map_err(gpu_err)?;
-    let topk = kernels::topk::build(ctx, &ws.step, &ws.logits, &ws.topk, c.vocab_size, kernels::topk::TOPK_MAX)
-        .await
-        .map_err(gpu_err)?;
+    let head_gather = kernels::linear::build(
+        ctx,
+        lm_head,
+        &lin_io(ws, &ws.hidden, d, Some(final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, Some(&ws.logit_rows)),
+        Shape::Matvec,
+    )
+    .await
+    .map_err(gpu_err)?;
+    let head_all = kernels::linear::build(
+        ctx,
+        lm_head,
+        &lin_io(ws, &ws.hidden, d, Some(final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, None),
+        Shape::Matmul,
+    )
+    .await
+    .map_err(gpu_err)?;
+    let argmax = kernels::argmax::build(ctx, &ws.step, &ws.logits, &ws.argmax, c.vocab_size).await.map_err(gpu_err)?;
+    let topk = kernels::topk::build(ctx, &ws.step, &ws.logits, &ws.topk, c.vocab_size, kernels::topk::TOPK_MAX).await.map_err(gpu_err)?;
     let plans = Plans {
         embed,
         layers_matvec,
@@ -243,8 +275,18 @@ impl GpuModel {
         }
         if let Some(g) = &layer.qk_norm {
             // Every q head, then every k head, of each token's q|k|v row.
-            let rows = kernels::rmsnorm::RowLayout { k: hd, rows: c.num_heads + c.num_kv_heads, row_stride: hd, token_stride: qkv_dim, split: c.num_heads };
-            v.push(kernels::rmsnorm::build(ctx, &ws.step, &ws.qkv, g, &ws.qkv, rows, eps, kernels::rmsnorm::Mode::InPlace).await.map_err(gpu_err)?);
+            let rows = kernels::rmsnorm::RowLayout {
+                k: hd,
+                rows: c.num_heads + c.num_kv_heads,
+                row_stride: hd,
+                token_stride: qkv_dim,
+                split: c.num_heads,
+            };
+            v.push(
+                kernels::rmsnorm::build(ctx, &ws.step, &ws.qkv, g, &ws.qkv, rows, eps, kernels::rmsnorm::Mode::InPlace)
+                    .await
+                    .map_err(gpu_err)?,
+            );
         }
         let local = c.block.attention(l) == crate::model::LayerAttention::Sliding;
         let rope = ws.rope_local.as_ref().filter(|_| local).unwrap_or(&ws.rope);
@@ -298,9 +340,18 @@ impl GpuModel {
             out_norm.as_ref().zip(ws.branch.as_ref())
         };
         let add_normed = async |g: &wgpu::Buffer, b: &wgpu::Buffer| {
-            kernels::rmsnorm::build(ctx, &ws.step, b, g, &ws.hidden, kernels::rmsnorm::RowLayout::dense(d), eps, kernels::rmsnorm::Mode::Residual)
-                .await
-                .map_err(gpu_err)
+            kernels::rmsnorm::build(
+                ctx,
+                &ws.step,
+                b,
+                g,
+                &ws.hidden,
+                kernels::rmsnorm::RowLayout::dense(d),
+                eps,
+                kernels::rmsnorm::Mode::Residual,
+            )
+            .await
+            .map_err(gpu_err)
         };
         match post(&layer.attn_out_norm) {
             Some((g, b)) => {
@@ -308,9 +359,7 @@ impl GpuModel {
                 v.push(add_normed(g, b).await?);
             }
             None => v.extend(
-                kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, &ws.hidden, d, true), shape)
-                    .await
-                    .map_err(gpu_err)?,
+                kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, &ws.hidden, d, true), shape).await.map_err(gpu_err)?,
             ),
         }
         v.extend(
@@ -325,7 +374,11 @@ impl GpuModel {
         );
         match post(&layer.mlp_out_norm) {
             Some((g, b)) => {
-                v.extend(kernels::linear::build(ctx, &layer.down, &io(&ws.act, c.intermediate_size, None, b, d, false), shape).await.map_err(gpu_err)?);
+                v.extend(
+                    kernels::linear::build(ctx, &layer.down, &io(&ws.act, c.intermediate_size, None, b, d, false), shape)
+                        .await
+                        .map_err(gpu_err)?,
+                );
                 v.push(add_normed(g, b).await?);
             }
             None => v.extend(

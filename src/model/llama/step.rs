@@ -365,10 +365,7 @@ impl GpuModel {
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
         self.encode_pending_copies(&mut enc);
         {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("forward"),
-                timestamp_writes: None,
-            });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("forward"), timestamp_writes: None });
             for d in self.step_dispatches(&s, want, all_rows) {
                 d.encode(&mut pass, &s);
             }
@@ -379,10 +376,7 @@ impl GpuModel {
         }
         ctx.queue.submit([enc.finish()]);
         if let Some(e) = scope.pop().await {
-            return Err(LanternError::Gpu(GpuError::Validation {
-                context: "forward step".into(),
-                message: e.to_string(),
-            }));
+            return Err(LanternError::Gpu(GpuError::Validation { context: "forward step".into(), message: e.to_string() }));
         }
         if s.n_out == 0 {
             return Ok(StepOutput::default());
@@ -523,10 +517,7 @@ impl GpuModel {
                 .label
                 .split_whitespace()
                 .map(|w| {
-                    w.split('.')
-                        .filter(|p| p.parse::<usize>().is_err() && *p != "model" && *p != "layers")
-                        .collect::<Vec<_>>()
-                        .join(".")
+                    w.split('.').filter(|p| p.parse::<usize>().is_err() && *p != "model" && *p != "layers").collect::<Vec<_>>().join(".")
                 })
                 .collect::<Vec<_>>()
                 .join(" ");

@@ -46,12 +46,9 @@ impl Owned {
 }
 
 fn get<'a>(w: &'a ModelWeights, name: &str) -> Result<&'a HostTensor> {
-    w.tensors.get(name).ok_or_else(|| {
-        LanternError::Load(crate::model::LoadError::MissingTensor {
-            file: w.source.clone(),
-            tensor: name.into(),
-        })
-    })
+    w.tensors
+        .get(name)
+        .ok_or_else(|| LanternError::Load(crate::model::LoadError::MissingTensor { file: w.source.clone(), tensor: name.into() }))
 }
 
 /// Concatenate row blocks of matrices into one: with `Native`, packed when every part is
@@ -220,16 +217,17 @@ pub(super) fn upload_layer(ctx: &GpuContext, weights: &ModelWeights, l: usize, k
 }
 
 /// The embedding, head and final norm from `weights` (which may hold only those).
-pub(super) fn upload_globals(ctx: &GpuContext, weights: &ModelWeights, keep: WeightPrecision, textures: bool) -> Result<(GpuLinear, Option<GpuLinear>, wgpu::Buffer)> {
+pub(super) fn upload_globals(
+    ctx: &GpuContext,
+    weights: &ModelWeights,
+    keep: WeightPrecision,
+    textures: bool,
+) -> Result<(GpuLinear, Option<GpuLinear>, wgpu::Buffer)> {
     let c = &weights.config;
     let d = c.hidden_size;
     let norm = |name: &str| upload_norm(ctx, weights, name);
     let embed_t = get(weights, "model.embed_tokens.weight")?;
-    let head_t = if c.tie_word_embeddings {
-        embed_t
-    } else {
-        get(weights, "lm_head.weight")?
-    };
+    let head_t = if c.tie_word_embeddings { embed_t } else { get(weights, "lm_head.weight")? };
     let head_m = matrix(&[head_t], keep)?;
     let lm_head = GpuLinear::upload_with(ctx, "lm_head", head_m.as_matrix(), None, None, c.vocab_size, d, textures).map_err(gpu_err)?;
     let embed_own = if c.tie_word_embeddings {
