@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::random::Rng;
+
 use std::sync::{Arc, OnceLock};
 
 use lantern::engine::{Engine, EngineOptions, Event, FinishReason, GenerateRequest, Generation, RequestHandle, SamplingParams};
@@ -34,19 +36,6 @@ fn engine(opts: ModelOptions, eo: EngineOptions) -> Engine {
     Engine::new(m, tokenizer(), eo)
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// Random prompts (1..40 tokens, ids < 512) and lengths; two share a 24-token prefix, one
 /// samples with temperature (its own seed).
 fn requests(seed: u64, n: usize) -> Vec<GenerateRequest> {
@@ -54,7 +43,7 @@ fn requests(seed: u64, n: usize) -> Vec<GenerateRequest> {
     let shared: Vec<u32> = (0..24).map(|_| r.below(512) as u32).collect();
     (0..n)
         .map(|i| {
-            let len = 1 + r.below(40) as usize;
+            let len = 1 + r.below(40);
             let mut prompt: Vec<u32> = (0..len).map(|_| r.below(512) as u32).collect();
             if i < 2 {
                 prompt = shared.iter().copied().chain(prompt.into_iter().take(6)).collect();
@@ -63,7 +52,7 @@ fn requests(seed: u64, n: usize) -> Vec<GenerateRequest> {
                 if i == 3 { SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 11 } } else { SamplingParams::default() };
             GenerateRequest {
                 prompt_ids: prompt,
-                max_tokens: 1 + r.below(20) as usize,
+                max_tokens: 1 + r.below(20),
                 sampling,
                 stop_ids: vec![],
                 stop_strings: vec![],

@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::random::Rng;
+
 use std::collections::HashMap;
 
 use lantern::eval::{compare, perplexity, EvalError, Window, WindowMode};
@@ -12,23 +14,6 @@ use lantern::model::llama::{GpuModel, ModelOptions};
 use lantern::model::{Arch, HostTensor, ModelConfig, ModelWeights};
 use lantern::reference::ReferenceModel;
 use lantern::LanternError;
-
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
-    }
-    /// Uniform in [-1, 1).
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn below(&mut self, n: usize) -> u32 {
-        (((self.next() + 1.0) * 0.5 * n as f32) as usize).min(n - 1) as u32
-    }
-}
 
 /// A seeded random Llama model (GQA, untied head). `noise` > 0 adds `noise * U(-1, 1)` from a
 /// second generator to every value: a "quantized" copy of the same model.
@@ -58,7 +43,7 @@ fn random_model(seed: u64, vocab: usize, noise: f32) -> ModelWeights {
     let mut tensors = HashMap::new();
     let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
         let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| offset + scale * rng.next() + noise * nrng.next()).collect();
+        let v: Vec<f32> = (0..n).map(|_| offset + scale * rng.uniform() + noise * nrng.uniform()).collect();
         tensors.insert(name.clone(), HostTensor::from_f32(name, shape, &v));
     };
     add("model.embed_tokens.weight".into(), vec![vocab, d], 0.5, 0.0);
@@ -90,7 +75,7 @@ fn gpu_model(w: &ModelWeights, context: usize) -> GpuModel {
 
 fn random_ids(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
     let mut r = Rng::new(seed);
-    (0..n).map(|_| r.below(vocab)).collect()
+    (0..n).map(|_| r.below(vocab) as u32).collect()
 }
 
 /// log softmax in f64.
@@ -372,7 +357,7 @@ fn tiny_gguf(dir: &std::path::Path) -> std::path::PathBuf {
     let mut rng = Rng::new(77);
     for t in &mut w.tensors {
         let norm = t.name.contains("norm");
-        let v: Vec<f32> = (0..t.data.len() / 4).map(|_| if norm { 1.0 + 0.2 * rng.next() } else { 0.4 * rng.next() }).collect();
+        let v: Vec<f32> = (0..t.data.len() / 4).map(|_| if norm { 1.0 + 0.2 * rng.uniform() } else { 0.4 * rng.uniform() }).collect();
         t.data = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     }
     let path = dir.join("tiny.gguf");

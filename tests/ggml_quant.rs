@@ -6,6 +6,10 @@
 //! Every comparison is bit for bit, signed zeros included (ggml computes `d * c`, `-0.0` for
 //! a zero code under a negative scale; the packed reference adds `m = -0.0` there).
 
+mod common;
+
+use common::random::Rng;
+
 use lantern::model::{DType, HostTensor};
 use lantern::quant::ggml::{self, block_size, dequantize_blocks, repack};
 use lantern::quant::{PackedMatrix, QuantError, QuantFormat, QuantKind};
@@ -237,42 +241,13 @@ fn kinds_outside_ggml_repack_are_refused() {
     }
 }
 
-/// splitmix64, for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-
-    /// A finite f16 of either sign: any bits but an all-ones exponent (inf / NaN). Every
-    /// third one is small (exponent field below 8, subnormals and zero included).
-    fn finite_f16(&mut self) -> u16 {
-        let bits = self.next() as u16;
-        let bits = if self.next().is_multiple_of(3) { bits & 0x9fff } else { bits };
-        if bits & 0x7c00 == 0x7c00 {
-            bits & !0x4000
-        } else {
-            bits
-        }
-    }
-}
-
 /// Random blocks: any bits for codes and sub-block scales, finite f16 scales.
 fn random_blocks(rng: &mut Rng, kind: QuantKind, rows: usize, k: usize) -> Vec<u8> {
     let (be, bb) = block_size(kind);
     let mut data = rng.bytes(rows * k / be * bb);
     for b in data.chunks_exact_mut(bb) {
         for &at in ggml::f16_fields(kind) {
-            b[at..at + 2].copy_from_slice(&rng.finite_f16().to_le_bytes());
+            b[at..at + 2].copy_from_slice(&finite_f16(rng).to_le_bytes());
         }
     }
     data
@@ -364,5 +339,17 @@ fn element_order_of_each_layout() {
         for (e, &v) in q.iter().enumerate() {
             assert_eq!(m.raw_code(0, e), v as i32, "{kind:?} element {e}");
         }
+    }
+}
+
+/// A finite f16 of either sign: any bits but an all-ones exponent (inf / NaN). Every third
+/// one is small (exponent field below 8, subnormals and zero included).
+fn finite_f16(rng: &mut Rng) -> u16 {
+    let bits = rng.next_u64() as u16;
+    let bits = if rng.next_u64().is_multiple_of(3) { bits & 0x9fff } else { bits };
+    if bits & 0x7c00 == 0x7c00 {
+        bits & !0x4000
+    } else {
+        bits
     }
 }

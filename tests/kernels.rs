@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::random::Rng;
+
 use std::sync::{Arc, OnceLock};
 
 use half::f16;
@@ -50,44 +52,6 @@ const SMALL_BINDING: u64 = 4096;
 // ---------------------------------------------------------------------------------------------
 // Helpers: RNG, contexts, buffers, comparison.
 // ---------------------------------------------------------------------------------------------
-
-/// xorshift64: deterministic test data without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng((seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03) | 1)
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.uniform()).collect()
-    }
-
-    fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = self.below(i + 1);
-            v.swap(i, j);
-        }
-    }
-}
 
 /// The shared default context (one device for the whole binary; pipelines are cached on it).
 fn gpu() -> Arc<GpuContext> {

@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::random::Rng;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -18,26 +20,6 @@ use lantern::reference::ReferenceModel;
 use lantern::LanternError;
 
 const KINDS: [QuantKind; 3] = [QuantKind::Q8, QuantKind::Q4, QuantKind::Q4Sym];
-
-/// Deterministic xorshift generator for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    /// Roughly normal (sum of uniforms).
-    fn normal(&mut self) -> f32 {
-        (0..4).map(|_| self.uniform()).sum::<f32>() * 0.866
-    }
-}
 
 fn tmp_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("lantern-quant-{}-{name}", std::process::id()));
@@ -110,7 +92,7 @@ fn rtn_error_bounds_on_random_data() {
             let normal: Vec<f32> = (0..rows * k).map(|_| rng.normal() * 0.02).collect();
             let mut outliers = normal.clone();
             for r in 0..rows {
-                outliers[r * k + (rng.next() as usize % k)] = 3.0 * rng.uniform().signum();
+                outliers[r * k + rng.below(k)] = 3.0 * rng.uniform().signum();
             }
             for (what, v) in [("uniform", &uniform), ("normal", &normal), ("outliers", &outliers)] {
                 let w = check_rtn(v, rows, k, format);
@@ -234,7 +216,7 @@ fn random_blocks(rng: &mut Rng, dtype: DType, rows: usize, k: usize) -> Vec<u8> 
             out.extend(f16_rand(rng));
         }
         while out.len() < start + bb {
-            out.push(rng.next() as u8);
+            out.push(rng.next_u64() as u8);
         }
     }
     out
@@ -275,7 +257,7 @@ fn from_floats(w: &ModelWeights, f: &FloatWeights) -> ModelWeights {
 
 fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let mut rng = Rng(seed);
-    (0..n).map(|_| (rng.next() % vocab as u64) as u32).collect()
+    (0..n).map(|_| rng.below(vocab) as u32).collect()
 }
 
 fn no_progress() -> impl FnMut(Progress<'_>) {

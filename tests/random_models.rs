@@ -17,7 +17,7 @@ fn check(s: Spec, tokens: usize, opts: ModelOptions) {
     let w = random_model(s);
     let reference = ReferenceModel::new(&w).expect("reference model");
     let mut rng = Rng(s.seed + 99);
-    let ids: Vec<u32> = (0..tokens).map(|_| ((rng.next() + 1.0) * 0.5 * s.vocab as f32) as u32 % s.vocab as u32).collect();
+    let ids: Vec<u32> = (0..tokens).map(|_| rng.below(s.vocab) as u32).collect();
     let want = reference.forward(&ids);
     let mut m = pollster::block_on(GpuModel::load(common::gpu(), &w, opts)).expect("load");
     let seq = m.new_sequence().unwrap();

@@ -1,19 +1,57 @@
 //! Seeded random models for the tests that compare the GPU with the CPU reference, natively
 //! (tests/random_models.rs) and in the browser (tests/wasm.rs): plain Rust, no filesystem,
-//! so it builds for wasm32 too.
+//! so it builds for wasm32 too. Also the tests' one random-number generator.
+#![allow(dead_code)]
 
 use std::collections::HashMap;
 
 use lantern::model::{Arch, BlockSpec, DType, HostTensor, LayerAttention, ModelConfig, ModelWeights, RopeScaling};
 
-/// xorshift64, uniform in [-1, 1).
+/// The tests' one seeded generator (xorshift64): every test's random data is reproducible
+/// from its seed. `Rng(state)` starts from a raw non-zero state, `Rng::new(seed)` mixes a
+/// seed first.
 pub struct Rng(pub u64);
+
 impl Rng {
-    pub fn next(&mut self) -> f32 {
+    pub fn new(seed: u64) -> Rng {
+        Rng((seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        self.0
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    /// Uniform in 0..n.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform()).collect()
+    }
+
+    /// Roughly normal (a scaled sum of four uniforms).
+    pub fn normal(&mut self) -> f32 {
+        (0..4).map(|_| self.uniform()).sum::<f32>() * 0.866
+    }
+
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next_u64() as u8).collect()
+    }
+
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = self.below(i + 1);
+            v.swap(i, j);
+        }
     }
 }
 
@@ -79,7 +117,7 @@ pub fn random_model(s: Spec) -> ModelWeights {
     let mut tensors = HashMap::new();
     let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32, rng: &mut Rng, matrix: bool| {
         let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| offset + scale * rng.next()).collect();
+        let v: Vec<f32> = (0..n).map(|_| offset + scale * rng.uniform()).collect();
         let t = if s.f16 && matrix {
             let bits: Vec<u8> = v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect();
             HostTensor { name: name.clone(), shape, dtype: DType::F16, data: bits }
