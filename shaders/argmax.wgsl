@@ -1,3 +1,4 @@
+// Rust dispatch: src/kernels/argmax.rs; CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs argmax_*).
 // Greedy sampling: out[r] = argmax(logits[r, :]) (lowest index on ties, NaN never wins,
 // 0 for a row without any value above -f32::MAX).
 // One workgroup per row; the host reads back 4 bytes per row.

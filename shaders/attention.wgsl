@@ -1,3 +1,4 @@
+// Rust dispatch: src/kernels/attention.rs; CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs attention_*, paged_attention_*).
 // Causal grouped-query attention over the paged KV cache. One workgroup per (KV head, batch
 // of up to HB = 4 query heads of its group, token, split): query head h reads KV head
 // h / (n_heads / n_kv_heads), and the heads of a batch share every K and V load (their

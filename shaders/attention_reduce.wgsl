@@ -1,3 +1,4 @@
+// Rust dispatch: src/kernels/attention.rs; CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs attention_*).
 // The reduce pass of flash-decoding: combines the partial results that attention.wgsl wrote
 // for the parts (KV shard x key split) of each (token, query head): with M the largest
 // running max, out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M). A part that saw no

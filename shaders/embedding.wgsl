@@ -1,3 +1,4 @@
+// Rust dispatch: src/kernels/embedding.rs; CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs embedding_*).
 // Embedding gather: y[t, :] = table[ids[t], :] * scale for the ids that fall in this chunk
 // of rows (packed tables are dequantized element by element, exactly as the CPU reference;
 // scale is 1 except for models that scale their embedding, e.g. Gemma's sqrt(hidden)).

@@ -1,3 +1,4 @@
+// Rust dispatch: src/kernels/linear.rs (matvec_layout); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
 // Decode matvec over packed integer weights (every W_PACKED format; layout in
 // src/quant/mod.rs): y[t, row_offset + n] = epilogue(sum_k W[n, k] * x'[t, k]) where every
 // code word is read once and dequantized in registers (c d + m with the group's scale), never

@@ -1,3 +1,4 @@
+// Rust dispatch: src/kernels/rope_kv.rs; CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs rope_kv_*).
 // RoPE (rotate_half layout: dimension i pairs with i + head_dim/2) on the q heads of each
 // token's fused q|k|v row, in place, and the write of the token's rotated k and its v into the
 // paged KV cache at its position: page = block_table[seq, pos / page_size], slot

@@ -1,3 +1,4 @@
+// Rust dispatch: src/kernels/topk.rs; CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs topk_*).
 // GPU top-k for sampled rows: the K best (id, logit) pairs of each row of logits, best
 // first, ordered by value then by lower id (the host sampler's order), non-finite values
 // skipped; rows with fewer than K finite values end with id 0xffffffff. The host samples

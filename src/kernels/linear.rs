@@ -1,6 +1,8 @@
-//! `y = W x` in its two shapes: the decode matvec (`shaders/matvec.wgsl`) and the prefill
-//! tiled matmul (`shaders/matmul.wgsl`), with the fused prologue/epilogues of both
-//! (RMSNorm folded in, bias, SiLU gate, residual add, gathered rows).
+//! `y = W x` in its two shapes: the decode matvec (`shaders/matvec.wgsl`, packed weights
+//! `shaders/matvec_q.wgsl`) and the prefill matmul (`shaders/matmul.wgsl` on GPUs,
+//! `shaders/matmul_blocked.wgsl` / `matmul_blocked_q.wgsl` on CPU adapters), with the fused
+//! prologue/epilogues of all of them (`shaders/common/linear.wgsl`: RMSNorm folded in, bias,
+//! SiLU or GELU gate, residual add, gathered rows).
 
 use crate::gpu::buffer::{create_storage, create_uniform};
 use crate::gpu::shader::{flags, WeightFormat};
