@@ -179,7 +179,8 @@ fn f16_and_q8_kv_caches_report_their_agreement() {
 /// pages; a budget short of one context fails the load naming every term.
 #[test]
 fn budget_sizes_the_cache_and_a_full_cache_refuses_with_a_message() {
-    use lantern::kv::plan::{kv_bytes_per_token, reserve_bytes, workspace_bytes};
+    use lantern::kv::plan::{kv_bytes_per_token, reserve_bytes};
+    use lantern::model::plan::workspace_bytes;
     let l = load_path(&common::smollm2_gguf()).expect("load SmolLM2 GGUF");
     let c = l.weights.config.clone();
     // Texture copies either way (the default decides by the budget, which this test varies).

@@ -6,7 +6,8 @@
 mod common;
 
 use lantern::gpu::memory::{adapter_memory, default_budget, probe, probe_largest, MemoryOrigin};
-use lantern::kv::plan::{kv_bytes, kv_bytes_per_token, param_count, plan, KvDtype};
+use lantern::kv::plan::{kv_bytes, kv_bytes_per_token, KvDtype};
+use lantern::model::plan::{param_count, plan};
 use lantern::model::ModelConfig;
 
 const LLAMA_33_70B: &str = r#"{
@@ -106,17 +107,17 @@ fn sliding_window_layers_say_what_a_windowed_cache_would_save() {
     c.num_kv_heads = 1;
     c.head_dim = 256;
     c.block = lantern::model::BlockSpec::gemma3(18, c.hidden_size, 512, 256.0, 10000.0);
-    let w = lantern::kv::plan::window_saving(&c, KvDtype::F32, 8192, 128).unwrap();
+    let w = lantern::model::plan::window_saving(&c, KvDtype::F32, 8192, 128).unwrap();
     let per_layer_token = 2 * 256 * 4;
     assert_eq!((w.sliding_layers, w.layers, w.window), (15, 18, 512));
     assert_eq!(w.bytes_per_sequence, 18 * 8192 * per_layer_token);
     assert_eq!(w.bytes_per_sequence_windowed, (3 * 8192 + 15 * (512 + 127)) * per_layer_token);
     // A context inside the window saves nothing.
-    let w = lantern::kv::plan::window_saving(&c, KvDtype::F32, 300, 1).unwrap();
+    let w = lantern::model::plan::window_saving(&c, KvDtype::F32, 300, 1).unwrap();
     assert_eq!(w.bytes_per_sequence, w.bytes_per_sequence_windowed);
     // Full attention everywhere: nothing to say.
     c.block = Default::default();
-    assert!(lantern::kv::plan::window_saving(&c, KvDtype::F32, 8192, 1).is_none());
+    assert!(lantern::model::plan::window_saving(&c, KvDtype::F32, 8192, 1).is_none());
 }
 
 #[test]

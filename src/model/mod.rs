@@ -6,6 +6,7 @@ pub mod gguf;
 pub mod hf;
 pub mod llama;
 pub mod load;
+pub mod plan;
 pub mod tensor;
 pub mod tokenizer;
 pub mod validate;

@@ -9,7 +9,8 @@ use clap::Args;
 
 use lantern::gpu::memory::{adapter_memory, default_budget, probe_largest, AdapterMemory, Probe};
 use lantern::gpu::{DeviceOptions, GpuContext};
-use lantern::kv::plan::{param_count, plan, workspace_bytes, KvDtype, Plan};
+use lantern::kv::plan::KvDtype;
+use lantern::model::plan::{param_count, plan, workspace_bytes, Plan};
 use lantern::model::ModelConfig;
 
 #[derive(Args)]
@@ -162,7 +163,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let (budget, source) = resolve_budget(user_budget, mem.as_ref());
     let reserve = if budget > 0 { lantern::kv::plan::reserve_bytes(budget) } else { 0 };
     let mut p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, budget, source);
-    p.window = lantern::kv::plan::window_saving(&config, kv_dtype, context, a.max_batch_tokens);
+    p.window = lantern::model::plan::window_saving(&config, kv_dtype, context, a.max_batch_tokens);
     let mut probed: Option<Probe> = None;
     if let (true, Some(ctx)) = (a.probe, &ctx) {
         let want = planned_kv_bytes(&p);
@@ -172,7 +173,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
             let src = format!("{}; lowered to the {:.3} GB the probe allocated", p.budget_source, r.allocated_bytes as f64 / 1e9);
             let b = weight_bytes + ws + reserve + r.allocated_bytes;
             p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, b, src);
-            p.window = lantern::kv::plan::window_saving(&config, kv_dtype, context, a.max_batch_tokens);
+            p.window = lantern::model::plan::window_saving(&config, kv_dtype, context, a.max_batch_tokens);
         }
         probed = Some(r);
     }

@@ -163,7 +163,7 @@ impl GpuModel {
         };
         let page_size = options.page_size.max(1);
         let t = options.max_batch_tokens.max(1);
-        let workspace = crate::kv::plan::workspace_bytes(c, t, options.max_logit_rows.max(1).min(t), context);
+        let workspace = crate::model::plan::workspace_bytes(c, t, options.max_logit_rows.max(1).min(t), context);
         let reserve = crate::kv::plan::reserve_bytes(b);
         let kv_room = b.saturating_sub(weights + workspace + reserve);
         let per_page = crate::kv::plan::kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, options.kv_dtype) * page_size as u64;

@@ -1,0 +1,163 @@
+//! The memory plan of a model from its config alone (no weights, no GPU), so a model can be
+//! sized before it is downloaded: parameter counts, the workspace a load allocates, and how
+//! many tokens of KV cache fit a budget after weights, workspace and a reserve (the KV
+//! arithmetic itself is `kv::plan`).
+
+use crate::kv::plan::{kv_bytes_per_token, KvDtype};
+use crate::model::ModelConfig;
+
+/// Parameters of a Llama-family model, from its config: embedding, per layer q/k/v/o
+/// (+ q/k/v biases), gate/up/down, two norms; final norm; an LM head unless tied.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct ParamCount {
+    pub embedding: u64,
+    pub per_layer: u64,
+    pub layers: u64,
+    pub lm_head: u64,
+    pub total: u64,
+    /// 12 d^2: the textbook size of a transformer block (4 d^2 attention + 8 d^2 MLP with
+    /// a 4d FFN), a sanity line next to `per_layer`.
+    pub block_12d2: u64,
+}
+
+pub fn param_count(c: &ModelConfig) -> ParamCount {
+    let d = c.hidden_size as u64;
+    let q = (c.num_heads * c.head_dim) as u64;
+    let kv = (c.num_kv_heads * c.head_dim) as u64;
+    let f = c.intermediate_size as u64;
+    let bias = if c.qkv_bias { q + 2 * kv } else { 0 };
+    // Two norms per layer, four with sandwich norms, plus the q/k norms.
+    let norms = if c.block.norms == crate::model::NormPlacement::Sandwich { 4 * d } else { 2 * d };
+    let qk_norm = if c.block.qk_norm { 2 * c.head_dim as u64 } else { 0 };
+    let per_layer = d * q + 2 * d * kv + q * d + bias + 3 * d * f + norms + qk_norm;
+    let embedding = c.vocab_size as u64 * d;
+    let lm_head = if c.tie_word_embeddings { 0 } else { embedding };
+    let layers = c.num_layers as u64 * per_layer;
+    ParamCount { embedding, per_layer, layers, lm_head, total: embedding + layers + d + lm_head, block_12d2: 12 * d * d }
+}
+
+/// Activation bytes of one forward step of `max_batch_tokens` tokens with `logit_rows` rows
+/// of logits, as `GpuModel::load` allocates them (f32 hidden, q|k|v, attention output, MLP
+/// activation, logits, step inputs, RoPE table of `context` positions, and for sandwich-norm
+/// models the sublayer output and sliding layers' RoPE table; the block table's few bytes per
+/// sequence are left out).
+pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usize, context: usize) -> u64 {
+    let t = max_batch_tokens.max(1) as u64;
+    let r = logit_rows.max(1).min(max_batch_tokens.max(1)) as u64;
+    let d = c.hidden_size as u64;
+    let act = t * (d + c.qkv_dim() as u64 + (c.num_heads * c.head_dim) as u64 + c.intermediate_size as u64) * 4;
+    let logits = r * c.vocab_size as u64 * 4;
+    let inputs = t * 4 * 4 + r * 4;
+    let tables = if c.has_local_rope() { 2 } else { 1 };
+    let rope = tables * context as u64 * c.head_dim as u64 * 4;
+    let branch = if c.block.norms == crate::model::NormPlacement::Sandwich { t * d * 4 } else { 0 };
+    act + logits + inputs + rope + branch
+}
+
+/// What fits: inputs and results of [`plan`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Plan {
+    pub kv_dtype: KvDtype,
+    pub kv_bytes_per_token: u64,
+    /// KV bytes of `batch` sequences of `context` tokens.
+    pub kv_bytes_requested: u64,
+    pub batch: usize,
+    pub context: usize,
+    pub weight_bytes: u64,
+    pub workspace_bytes: u64,
+    pub reserve_bytes: u64,
+    pub budget_bytes: u64,
+    /// Where the budget came from.
+    pub budget_source: String,
+    /// Bytes left for the KV cache (0 when weights + workspace + reserve exceed the budget).
+    pub kv_budget_bytes: u64,
+    pub page_size: usize,
+    pub pages: u64,
+    /// Longest single sequence the pages hold (capped by the model's context).
+    pub max_context_one_sequence: u64,
+    /// Sequences of `context` tokens that fit at once.
+    pub max_sequences_at_context: u64,
+    /// Whether `batch` sequences of `context` tokens fit.
+    pub fits: bool,
+    /// Models with sliding-window layers: what a cache keeping only their windows would take
+    /// (for one-token steps; [`window_saving`] takes a step size).
+    pub window: Option<WindowSaving>,
+}
+
+/// What sliding-window layers could save. A sliding layer never reads keys older than its
+/// window, so a cache that kept only those (a ring of pages per sequence) would hold
+/// `min(window + step - 1, context)` tokens for it instead of `context`. Lantern's paged
+/// cache shares one block table across layers, so today every layer keeps every token: this
+/// is the saving not yet taken.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct WindowSaving {
+    pub sliding_layers: usize,
+    pub layers: usize,
+    pub window: usize,
+    /// KV bytes of one sequence of `context` tokens as the cache holds it.
+    pub bytes_per_sequence: u64,
+    /// The same if sliding layers kept only their window (plus one step of tokens).
+    pub bytes_per_sequence_windowed: u64,
+}
+
+/// [`WindowSaving`] for sequences of `context` tokens written in steps of up to `step` tokens.
+pub fn window_saving(c: &ModelConfig, kv_dtype: KvDtype, context: usize, step: usize) -> Option<WindowSaving> {
+    let window = c.block.sliding_window?;
+    let sliding = (0..c.num_layers).filter(|&l| c.block.window(l).is_some()).count();
+    if sliding == 0 {
+        return None;
+    }
+    let per_layer_token = kv_bytes_per_token(1, c.num_kv_heads, c.head_dim, kv_dtype);
+    let kept = (window + step.max(1) - 1).min(context) as u64;
+    let full = (c.num_layers - sliding) as u64 * context as u64;
+    Some(WindowSaving {
+        sliding_layers: sliding,
+        layers: c.num_layers,
+        window,
+        bytes_per_sequence: per_layer_token * c.num_layers as u64 * context as u64,
+        bytes_per_sequence_windowed: per_layer_token * (full + sliding as u64 * kept),
+    })
+}
+
+/// Size the KV cache for a budget.
+#[allow(clippy::too_many_arguments)]
+pub fn plan(
+    c: &ModelConfig,
+    weight_bytes: u64,
+    kv_dtype: KvDtype,
+    batch: usize,
+    context: usize,
+    page_size: usize,
+    workspace_bytes: u64,
+    reserve_bytes: u64,
+    budget_bytes: u64,
+    budget_source: String,
+) -> Plan {
+    let per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype);
+    let page_size = page_size.max(1);
+    let used = weight_bytes + workspace_bytes + reserve_bytes;
+    let kv_budget = budget_bytes.saturating_sub(used);
+    let page_bytes = per_token * page_size as u64;
+    let pages = kv_budget.checked_div(page_bytes).unwrap_or(0);
+    let pages_per_seq = context.max(1).div_ceil(page_size) as u64;
+    let max_seqs = pages / pages_per_seq;
+    Plan {
+        kv_dtype,
+        kv_bytes_per_token: per_token,
+        kv_bytes_requested: per_token * batch as u64 * context as u64,
+        batch,
+        context,
+        weight_bytes,
+        workspace_bytes,
+        reserve_bytes,
+        budget_bytes,
+        budget_source,
+        kv_budget_bytes: kv_budget,
+        page_size,
+        pages,
+        max_context_one_sequence: (pages * page_size as u64).min(c.max_position_embeddings as u64),
+        max_sequences_at_context: max_seqs,
+        fits: max_seqs >= batch as u64,
+        window: window_saving(c, kv_dtype, context, 1),
+    }
+}
