@@ -66,7 +66,7 @@ fn describe(err: SafeTensorError, len: usize) -> String {
 /// packed pair), [`LoadError::Quantized`] for packed tensors with bad or missing metadata or
 /// mismatched sizes, and [`LoadError::Invalid`] for a tensor name already present in `out`.
 pub fn read_safetensors(file: &str, bytes: &[u8], out: &mut HashMap<String, HostTensor>) -> Result<(), LanternError> {
-    use crate::quant::safetensors::{packed_from_views, parse_metadata, METADATA_KEY, QWEIGHT_SUFFIX, SCALES_SUFFIX};
+    use crate::model::quantized::{packed_from_views, parse_metadata, METADATA_KEY, QWEIGHT_SUFFIX, SCALES_SUFFIX};
     let st =
         SafeTensors::deserialize(bytes).map_err(|e| LoadError::Safetensors { file: file.to_string(), reason: describe(e, bytes.len()) })?;
     // `deserialize` succeeded, so the header parses again.
@@ -149,7 +149,7 @@ pub fn shard_files(index_json: &str, file: &str) -> Result<Vec<String>, LanternE
 
 /// Checks that every tensor the index names was found in the shard it names.
 fn check_index(index_file: &str, weight_map: &BTreeMap<String, String>, found_in: &HashMap<String, String>) -> Result<(), LanternError> {
-    use crate::quant::safetensors::{QWEIGHT_SUFFIX, SCALES_SUFFIX};
+    use crate::model::quantized::{QWEIGHT_SUFFIX, SCALES_SUFFIX};
     for (tensor, shard) in weight_map {
         // The `.qweight` / `.scales` entries of a packed tensor load as one tensor.
         let logical = tensor

@@ -7,6 +7,7 @@ pub mod hf;
 pub mod llama;
 pub mod load;
 pub mod plan;
+pub mod quantized;
 pub mod tensor;
 pub mod tokenizer;
 pub mod validate;
