@@ -94,11 +94,11 @@ fn main(
 #else
     let xrow = t;
 #endif
+#if XBCAST
+    rows4_bcast(t, xrow * p.x_stride, wid, lid);
+#else
     // Words of codes per row.
     let wpr = row_words();
-#if XBCAST
-    rows4_bcast(t, xrow * p.x_stride, wpr, wid, lid);
-#else
     let xb4 = xrow * (p.x_stride / 4u);
 #if ROW_PER_WORKGROUP
     let row = wid.y * p.grid_x + wid.x;
@@ -178,15 +178,39 @@ fn main(
 
 #if XBCAST
 
+// The four rows an invocation of the XBCAST layouts computes: the first, and the word bases
+// of the rows' codes and scales (rows past n_rows read the last row and are not stored, so
+// control flow stays uniform).
+struct Rows4 {
+    row0: u32,
+    wb: vec4<u32>,
+    sb: vec4<u32>,
+}
+
+fn rows4_at(wid: vec3<u32>, lid: u32) -> Rows4 {
+    let row0 = ((wid.y * p.grid_x + wid.x) * WG + lid) * 4u;
+    let r = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(p.n_rows - 1u));
+    return Rows4(row0, r * row_words(), r * scale_row_words());
+}
+
+// The high-plane words of the four rows of matrix m (0: W, 1: U) for the step at element
+// k8: read at the start of each HI_SPAN elements, else the words `held` (the row is walked in
+// order).
+fn hi_words4(m: u32, wb: vec4<u32>, k8: u32, held: vec4<u32>) -> vec4<u32> {
+    if (HI_SPAN != 0u && k8 % max(HI_SPAN, 1u) == 0u) {
+        return vec4<u32>(hi_word(m, wb.x, k8), hi_word(m, wb.y, k8), hi_word(m, wb.z, k8), hi_word(m, wb.w, k8));
+    }
+    return held;
+}
+
 // ROWS4 with x shared by subgroupBroadcast: the workgroup (WG = 8 lanes) is one subgroup, so
 // control flow stays uniform to the end (rows past n_rows are read clamped, never stored).
 // Each step covers 8 elements of x: one load per lane, then eight broadcasts.
-fn rows4_bcast(t: u32, xb: u32, wpr: u32, wid: vec3<u32>, lid: u32) {
-    let row0 = ((wid.y * p.grid_x + wid.x) * WG + lid) * 4u;
-    let last = p.n_rows - 1u;
-    let r = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
-    let wb = r * wpr;
-    let sb0 = r * scale_row_words();
+fn rows4_bcast(t: u32, xb: u32, wid: vec3<u32>, lid: u32) {
+    let rw = rows4_at(wid, lid);
+    let row0 = rw.row0;
+    let wb = rw.wb;
+    let sb0 = rw.sb;
     var a = vec4<f32>(0.0);
     var ua = vec4<f32>(0.0);
     var ss = 0.0;
@@ -206,12 +230,10 @@ fn rows4_bcast(t: u32, xb: u32, wpr: u32, wid: vec3<u32>, lid: u32) {
 #endif
         for (var j = 0u; j < spg; j++) {
             let k8 = (gi * spg + j) * 8u;
-            if (HI_SPAN != 0u && k8 % max(HI_SPAN, 1u) == 0u) {
-                hw = vec4<u32>(hi_word(0u, wb.x, k8), hi_word(0u, wb.y, k8), hi_word(0u, wb.z, k8), hi_word(0u, wb.w, k8));
+            hw = hi_words4(0u, wb, k8, hw);
 #if GATED
-                hu = vec4<u32>(hi_word(1u, wb.x, k8), hi_word(1u, wb.y, k8), hi_word(1u, wb.z, k8), hi_word(1u, wb.w, k8));
+            hu = hi_words4(1u, wb, k8, hu);
 #endif
-            }
             let xl = load_x1(xb, k8 + lid, &ss);
             let xv = bcast8(xl);
             let xa = xv[0];
@@ -257,12 +279,10 @@ fn rows4_bcast4(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32) {
     let xb1 = xrow_of(min(t0 + 1u, tl)) * p.x_stride;
     let xb2 = xrow_of(min(t0 + 2u, tl)) * p.x_stride;
     let xb3 = xrow_of(min(t0 + 3u, tl)) * p.x_stride;
-    let wpr = row_words();
-    let row0 = ((wid.y * p.grid_x + wid.x) * WG + lid) * 4u;
-    let last = p.n_rows - 1u;
-    let r = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
-    let wb = r * wpr;
-    let sb0 = r * scale_row_words();
+    let rw = rows4_at(wid, lid);
+    let row0 = rw.row0;
+    let wb = rw.wb;
+    let sb0 = rw.sb;
     var a0 = vec4<f32>(0.0);
     var a1 = vec4<f32>(0.0);
     var a2 = vec4<f32>(0.0);
@@ -289,12 +309,10 @@ fn rows4_bcast4(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32) {
 #endif
         for (var j = 0u; j < spg; j++) {
             let k8 = (gi * spg + j) * 8u;
-            if (HI_SPAN != 0u && k8 % max(HI_SPAN, 1u) == 0u) {
-                hw = vec4<u32>(hi_word(0u, wb.x, k8), hi_word(0u, wb.y, k8), hi_word(0u, wb.z, k8), hi_word(0u, wb.w, k8));
+            hw = hi_words4(0u, wb, k8, hw);
 #if GATED
-                hu = vec4<u32>(hi_word(1u, wb.x, k8), hi_word(1u, wb.y, k8), hi_word(1u, wb.z, k8), hi_word(1u, wb.w, k8));
+            hu = hi_words4(1u, wb, k8, hu);
 #endif
-            }
             let v0 = vals8(step_words_hi(0u, wb.x, k8, hw.x), s.s0);
             let v1 = vals8(step_words_hi(0u, wb.y, k8, hw.y), s.s1);
             let v2 = vals8(step_words_hi(0u, wb.z, k8, hw.z), s.s2);

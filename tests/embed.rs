@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use lantern::engine::{Engine, EngineOptions, Event, GenerateRequest, SamplingParams};
 use lantern::model::hf::load_hf_folder;
@@ -14,9 +14,7 @@ use lantern::model::tokenizer::Tokenizer;
 use lantern::model::ModelWeights;
 
 fn tokenizer() -> Arc<Tokenizer> {
-    static T: OnceLock<Arc<Tokenizer>> = OnceLock::new();
-    T.get_or_init(|| Arc::new(lantern::model::load::load_path(&common::smollm2_gguf()).expect("GGUF").tokenizer.expect("tokenizer")))
-        .clone()
+    common::smollm2_tokenizer()
 }
 
 fn weights(name: &str) -> ModelWeights {

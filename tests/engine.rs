@@ -15,15 +15,8 @@ use lantern::model::llama::{GpuModel, ModelOptions};
 use lantern::model::tokenizer::Tokenizer;
 use lantern::model::ModelWeights;
 
-/// SmolLM2's tokenizer: the tiny model's ids (< 512) are byte-level tokens in it, so the
-/// engine's text streaming has real text to assemble.
 fn tokenizer() -> Arc<Tokenizer> {
-    static T: OnceLock<Arc<Tokenizer>> = OnceLock::new();
-    T.get_or_init(|| {
-        let l = lantern::model::load::load_path(&common::smollm2_gguf()).expect("SmolLM2 GGUF");
-        Arc::new(l.tokenizer.expect("tokenizer"))
-    })
-    .clone()
+    common::smollm2_tokenizer()
 }
 
 fn weights() -> &'static ModelWeights {

@@ -6,7 +6,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use common::random::{random_model, Spec};
 use lantern::engine::generate::{generate, generate_with, GenerateRequest};
@@ -19,14 +19,8 @@ use lantern::model::ModelWeights;
 use lantern::reference::forward::ReferenceModel;
 use lantern::LanternError;
 
-/// SmolLM2's tokenizer: the tiny models' ids are byte-level tokens in it.
 fn tokenizer() -> Arc<Tokenizer> {
-    static T: OnceLock<Arc<Tokenizer>> = OnceLock::new();
-    T.get_or_init(|| {
-        let l = lantern::model::load::load_path(&common::smollm2_gguf()).expect("SmolLM2");
-        Arc::new(l.tokenizer.expect("tokenizer"))
-    })
-    .clone()
+    common::smollm2_tokenizer()
 }
 
 const TINY: Spec = Spec {

@@ -504,13 +504,7 @@ impl Engine {
         if s.slot.is_none() || s.computed + 1 != s.tokens.len() {
             return 0;
         }
-        let limit = s
-            .req
-            .max_tokens
-            .saturating_sub(s.out.len() + 1)
-            .min(context.saturating_sub(s.tokens.len()))
-            .min(self.model.logit_rows.saturating_sub(1));
-        sp.len.next(limit)
+        sp.len.next(speculative::draft_limit(s.req.max_tokens, s.out.len(), s.tokens.len(), context, self.model.logit_rows))
     }
 
     /// Draft-model speculation: every running sequence in decode that asked for it gets its
@@ -840,20 +834,9 @@ impl Engine {
             }
             let Some(r) = row else { continue };
             let tokens = if drafts.is_empty() {
-                let token = match (&out.top, &out.logits) {
-                    _ if s.req.sampling.is_greedy() => out.argmax[r],
-                    (Some(t), _) => s.sampler.sample_top(&t[r]),
-                    (None, Some(l)) => s.sampler.sample(&l[r * vocab..(r + 1) * vocab]),
-                    (None, None) => out.argmax[r],
-                };
+                let token = s.sampler.sample_step(&out, r, vocab);
                 if let Some(sp) = s.spec.as_mut().filter(|_| !prefill) {
-                    // Lookup not drafting this step: its would-be draft, checked against
-                    // the token, keeps the acceptance estimate current.
-                    if sp.stats.drafter == Drafter::Lookup {
-                        if let Some(&d) = speculative::lookup(&s.tokens, 1, s.req.speculation.lookup_ngram).first() {
-                            sp.len.observe(d == token);
-                        }
-                    }
+                    sp.len.observe_lookup(&s.req.speculation, &s.tokens, token);
                     sp.len.record(0, 0, 0.0, step_ms);
                     sp.stats.record(0, 0, 0.0, step_ms);
                 }

@@ -189,12 +189,11 @@ async fn next_tokens(
         let t0 = Instant::now();
         let out = model.forward(seq, &[last], want).await?;
         model.record_step_ms(1, t0.elapsed().as_secs_f64() * 1e3);
-        return Ok(vec![sample(&out, sampler)]);
+        return Ok(vec![sampler.sample_step(&out, 0, model.config.vocab_size)]);
     };
     // Room: every drafted token may be emitted, plus the target's own next one; the verify
     // step stays within the context.
-    let limit = req.max_tokens.saturating_sub(out_len + 1).min(context.saturating_sub(history.len())).min(model.logit_rows - 1);
-    let k = len_ctl.next(limit);
+    let k = len_ctl.next(speculative::draft_limit(req.max_tokens, out_len, history.len(), context, model.logit_rows));
     let t0 = Instant::now();
     let (drafts, q) = match (req.speculation.drafter, drafting.as_mut()) {
         (Drafter::Model, Some((d, ds))) if k > 0 => {
@@ -214,18 +213,9 @@ async fn next_tokens(
     let t1 = Instant::now();
     let cache_len = history.len() - 1;
     let verdict = if drafts.is_empty() {
-        // Lookup not drafting this step: its would-be draft, checked against the target's
-        // token, keeps the acceptance estimate current.
-        let shadow = if req.speculation.drafter == Drafter::Lookup {
-            speculative::lookup(history, 1, req.speculation.lookup_ngram)
-        } else {
-            Vec::new()
-        };
         let out = model.forward(seq, &[last], want).await?;
-        let token = sample(&out, sampler);
-        if let Some(&d) = shadow.first() {
-            len_ctl.observe(d == token);
-        }
+        let token = sampler.sample_step(&out, 0, model.config.vocab_size);
+        len_ctl.observe_lookup(&req.speculation, history, token);
         speculative::Verdict { accepted: 0, tokens: vec![token] }
     } else {
         let mut input = Vec::with_capacity(drafts.len() + 1);
@@ -259,15 +249,6 @@ async fn next_tokens(
     }
     stats.record(drafts.len(), verdict.accepted, draft_ms, verify_ms);
     Ok(verdict.tokens)
-}
-
-/// A token from a step's last row, by the sampler (the argmax when greedy).
-fn sample(out: &crate::model::llama::StepOutput, sampler: &mut Sampler) -> u32 {
-    match (&out.top, &out.logits) {
-        (Some(t), _) => sampler.sample_top(t.first().map_or(&[][..], |r| &r[..])),
-        (None, Some(l)) => sampler.sample(l),
-        (None, None) => out.argmax.first().copied().unwrap_or(0),
-    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -311,7 +292,7 @@ async fn run(
     if model.options.prefix_cache {
         model.cache_prefix(seq, &req.prompt_ids)?;
     }
-    let mut batch = vec![sample(&out, &mut sampler)];
+    let mut batch = vec![sampler.sample_step(&out, 0, model.config.vocab_size)];
     'gen: loop {
         let now = Instant::now();
         for token in batch {

@@ -97,6 +97,17 @@ impl Sampler {
         self.draw(cand)
     }
 
+    /// The token of row `r` of a step's output: its argmax when greedy, else a draw from the
+    /// row's top-k pairs or logits (whichever the step read back).
+    pub fn sample_step(&mut self, out: &crate::model::llama::StepOutput, r: usize, vocab: usize) -> u32 {
+        match (&out.top, &out.logits) {
+            _ if self.params.is_greedy() => out.argmax[r],
+            (Some(t), _) => self.sample_top(&t[r]),
+            (None, Some(l)) => self.sample(&l[r * vocab..(r + 1) * vocab]),
+            (None, None) => out.argmax[r],
+        }
+    }
+
     /// Whether [`Self::sample_top`] over the best `k` (id, logit) pairs of a row draws what
     /// [`Self::sample`] over the whole row would: sampling with a top-k of at most `k`.
     pub fn fits_top(&self, k: usize) -> bool {

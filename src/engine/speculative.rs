@@ -190,6 +190,16 @@ impl DraftLength {
         self.trials = Self::DECAY * self.trials + 1.0;
     }
 
+    /// A plain step of a lookup request produced `token` after `history`: check the draft
+    /// lookup would have made ([`Self::observe`]), so the estimate keeps learning at k = 0.
+    pub fn observe_lookup(&mut self, s: &Speculation, history: &[u32], token: u32) {
+        if s.drafter == Drafter::Lookup {
+            if let Some(&d) = lookup(history, 1, s.lookup_ngram).first() {
+                self.observe(d == token);
+            }
+        }
+    }
+
     /// Start from what earlier requests measured: the target's step costs by width and the
     /// draft model's (its one-token cost stands for a draft token). `GpuModel::step_costs`.
     pub fn with_costs(mut self, target: &[Option<f64>], draft: Option<&[Option<f64>]>) -> Self {
@@ -265,6 +275,14 @@ impl DraftLength {
             self.trials = Self::DECAY * self.trials + (accepted + rejected) as f64;
         }
     }
+}
+
+/// The most tokens a sequence may draft for its next step: every draft may be emitted, plus
+/// the target's own next token, within `max_tokens` (of which `out_len` are out), the
+/// context (the cache holds `held - 1` tokens and the step adds 1 + k) and the step's logit
+/// rows.
+pub fn draft_limit(max_tokens: usize, out_len: usize, held: usize, context: usize, logit_rows: usize) -> usize {
+    max_tokens.saturating_sub(out_len + 1).min(context.saturating_sub(held)).min(logit_rows.saturating_sub(1))
 }
 
 /// Prompt lookup: the tokens that followed the most recent earlier occurrence of the

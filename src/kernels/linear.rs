@@ -327,17 +327,10 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
     let packed = lin.format.is_packed();
     let (op, wg) = match shape {
         Shape::Matvec | Shape::MatvecBatch => {
-            let (f, w) = matvec_layout(ctx);
-            let (f, w) = if packed && f & flags::ROWS4 == 0 && f & flags::ROW_PER_WORKGROUP == 0 {
-                // The packed matvec has the two tuned layouts only.
-                (flags::ROWS4, 8)
-            } else {
-                (f, w)
-            };
+            let (f, w) = if packed { packed_matvec_layout(ctx) } else { matvec_layout(ctx) };
             fl |= f;
             features.subgroups = fl & flags::ROW_PER_WORKGROUP != 0 && ctx.caps.subgroups;
-            if packed && fl & flags::ROWS4 != 0 && w == 8 && xbcast_fits(ctx) {
-                fl |= flags::XBCAST;
+            if fl & flags::XBCAST != 0 {
                 features.subgroups = true;
                 // Batched steps take four tokens per pass over the weights: from the texture
                 // copies when the model has them (`LANTERN_TOK4=tex` or
@@ -406,6 +399,19 @@ pub fn matvec_layout(ctx: &GpuContext) -> (u32, u32) {
 /// the batched (TOK4) packed matvec (`LANTERN_TOK4=tex`; the storage form is the default).
 pub fn tok4_from_textures() -> bool {
     std::env::var("LANTERN_TOK4").as_deref() == Ok("tex")
+}
+
+/// The packed matvec's layout here: `matvec_layout`, restricted to the two tuned packed
+/// layouts (ROWS4 or ROW_PER_WORKGROUP), with XBCAST where the workgroup of 8 is one
+/// subgroup. The four-token batched form (TOK4) exists exactly where XBCAST does.
+pub fn packed_matvec_layout(ctx: &GpuContext) -> (u32, u32) {
+    let (f, w) = matvec_layout(ctx);
+    let (f, w) = if f & flags::ROWS4 == 0 && f & flags::ROW_PER_WORKGROUP == 0 { (flags::ROWS4, 8) } else { (f, w) };
+    if f & flags::ROWS4 != 0 && w == 8 && xbcast_fits(ctx) {
+        (f | flags::XBCAST, w)
+    } else {
+        (f, w)
+    }
 }
 
 /// Whether the XBCAST layouts run here: the workgroup of 8 must be exactly one subgroup

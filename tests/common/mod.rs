@@ -10,6 +10,17 @@ use std::path::PathBuf;
 /// File name of the SmolLM2 test model inside `<cache>/models/`.
 pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// SmolLM2's tokenizer, loaded once per test binary: tiny models' ids (< 512) are byte-level
+/// tokens in it, so engines over tiny models have real text to stream.
+pub fn smollm2_tokenizer() -> std::sync::Arc<lantern::model::tokenizer::Tokenizer> {
+    static T: std::sync::OnceLock<std::sync::Arc<lantern::model::tokenizer::Tokenizer>> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let l = lantern::model::load::load_path(&smollm2_gguf()).expect("SmolLM2 GGUF");
+        std::sync::Arc::new(l.tokenizer.expect("the SmolLM2 GGUF has a tokenizer"))
+    })
+    .clone()
+}
+
 /// Path of the SmolLM2-135M-Instruct Q4_1 GGUF: `$LANTERN_SMOLLM2_GGUF`, else where
 /// `lantern fetch` puts it (`lantern::fetch::default_model_path`). Panics (the test fails, it does not
 /// skip) when the file is missing.

@@ -31,12 +31,8 @@ const COMPLETION: &[&str] = &[
 /// A code-rewrite prompt: the answer quotes most of the prompt (prompt lookup's case).
 const REWRITE: &str = "Rewrite this function to use type hints and a docstring, keeping the logic the same:\n\n```python\ndef merge_sorted(left, right):\n    result = []\n    i = 0\n    j = 0\n    while i < len(left) and j < len(right):\n        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n        else:\n            result.append(right[j])\n            j += 1\n    result.extend(left[i:])\n    result.extend(right[j:])\n    return result\n```";
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-    if v.is_empty() {
-        return 0.0;
-    }
-    v[v.len() / 2]
+fn median(v: Vec<f64>) -> f64 {
+    lantern::engine::metrics::percentile(&v, 50.0).unwrap_or(0.0)
 }
 
 /// Milliseconds of one target step of `w` tokens at the end of a `prefix`-token sequence

@@ -169,11 +169,12 @@ pub(super) async fn build_plans(
         .map_err(gpu_err)?;
     let mut layers_matvec = Vec::new();
     let mut layers_matmul = Vec::new();
-    // The four-token packed matvec (TOK4: from storage, or from texture copies) exists on
-    // CPU adapters whose workgroup of 8 is one subgroup (XBCAST).
+    // The four-token packed matvec (TOK4: from storage, or from texture copies) exists where
+    // the packed matvec takes the XBCAST layout (CPU adapters whose workgroup of 8 is one
+    // subgroup).
     let packed = layers.iter().any(|l| l.qkv.iter().any(|(q, _)| q.format.is_packed()));
-    let tok4 = packed && kernels::linear::matvec_layout(ctx).0 & crate::gpu::shader::flags::ROWS4 != 0 && kernels::linear::xbcast_fits(ctx);
-    let batch_plans = !options.batch_invariant && (tok4 || layers.iter().any(|l| l.qkv.iter().any(|(q, _)| q.tex.is_some())));
+    let tok4 = packed && kernels::linear::packed_matvec_layout(ctx).0 & crate::gpu::shader::flags::XBCAST != 0;
+    let batch_plans = !options.batch_invariant && tok4;
     let mut layers_batch = Vec::new();
     for (l, layer) in layers.iter().enumerate() {
         for shape in [Shape::Matvec, Shape::Matmul, Shape::MatvecBatch] {
