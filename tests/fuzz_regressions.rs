@@ -59,6 +59,22 @@ fn gguf_tokenizer_inputs_do_not_panic() {
     run_all("gguf_tokenizer", harness::gguf_tokenizer);
 }
 
+/// `fuzz/` `gguf`: a header whose sizes multiply past u64 (`param-count-overflow.gguf`) made
+/// `model::plan::param_count` overflow (a panic with overflow checks, a wrapped small count
+/// without). The plan now saturates: absurd sizes fit nothing.
+#[test]
+fn plan_of_an_absurd_header_saturates() {
+    use lantern::model::gguf::{config_from_gguf, GgufFile};
+    let bytes = std::fs::read(repo().join("tests/fixtures/fuzz/gguf/param-count-overflow.gguf")).unwrap();
+    let g = GgufFile::parse(&bytes, "param-count-overflow.gguf").unwrap();
+    let c = config_from_gguf(&g).unwrap();
+    let p = lantern::model::plan::param_count(&c);
+    assert_eq!(p.total, u64::MAX, "{p:?}");
+    let ws = lantern::model::plan::workspace_bytes(&c, 512, 1, 4096);
+    let plan = lantern::model::plan::plan(&c, p.total, lantern::kv::plan::KvDtype::F16, 1, 4096, 16, ws, 64 << 20, 8 << 30, "test".into());
+    assert!(!plan.fits && plan.pages == 0, "{plan:?}");
+}
+
 /// The seeds load as they should: a fuzzer that starts from broken seeds explores little.
 #[test]
 fn seeds_are_valid_models() {

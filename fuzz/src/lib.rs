@@ -52,7 +52,7 @@ pub fn gguf(data: &[u8]) {
             let _ = g.tensor_data(t);
         }
         if let Ok(config) = config_from_gguf(&g) {
-            let _ = lantern::model::plan::param_count(&config);
+            exercise_config(&config);
             streamed_parts(&g, &config, |info| {
                 let (a, b) = g.tensor_range(info);
                 // Bytes past the end of the input read as zeros, as a sparse file would.
@@ -87,12 +87,22 @@ fn exercise_gguf(g: &GgufFile<'_>, data: &[u8]) {
     }
     let _ = packed_bytes(g);
     if let Ok(config) = config_from_gguf(g) {
-        let _ = lantern::model::plan::param_count(&config);
+        exercise_config(&config);
         if let Ok(w) = weights_from_gguf(g, GGUF_NAME) {
             let _ = lantern::model::validate::validate(&w);
         }
         streamed_parts(g, &config, |info| g.tensor_data(info).map(<[u8]>::to_vec).unwrap_or_default());
     }
+}
+
+/// What `lantern plan` computes from a config read from a file header alone.
+fn exercise_config(c: &ModelConfig) {
+    use lantern::kv::plan::KvDtype;
+    use lantern::model::plan::{param_count, plan, window_saving, workspace_bytes};
+    let params = param_count(c);
+    let workspace = workspace_bytes(c, 512, 1, 4096);
+    let _ = window_saving(c, KvDtype::F16, 4096, 512);
+    let _ = plan(c, params.total.saturating_mul(2), KvDtype::F16, 4, 4096, 16, workspace, 64 << 20, 8 << 30, "fuzz".into());
 }
 
 /// The streamed load: the tensors outside the layers, then each layer's (at most a few; a

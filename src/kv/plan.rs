@@ -29,21 +29,22 @@ impl KvDtype {
     /// Bytes of one head's K (or V) of one token.
     pub fn head_bytes(&self, head_dim: usize) -> u64 {
         match self {
-            KvDtype::F32 => 4 * head_dim as u64,
-            KvDtype::F16 | KvDtype::Bf16 => 2 * head_dim as u64,
-            KvDtype::Q8 => head_dim as u64 + 4,
+            KvDtype::F32 => (head_dim as u64).saturating_mul(4),
+            KvDtype::F16 | KvDtype::Bf16 => (head_dim as u64).saturating_mul(2),
+            KvDtype::Q8 => (head_dim as u64).saturating_add(4),
         }
     }
 }
 
-/// KV bytes of one token across all layers: 2 (K and V) x L x H_kv x (d_h x b).
+/// KV bytes of one token across all layers: 2 (K and V) x L x H_kv x (d_h x b). Saturates at
+/// `u64::MAX` for sizes no memory holds (configs from corrupt files), rather than overflowing.
 pub fn kv_bytes_per_token(layers: usize, kv_heads: usize, head_dim: usize, dtype: KvDtype) -> u64 {
-    2 * layers as u64 * kv_heads as u64 * dtype.head_bytes(head_dim)
+    [layers as u64, kv_heads as u64, dtype.head_bytes(head_dim)].iter().fold(2u64, |a, &x| a.saturating_mul(x))
 }
 
 /// KV bytes of `batch` sequences of `tokens` tokens.
 pub fn kv_bytes(layers: usize, kv_heads: usize, head_dim: usize, dtype: KvDtype, batch: usize, tokens: usize) -> u64 {
-    kv_bytes_per_token(layers, kv_heads, head_dim, dtype) * batch as u64 * tokens as u64
+    kv_bytes_per_token(layers, kv_heads, head_dim, dtype).saturating_mul(batch as u64).saturating_mul(tokens as u64)
 }
 
 /// Memory held back from a budget for the driver, fragmentation and small allocations: 5%,

@@ -20,20 +20,33 @@ pub struct ParamCount {
     pub block_12d2: u64,
 }
 
+/// Saturating products and sums: a config read from a corrupt or hostile file may carry
+/// sizes whose products overflow u64 (found by `fuzz/`'s `gguf` target); the plan then says
+/// `u64::MAX` bytes, which fits nothing, instead of panicking or wrapping to a small number.
+fn mul(xs: &[u64]) -> u64 {
+    xs.iter().fold(1u64, |a, &x| a.saturating_mul(x))
+}
+
+fn sum(xs: &[u64]) -> u64 {
+    xs.iter().fold(0u64, |a, &x| a.saturating_add(x))
+}
+
+/// Parameters of the model `c` describes (saturating at `u64::MAX` for absurd configs).
 pub fn param_count(c: &ModelConfig) -> ParamCount {
     let d = c.hidden_size as u64;
-    let q = (c.num_heads * c.head_dim) as u64;
-    let kv = (c.num_kv_heads * c.head_dim) as u64;
+    let hd = c.head_dim as u64;
+    let q = mul(&[c.num_heads as u64, hd]);
+    let kv = mul(&[c.num_kv_heads as u64, hd]);
     let f = c.intermediate_size as u64;
-    let bias = if c.qkv_bias { q + 2 * kv } else { 0 };
+    let bias = if c.qkv_bias { sum(&[q, kv, kv]) } else { 0 };
     // Two norms per layer, four with sandwich norms, plus the q/k norms.
-    let norms = if c.block.norms == crate::model::NormPlacement::Sandwich { 4 * d } else { 2 * d };
-    let qk_norm = if c.block.qk_norm { 2 * c.head_dim as u64 } else { 0 };
-    let per_layer = d * q + 2 * d * kv + q * d + bias + 3 * d * f + norms + qk_norm;
-    let embedding = c.vocab_size as u64 * d;
+    let norms = if c.block.norms == crate::model::NormPlacement::Sandwich { mul(&[4, d]) } else { mul(&[2, d]) };
+    let qk_norm = if c.block.qk_norm { mul(&[2, hd]) } else { 0 };
+    let per_layer = sum(&[mul(&[d, q]), mul(&[2, d, kv]), mul(&[q, d]), bias, mul(&[3, d, f]), norms, qk_norm]);
+    let embedding = mul(&[c.vocab_size as u64, d]);
     let lm_head = if c.tie_word_embeddings { 0 } else { embedding };
-    let layers = c.num_layers as u64 * per_layer;
-    ParamCount { embedding, per_layer, layers, lm_head, total: embedding + layers + d + lm_head, block_12d2: 12 * d * d }
+    let layers = mul(&[c.num_layers as u64, per_layer]);
+    ParamCount { embedding, per_layer, layers, lm_head, total: sum(&[embedding, layers, d, lm_head]), block_12d2: mul(&[12, d, d]) }
 }
 
 /// Activation bytes of one forward step of `max_batch_tokens` tokens with `logit_rows` rows
@@ -45,13 +58,16 @@ pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usi
     let t = max_batch_tokens.max(1) as u64;
     let r = logit_rows.max(1).min(max_batch_tokens.max(1)) as u64;
     let d = c.hidden_size as u64;
-    let act = t * (d + c.qkv_dim() as u64 + (c.num_heads * c.head_dim) as u64 + c.intermediate_size as u64) * 4;
-    let logits = r * c.vocab_size as u64 * 4;
-    let inputs = t * 4 * 4 + r * 4;
+    let hd = c.head_dim as u64;
+    let (heads, kv_heads) = (c.num_heads as u64, c.num_kv_heads as u64);
+    let qkv = mul(&[sum(&[heads, kv_heads, kv_heads]), hd]);
+    let act = mul(&[t, sum(&[d, qkv, mul(&[heads, hd]), c.intermediate_size as u64]), 4]);
+    let logits = mul(&[r, c.vocab_size as u64, 4]);
+    let inputs = sum(&[mul(&[t, 16]), mul(&[r, 4])]);
     let tables = if c.has_local_rope() { 2 } else { 1 };
-    let rope = tables * context as u64 * c.head_dim as u64 * 4;
-    let branch = if c.block.norms == crate::model::NormPlacement::Sandwich { t * d * 4 } else { 0 };
-    act + logits + inputs + rope + branch
+    let rope = mul(&[tables, context as u64, hd, 4]);
+    let branch = if c.block.norms == crate::model::NormPlacement::Sandwich { mul(&[t, d, 4]) } else { 0 };
+    sum(&[act, logits, inputs, rope, branch])
 }
 
 /// What fits: inputs and results of [`plan`].
@@ -108,14 +124,14 @@ pub fn window_saving(c: &ModelConfig, kv_dtype: KvDtype, context: usize, step: u
         return None;
     }
     let per_layer_token = kv_bytes_per_token(1, c.num_kv_heads, c.head_dim, kv_dtype);
-    let kept = (window + step.max(1) - 1).min(context) as u64;
-    let full = (c.num_layers - sliding) as u64 * context as u64;
+    let kept = window.saturating_add(step.max(1) - 1).min(context) as u64;
+    let full = mul(&[(c.num_layers - sliding) as u64, context as u64]);
     Some(WindowSaving {
         sliding_layers: sliding,
         layers: c.num_layers,
         window,
-        bytes_per_sequence: per_layer_token * c.num_layers as u64 * context as u64,
-        bytes_per_sequence_windowed: per_layer_token * (full + sliding as u64 * kept),
+        bytes_per_sequence: mul(&[per_layer_token, c.num_layers as u64, context as u64]),
+        bytes_per_sequence_windowed: mul(&[per_layer_token, sum(&[full, mul(&[sliding as u64, kept])])]),
     })
 }
 
@@ -135,16 +151,16 @@ pub fn plan(
 ) -> Plan {
     let per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype);
     let page_size = page_size.max(1);
-    let used = weight_bytes + workspace_bytes + reserve_bytes;
+    let used = sum(&[weight_bytes, workspace_bytes, reserve_bytes]);
     let kv_budget = budget_bytes.saturating_sub(used);
-    let page_bytes = per_token * page_size as u64;
+    let page_bytes = mul(&[per_token, page_size as u64]);
     let pages = kv_budget.checked_div(page_bytes).unwrap_or(0);
     let pages_per_seq = context.max(1).div_ceil(page_size) as u64;
     let max_seqs = pages / pages_per_seq;
     Plan {
         kv_dtype,
         kv_bytes_per_token: per_token,
-        kv_bytes_requested: per_token * batch as u64 * context as u64,
+        kv_bytes_requested: mul(&[per_token, batch as u64, context as u64]),
         batch,
         context,
         weight_bytes,
@@ -155,7 +171,7 @@ pub fn plan(
         kv_budget_bytes: kv_budget,
         page_size,
         pages,
-        max_context_one_sequence: (pages * page_size as u64).min(c.max_position_embeddings as u64),
+        max_context_one_sequence: mul(&[pages, page_size as u64]).min(c.max_position_embeddings as u64),
         max_sequences_at_context: max_seqs,
         fits: max_seqs >= batch as u64,
         window: window_saving(c, kv_dtype, context, 1),
