@@ -61,18 +61,58 @@ fn gguf_tokenizer_inputs_do_not_panic() {
 
 /// `fuzz/` `gguf`: a header whose sizes multiply past u64 (`param-count-overflow.gguf`) made
 /// `model::plan::param_count` overflow (a panic with overflow checks, a wrapped small count
-/// without). The plan now saturates: absurd sizes fit nothing.
+/// without). The plan now saturates: absurd sizes fit nothing. (That file's 2^32-ish
+/// block_count is now refused by `config_from_gguf` first, so the config is built here.)
 #[test]
-fn plan_of_an_absurd_header_saturates() {
-    use lantern::model::gguf::{config_from_gguf, GgufFile};
-    let bytes = std::fs::read(repo().join("tests/fixtures/fuzz/gguf/param-count-overflow.gguf")).unwrap();
-    let g = GgufFile::parse(&bytes, "param-count-overflow.gguf").unwrap();
-    let c = config_from_gguf(&g).unwrap();
+fn plan_of_an_absurd_config_saturates() {
+    let mut c = lantern::model::ModelConfig::from_hf_json(&harness::tiny_config_json("llama"), "tiny").unwrap();
+    c.hidden_size = u32::MAX as usize;
+    c.intermediate_size = u32::MAX as usize;
+    c.vocab_size = u32::MAX as usize;
+    c.num_layers = lantern::model::config::MAX_LAYERS;
     let p = lantern::model::plan::param_count(&c);
     assert_eq!(p.total, u64::MAX, "{p:?}");
     let ws = lantern::model::plan::workspace_bytes(&c, 512, 1, 4096);
     let plan = lantern::model::plan::plan(&c, p.total, lantern::kv::plan::KvDtype::F16, 1, 4096, 16, ws, 64 << 20, 8 << 30, "test".into());
     assert!(!plan.fits && plan.pages == 0, "{plan:?}");
+}
+
+/// `fuzz/` `gguf`: a Phi-3 or Gemma 3 header declaring two billion layers looped over (Phi-3's
+/// unfusing) or allocated (Gemma 3's attention pattern) that many before any tensor was
+/// checked; a llama q_proj stored as a scalar panicked in the shape error. Now typed errors.
+#[test]
+fn corrupt_headers_are_typed_errors() {
+    use lantern::model::gguf::{weights_from_gguf, GgufFile};
+    for (name, expect) in [
+        ("phi3-two-billion-layers.gguf", "more than the 65536 layers"),
+        ("gemma3-two-billion-layers-header.gguf", "more than the 65536 layers"),
+    ] {
+        let bytes = std::fs::read(repo().join("tests/fixtures/fuzz/gguf").join(name)).unwrap();
+        let g = GgufFile::parse(&bytes, name).unwrap();
+        let e = weights_from_gguf(&g, name).unwrap_err().to_string();
+        assert!(e.contains(expect), "{name}: {e}");
+    }
+    // The unminimised form of scalar-q-proj.gguf (which itself reaches the bug through the
+    // streamed, prefix-parsed path).
+    let mut w = common::tiny_model("llama", tiny_shape(), common::ggml::F32);
+    let q = w.tensors.iter_mut().find(|t| t.name == "blk.0.attn_q.weight").unwrap();
+    (q.dims, q.data) = (vec![], vec![0; 4]);
+    let bytes = w.to_bytes();
+    let e = weights_from_gguf(&GgufFile::parse(&bytes, "scalar.gguf").unwrap(), "scalar.gguf").unwrap_err().to_string();
+    assert!(e.contains("blk.0.attn_q.weight"), "{e}");
+
+    // Within the bound, but more layers than the file has tensors for.
+    let mut w = common::tiny_model("llama", tiny_shape(), common::ggml::F32);
+    w.set("llama.block_count", common::Meta::U32(3));
+    let bytes = w.to_bytes();
+    let e = weights_from_gguf(&GgufFile::parse(&bytes, "three.gguf").unwrap(), "three.gguf").unwrap_err().to_string();
+    assert!(e.contains("llama.block_count") && e.contains("tensors for 1 layers"), "{e}");
+
+    let bytes = std::fs::read(repo().join("tests/fixtures/fuzz/gguf_tokenizer/tojson-huge-indent.gguf")).unwrap();
+    let g = GgufFile::parse(&bytes, "tojson-huge-indent.gguf").unwrap();
+    let t = lantern::model::tokenizer::Tokenizer::from_gguf(&g).unwrap().chat_template().unwrap();
+    let e = t.render(&[lantern::model::tokenizer::ChatMessage::user("hi")], true).unwrap_err().to_string();
+    assert!(e.contains("indent"), "{e}");
 }
 
 /// The seeds load as they should: a fuzzer that starts from broken seeds explores little.

@@ -192,6 +192,11 @@ pub enum RopeScaling {
     LongRope { short_factor: Vec<f32>, long_factor: Vec<f32>, original_max_position_embeddings: f64, attention_factor: f64 },
 }
 
+/// Most decoder blocks a config may declare. Real models have at most a few hundred; the
+/// bound keeps a corrupt layer count from sizing per-layer tables (Gemma 3's attention
+/// pattern, Phi-3's unfusing loop) by billions before any tensor is looked at.
+pub const MAX_LAYERS: usize = 1 << 16;
+
 /// Everything the forward pass needs to know about a model's shape.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ModelConfig {
@@ -335,7 +340,7 @@ impl ModelConfig {
 mod hf_json {
     use serde_json::{Map, Value};
 
-    use super::{Arch, ModelConfig, RopeScaling};
+    use super::{Arch, ModelConfig, RopeScaling, MAX_LAYERS};
     use crate::error::LanternError;
     use crate::model::LoadError;
 
@@ -573,6 +578,9 @@ mod hf_json {
         let hidden_size = required_usize(o, "hidden_size", file)?;
         let intermediate_size = required_usize(o, "intermediate_size", file)?;
         let num_layers = required_usize(o, "num_hidden_layers", file)?;
+        if num_layers > MAX_LAYERS {
+            return Err(cfg_err(file, "num_hidden_layers", format!("{num_layers} is more than the {MAX_LAYERS} layers a model may have")));
+        }
         let num_heads = required_usize(o, "num_attention_heads", file)?;
         let num_kv_heads = usize_field(o, "num_key_value_heads", file)?.unwrap_or(num_heads);
         if num_kv_heads == 0 {

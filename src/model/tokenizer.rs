@@ -618,10 +618,21 @@ impl ChatTemplate {
     }
 }
 
+/// Largest `tojson(indent=...)` accepted (real templates use 2 or 4).
+const MAX_TOJSON_INDENT: usize = 64;
+
 /// Python `json.dumps(value, ensure_ascii=False, indent=indent)` as transformers' `tojson`
 /// filter produces it (`", "` and `": "` separators), unlike minijinja's HTML-safe default.
 fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<String, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
+    // A chat template comes from the model file: `tojson(indent=2**62)` must be an error, not
+    // an allocation that aborts the process (found by review next to fuzz target gguf_tokenizer).
+    if let Some(n) = indent.filter(|&n| n > MAX_TOJSON_INDENT) {
+        return Err(minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            format!("tojson: indent {n} is larger than the {MAX_TOJSON_INDENT} this renderer allows"),
+        ));
+    }
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
     let _: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;

@@ -3,6 +3,7 @@
 //! checked against the config ([`weights_from_gguf`]).
 
 use super::*;
+use crate::model::config::MAX_LAYERS;
 
 /// The Hugging Face name for a llama.cpp tensor name in a file of architecture `arch`, or
 /// `None` for names with no HF counterpart (e.g. `rope_freqs.weight`). `ffn_norm` is the
@@ -102,6 +103,18 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
     };
     let k = |s: &str| format!("{arch_name}.{s}");
     let num_layers = nonzero(g, &k("block_count"))?;
+    // A corrupt block_count fails here, before anything is sized by it: at most MAX_LAYERS,
+    // and no more layers than the file has tensors for (a header-only file has none).
+    let layers_in_file = g.tensors().iter().filter_map(|t| gguf_layer(&t.name)).max().map_or(0, |l| l.saturating_add(1));
+    if num_layers > MAX_LAYERS {
+        return Err(config_err(&k("block_count"), format!("{num_layers} is more than the {MAX_LAYERS} layers a model may have")));
+    }
+    if !g.tensors().is_empty() && num_layers > layers_in_file {
+        return Err(config_err(
+            &k("block_count"),
+            format!("is {num_layers}, but the file has tensors for {layers_in_file} layers (blk.0 ...)"),
+        ));
+    }
     let hidden_size = nonzero(g, &k("embedding_length"))?;
     let intermediate_size = nonzero(g, &k("feed_forward_length"))?;
     let num_heads = nonzero(g, &k("attention.head_count"))?;
@@ -395,7 +408,11 @@ pub fn convert_tensor(
                     file: file_name.to_string(),
                     tensor: info.name.clone(),
                     got: shape.clone(),
-                    expected: [vec![n_head * config.head_dim], shape[1..].to_vec()].concat(),
+                    // A scalar or 1-D q/k weight has no inner dims to repeat (found by fuzz target gguf).
+                    expected: match info.name.ends_with(".bias") {
+                        true => vec![n_head * config.head_dim],
+                        false => vec![n_head * config.head_dim, config.hidden_size],
+                    },
                 }
                 .into());
             }
