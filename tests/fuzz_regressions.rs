@@ -295,3 +295,17 @@ fn write_seeds() {
         put("gguf_tokenizer", &format!("recipe-{name}.bin"), &recipe);
     }
 }
+
+/// `fuzz/` `gguf_tokenizer`: minijinja 2 panicked (index out of bounds) slicing an empty string
+/// or list backwards, `''[::-1]` or `messages[::-1]` (Qwen3's template walks `messages[::-1]`),
+/// from a chat template in the model file (`minijinja-empty-reverse-slice.bin`). Fixed upstream
+/// in minijinja 3, which Lantern now uses.
+#[test]
+fn empty_reverse_slices_render() {
+    use lantern::model::tokenizer::{ChatMessage, ChatTemplate};
+    let t = ChatTemplate::new("[{{ messages[::-1] | length }}{{ ''[::-1] }}]", None, None).unwrap();
+    assert_eq!(t.render(&[], false).unwrap(), "[0]");
+    let t = ChatTemplate::new("[{{ messages[0].content[::-1] }}]", None, None).unwrap();
+    assert_eq!(t.render(&[ChatMessage::user("")], false).unwrap(), "[]");
+    assert_eq!(t.render(&[ChatMessage::user("abc")], false).unwrap(), "[cba]");
+}

@@ -301,7 +301,7 @@ fn template_features() {
         .render_with(
             minijinja::Value::from(Vec::<i32>::new()),
             false,
-            minijinja::context! { x => serde_json::json!({"a": [1, 2], "b": null}), y => vec![1] },
+            minijinja::context! { x => minijinja::value::Serde(serde_json::json!({"a": [1, 2], "b": null})), y => vec![1] },
         )
         .unwrap();
     assert_eq!(out, "{\"a\": [1, 2], \"b\": null}|[\n  1\n]");

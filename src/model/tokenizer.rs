@@ -570,8 +570,12 @@ impl ChatTemplate {
     /// strings when absent).
     pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self, TokenizerError> {
         let mut env = minijinja::Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| TokenizerError::TemplateSyntax { reason: format!("{e:#}") })?;
+        env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<minijinja::Value, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
@@ -585,7 +589,7 @@ impl ChatTemplate {
     /// Render `messages`; with `add_generation_prompt` the template appends the assistant
     /// turn header.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
-        self.render_with(minijinja::Value::from_serialize(messages), add_generation_prompt, minijinja::Value::UNDEFINED)
+        self.render_with(minijinja::Value::from(minijinja::value::Serde(messages)), add_generation_prompt, minijinja::Value::UNDEFINED)
     }
 
     /// Render with arbitrary message values (e.g. messages carrying tool calls) and extra
