@@ -25,7 +25,7 @@ mod info_cmd;
 mod plan_cmd;
 #[path = "lantern/quantize_cmd.rs"]
 mod quantize_cmd;
-#[path = "lantern/serve_cmd.rs"]
+#[path = "lantern/serve/mod.rs"]
 mod serve_cmd;
 #[path = "lantern/spec_args.rs"]
 mod spec_args;
