@@ -248,6 +248,8 @@ pub struct ServedModel {
     pub aliases: Vec<String>,
     /// The speculative decoding requests get unless they ask otherwise.
     pub speculation: Speculation,
+    /// Sequences the engine runs at once: the most choices (`n`) one request may ask for.
+    pub max_seqs: usize,
 }
 
 impl ServedModel {
@@ -275,6 +277,8 @@ pub struct Validated {
     pub stream: bool,
     pub include_usage: bool,
     pub speculation: Speculation,
+    /// Choices to sample (they share the prompt's KV pages).
+    pub n: usize,
 }
 
 impl Validated {
@@ -344,8 +348,10 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
         Some(m) if model.knows_model(m) => {}
         Some(m) => return Err(model_not_found(m)),
     }
-    if req.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad("only n = 1 is supported").param("n").code("unsupported_parameter"));
+    let n = req.n.unwrap_or(1);
+    if n == 0 || n > model.max_seqs as u64 {
+        return Err(ApiError::bad(format!("`n` is {n}; this server samples 1 to {} choices per request (its --max-seqs)", model.max_seqs))
+            .param("n"));
     }
     if req.best_of.is_some_and(|n| n > 1) {
         return Err(ApiError::unsupported("best_of", "best_of > 1"));
@@ -460,6 +466,7 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
         stream: req.stream.unwrap_or(false),
         include_usage: req.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         speculation,
+        n: n as usize,
     })
 }
 
@@ -560,14 +567,15 @@ pub struct PromptTokensDetails {
 }
 
 impl Usage {
-    pub fn of(prompt_tokens: usize, g: &Generation) -> Usage {
-        let completion = g.output_ids.len();
+    /// The prompt once, the completions of every choice.
+    pub fn of(prompt_tokens: usize, gens: &[Generation]) -> Usage {
+        let completion = gens.iter().map(|g| g.output_ids.len()).sum::<usize>();
         Usage {
             prompt_tokens,
             completion_tokens: completion,
             total_tokens: prompt_tokens + completion,
-            prompt_tokens_details: PromptTokensDetails { cached_tokens: g.cached_prompt_tokens },
-            speculative: g.speculative.clone(),
+            prompt_tokens_details: PromptTokensDetails { cached_tokens: gens.first().map_or(0, |g| g.cached_prompt_tokens) },
+            speculative: gens.first().and_then(|g| g.speculative.clone()),
         }
     }
 }
@@ -640,47 +648,46 @@ impl Job {
         }
     }
 
-    /// The non-streamed answer.
-    pub fn complete(&self, g: &Generation) -> Response {
-        let finish = Some(finish_reason(g.finish_reason));
-        let choice = if self.chat() {
-            Choice {
-                index: 0,
-                text: None,
-                message: Some(AssistantMessage { role: "assistant", content: g.text.clone() }),
-                delta: None,
-                logprobs: None,
-                finish_reason: finish,
-            }
-        } else {
-            Choice { index: 0, text: Some(g.text.clone()), message: None, delta: None, logprobs: None, finish_reason: finish }
-        };
-        self.response("chat.completion", vec![choice], Some(Usage::of(self.prompt_tokens, g)))
+    /// The non-streamed answer: one choice per generation.
+    pub fn complete(&self, gens: &[Generation]) -> Response {
+        let choices = gens
+            .iter()
+            .enumerate()
+            .map(|(index, g)| {
+                let finish = Some(finish_reason(g.finish_reason));
+                if self.chat() {
+                    Choice {
+                        index,
+                        text: None,
+                        message: Some(AssistantMessage { role: "assistant", content: g.text.clone() }),
+                        delta: None,
+                        logprobs: None,
+                        finish_reason: finish,
+                    }
+                } else {
+                    Choice { index, text: Some(g.text.clone()), message: None, delta: None, logprobs: None, finish_reason: finish }
+                }
+            })
+            .collect();
+        self.response("chat.completion", choices, Some(Usage::of(self.prompt_tokens, gens)))
     }
 
-    /// A streamed chunk: `text` (chat: a content delta), the role (chat's first chunk), or
-    /// the final one with its `finish_reason`.
-    pub fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&'static str>) -> Response {
+    /// A streamed chunk of choice `index`: `text` (chat: a content delta), the role (chat's
+    /// first chunk), or the final one with its `finish_reason`.
+    pub fn chunk(&self, index: usize, text: Option<&str>, role: bool, finish: Option<&'static str>) -> Response {
         let choice = if self.chat() {
             let delta =
                 Delta { role: role.then_some("assistant"), content: if role { Some(String::new()) } else { text.map(str::to_string) } };
-            Choice { index: 0, text: None, message: None, delta: Some(delta), logprobs: None, finish_reason: finish }
+            Choice { index, text: None, message: None, delta: Some(delta), logprobs: None, finish_reason: finish }
         } else {
-            Choice {
-                index: 0,
-                text: Some(text.unwrap_or("").to_string()),
-                message: None,
-                delta: None,
-                logprobs: None,
-                finish_reason: finish,
-            }
+            Choice { index, text: Some(text.unwrap_or("").to_string()), message: None, delta: None, logprobs: None, finish_reason: finish }
         };
         self.response("chat.completion.chunk", vec![choice], None)
     }
 
     /// The last chunk of a stream with `include_usage`: no choices, the usage.
-    pub fn usage_chunk(&self, g: &Generation) -> Response {
-        self.response("chat.completion.chunk", Vec::new(), Some(Usage::of(self.prompt_tokens, g)))
+    pub fn usage_chunk(&self, gens: &[Generation]) -> Response {
+        self.response("chat.completion.chunk", Vec::new(), Some(Usage::of(self.prompt_tokens, gens)))
     }
 }
 

@@ -473,7 +473,8 @@ fn models_health_and_request_errors() {
 
     // Parameters out of range or unsupported.
     for bad in [
-        json!({"n": 2}),
+        json!({"n": 5}),
+        json!({"n": 0}),
         json!({"temperature": 3}),
         json!({"temperature": "hot"}),
         json!({"top_p": 0}),

@@ -118,6 +118,9 @@ struct Seq {
     cancel: Arc<AtomicBool>,
     /// Speculative decoding state, when the request asked for it.
     spec: Option<SeqSpec>,
+    /// Parallel samples of the same prompt ([`Engine::submit_n`]) waiting for this one to
+    /// compute all but the prompt's last token; then each forks its KV pages.
+    held: Vec<Seq>,
 }
 
 /// A speculative sequence's state in the engine.
@@ -135,6 +138,13 @@ struct SeqSpec {
 impl Seq {
     fn cancelled(&self) -> bool {
         self.cancel.load(Ordering::Relaxed) || self.tx.is_closed()
+    }
+
+    /// Tokens to compute before sampling can stop: all it holds, or with parallel samples
+    /// still held, all but the prompt's last token (each sample computes that one itself,
+    /// on forked pages, for a logits row of its own).
+    fn compute_limit(&self) -> usize {
+        self.tokens.len() - usize::from(!self.held.is_empty())
     }
 }
 
@@ -370,12 +380,55 @@ impl Engine {
         if self.waiting.len() >= self.options.max_waiting {
             return Err(LanternError::Overloaded { waiting: self.waiting.len(), max_waiting: self.options.max_waiting });
         }
+        let (seq, handle) = self.new_seq(req);
+        self.waiting.push_back(seq);
+        Ok(handle)
+    }
+
+    /// Queue `n` samples of one prompt (OpenAI's `n`): one sequence computes the prompt, the
+    /// others fork its KV pages (shared, copy-on-write for the partial last page) before its
+    /// last token, so the prompt's pages are held once. Sample `i` samples with seed
+    /// `seed + i`. Refused like [`Engine::submit`], and when `n` is 0 or exceeds the
+    /// engine's sequences. Sequences of a group are independent after the fork; cancelling
+    /// the first before it releases leaves the others running alone.
+    pub fn submit_n(&mut self, req: GenerateRequest, n: usize) -> Result<Vec<RequestHandle>> {
+        let max_seqs = self.model.kv.alloc.config.max_seqs;
+        if n == 0 || n > max_seqs {
+            return Err(refuse(format!("n = {n}: parallel samples must number 1 to {max_seqs} (the engine's sequences)")));
+        }
+        if self.waiting.len() + n > self.options.max_waiting && n > 1 {
+            return Err(LanternError::Overloaded { waiting: self.waiting.len(), max_waiting: self.options.max_waiting });
+        }
+        let sample = |i: usize| {
+            let mut r = req.clone();
+            r.sampling.seed = r.sampling.seed.wrapping_add(i as u64);
+            r
+        };
+        let first = self.submit(sample(0))?;
+        let mut handles = vec![first];
+        if req.max_tokens == 0 {
+            for i in 1..n {
+                handles.push(self.submit(sample(i))?);
+            }
+            return Ok(handles);
+        }
+        let mut held = Vec::with_capacity(n - 1);
+        for i in 1..n {
+            let (seq, handle) = self.new_seq(sample(i));
+            held.push(seq);
+            handles.push(handle);
+        }
+        self.waiting.back_mut().expect("just queued").held = held;
+        Ok(handles)
+    }
+
+    fn new_seq(&mut self, req: GenerateRequest) -> (Seq, RequestHandle) {
         let (tx, rx) = unbounded();
         let cancel = Arc::new(AtomicBool::new(false));
         let id = self.next_id;
         self.next_id += 1;
         self.stats.submitted += 1;
-        self.waiting.push_back(Seq {
+        let seq = Seq {
             id,
             tokens: req.prompt_ids.clone(),
             computed: 0,
@@ -398,8 +451,9 @@ impl Engine {
             req,
             tx,
             cancel: cancel.clone(),
-        });
-        Ok(RequestHandle { id, events: rx, cancel })
+            held: Vec::new(),
+        };
+        (seq, RequestHandle { id, events: rx, cancel })
     }
 
     /// Step until no request is left.
@@ -422,7 +476,15 @@ impl Engine {
         }
     }
 
+    /// Parallel samples still held by `s` go on alone (first in the queue).
+    fn release_held(&mut self, s: &mut Seq) {
+        for f in s.held.drain(..).rev() {
+            self.waiting.push_front(f);
+        }
+    }
+
     fn finish(&mut self, mut s: Seq, reason: FinishReason) {
+        self.release_held(&mut s);
         if let Some(slot) = s.slot.take() {
             self.model.release_sequence(slot);
         }
@@ -449,6 +511,7 @@ impl Engine {
     }
 
     fn fail(&mut self, mut s: Seq, msg: String) {
+        self.release_held(&mut s);
         if let Some(slot) = s.slot.take() {
             self.model.release_sequence(slot);
         }
@@ -631,6 +694,34 @@ impl Engine {
             }
         }
 
+        // Parallel samples fork their first sequence's pages once it has computed all but the
+        // prompt's last token (those without a free sequence slot try again next step).
+        let mut forked = Vec::new();
+        for s in self.running.iter_mut() {
+            if s.held.is_empty() || s.computed != s.compute_limit() {
+                continue;
+            }
+            let slot = s.slot.expect("running sequences hold a slot");
+            while let Some(mut f) = s.held.pop() {
+                match self.model.kv.alloc.fork(slot) {
+                    Ok(fs) => {
+                        f.slot = Some(fs);
+                        f.computed = s.computed;
+                        f.cached_prompt_tokens = s.computed;
+                        // The first sequence offers the prompt's pages to the prefix cache.
+                        f.prompt_registered = true;
+                        self.stats.prompt_tokens_cached += s.computed as u64;
+                        forked.push(f);
+                    }
+                    Err(_) => {
+                        s.held.push(f);
+                        break;
+                    }
+                }
+            }
+        }
+        self.running.extend(forked);
+
         // Running sequences first, oldest first: each decode token, or its next prompt chunk.
         let mut budget = self.options.step_tokens;
         // (index into running, tokens this step)
@@ -639,7 +730,7 @@ impl Engine {
         while idx < self.running.len() && budget > 0 {
             let (id, slot, need) = {
                 let s = &self.running[idx];
-                (s.id, s.slot.expect("running sequences hold a slot"), s.tokens.len() - s.computed)
+                (s.id, s.slot.expect("running sequences hold a slot"), s.compute_limit() - s.computed)
             };
             // A speculative sequence in decode carries its drafts (looked up now, or drafted
             // by the draft model before scheduling), as many as the step's budget leaves.
@@ -693,8 +784,8 @@ impl Engine {
             } else {
                 0
             };
-            let need = s.tokens.len() - cached;
-            let reserve = self.running.len();
+            let need = s.compute_limit() - cached;
+            let reserve = self.running.len() + s.held.len();
             let needed_pages = self.model.kv.alloc.pages_needed(slot, need).unwrap_or(usize::MAX);
             if needed_pages.saturating_add(reserve) > self.model.kv.alloc.free_pages() && !self.running.is_empty() {
                 // Wait for pages (attached prefix pages go back to the cache).
@@ -720,7 +811,11 @@ impl Engine {
             s.slot = Some(slot);
             self.stats.prompt_tokens_cached += cached as u64;
             report.admitted += 1;
-            plan.push((s.id, take));
+            if take > 0 {
+                // (None: a group's first sequence whose prompt came from the cache up to its
+                // fork point; the group forks at the next step.)
+                plan.push((s.id, take));
+            }
             budget -= take;
             self.running.push(s);
         }

@@ -7,7 +7,7 @@
 //! which frees its KV pages at its next step.
 
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use tokio::sync::mpsc;
 
-use lantern::engine::{Event, RequestHandle};
+use lantern::engine::{Event, Generation, RequestHandle};
 use lantern::kv::KvError;
 use lantern::openai::{self, ApiError, Endpoint, Job};
 use lantern::LanternError;
@@ -45,6 +45,7 @@ async fn generate(
     body: Body,
     endpoint: Endpoint,
 ) -> Response {
+    let shared_clone = shared.clone();
     let reject = |e: ApiError| {
         shared.metrics().outcome("rejected");
         api_error(e)
@@ -59,8 +60,9 @@ async fn generate(
     };
     let req = v.request(&shared.model, random_u64());
     let client = shared.client.clone();
+    let n = v.n;
     // Submission waits for the engine thread to take it (between two steps).
-    let handle = match tokio::task::spawn_blocking(move || client.submit(req).map_err(Box::new)).await {
+    let handles = match tokio::task::spawn_blocking(move || client.submit_n(req, n).map_err(Box::new)).await {
         Ok(Ok(h)) => h,
         Ok(Err(e)) => {
             let (err, outcome) = submit_error(&shared, *e);
@@ -79,15 +81,7 @@ async fn generate(
         model: shared.model.model_id.clone(),
         prompt_tokens: v.prompt_ids.len(),
     };
-    let run = Run {
-        busy: BusyGuard::new(conn.0.clone(), shared.clone()),
-        shared,
-        handle,
-        job,
-        started: Instant::now(),
-        ended: false,
-        whole: !v.stream,
-    };
+    let run = Run::new(shared, handles, job, BusyGuard::new(conn.0.clone(), shared_clone), !v.stream);
     if v.stream {
         stream(run, v.include_usage)
     } else {
@@ -123,8 +117,9 @@ fn submit_error(shared: &Shared, e: LanternError) -> (ApiError, &'static str) {
 
 /// What waiting for a request's next event gave.
 enum Wait {
-    Event(Event),
-    /// The event stream ended without `Done` (the engine stopped).
+    /// An event of choice `.0`.
+    Event(usize, Event),
+    /// An event stream ended without `Done` (the engine stopped).
     Ended,
     /// `--request-timeout` passed (seconds).
     TimedOut(u64),
@@ -132,24 +127,28 @@ enum Wait {
     Shutdown,
 }
 
-/// An accepted request while its answer is produced. Dropped before its end (the client went
-/// away), it cancels the request.
+/// An accepted request (its `n` choices) while its answer is produced. Dropped before its
+/// end (the client went away), it cancels every choice.
 struct Run {
     shared: Arc<Shared>,
-    handle: RequestHandle,
+    /// Every choice's events, tagged with its index (`None`: that stream ended).
+    events: mpsc::UnboundedReceiver<(usize, Option<Event>)>,
+    cancels: Vec<Arc<AtomicBool>>,
     job: Job,
     started: Instant,
+    /// Finished choices so far (by index).
+    done: Vec<Option<Generation>>,
     /// An outcome was recorded.
     ended: bool,
     /// The answer is one JSON object (nothing is sent before the end).
     whole: bool,
-    busy: BusyGuard,
+    _busy: BusyGuard,
 }
 
 impl Drop for Run {
     fn drop(&mut self) {
         if !self.ended {
-            self.handle.cancel();
+            self.cancel();
             let mut m = self.shared.metrics();
             m.outcome("cancelled");
             if self.whole {
@@ -157,41 +156,88 @@ impl Drop for Run {
                 m.http(self.job.endpoint.path(), 499);
             }
         }
-        let _ = &self.busy;
     }
 }
 
 impl Run {
+    fn new(shared: Arc<Shared>, handles: Vec<RequestHandle>, job: Job, busy: BusyGuard, whole: bool) -> Run {
+        let (tx, events) = mpsc::unbounded_channel();
+        let cancels = handles.iter().map(RequestHandle::cancel_flag).collect();
+        let n = handles.len();
+        for (i, mut h) in handles.into_iter().enumerate() {
+            let tx = tx.clone();
+            // Ends with its stream, or when the run is gone (dropping the handle cancels it).
+            tokio::spawn(async move {
+                loop {
+                    let e = h.next().await;
+                    let end = e.is_none();
+                    if tx.send((i, e)).is_err() || end {
+                        break;
+                    }
+                }
+            });
+        }
+        Run { shared, events, cancels, job, started: Instant::now(), done: vec![None; n], ended: false, whole, _busy: busy }
+    }
+
+    fn cancel(&self) {
+        for c in &self.cancels {
+            c.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn all_done(&self) -> bool {
+        self.done.iter().all(Option::is_some)
+    }
+
+    /// The generations of every choice once all are done (their outcomes recorded).
+    fn finished(&mut self) -> Vec<Generation> {
+        self.ended = true;
+        let gens: Vec<Generation> = self.done.iter_mut().filter_map(Option::take).collect();
+        let mut m = self.shared.metrics();
+        for (i, g) in gens.iter().enumerate() {
+            m.finished(g, if i == 0 { self.job.prompt_tokens } else { 0 });
+        }
+        gens
+    }
+
     async fn next(&mut self) -> Wait {
         let mut cancel = self.shared.cancel.subscribe();
         let timeout = self.shared.request_timeout;
-        let deadline = async {
+        let started = self.started;
+        let deadline = async move {
             match timeout {
-                Some(t) => tokio::time::sleep_until((self.started + t).into()).await,
+                Some(t) => tokio::time::sleep_until((started + t).into()).await,
                 None => std::future::pending().await,
             }
         };
-        tokio::select! {
-            e = self.handle.next() => match e {
-                Some(e) => Wait::Event(e),
-                None => Wait::Ended,
-            },
-            _ = deadline => {
-                self.handle.cancel();
-                Wait::TimedOut(timeout.map_or(0, |t| t.as_secs()))
-            }
-            _ = cancel.wait_for(|c| *c) => {
-                self.handle.cancel();
-                Wait::Shutdown
-            }
+        tokio::pin!(deadline);
+        let w = loop {
+            break tokio::select! {
+                e = self.events.recv() => match e {
+                    Some((i, Some(e))) => Wait::Event(i, e),
+                    // A finished choice's stream ends after its `Done`.
+                    Some((i, None)) if self.done[i].is_some() => continue,
+                    Some((_, None)) | None => Wait::Ended,
+                },
+                _ = &mut deadline => Wait::TimedOut(timeout.map_or(0, |t| t.as_secs())),
+                _ = cancel.wait_for(|c| *c) => Wait::Shutdown,
+            };
+        };
+        match &w {
+            Wait::Event(i, Event::Done(g)) => self.done[*i] = Some((**g).clone()),
+            Wait::Event(..) => {}
+            _ => self.cancel(),
         }
+        w
     }
 
     /// Record the outcome of a request that ends without `Done`, and the error it ends with.
     fn fail(&mut self, w: &Wait) -> ApiError {
         self.ended = true;
+        self.cancel();
         let (outcome, e) = match w {
-            Wait::Event(Event::Error(m)) => {
+            Wait::Event(_, Event::Error(m)) => {
                 ("error", ApiError::new(500, "server_error", format!("generation failed: {m}")).code("engine_error"))
             }
             Wait::TimedOut(s) => (
@@ -216,13 +262,12 @@ impl Run {
 async fn whole(mut run: Run) -> Response {
     loop {
         match run.next().await {
-            Wait::Event(Event::Done(g)) => {
-                run.ended = true;
-                run.shared.metrics().finished(&g, run.job.prompt_tokens);
-                let body = serde_json::to_string(&run.job.complete(&g)).unwrap_or_default();
+            Wait::Event(_, Event::Done(_)) if run.all_done() => {
+                let gens = run.finished();
+                let body = serde_json::to_string(&run.job.complete(&gens)).unwrap_or_default();
                 return json_response(StatusCode::OK, body);
             }
-            Wait::Event(Event::Token { .. } | Event::Text(_)) => {}
+            Wait::Event(_, Event::Token { .. } | Event::Text(_) | Event::Done(_)) => {}
             w => return api_error(run.fail(&w)),
         }
     }
@@ -238,23 +283,31 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
     let (tx, mut rx) = mpsc::channel::<SseEvent>(STREAM_BUFFER);
     let keepalive = run.shared.sse_keepalive;
     tokio::spawn(async move {
-        if run.job.endpoint == Endpoint::Chat && tx.send(data(&run.job.chunk(None, true, None))).await.is_err() {
-            return;
+        if run.job.endpoint == Endpoint::Chat {
+            for i in 0..run.done.len() {
+                if tx.send(data(&run.job.chunk(i, None, true, None))).await.is_err() {
+                    return;
+                }
+            }
         }
         loop {
             let w = tokio::select! {
                 w = run.next() => w,
                 _ = tx.closed() => return,
             };
-            let text = match w {
-                Wait::Event(Event::Token { text, .. } | Event::Text(text)) => text,
-                Wait::Event(Event::Done(g)) => {
-                    run.ended = true;
-                    run.shared.metrics().finished(&g, run.job.prompt_tokens);
+            let (i, text) = match w {
+                Wait::Event(i, Event::Token { text, .. } | Event::Text(text)) => (i, text),
+                Wait::Event(i, Event::Done(g)) => {
                     let finish = openai::finish_reason(g.finish_reason);
-                    let _ = tx.send(data(&run.job.chunk(None, false, Some(finish)))).await;
+                    if tx.send(data(&run.job.chunk(i, None, false, Some(finish)))).await.is_err() {
+                        return;
+                    }
+                    if !run.all_done() {
+                        continue;
+                    }
+                    let gens = run.finished();
                     if include_usage {
-                        let _ = tx.send(data(&run.job.usage_chunk(&g))).await;
+                        let _ = tx.send(data(&run.job.usage_chunk(&gens))).await;
                     }
                     let _ = tx.send(SseEvent::default().data("[DONE]")).await;
                     return;
@@ -266,7 +319,7 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
                     return;
                 }
             };
-            if !text.is_empty() && tx.send(data(&run.job.chunk(Some(&text), false, None))).await.is_err() {
+            if !text.is_empty() && tx.send(data(&run.job.chunk(i, Some(&text), false, None))).await.is_err() {
                 return;
             }
         }

@@ -201,6 +201,7 @@ impl Server {
         let template = tokenizer.chat_template().map_err(|e| e.to_string());
         let stop_ids = lantern::engine::generate::default_stop_ids(&engine.model.config.eos_token_ids, &tokenizer);
         let vocab = engine.model.config.vocab_size;
+        let max_seqs = engine.model.kv.alloc.config.max_seqs;
         let listener = bind(&cfg.host, cfg.port).await?;
         let addr = listener.local_addr().context("reading the bound address")?;
         let worker = EngineWorker::spawn(engine);
@@ -219,6 +220,7 @@ impl Server {
                 model_id: cfg.model_id,
                 aliases: cfg.aliases,
                 speculation: cfg.speculation,
+                max_seqs,
             },
             created: cfg.created,
             adapter: cfg.adapter,
