@@ -1317,6 +1317,7 @@ fn generate(shared: &Shared, req: &HttpRequest, conn: &mut Conn, chat: bool) -> 
         stop_ids: shared.stop_ids.clone(),
         stop_strings: p.stop,
         speculation: p.speculation,
+        constraint: None,
     }) {
         Ok(h) => h,
         Err(e) => {
