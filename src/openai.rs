@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{Drafter, FinishReason, GenerateRequest, Generation, SamplingParams, SpecStats, Speculation};
+use crate::engine::{Constraint, Drafter, FinishReason, GenerateRequest, Generation, SamplingParams, SpecStats, Speculation};
 use crate::model::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 /// Stop strings per request at most.
@@ -118,7 +118,9 @@ pub struct RequestBody {
     /// Chat: `true`/`false`; completions: the number of top entries (0 = off).
     pub logprobs: Option<Logprobs>,
     pub top_logprobs: Option<u64>,
-    pub response_format: Option<ResponseFormat>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
+    /// "strict"}}` ([`Constraint::from_response_format`]).
+    pub response_format: Option<serde_json::Value>,
     pub tools: Option<Vec<serde_json::Value>>,
     pub tool_choice: Option<serde_json::Value>,
     pub functions: Option<Vec<serde_json::Value>>,
@@ -163,15 +165,6 @@ pub enum Logprobs {
 #[serde(default)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
-}
-
-/// `{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`.
-#[derive(Debug, Deserialize)]
-pub struct ResponseFormat {
-    #[serde(rename = "type")]
-    pub kind: String,
-    #[serde(default)]
-    pub json_schema: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -279,6 +272,8 @@ pub struct Validated {
     pub speculation: Speculation,
     /// Choices to sample (they share the prompt's KV pages).
     pub n: usize,
+    /// The output's grammar (`response_format`).
+    pub constraint: Option<Constraint>,
 }
 
 impl Validated {
@@ -291,6 +286,7 @@ impl Validated {
             stop_ids: model.stop_ids.clone(),
             stop_strings: self.stop.clone(),
             speculation: self.speculation,
+            constraint: self.constraint.clone(),
         }
     }
 }
@@ -372,11 +368,11 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
     if req.functions.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::unsupported("functions", "tool calling"));
     }
-    if let Some(rf) = &req.response_format {
-        if rf.kind != "text" {
-            return Err(ApiError::unsupported("response_format", "a response_format other than text"));
-        }
-    }
+    // The grammar compiles at submission (the engine refuses one that does not).
+    let constraint = match &req.response_format {
+        None => None,
+        Some(v) => Constraint::from_response_format(v).map_err(|e| ApiError::bad(e.to_string()).param("response_format"))?,
+    };
     let temperature = req.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::bad(format!("`temperature` is {temperature}; it must be between 0 and 2")).param("temperature"));
@@ -467,6 +463,7 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
         include_usage: req.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         speculation,
         n: n as usize,
+        constraint,
     })
 }
 

@@ -50,6 +50,7 @@ fn requests(seed: u64, n: usize) -> Vec<GenerateRequest> {
                 stop_ids: vec![],
                 stop_strings: vec![],
                 speculation: Default::default(),
+                constraint: None,
             }
         })
         .collect()
@@ -142,6 +143,7 @@ fn cancelled_and_dropped_requests_free_their_pages() {
         stop_ids: vec![],
         stop_strings: vec![],
         speculation: Default::default(),
+        constraint: None,
     };
     let mut a = e.submit(long.clone()).unwrap();
     let b = e.submit(long.clone()).unwrap();
@@ -170,6 +172,7 @@ fn impossible_requests_are_refused_at_submit() {
         stop_ids: vec![],
         stop_strings: vec![],
         speculation: Default::default(),
+        constraint: None,
     };
     assert!(matches!(e.submit(req(0, 4)), Err(lantern::LanternError::InvalidRequest(_))), "empty prompt");
     assert!(matches!(e.submit(req(64, 4)), Err(lantern::LanternError::PromptTooLong { .. })));

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use futures_channel::mpsc::{unbounded, UnboundedReceiver, UnboundedSender};
 use web_time::Instant;
 
+use super::constraint::{self, Guide};
 use super::generate::{FinishReason, GenerateRequest, Generation, TextStream};
 use super::metrics::RequestTimings;
 use super::sampler::{Dist, Sampler};
@@ -116,11 +117,13 @@ struct Seq {
     preemptions: usize,
     tx: UnboundedSender<Event>,
     cancel: Arc<AtomicBool>,
-    /// Speculative decoding state, when the request asked for it.
+    /// Speculative decoding state, when the request asked for it (and is not constrained).
     spec: Option<SeqSpec>,
     /// Parallel samples of the same prompt ([`Engine::submit_n`]) waiting for this one to
     /// compute all but the prompt's last token; then each forks its KV pages.
     held: Vec<Seq>,
+    /// Constrained decoding: the grammar's state, which masks the sequence's logit rows.
+    guide: Option<Guide>,
 }
 
 /// A speculative sequence's state in the engine.
@@ -354,7 +357,12 @@ impl Engine {
         if most.div_ceil(page) > total {
             return Err(LanternError::Kv(KvError::Full { needed: most.div_ceil(page), free: total, total, page_size: page }));
         }
-        if req.speculation.enabled() && req.speculation.drafter == Drafter::Model && self.draft.is_none() {
+        // A constraint that does not compile is refused here, before anything is queued.
+        // Constrained requests decode without speculation (drafts are not checked against
+        // the grammar).
+        let guide = constraint::guide_for(&self.tokenizer, req.constraint.as_ref(), self.model.config.vocab_size, &req.stop_ids)?;
+        let speculate = req.speculation.enabled() && guide.is_none();
+        if speculate && req.speculation.drafter == Drafter::Model && self.draft.is_none() {
             return Err(refuse("speculation with a draft model needs a draft model in the engine (--draft)".into()));
         }
         if req.max_tokens == 0 {
@@ -380,7 +388,7 @@ impl Engine {
         if self.waiting.len() >= self.options.max_waiting {
             return Err(LanternError::Overloaded { waiting: self.waiting.len(), max_waiting: self.options.max_waiting });
         }
-        let (seq, handle) = self.new_seq(req);
+        let (seq, handle) = self.new_seq(req, guide, speculate);
         self.waiting.push_back(seq);
         Ok(handle)
     }
@@ -414,7 +422,11 @@ impl Engine {
         }
         let mut held = Vec::with_capacity(n - 1);
         for i in 1..n {
-            let (seq, handle) = self.new_seq(sample(i));
+            let r = sample(i);
+            // Each sample walks the grammar on its own (it compiled for the first).
+            let guide = constraint::guide_for(&self.tokenizer, r.constraint.as_ref(), self.model.config.vocab_size, &r.stop_ids)?;
+            let speculate = r.speculation.enabled() && guide.is_none();
+            let (seq, handle) = self.new_seq(r, guide, speculate);
             held.push(seq);
             handles.push(handle);
         }
@@ -422,7 +434,8 @@ impl Engine {
         Ok(handles)
     }
 
-    fn new_seq(&mut self, req: GenerateRequest) -> (Seq, RequestHandle) {
+    /// A queued sequence for a checked request (its compiled grammar, whether it speculates).
+    fn new_seq(&mut self, req: GenerateRequest, guide: Option<Guide>, speculate: bool) -> (Seq, RequestHandle) {
         let (tx, rx) = unbounded();
         let cancel = Arc::new(AtomicBool::new(false));
         let id = self.next_id;
@@ -440,7 +453,8 @@ impl Engine {
             prompt_registered: false,
             preemptions: 0,
             slot: None,
-            spec: req.speculation.enabled().then(|| SeqSpec {
+            guide,
+            spec: speculate.then(|| SeqSpec {
                 len: DraftLength::new(&req.speculation).with_costs(self.model.step_costs(), self.draft.as_ref().map(|d| d.step_costs())),
                 stats: SpecStats::new(req.speculation.drafter),
                 draft_slot: None,
@@ -555,7 +569,14 @@ impl Engine {
         let (report, sch) = self.schedule()?;
         let Some(mut sch) = sch else { return Ok(report) };
         sch.started = Instant::now();
-        let out = self.model.step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want).await;
+        let out = if guided(&self.running, &sch.sampling) {
+            // The masks are computed while the GPU runs the step's layers.
+            let (running, sampling, n_rows, vocab) = (&mut self.running, &sch.sampling, sch.rows.len(), self.model.config.vocab_size);
+            let mut masks = || Ok(step_masks(running, sampling, n_rows, vocab));
+            self.model.step_batch_masked(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, Some(&mut masks)).await
+        } else {
+            self.model.step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want).await
+        };
         self.complete(sch, out, report)
     }
 
@@ -638,7 +659,10 @@ impl Engine {
                 let (report, sch) = self.schedule()?;
                 let Some(mut sch) = sch else { return Ok(FrameReport { step: Some(report), in_flight: false, submitted: 0 }) };
                 sch.started = Instant::now();
-                match self.model.begin_step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want) {
+                // This path submits a step over several calls: the masks are computed first.
+                let masks = guided(&self.running, &sch.sampling)
+                    .then(|| step_masks(&mut self.running, &sch.sampling, sch.rows.len(), self.model.config.vocab_size));
+                match self.model.begin_step_batch_masked(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, masks.as_deref()) {
                     Ok(p) => (sch, p, report),
                     Err(e) => {
                         return self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false, submitted: 0 })
@@ -973,6 +997,11 @@ impl Engine {
     fn emit(&mut self, i: usize, token: u32, now: Instant) -> bool {
         let context = self.model.kv.alloc.config.context;
         let s = &mut self.running[i];
+        if let Some(Err(e)) = s.guide.as_mut().map(|g| g.accept(token)) {
+            let s = self.running.remove(i);
+            self.fail(s, e.to_string());
+            return true;
+        }
         self.stats.output_tokens += 1;
         s.timings.tokens.push(now);
         s.out.push(token);
@@ -988,6 +1017,9 @@ impl Engine {
         let _ = s.tx.unbounded_send(Event::Token { id: token, text: piece.unwrap_or_default() });
         let reason = if let Some(f) = stop {
             Some(f)
+        } else if s.guide.as_ref().is_some_and(|g| g.is_finished()) {
+            // The grammar allows nothing more: the output is complete.
+            Some(FinishReason::Stop)
         } else if s.out.len() >= s.req.max_tokens {
             Some(FinishReason::Length)
         } else if s.tokens.len() + 1 > context {
@@ -1004,4 +1036,29 @@ impl Engine {
             None => false,
         }
     }
+}
+
+/// Whether a scheduled step samples a row of a constrained sequence.
+fn guided(running: &[Seq], sampling: &[(u64, usize, Option<usize>, usize)]) -> bool {
+    sampling.iter().any(|&(id, _, row, _)| row.is_some() && running.iter().any(|s| s.id == id && s.guide.is_some()))
+}
+
+/// The step's allowed-token bitmasks, one row of `ceil(vocab / 32)` words per logit row: a
+/// constrained sequence's from its grammar, every other row all ones. A grammar that fails
+/// to give a mask leaves its row open; the sequence then fails on its token alone.
+fn step_masks(running: &mut [Seq], sampling: &[(u64, usize, Option<usize>, usize)], n_rows: usize, vocab: usize) -> Vec<u32> {
+    let words = Guide::words(vocab);
+    let mut masks = vec![u32::MAX; n_rows * words];
+    for &(id, _, row, n) in sampling {
+        let (Some(r), Some(s)) = (row, running.iter_mut().find(|s| s.id == id)) else { continue };
+        if let Some(g) = s.guide.as_mut() {
+            for k in r..r + n {
+                let out = &mut masks[k * words..(k + 1) * words];
+                if g.mask_into(out).is_err() {
+                    out.fill(u32::MAX);
+                }
+            }
+        }
+    }
+    masks
 }

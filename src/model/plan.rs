@@ -46,7 +46,8 @@ pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usi
     let r = logit_rows.max(1).min(max_batch_tokens.max(1)) as u64;
     let d = c.hidden_size as u64;
     let act = t * (d + c.qkv_dim() as u64 + (c.num_heads * c.head_dim) as u64 + c.intermediate_size as u64) * 4;
-    let logits = r * c.vocab_size as u64 * 4;
+    // The logits rows and their constrained-decoding bitmasks.
+    let logits = r * c.vocab_size as u64 * 4 + r * c.vocab_size.div_ceil(32) as u64 * 4;
     let inputs = t * 4 * 4 + r * 4;
     let tables = if c.has_local_rope() { 2 } else { 1 };
     let rope = tables * context as u64 * c.head_dim as u64 * 4;

@@ -111,6 +111,10 @@ fn submit_error(shared: &Shared, e: LanternError) -> (ApiError, &'static str) {
                 "unavailable",
             )
         }
+        e @ LanternError::Constraint { .. } => (
+            ApiError::bad(format!("the response_format's grammar does not compile: {e}")).param("response_format").code("invalid_schema"),
+            "rejected",
+        ),
         other => (ApiError::bad(other.to_string()), "rejected"),
     }
 }
