@@ -268,9 +268,7 @@ fn parallel_samples_fork_the_prompt_pages_and_equal_solo_runs() {
         prompt_ids: prompt.clone(),
         max_tokens: 6,
         sampling: SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 77 },
-        stop_ids: vec![],
-        stop_strings: vec![],
-        speculation: Default::default(),
+        ..Default::default()
     };
     let greedy = GenerateRequest { sampling: SamplingParams::default(), ..sampled.clone() };
     let seeds: Vec<GenerateRequest> =
