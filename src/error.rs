@@ -67,6 +67,11 @@ pub enum LanternError {
     /// A draft model that cannot draft for the target (another vocabulary or tokenizer).
     #[error("the draft model {draft} cannot draft for {target}: {reason}")]
     DraftMismatch { target: String, draft: String, reason: String },
+    /// A constrained-decoding request whose JSON schema, regex, Lark grammar or
+    /// `response_format` (`kind`) is invalid or does not compile, or a step that left its
+    /// grammar (`reason` says which).
+    #[error("{kind} constraint: {reason}")]
+    Constraint { kind: String, reason: String },
     /// Reading model bytes from a source that is not a file (a browser `Blob`).
     #[error("reading {source_name}: {reason}")]
     Read { source_name: String, reason: String },

@@ -20,5 +20,6 @@ pub mod eval;
 pub mod gpu;
 pub mod kernels;
 pub mod kv;
+pub mod openai;
 #[cfg(all(feature = "web", target_arch = "wasm32"))]
 pub mod web;

@@ -72,7 +72,7 @@ struct LoadOptions {
 }
 
 /// Options for generating (all optional): `{ maxTokens, temperature, topK, topP, seed,
-/// chat, system, history }`. With `chat`, the prompt is the user's next message and
+/// chat, system, history, speculative, jsonSchema, regex }`. With `chat`, the prompt is the user's next message and
 /// `history` the conversation so far (`[{ role, content }]`), rendered with the model's
 /// chat template (earlier turns' KV pages come from the prefix cache).
 #[derive(serde::Deserialize)]
@@ -89,6 +89,11 @@ struct GenOptions {
     /// Speculative decoding: `{ drafter: "lookup" | "model" | "off", draftTokens }` (a draft
     /// model is set with `setDraft`).
     speculative: Option<SpecOptions>,
+    /// Constrained decoding: the output is JSON valid against this JSON schema (`{}` or
+    /// `{"type": "object"}` for any object).
+    json_schema: Option<serde_json::Value>,
+    /// Constrained decoding: the output matches this regular expression.
+    regex: Option<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -116,6 +121,8 @@ impl Default for GenOptions {
             system: None,
             history: Vec::new(),
             speculative: None,
+            json_schema: None,
+            regex: None,
         }
     }
 }
@@ -319,6 +326,11 @@ impl Lantern {
                 draft_tokens: s.draft_tokens,
                 ..Default::default()
             }),
+            constraint: match (o.json_schema.clone(), o.regex.clone()) {
+                (Some(schema), _) => Some(crate::engine::Constraint::JsonSchema(schema)),
+                (None, Some(r)) => Some(crate::engine::Constraint::Regex(r)),
+                (None, None) => None,
+            },
         };
         let cancel = self.cancel.clone();
         let g = generate_with(model, draft, tok, &req, |piece| {

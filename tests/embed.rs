@@ -45,6 +45,7 @@ fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
         stop_ids: vec![],
         stop_strings: vec![],
         speculation: Default::default(),
+        constraint: None,
     }
 }
 

@@ -50,6 +50,7 @@ fn requests(seed: u64, n: usize) -> Vec<GenerateRequest> {
                 stop_ids: vec![],
                 stop_strings: vec![],
                 speculation: Default::default(),
+                constraint: None,
             }
         })
         .collect()
@@ -142,6 +143,7 @@ fn cancelled_and_dropped_requests_free_their_pages() {
         stop_ids: vec![],
         stop_strings: vec![],
         speculation: Default::default(),
+        constraint: None,
     };
     let mut a = e.submit(long.clone()).unwrap();
     let b = e.submit(long.clone()).unwrap();
@@ -170,6 +172,7 @@ fn impossible_requests_are_refused_at_submit() {
         stop_ids: vec![],
         stop_strings: vec![],
         speculation: Default::default(),
+        constraint: None,
     };
     assert!(matches!(e.submit(req(0, 4)), Err(lantern::LanternError::InvalidRequest(_))), "empty prompt");
     assert!(matches!(e.submit(req(64, 4)), Err(lantern::LanternError::PromptTooLong { .. })));
@@ -252,4 +255,59 @@ fn gpu_top_k_pairs_equal_the_logits_and_sample_the_same_tokens() {
             assert_eq!(sa.sample(&logits), sb.sample_top(&top));
         }
     }
+}
+
+/// `submit_n`: n samples of one prompt. Sample i equals a solo request with seed + i, greedy
+/// samples equal each other, and the prompt's pages are held once (the samples fork them
+/// before the prompt's last token; the prefix cache is off, so no other sharing exists).
+#[test]
+fn parallel_samples_fork_the_prompt_pages_and_equal_solo_runs() {
+    let mut r = Rng(0xf0e1);
+    let prompt: Vec<u32> = (0..30).map(|_| r.below(512) as u32).collect();
+    let sampled = GenerateRequest {
+        prompt_ids: prompt.clone(),
+        max_tokens: 6,
+        sampling: SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 77 },
+        ..Default::default()
+    };
+    let greedy = GenerateRequest { sampling: SamplingParams::default(), ..sampled.clone() };
+    let seeds: Vec<GenerateRequest> =
+        (0..3).map(|i| GenerateRequest { sampling: SamplingParams { seed: 77 + i, ..sampled.sampling }, ..sampled.clone() }).collect();
+    let alone = solo(&seeds.iter().cloned().chain([greedy.clone()]).collect::<Vec<_>>());
+
+    let opts = ModelOptions { prefix_cache: false, ..model_opts(4, Some(40)) };
+    let mut e = engine(opts, EngineOptions { step_tokens: 32, prefill_chunk: 8, max_waiting: 8 });
+    let total = e.model.kv.alloc.total_pages();
+    let mut handles = e.submit_n(sampled, 3).expect("submit_n");
+    let mut peak = 0;
+    while !e.is_idle() {
+        pollster::block_on(e.step()).expect("step");
+        peak = peak.max(total - e.model.kv.alloc.free_pages());
+    }
+    // Alone, each sample holds ceil(36 / 4) = 9 pages (27 for three). Forked: the 7 full
+    // prompt pages once, plus per sample its partial page (a copy) and 1-2 pages of output.
+    assert!(peak <= 7 + 3 * 3, "peak {peak} pages: the prompt's pages are not shared");
+    let gens: Vec<Generation> = handles.iter_mut().map(|h| collect(h).0).collect();
+    for (i, (g, want)) in gens.iter().zip(&alone).enumerate() {
+        assert_eq!(g.output_ids, want.output_ids, "sample {i} differs from a solo run with seed 77 + {i}");
+        assert_eq!(g.prompt_ids, prompt);
+    }
+    assert_eq!(gens[1].cached_prompt_tokens, 29, "a forked sample shares all but the prompt's last token");
+    assert!(gens[0].output_ids != gens[1].output_ids || gens[1].output_ids != gens[2].output_ids, "seeds differ");
+    assert_eq!(e.model.kv.alloc.free_pages(), total, "every page back");
+
+    // Greedy: two identical samples; n beyond the engine's sequences is refused.
+    let mut hs = e.submit_n(greedy, 2).expect("submit_n");
+    pollster::block_on(e.run_until_idle()).unwrap();
+    for h in &mut hs {
+        assert_eq!(collect(h).0.output_ids, alone[3].output_ids);
+    }
+    assert!(e.submit_n(seeds[0].clone(), 5).is_err(), "n = 5 > 4 sequences");
+    assert!(e.submit_n(seeds[0].clone(), 0).is_err());
+    // Dropping the first sample's handle before the fork leaves the others running.
+    let mut hs = e.submit_n(seeds[0].clone(), 2).expect("submit_n");
+    drop(hs.remove(0));
+    pollster::block_on(e.run_until_idle()).unwrap();
+    assert_eq!(collect(&mut hs[0]).0.output_ids, alone[1].output_ids);
+    assert_eq!(e.model.kv.alloc.free_pages(), total, "every page back");
 }

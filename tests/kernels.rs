@@ -1670,3 +1670,73 @@ fn rope_kv_then_attention_continue_a_paged_sequence() {
         assert_close(&format!("rope_kv + attention, 5 tokens after 11 cached, {dtype:?} KV"), &got, &want, tol);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Constrained decoding's logit mask.
+// ---------------------------------------------------------------------------------------------
+
+/// GPU logit mask against `ops::logit_mask` (exact: values are copied or set to -inf), then
+/// the GPU argmax of the masked rows: it must be an allowed token (the best one) whenever a
+/// row allows any.
+fn check_logit_mask(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], mask: &[u32], n: usize) {
+    let rows = logits.len() / n;
+    let step = step_buffer(ctx);
+    let lb = buf_f32(ctx, "logits", logits);
+    let mb = buf_u32(ctx, "mask", mask);
+    let out = create_zeroed(ctx, "argmax", (rows * 4) as u64).unwrap();
+    let m = block_on(kernels::logit_mask::build(ctx, &step, &mb, &lb, n)).expect("build logit_mask");
+    let a = block_on(kernels::argmax::build(ctx, &step, &lb, &out, n)).expect("build argmax");
+    submit(ctx, &step, rows as u32, rows as u32, &[m, a]);
+    let got = read_f32s(ctx, &lb, rows * n);
+    let mut want = logits.to_vec();
+    ops::logit_mask(&mut want, mask, n);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(g.to_bits() == w.to_bits(), "{what}: n {n}, row {} index {}: got {g}, want {w} (logit {})", i / n, i % n, logits[i]);
+    }
+    let best = read_u32s(ctx, &out, rows);
+    let words = kernels::logit_mask::words(n);
+    for (r, row) in want.chunks(n).enumerate() {
+        let allowed = |i: u32| mask[r * words + i as usize / 32] & (1 << (i % 32)) != 0;
+        if (0..n as u32).any(allowed) {
+            assert!(allowed(best[r]), "{what}: n {n}, row {r}: argmax {} is masked out", best[r]);
+            assert_eq!(best[r], ops::argmax(row), "{what}: n {n}, row {r}");
+        }
+    }
+}
+
+#[test]
+fn logit_mask_matches_reference_on_odd_shapes() {
+    let ctx = gpu();
+    for (i, &(n, rows)) in [(1usize, 1usize), (31, 2), (32, 1), (33, 3), (1000, 2), (4099, 3), (49152, 1)].iter().enumerate() {
+        let mut rng = Rng::new(1200 + i as u64);
+        let logits = rng.vec(rows * n);
+        let words = kernels::logit_mask::words(n);
+        // Row 0 random bits, row 1 a sparse mask (one bit in 37), row 2 everything allowed.
+        let mut mask = Vec::with_capacity(rows * words);
+        for r in 0..rows {
+            for w in 0..words {
+                mask.push(match r {
+                    0 => rng.next_u64() as u32,
+                    1 => (0..32).filter(|b| (w * 32 + b) % 37 == 5).fold(0u32, |m, b| m | (1 << b)),
+                    _ => u32::MAX,
+                });
+            }
+        }
+        check_logit_mask(&ctx, "random", &logits, &mask, n);
+    }
+}
+
+/// A row that allows one token picks it whatever its logit; a row that allows nothing is all
+/// -inf (argmax then gives 0, as on the CPU).
+#[test]
+fn logit_mask_single_allowed_token_and_empty_row() {
+    let ctx = gpu();
+    let n = 777;
+    let words = kernels::logit_mask::words(n);
+    let mut rng = Rng::new(1300);
+    let mut logits = rng.vec(2 * n);
+    logits[700] = -50.0;
+    let mut mask = vec![0u32; 2 * words];
+    mask[700 / 32] = 1 << (700 % 32);
+    check_logit_mask(&ctx, "one allowed", &logits, &mask, n);
+}

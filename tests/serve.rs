@@ -1,18 +1,22 @@
 //! `lantern serve` as clients see it: the real binary on the real model (SmolLM2, context
-//! 256, 4 sequences) on a free loopback port, driven by a plain HTTP/1.1 client over
-//! `TcpStream`. Completions and chat completions (equal to `lantern run` greedy), streaming,
+//! 256, 4 sequences) on a free loopback port, driven by an HTTP client library (ureq) and,
+//! where the test is about the bytes on the wire (slow clients, malformed requests, chunked
+//! bodies, hanging up), by hand over `TcpStream`. Completions and chat completions (equal to `lantern run` greedy), streaming,
 //! /v1/models, concurrent clients, errors (malformed JSON, unknown model, oversize prompt,
 //! bad parameters, 404/405/413, the connection cap), the API key, a client that disconnects
 //! mid-stream (its pages come back), and a bounded load test (16 streaming clients for 10 s
 //! against a queue of 4: every request completes or gets a documented 429/503, none hangs,
-//! and the engine and the process return to where they started).
+//! and the engine and the process return to where they started), slow clients (hundreds of
+//! connections trickling header bytes and a body trickled byte by byte do not keep a normal
+//! client waiting), and SIGTERM during four streams (each ends with a final event, the
+//! process exits 0 within its deadline, the queued request heard keep-alive comments).
 //!
 //! The tests of this file run one at a time (each starts its own server, and lavapipe
 //! shares two cores).
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -49,8 +53,9 @@ impl Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_lantern"));
         cmd.env("LANTERN_OFFLINE", "1")
             .env_remove("LANTERN_API_KEY")
-            .args(["serve", "--port", "0", "--context", "256", "--max-seqs", "4", "--model"])
+            .args(["serve", "--port", "0", "--context", "256", "--model"])
             .arg(common::smollm2_gguf())
+            .args(if extra.contains(&"--max-seqs") { &[][..] } else { &["--max-seqs", "4"][..] })
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -153,11 +158,11 @@ impl Response {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("status {}: not JSON ({e}): {}", self.status, self.text()))
     }
 
-    /// The `data:` payloads of a server-sent-event body.
+    /// The `data:` payloads of a server-sent-event body (comments skipped).
     fn events(&self) -> Vec<String> {
         self.text()
             .split("\n\n")
-            .filter(|e| !e.trim().is_empty())
+            .filter(|e| !e.trim().is_empty() && !e.starts_with(':'))
             .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("not an SSE data event: {e:?}")).to_string())
             .collect()
     }
@@ -184,11 +189,27 @@ fn write_request(s: &mut TcpStream, method: &str, path: &str, headers: &[(&str, 
     s.write_all(&bytes).expect("send request");
 }
 
-/// One request on a fresh connection (`Connection: close`).
+/// One request through an HTTP client library (ureq; its own connection pool per call).
 fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Response {
-    let mut s = connect(addr);
-    write_request(&mut s, method, path, headers, body, true);
-    read_response(&mut BufReader::new(s)).expect("read response")
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(120)))
+        .max_idle_connections(0)
+        .build()
+        .into();
+    let mut b = ureq::http::Request::builder().method(method).uri(format!("http://{addr}{path}"));
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let sent = if body.is_empty() {
+        agent.run(b.body(ureq::SendBody::none()).expect("request"))
+    } else {
+        agent.run(b.body(body).expect("request"))
+    };
+    let mut r = sent.unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    let headers = r.headers().iter().map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string())).collect();
+    let body = r.body_mut().with_config().limit(64 << 20).read_to_vec().expect("read the body");
+    Response { status: r.status().as_u16(), headers, body }
 }
 
 fn read_line(r: &mut impl BufRead) -> std::io::Result<String> {
@@ -452,7 +473,8 @@ fn models_health_and_request_errors() {
 
     // Parameters out of range or unsupported.
     for bad in [
-        json!({"n": 2}),
+        json!({"n": 5}),
+        json!({"n": 0}),
         json!({"temperature": 3}),
         json!({"temperature": "hot"}),
         json!({"top_p": 0}),
@@ -513,26 +535,48 @@ fn models_health_and_request_errors() {
     assert_eq!(read_response(&mut reader).unwrap().status, 200);
     drop((s, reader));
 
-    // Beyond --max-connections (4): 503 at once with a reason, then service again.
+    // At --max-connections (4), connections without a request in flight make room: four
+    // silent ones do not keep a client out (the oldest is closed).
     std::thread::sleep(Duration::from_millis(300));
-    let idle: Vec<TcpStream> = (0..4).map(|_| connect(&server.addr)).collect();
+    let mut silent: Vec<TcpStream> = (0..4).map(|_| connect(&server.addr)).collect();
     std::thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();
-    let r = server.get("/health");
+    assert_eq!(server.get("/health").status, 200);
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    let mut b = [0u8; 1];
+    assert_eq!(silent[0].read(&mut b).unwrap_or(0), 0, "the oldest silent connection is closed");
+    drop(silent);
+    // When every connection has a request in flight: 503 at once with a reason.
+    let long = json!({"model": MODEL_ID, "prompt": "1, 2, 3,", "max_tokens": 200, "temperature": 0, "stream": true}).to_string();
+    let mut busy = Vec::new();
+    for _ in 0..4 {
+        let mut s = connect(&server.addr);
+        write_request(&mut s, "POST", "/v1/completions", &[], long.as_bytes(), false);
+        let mut r = BufReader::new(s);
+        assert_eq!(read_head(&mut r).unwrap().0, 200);
+        busy.push(r);
+    }
+    let t0 = Instant::now();
+    let mut s = connect(&server.addr);
+    write_request(&mut s, "GET", "/health", &[], b"", true);
+    let r = read_response(&mut BufReader::new(s)).unwrap();
     assert_eq!(r.status, 503);
     assert!(t0.elapsed() < Duration::from_secs(5));
     assert_eq!(error_of(&r)["code"], "too_many_connections");
     assert_eq!(r.header("retry-after"), Some("1"));
-    drop(idle);
+    drop(busy);
     let t0 = Instant::now();
     while server.get("/health").status != 200 {
         assert!(t0.elapsed() < Duration::from_secs(10), "connections not released");
         std::thread::sleep(Duration::from_millis(100));
     }
+    server.wait_idle(Duration::from_secs(10));
     // The errors were counted.
     let text = server.get("/metrics").text();
     assert!(metric(&text, "lantern_requests_total{outcome=\"rejected\"}") >= 18.0);
     assert_eq!(metric(&text, "lantern_requests_total{outcome=\"too_many_connections\"}"), 1.0);
+    assert!(metric(&text, "lantern_http_connections_evicted_total") >= 1.0);
+    assert_eq!(metric(&text, "lantern_requests_total{outcome=\"cancelled\"}"), 4.0);
     assert!(metric(&text, "lantern_http_responses_total{route=\"/v1/completions\",code=\"404\"}") >= 1.0);
 }
 
@@ -643,7 +687,6 @@ fn client_disconnect_frees_its_pages() {
     let text = server.wait_idle(Duration::from_secs(10));
     eprintln!("pages free {:?} after the disconnect", t0.elapsed());
     assert_eq!(metric(&text, "lantern_requests_total{outcome=\"cancelled\"}"), 1.0);
-    assert_eq!(metric(&text, "lantern_http_responses_total{route=\"/v1/completions\",code=\"499\"}"), 1.0);
     assert!(metric(&text, "lantern_engine_output_tokens_total") < 100.0);
 
     // Waiting for a whole (non-streamed) answer, then hanging up.
@@ -659,6 +702,7 @@ fn client_disconnect_frees_its_pages() {
     drop(s);
     let text = server.wait_idle(Duration::from_secs(10));
     assert_eq!(metric(&text, "lantern_requests_total{outcome=\"cancelled\"}"), 2.0);
+    assert_eq!(metric(&text, "lantern_http_responses_total{route=\"/v1/completions\",code=\"499\"}"), 1.0);
     assert_eq!(metric(&text, "lantern_requests_total{outcome=\"length\"}"), 0.0);
 }
 
@@ -896,7 +940,145 @@ fn speculative_decoding_per_server_and_per_request() {
     bad["speculative"] = json!({"draft_tokens": "many"});
     let r = server.post("/v1/completions", &bad);
     assert_eq!(r.status, 400);
-    assert_eq!(error_of(&r)["param"], "speculative");
+    assert_eq!(error_of(&r)["param"], "speculative.draft_tokens");
     let text = server.wait_idle(Duration::from_secs(30));
     assert!(metric(&text, "lantern_speculative_accepted_tokens_total") > 0.0);
+}
+
+/// Hundreds of connections that send one header byte at a time, and one that trickles its
+/// body, hold no slot a normal client needs: it is served within seconds, the tricklers are
+/// cut off at the read deadline (408 for the body), and nothing is left open afterwards.
+#[test]
+fn slow_clients_do_not_keep_others_waiting() {
+    let _s = serial();
+    let server = Server::start(&["--read-timeout", "4", "--max-idle-connections", "200"]);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // 300 header tricklers (more than --max-idle-connections): one byte per socket per 200 ms.
+    let addr = server.addr.clone();
+    let stop2 = stop.clone();
+    let (connected_tx, connected) = std::sync::mpsc::channel();
+    let tricklers = std::thread::spawn(move || {
+        let mut socks: Vec<TcpStream> = (0..300).filter_map(|_| TcpStream::connect(&addr).ok()).collect();
+        let _ = connected_tx.send(socks.len());
+        let line = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+        let mut i = 0;
+        let mut closed = 0;
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) && i < line.len() {
+            socks.retain_mut(|s| s.write_all(&line[i..i + 1]).is_ok());
+            closed = 300 - socks.len();
+            i += 1;
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        closed
+    });
+    assert_eq!(connected.recv().unwrap(), 300);
+    // A body trickled byte by byte (connected after the tricklers: the newest is not the one
+    // closed to make room).
+    let body = json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 1}).to_string();
+    let mut slow_body = connect(&server.addr);
+    write!(slow_body, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len()).unwrap();
+    let body_addr = body.clone();
+    let mut reader = BufReader::new(slow_body.try_clone().unwrap());
+    let slow_reader = std::thread::spawn(move || read_response(&mut reader).map(|r| r.status).ok());
+    let slow = std::thread::spawn(move || {
+        for b in body_addr.as_bytes().iter().take(40) {
+            if slow_body.write_all(&[*b]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        slow_reader.join().unwrap()
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    // A normal client, while all of that goes on.
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        assert_eq!(server.get("/health").status, 200);
+        let r = server.post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 1, "temperature": 0}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(t0.elapsed() < Duration::from_secs(5), "a normal client waited {:?}", t0.elapsed());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // The body trickler is cut off at the read deadline (4 s) with 408.
+    assert_eq!(slow.join().unwrap(), Some(408));
+    // The header tricklers were closed: evicted beyond 200 idle, or at the read deadline.
+    let closed = tricklers.join().unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(closed, 300, "every header trickler is cut off");
+    let text = server.wait_idle(Duration::from_secs(10));
+    assert!(metric(&text, "lantern_http_connections_evicted_total") >= 100.0, "{text}");
+    assert!(metric(&text, "lantern_http_connections_open") <= 2.0);
+}
+
+/// Reads one SSE stream to its end on a thread: its `data:` payloads and its comments.
+fn read_stream(mut r: BufReader<TcpStream>) -> std::thread::JoinHandle<(Vec<String>, Vec<String>)> {
+    std::thread::spawn(move || {
+        let mut data = Vec::new();
+        let mut comments = Vec::new();
+        while let Ok(Some(chunk)) = read_chunk(&mut r) {
+            for ev in String::from_utf8_lossy(&chunk).split("\n\n").filter(|e| !e.is_empty()) {
+                match ev.strip_prefix("data: ") {
+                    Some(d) => data.push(d.to_string()),
+                    None => comments.push(ev.to_string()),
+                }
+            }
+        }
+        (data, comments)
+    })
+}
+
+/// SIGTERM while four streams run: no new connections, the short requests finish within the
+/// deadline, the long and the queued ones are cancelled at it with a final error event, every
+/// stream ends with `[DONE]`, and the process exits 0 within the deadline.
+#[test]
+fn sigterm_ends_every_stream_and_exits_zero() {
+    let _s = serial();
+    let mut server = Server::start(&["--max-seqs", "3", "--shutdown-timeout", "6", "--sse-keepalive", "1"]);
+    let open = |max_tokens: usize| {
+        let body = json!({"model": MODEL_ID, "prompt": "1, 2, 3, 4,", "max_tokens": max_tokens, "temperature": 0, "stream": true});
+        let mut s = connect(&server.addr);
+        write_request(&mut s, "POST", "/v1/completions", &[], body.to_string().as_bytes(), false);
+        let mut r = BufReader::new(s);
+        assert_eq!(read_head(&mut r).unwrap().0, 200);
+        r
+    };
+    // Two short ones, one too long for the deadline, and one that waits in the queue
+    // (--max-seqs 3) behind them.
+    let streams: Vec<_> = [24, 24, 230, 230].into_iter().map(|n| read_stream(open(n))).collect();
+    let t0 = Instant::now();
+    while server.metric("lantern_requests_running") < 3.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the requests never ran");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let pid = server.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(TcpStream::connect(&server.addr).is_err(), "no new connections after SIGTERM");
+    let status = loop {
+        if let Some(s) = server.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(15), "the server did not exit within its deadline");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "exit status {status}");
+    let results: Vec<_> = streams.into_iter().map(|t| t.join().unwrap()).collect();
+    for (i, (data, _)) in results.iter().enumerate() {
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "stream {i} has no final event: {data:?}");
+        let last: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+        if i < 2 {
+            assert_eq!(last["choices"][0]["finish_reason"], "length", "stream {i}: {last}");
+        } else {
+            assert_eq!(last["error"]["code"], "server_shutdown", "stream {i}: {last}");
+        }
+    }
+    // The queued request heard keep-alive comments while it waited.
+    assert!(results[3].1.iter().any(|c| c.starts_with(": keep-alive")), "{:?}", results[3].1);
+    let log = server.log_text();
+    assert!(log.contains("SIGTERM") && log.contains("cancelling 2 requests"), "{log}");
+    let pages = log.split("KV pages free: ").nth(1).and_then(|r| r.split(')').next()).unwrap_or("");
+    let (free, total) = pages.split_once(" of ").unwrap_or_else(|| panic!("no page count in the log:\n{log}"));
+    assert_eq!(free, total, "every KV page is free when the server stops:\n{log}");
 }

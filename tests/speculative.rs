@@ -45,7 +45,15 @@ fn load(w: &ModelWeights, context: usize, page_size: usize) -> GpuModel {
 }
 
 fn request(prompt: &[u32], max_tokens: usize, sampling: SamplingParams, speculation: Speculation) -> GenerateRequest {
-    GenerateRequest { prompt_ids: prompt.to_vec(), max_tokens, sampling, stop_ids: vec![], stop_strings: vec![], speculation }
+    GenerateRequest {
+        prompt_ids: prompt.to_vec(),
+        max_tokens,
+        sampling,
+        stop_ids: vec![],
+        stop_strings: vec![],
+        speculation,
+        constraint: None,
+    }
 }
 
 /// Upper quantile of the chi-square distribution with `df` degrees of freedom at tail

@@ -92,6 +92,7 @@ pub fn load(args: &Args, device: wgpu::Device, queue: wgpu::Queue) -> Result<Loa
         stop_ids,
         stop_strings: vec![],
         speculation: Default::default(),
+        constraint: None,
     };
     let mut engine = Engine::new(model, tokenizer, EngineOptions::default());
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;

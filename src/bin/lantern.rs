@@ -17,6 +17,8 @@ use lantern::model::tokenizer::ChatMessage;
 // Subcommand modules live in src/bin/lantern/: every file directly in src/bin is a binary.
 #[path = "lantern/bench_cmd.rs"]
 mod bench_cmd;
+#[path = "lantern/constrained_bench.rs"]
+mod constrained_bench;
 #[path = "lantern/eval_cmd.rs"]
 mod eval_cmd;
 #[path = "lantern/info_cmd.rs"]
@@ -25,7 +27,7 @@ mod info_cmd;
 mod plan_cmd;
 #[path = "lantern/quantize_cmd.rs"]
 mod quantize_cmd;
-#[path = "lantern/serve_cmd.rs"]
+#[path = "lantern/serve/mod.rs"]
 mod serve_cmd;
 #[path = "lantern/spec_args.rs"]
 mod spec_args;
@@ -161,6 +163,19 @@ struct RunArgs {
     /// Stop when this string appears (repeatable); the text is cut before it.
     #[arg(long)]
     stop: Vec<String>,
+    /// Constrained decoding: the output is JSON valid against the JSON schema in this file
+    /// (llguidance; masked on the GPU each step).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "grammar", "json_object"])]
+    json_schema: Option<PathBuf>,
+    /// Constrained decoding: the output is one JSON object (any keys).
+    #[arg(long, conflicts_with_all = ["regex", "grammar"])]
+    json_object: bool,
+    /// Constrained decoding: the output matches this regular expression.
+    #[arg(long, conflicts_with = "grammar")]
+    regex: Option<String>,
+    /// Constrained decoding: the output is in the language of this Lark grammar file.
+    #[arg(long, value_name = "FILE.lark")]
+    grammar: Option<PathBuf>,
     /// Context window in tokens (prompt + output). Default: min(model's, 2048).
     #[arg(long)]
     context: Option<usize>,
@@ -340,6 +355,7 @@ fn run(a: RunArgs) -> Result<()> {
         stop_ids,
         stop_strings: a.stop.clone(),
         speculation: a.spec.speculation(),
+        constraint: run_constraint(&a)?,
     };
     let json = a.json;
     let stdout = std::io::stdout();
@@ -454,4 +470,24 @@ fn run(a: RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The constraint `run`'s flags ask for (`--json-schema`, `--json-object`, `--regex`,
+/// `--grammar`), read from their files.
+fn run_constraint(a: &RunArgs) -> Result<Option<lantern::engine::Constraint>> {
+    use lantern::engine::Constraint;
+    let read = |p: &PathBuf| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
+    Ok(if let Some(p) = &a.json_schema {
+        let schema: serde_json::Value =
+            serde_json::from_str(&read(p)?).with_context(|| format!("{} is not JSON (a JSON schema)", p.display()))?;
+        Some(Constraint::JsonSchema(schema))
+    } else if a.json_object {
+        Some(Constraint::JsonObject)
+    } else if let Some(r) = &a.regex {
+        Some(Constraint::Regex(r.clone()))
+    } else if let Some(p) = &a.grammar {
+        Some(Constraint::Lark(read(p)?))
+    } else {
+        None
+    })
 }

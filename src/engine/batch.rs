@@ -18,6 +18,7 @@ use std::sync::Arc;
 use futures_channel::mpsc::{unbounded, UnboundedReceiver, UnboundedSender};
 use web_time::Instant;
 
+use super::constraint::{self, Guide};
 use super::generate::{FinishReason, GenerateRequest, Generation, TextStream};
 use super::metrics::RequestTimings;
 use super::sampler::{Dist, Sampler};
@@ -116,8 +117,13 @@ struct Seq {
     preemptions: usize,
     tx: UnboundedSender<Event>,
     cancel: Arc<AtomicBool>,
-    /// Speculative decoding state, when the request asked for it.
+    /// Speculative decoding state, when the request asked for it (and is not constrained).
     spec: Option<SeqSpec>,
+    /// Parallel samples of the same prompt ([`Engine::submit_n`]) waiting for this one to
+    /// compute all but the prompt's last token; then each forks its KV pages.
+    held: Vec<Seq>,
+    /// Constrained decoding: the grammar's state, which masks the sequence's logit rows.
+    guide: Option<Guide>,
 }
 
 /// A speculative sequence's state in the engine.
@@ -135,6 +141,13 @@ struct SeqSpec {
 impl Seq {
     fn cancelled(&self) -> bool {
         self.cancel.load(Ordering::Relaxed) || self.tx.is_closed()
+    }
+
+    /// Tokens to compute before sampling can stop: all it holds, or with parallel samples
+    /// still held, all but the prompt's last token (each sample computes that one itself,
+    /// on forked pages, for a logits row of its own).
+    fn compute_limit(&self) -> usize {
+        self.tokens.len() - usize::from(!self.held.is_empty())
     }
 }
 
@@ -344,7 +357,12 @@ impl Engine {
         if most.div_ceil(page) > total {
             return Err(LanternError::Kv(KvError::Full { needed: most.div_ceil(page), free: total, total, page_size: page }));
         }
-        if req.speculation.enabled() && req.speculation.drafter == Drafter::Model && self.draft.is_none() {
+        // A constraint that does not compile is refused here, before anything is queued.
+        // Constrained requests decode without speculation (drafts are not checked against
+        // the grammar).
+        let guide = constraint::guide_for(&self.tokenizer, req.constraint.as_ref(), self.model.config.vocab_size, &req.stop_ids)?;
+        let speculate = req.speculation.enabled() && guide.is_none();
+        if speculate && req.speculation.drafter == Drafter::Model && self.draft.is_none() {
             return Err(refuse("speculation with a draft model needs a draft model in the engine (--draft)".into()));
         }
         if req.max_tokens == 0 {
@@ -370,12 +388,60 @@ impl Engine {
         if self.waiting.len() >= self.options.max_waiting {
             return Err(LanternError::Overloaded { waiting: self.waiting.len(), max_waiting: self.options.max_waiting });
         }
+        let (seq, handle) = self.new_seq(req, guide, speculate);
+        self.waiting.push_back(seq);
+        Ok(handle)
+    }
+
+    /// Queue `n` samples of one prompt (OpenAI's `n`): one sequence computes the prompt, the
+    /// others fork its KV pages (shared, copy-on-write for the partial last page) before its
+    /// last token, so the prompt's pages are held once. Sample `i` samples with seed
+    /// `seed + i`. Refused like [`Engine::submit`], and when `n` is 0 or exceeds the
+    /// engine's sequences. Sequences of a group are independent after the fork; cancelling
+    /// the first before it releases leaves the others running alone.
+    pub fn submit_n(&mut self, req: GenerateRequest, n: usize) -> Result<Vec<RequestHandle>> {
+        let max_seqs = self.model.kv.alloc.config.max_seqs;
+        if n == 0 || n > max_seqs {
+            return Err(refuse(format!("n = {n}: parallel samples must number 1 to {max_seqs} (the engine's sequences)")));
+        }
+        if self.waiting.len() + n > self.options.max_waiting && n > 1 {
+            return Err(LanternError::Overloaded { waiting: self.waiting.len(), max_waiting: self.options.max_waiting });
+        }
+        let sample = |i: usize| {
+            let mut r = req.clone();
+            r.sampling.seed = r.sampling.seed.wrapping_add(i as u64);
+            r
+        };
+        let first = self.submit(sample(0))?;
+        let mut handles = vec![first];
+        if req.max_tokens == 0 {
+            for i in 1..n {
+                handles.push(self.submit(sample(i))?);
+            }
+            return Ok(handles);
+        }
+        let mut held = Vec::with_capacity(n - 1);
+        for i in 1..n {
+            let r = sample(i);
+            // Each sample walks the grammar on its own (it compiled for the first).
+            let guide = constraint::guide_for(&self.tokenizer, r.constraint.as_ref(), self.model.config.vocab_size, &r.stop_ids)?;
+            let speculate = r.speculation.enabled() && guide.is_none();
+            let (seq, handle) = self.new_seq(r, guide, speculate);
+            held.push(seq);
+            handles.push(handle);
+        }
+        self.waiting.back_mut().expect("just queued").held = held;
+        Ok(handles)
+    }
+
+    /// A queued sequence for a checked request (its compiled grammar, whether it speculates).
+    fn new_seq(&mut self, req: GenerateRequest, guide: Option<Guide>, speculate: bool) -> (Seq, RequestHandle) {
         let (tx, rx) = unbounded();
         let cancel = Arc::new(AtomicBool::new(false));
         let id = self.next_id;
         self.next_id += 1;
         self.stats.submitted += 1;
-        self.waiting.push_back(Seq {
+        let seq = Seq {
             id,
             tokens: req.prompt_ids.clone(),
             computed: 0,
@@ -387,7 +453,8 @@ impl Engine {
             prompt_registered: false,
             preemptions: 0,
             slot: None,
-            spec: req.speculation.enabled().then(|| SeqSpec {
+            guide,
+            spec: speculate.then(|| SeqSpec {
                 len: DraftLength::new(&req.speculation).with_costs(self.model.step_costs(), self.draft.as_ref().map(|d| d.step_costs())),
                 stats: SpecStats::new(req.speculation.drafter),
                 draft_slot: None,
@@ -398,8 +465,9 @@ impl Engine {
             req,
             tx,
             cancel: cancel.clone(),
-        });
-        Ok(RequestHandle { id, events: rx, cancel })
+            held: Vec::new(),
+        };
+        (seq, RequestHandle { id, events: rx, cancel })
     }
 
     /// Step until no request is left.
@@ -422,7 +490,15 @@ impl Engine {
         }
     }
 
+    /// Parallel samples still held by `s` go on alone (first in the queue).
+    fn release_held(&mut self, s: &mut Seq) {
+        for f in s.held.drain(..).rev() {
+            self.waiting.push_front(f);
+        }
+    }
+
     fn finish(&mut self, mut s: Seq, reason: FinishReason) {
+        self.release_held(&mut s);
         if let Some(slot) = s.slot.take() {
             self.model.release_sequence(slot);
         }
@@ -449,6 +525,7 @@ impl Engine {
     }
 
     fn fail(&mut self, mut s: Seq, msg: String) {
+        self.release_held(&mut s);
         if let Some(slot) = s.slot.take() {
             self.model.release_sequence(slot);
         }
@@ -492,7 +569,14 @@ impl Engine {
         let (report, sch) = self.schedule()?;
         let Some(mut sch) = sch else { return Ok(report) };
         sch.started = Instant::now();
-        let out = self.model.step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want).await;
+        let out = if guided(&self.running, &sch.sampling) {
+            // The masks are computed while the GPU runs the step's layers.
+            let (running, sampling, n_rows, vocab) = (&mut self.running, &sch.sampling, sch.rows.len(), self.model.config.vocab_size);
+            let mut masks = || Ok(step_masks(running, sampling, n_rows, vocab));
+            self.model.step_batch_masked(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, Some(&mut masks)).await
+        } else {
+            self.model.step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want).await
+        };
         self.complete(sch, out, report)
     }
 
@@ -575,7 +659,10 @@ impl Engine {
                 let (report, sch) = self.schedule()?;
                 let Some(mut sch) = sch else { return Ok(FrameReport { step: Some(report), in_flight: false, submitted: 0 }) };
                 sch.started = Instant::now();
-                match self.model.begin_step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want) {
+                // This path submits a step over several calls: the masks are computed first.
+                let masks = guided(&self.running, &sch.sampling)
+                    .then(|| step_masks(&mut self.running, &sch.sampling, sch.rows.len(), self.model.config.vocab_size));
+                match self.model.begin_step_batch_masked(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, masks.as_deref()) {
                     Ok(p) => (sch, p, report),
                     Err(e) => {
                         return self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false, submitted: 0 })
@@ -631,6 +718,34 @@ impl Engine {
             }
         }
 
+        // Parallel samples fork their first sequence's pages once it has computed all but the
+        // prompt's last token (those without a free sequence slot try again next step).
+        let mut forked = Vec::new();
+        for s in self.running.iter_mut() {
+            if s.held.is_empty() || s.computed != s.compute_limit() {
+                continue;
+            }
+            let slot = s.slot.expect("running sequences hold a slot");
+            while let Some(mut f) = s.held.pop() {
+                match self.model.kv.alloc.fork(slot) {
+                    Ok(fs) => {
+                        f.slot = Some(fs);
+                        f.computed = s.computed;
+                        f.cached_prompt_tokens = s.computed;
+                        // The first sequence offers the prompt's pages to the prefix cache.
+                        f.prompt_registered = true;
+                        self.stats.prompt_tokens_cached += s.computed as u64;
+                        forked.push(f);
+                    }
+                    Err(_) => {
+                        s.held.push(f);
+                        break;
+                    }
+                }
+            }
+        }
+        self.running.extend(forked);
+
         // Running sequences first, oldest first: each decode token, or its next prompt chunk.
         let mut budget = self.options.step_tokens;
         // (index into running, tokens this step)
@@ -639,7 +754,7 @@ impl Engine {
         while idx < self.running.len() && budget > 0 {
             let (id, slot, need) = {
                 let s = &self.running[idx];
-                (s.id, s.slot.expect("running sequences hold a slot"), s.tokens.len() - s.computed)
+                (s.id, s.slot.expect("running sequences hold a slot"), s.compute_limit() - s.computed)
             };
             // A speculative sequence in decode carries its drafts (looked up now, or drafted
             // by the draft model before scheduling), as many as the step's budget leaves.
@@ -693,8 +808,8 @@ impl Engine {
             } else {
                 0
             };
-            let need = s.tokens.len() - cached;
-            let reserve = self.running.len();
+            let need = s.compute_limit() - cached;
+            let reserve = self.running.len() + s.held.len();
             let needed_pages = self.model.kv.alloc.pages_needed(slot, need).unwrap_or(usize::MAX);
             if needed_pages.saturating_add(reserve) > self.model.kv.alloc.free_pages() && !self.running.is_empty() {
                 // Wait for pages (attached prefix pages go back to the cache).
@@ -720,7 +835,11 @@ impl Engine {
             s.slot = Some(slot);
             self.stats.prompt_tokens_cached += cached as u64;
             report.admitted += 1;
-            plan.push((s.id, take));
+            if take > 0 {
+                // (None: a group's first sequence whose prompt came from the cache up to its
+                // fork point; the group forks at the next step.)
+                plan.push((s.id, take));
+            }
             budget -= take;
             self.running.push(s);
         }
@@ -878,6 +997,11 @@ impl Engine {
     fn emit(&mut self, i: usize, token: u32, now: Instant) -> bool {
         let context = self.model.kv.alloc.config.context;
         let s = &mut self.running[i];
+        if let Some(Err(e)) = s.guide.as_mut().map(|g| g.accept(token)) {
+            let s = self.running.remove(i);
+            self.fail(s, e.to_string());
+            return true;
+        }
         self.stats.output_tokens += 1;
         s.timings.tokens.push(now);
         s.out.push(token);
@@ -893,6 +1017,9 @@ impl Engine {
         let _ = s.tx.unbounded_send(Event::Token { id: token, text: piece.unwrap_or_default() });
         let reason = if let Some(f) = stop {
             Some(f)
+        } else if s.guide.as_ref().is_some_and(|g| g.is_finished()) {
+            // The grammar allows nothing more: the output is complete.
+            Some(FinishReason::Stop)
         } else if s.out.len() >= s.req.max_tokens {
             Some(FinishReason::Length)
         } else if s.tokens.len() + 1 > context {
@@ -909,4 +1036,29 @@ impl Engine {
             None => false,
         }
     }
+}
+
+/// Whether a scheduled step samples a row of a constrained sequence.
+fn guided(running: &[Seq], sampling: &[(u64, usize, Option<usize>, usize)]) -> bool {
+    sampling.iter().any(|&(id, _, row, _)| row.is_some() && running.iter().any(|s| s.id == id && s.guide.is_some()))
+}
+
+/// The step's allowed-token bitmasks, one row of `ceil(vocab / 32)` words per logit row: a
+/// constrained sequence's from its grammar, every other row all ones. A grammar that fails
+/// to give a mask leaves its row open; the sequence then fails on its token alone.
+fn step_masks(running: &mut [Seq], sampling: &[(u64, usize, Option<usize>, usize)], n_rows: usize, vocab: usize) -> Vec<u32> {
+    let words = Guide::words(vocab);
+    let mut masks = vec![u32::MAX; n_rows * words];
+    for &(id, _, row, n) in sampling {
+        let (Some(r), Some(s)) = (row, running.iter_mut().find(|s| s.id == id)) else { continue };
+        if let Some(g) = s.guide.as_mut() {
+            for k in r..r + n {
+                let out = &mut masks[k * words..(k + 1) * words];
+                if g.mask_into(out).is_err() {
+                    out.fill(u32::MAX);
+                }
+            }
+        }
+    }
+    masks
 }

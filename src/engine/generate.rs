@@ -3,10 +3,11 @@
 
 use web_time::Instant;
 
+use super::constraint::{Constraint, Guide};
 use super::metrics::RequestTimings;
 use super::sampler::{Sampler, SamplingParams};
 use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats, Speculation};
-use crate::model::llama::{GpuModel, Want};
+use crate::model::llama::{GpuModel, StepOutput, Want};
 use crate::model::tokenizer::Tokenizer;
 use crate::{LanternError, Result};
 
@@ -46,8 +47,29 @@ pub struct GenerateRequest {
     /// Strings that end generation; the text is cut before them.
     pub stop_strings: Vec<String>,
     /// Speculative decoding (off by default). Greedy output is the same with it or
-    /// without; sampled output follows the same distribution.
+    /// without; sampled output follows the same distribution. Off for constrained requests.
     pub speculation: Speculation,
+    /// Constrained decoding (none by default): every sampled token is one the grammar
+    /// allows (masked on the GPU before argmax / top-k), a stop id only where it accepts,
+    /// and the sequence ends when the grammar is finished. A constraint that does not
+    /// compile refuses the request (`LanternError::Constraint`).
+    pub constraint: Option<Constraint>,
+}
+
+impl Default for GenerateRequest {
+    /// No prompt, 128 new tokens, greedy, no stop ids or strings, no speculation or
+    /// constraint.
+    fn default() -> Self {
+        GenerateRequest {
+            prompt_ids: Vec::new(),
+            max_tokens: 128,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            speculation: Speculation::default(),
+            constraint: None,
+        }
+    }
 }
 
 /// The outcome of a request.
@@ -105,6 +127,16 @@ pub async fn generate_with(
     if req.prompt_ids.len() >= context {
         return Err(LanternError::PromptTooLong { prompt_tokens: req.prompt_ids.len(), max_new: req.max_tokens, context });
     }
+    // Constrained requests decode without speculation (their drafts are not checked
+    // against the grammar).
+    let unspeculated;
+    let req = if req.constraint.is_some() && req.speculation.enabled() {
+        unspeculated = GenerateRequest { speculation: Speculation::default(), ..req.clone() };
+        &unspeculated
+    } else {
+        req
+    };
+    let guide = super::constraint::guide_for(tokenizer, req.constraint.as_ref(), model.config.vocab_size, &req.stop_ids)?;
     if req.speculation.enabled() && req.speculation.drafter == Drafter::Model && draft.is_none() {
         return Err(LanternError::InvalidRequest("speculation with a draft model needs the draft model loaded (--draft)".into()));
     }
@@ -122,7 +154,7 @@ pub async fn generate_with(
         }
     };
     let drafting = draft_seq.and_then(|ds| draft.map(|d| (d, ds)));
-    let (r, drafting) = admit_and_run(model, drafting, tokenizer, req, seq, arrival, &mut on_text).await;
+    let (r, drafting) = admit_and_run(model, drafting, tokenizer, req, guide, seq, arrival, &mut on_text).await;
     model.release_sequence(seq);
     if let Some((d, ds)) = drafting {
         d.release_sequence(ds);
@@ -136,11 +168,13 @@ type Drafting<'a> = Option<(&'a mut GpuModel, usize)>;
 /// Take the cached prefix of the prompt, refuse the request up front (with what it needs
 /// and what is free) when its KV cannot fit, run it, and offer its prompt pages to the
 /// prefix cache.
+#[allow(clippy::too_many_arguments)]
 async fn admit_and_run<'a>(
     model: &mut GpuModel,
     mut drafting: Drafting<'a>,
     tokenizer: &Tokenizer,
     req: &GenerateRequest,
+    guide: Option<Guide>,
     seq: usize,
     arrival: Instant,
     on_text: &mut impl FnMut(&str) -> bool,
@@ -159,7 +193,7 @@ async fn admit_and_run<'a>(
     if let Err(e) = model.check_fits(seq, most - cached) {
         return (Err(LanternError::Kv(e)), drafting);
     }
-    let r = run(model, &mut drafting, tokenizer, req, seq, cached, arrival, on_text).await;
+    let r = run(model, &mut drafting, tokenizer, req, guide, seq, cached, arrival, on_text).await;
     (
         r.map(|mut g| {
             g.cached_prompt_tokens = cached;
@@ -182,12 +216,13 @@ async fn next_tokens(
     sampler: &mut Sampler,
     want: Want,
     spec: &mut Option<(DraftLength, SpecStats)>,
+    guide: &mut Option<Guide>,
 ) -> Result<Vec<u32>> {
     let context = model.kv.alloc.config.context;
     let last = *history.last().expect("a sampled token");
     let Some((len_ctl, stats)) = spec.as_mut() else {
         let t0 = Instant::now();
-        let out = model.forward(seq, &[last], want).await?;
+        let out = forward_guided(model, seq, &[last], want, guide).await?;
         model.record_step_ms(1, t0.elapsed().as_secs_f64() * 1e3);
         return Ok(vec![sampler.sample_step(&out, 0, model.config.vocab_size)]);
     };
@@ -251,12 +286,22 @@ async fn next_tokens(
     Ok(verdict.tokens)
 }
 
+/// A forward step whose sampled row is masked by `guide`'s allowed tokens (computed while
+/// the GPU runs the step's layers), or a plain one without a guide.
+async fn forward_guided(model: &mut GpuModel, seq: usize, tokens: &[u32], want: Want, guide: &mut Option<Guide>) -> Result<StepOutput> {
+    match guide.as_mut() {
+        Some(g) => model.forward_masked(seq, tokens, want, Some(&mut || g.mask())).await,
+        None => model.forward(seq, tokens, want).await,
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn run(
     model: &mut GpuModel,
     drafting: &mut Drafting<'_>,
     tokenizer: &Tokenizer,
     req: &GenerateRequest,
+    mut guide: Option<Guide>,
     seq: usize,
     cached: usize,
     arrival: Instant,
@@ -288,7 +333,7 @@ async fn run(
             speculative: spec.map(|s| s.1),
         });
     }
-    let out = model.forward(seq, &req.prompt_ids[cached..], want).await?;
+    let out = forward_guided(model, seq, &req.prompt_ids[cached..], want, &mut guide).await?;
     if model.options.prefix_cache {
         model.cache_prefix(seq, &req.prompt_ids)?;
     }
@@ -296,10 +341,15 @@ async fn run(
     'gen: loop {
         let now = Instant::now();
         for token in batch {
+            if let Some(g) = guide.as_mut() {
+                g.accept(token)?;
+            }
             timings.tokens.push(now);
             out_ids.push(token);
             history.push(token);
             let (piece, stop) = stream.push(tokenizer, token, &req.stop_ids, &req.stop_strings)?;
+            // A finished grammar ends the sequence (its text is complete).
+            let stop = stop.or_else(|| guide.as_ref().filter(|g| g.is_finished()).map(|_| FinishReason::Stop));
             if let Some(p) = piece {
                 if !on_text(&p) {
                     finish = FinishReason::Cancelled;
@@ -319,7 +369,7 @@ async fn run(
                 break 'gen;
             }
         }
-        batch = next_tokens(model, drafting, req, seq, &history, out_ids.len(), &mut sampler, want, &mut spec).await?;
+        batch = next_tokens(model, drafting, req, seq, &history, out_ids.len(), &mut sampler, want, &mut spec, &mut guide).await?;
     }
     if let Some(rest) = stream.finish(tokenizer, finish)? {
         on_text(&rest);

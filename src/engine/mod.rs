@@ -1,7 +1,8 @@
-//! Requests and generation: sampling, the generation loop with streaming and stop
-//! conditions, and serving metrics (TTFT, ITL, TPOT, E2E).
+//! Requests and generation: sampling, constrained decoding, the generation loop with
+//! streaming and stop conditions, and serving metrics (TTFT, ITL, TPOT, E2E).
 
 pub mod batch;
+pub mod constraint;
 pub mod generate;
 pub mod metrics;
 pub mod sampler;
@@ -10,6 +11,7 @@ pub mod speculative;
 pub mod worker;
 
 pub use batch::{Engine, EngineOptions, Event, FrameBudget, FrameReport, RequestHandle};
+pub use constraint::{Constraint, Guide};
 pub use generate::{FinishReason, GenerateRequest, Generation};
 pub use metrics::RequestTimings;
 pub use sampler::{Sampler, SamplingParams};

@@ -14,7 +14,7 @@ use crate::kv::PrefixStats;
 use crate::{LanternError, Result};
 
 enum Cmd {
-    Submit(Box<GenerateRequest>, Sender<Result<RequestHandle>>),
+    Submit(Box<GenerateRequest>, usize, Sender<Result<Vec<RequestHandle>>>),
     Shutdown,
 }
 
@@ -60,8 +60,14 @@ pub struct EngineClient {
 impl EngineClient {
     /// Queue a request; the engine's refusals (`Engine::submit`) come back as errors.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle> {
+        let mut h = self.submit_n(req, 1)?;
+        h.pop().ok_or(LanternError::EngineStopped)
+    }
+
+    /// Queue `n` samples of one prompt sharing its KV pages ([`Engine::submit_n`]).
+    pub fn submit_n(&self, req: GenerateRequest, n: usize) -> Result<Vec<RequestHandle>> {
         let (tx, rx) = channel();
-        self.tx.send(Cmd::Submit(Box::new(req), tx)).map_err(|_| LanternError::EngineStopped)?;
+        self.tx.send(Cmd::Submit(Box::new(req), n, tx)).map_err(|_| LanternError::EngineStopped)?;
         rx.recv().map_err(|_| LanternError::EngineStopped)?
     }
 
@@ -122,8 +128,8 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, snap: Arc<Mutex<Snapshot>>) -> Eng
         };
         for cmd in first.into_iter().chain(rx.try_iter()) {
             match cmd {
-                Cmd::Submit(req, reply) => {
-                    let _ = reply.send(engine.submit(*req));
+                Cmd::Submit(req, n, reply) => {
+                    let _ = reply.send(engine.submit_n(*req, n));
                 }
                 Cmd::Shutdown => return engine,
             }

@@ -27,6 +27,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention_reduce.wgsl", include_str!("../../shaders/attention_reduce.wgsl")),
     ("argmax.wgsl", include_str!("../../shaders/argmax.wgsl")),
     ("topk.wgsl", include_str!("../../shaders/topk.wgsl")),
+    ("logit_mask.wgsl", include_str!("../../shaders/logit_mask.wgsl")),
 ];
 
 /// Look up an embedded shader file.
@@ -63,6 +64,8 @@ pub enum ShaderOp {
     Argmax,
     /// Sampling support: the best K (id, logit) pairs of logits rows.
     TopK,
+    /// Constrained decoding: disallowed tokens' logits set to -inf from a bitmask per row.
+    LogitMask,
 }
 
 impl ShaderOp {
@@ -81,6 +84,7 @@ impl ShaderOp {
             ShaderOp::AttentionReduce => "attention_reduce.wgsl",
             ShaderOp::Argmax => "argmax.wgsl",
             ShaderOp::TopK => "topk.wgsl",
+            ShaderOp::LogitMask => "logit_mask.wgsl",
         }
     }
 
@@ -415,6 +419,7 @@ impl PipelineKey {
         v.push(PipelineKey::new(ShaderOp::AttentionReduce, 64));
         v.push(PipelineKey::new(ShaderOp::Argmax, 256));
         v.push(PipelineKey::new(ShaderOp::TopK, 64));
+        v.push(PipelineKey::new(ShaderOp::LogitMask, crate::kernels::logit_mask::WORKGROUP));
         let combos = [NORM | BIAS, 0, RESIDUAL, NORM | GATED, NORM | GATED | GELU, NORM | GATHER, NORM, BIAS];
         for w in [WeightFormat::F32, WeightFormat::F16] {
             for &c in &combos {

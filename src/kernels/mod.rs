@@ -6,6 +6,7 @@ pub mod argmax;
 pub mod attention;
 pub mod embedding;
 pub mod linear;
+pub mod logit_mask;
 pub mod rmsnorm;
 pub mod rope_kv;
 pub mod topk;
@@ -147,5 +148,6 @@ pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
         O::AttentionReduce => attention::REDUCE_UNIFORM_BYTES,
         O::Argmax => std::mem::size_of::<argmax::ArgmaxParams>(),
         O::TopK => topk::UNIFORM_BYTES,
+        O::LogitMask => std::mem::size_of::<logit_mask::LogitMaskParams>(),
     }
 }

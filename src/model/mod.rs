@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod gguf;
+pub mod guidance;
 pub mod hf;
 pub mod llama;
 pub mod load;

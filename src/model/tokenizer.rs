@@ -7,6 +7,7 @@
 //! llama.cpp's `llama-vocab.cpp` (pre-tokenizer regexes chosen by `tokenizer.ggml.pre`).
 
 use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
 
 use serde::Serialize;
 use serde_json::{json, Value as Json};
@@ -73,6 +74,9 @@ pub struct Tokenizer {
     eos_token: Option<String>,
     add_bos: bool,
     chat_template: Option<String>,
+    /// The llguidance grammar compiler over this vocabulary, built on first use and shared
+    /// by clones ([`Tokenizer::guidance`]).
+    guidance: Arc<OnceLock<Result<Arc<llguidance::ParserFactory>, String>>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -288,6 +292,7 @@ impl Tokenizer {
             eos_token: eos_id.map(|i| tokens[i as usize].clone()),
             add_bos: false,
             chat_template: gguf.get_str_opt("tokenizer.chat_template")?.map(str::to_string),
+            guidance: Default::default(),
         };
         tok.add_bos = tok.detect_add_bos();
         Ok(tok)
@@ -333,6 +338,7 @@ impl Tokenizer {
             eos_token,
             add_bos: false,
             chat_template,
+            guidance: Default::default(),
         };
         let detected = tok.detect_add_bos();
         // Like transformers' LlamaTokenizerFast: an explicit add_bos_token rewrites the
@@ -459,6 +465,16 @@ impl Tokenizer {
     /// The wrapped `tokenizers` tokenizer.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
+    }
+
+    /// The llguidance grammar compiler over this vocabulary (token bytes, trie, token
+    /// slices: [`super::guidance`]), built on the first call and cached, clones included;
+    /// constrained decoding compiles each request's grammar with it.
+    pub fn guidance(&self) -> Result<Arc<llguidance::ParserFactory>, TokenizerError> {
+        self.guidance
+            .get_or_init(|| super::guidance::build_factory(self).map_err(|e| e.to_string()))
+            .clone()
+            .map_err(|reason| TokenizerError::InvalidVocab { source_name: self.source_name.clone(), reason })
     }
 }
 

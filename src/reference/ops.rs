@@ -240,3 +240,17 @@ pub fn argmax(row: &[f32]) -> u32 {
     }
     best as u32
 }
+
+/// Constrained decoding's mask (`shaders/logit_mask.wgsl`): every logit of `logits`
+/// (`rows x n`) whose bit in its row's `words(n)`-word bitmask (`mask`, bit `i % 32` of word
+/// `i / 32`) is clear becomes -inf, in place.
+pub fn logit_mask(logits: &mut [f32], mask: &[u32], n: usize) {
+    let words = n.div_ceil(32);
+    for (r, row) in logits.chunks_mut(n).enumerate() {
+        for (i, v) in row.iter_mut().enumerate() {
+            if mask[r * words + i / 32] & (1 << (i % 32)) == 0 {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    }
+}

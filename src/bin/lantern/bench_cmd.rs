@@ -93,6 +93,14 @@ pub struct BenchArgs {
     /// With --draft or --lookup: also run each of these fixed draft lengths.
     #[arg(long, value_delimiter = ',')]
     pub k_sweep: Vec<usize>,
+    /// Constrained decoding's cost per token: the same prompt greedily, plain and constrained
+    /// to the JSON schema in this file (`--output-len` tokens at most, `--requests` runs of
+    /// each, at most 8; `--prompt` replaces the prompt).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
+    /// `--json-schema` with a built-in schema (objects, an enum, an array, bounded integers).
+    #[arg(long)]
+    pub constrained: bool,
     #[command(flatten)]
     pub spec: super::spec_args::SpecArgs,
     #[command(flatten)]
@@ -100,7 +108,7 @@ pub struct BenchArgs {
 }
 
 /// "N" or "A..B".
-fn parse_len(s: &str, what: &str) -> Result<(usize, usize)> {
+pub(crate) fn parse_len(s: &str, what: &str) -> Result<(usize, usize)> {
     let p = |x: &str| x.trim().parse::<usize>().with_context(|| format!("{what} {s:?}: expected N or A..B"));
     let (a, b) = match s.split_once("..") {
         Some((a, b)) => (p(a)?, p(b.trim_start_matches('='))?),
@@ -150,6 +158,7 @@ fn workload(a: &BenchArgs, vocab: usize, seed: u64) -> Result<Vec<Planned>> {
                 stop_ids: vec![],
                 stop_strings: vec![],
                 speculation: Default::default(),
+                constraint: None,
             },
             at: t,
         });
@@ -262,6 +271,9 @@ fn print_summary(s: &WorkloadSummary, label: &str) {
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.spec.draft.is_some() || a.spec.lookup {
         return super::spec_bench::run(&a);
+    }
+    if a.json_schema.is_some() || a.constrained {
+        return super::constrained_bench::run(&a);
     }
     if a.requests == 0 {
         bail!("--requests must be at least 1");

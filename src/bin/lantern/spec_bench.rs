@@ -73,6 +73,7 @@ fn generate_once(
         stop_ids: vec![],
         stop_strings: vec![],
         speculation,
+        constraint: None,
     };
     Ok(pollster::block_on(generate_with(target, draft, tokenizer, &req, |_| true))?)
 }

@@ -32,6 +32,8 @@ pub(super) struct Workspace {
     pub argmax: wgpu::Buffer,
     /// GPU top-k pairs of the logit rows (`2 TOPK_MAX` words per row).
     pub topk: wgpu::Buffer,
+    /// Constrained decoding: the allowed-token bitmask of each logit row (`r x ceil(vocab / 32)`).
+    pub token_mask: wgpu::Buffer,
     pub rope: wgpu::Buffer,
     /// The sliding layers' cos/sin table when their RoPE base differs (Gemma 3).
     pub rope_local: Option<wgpu::Buffer>,
@@ -53,6 +55,8 @@ pub(super) struct Plans {
     pub head_all: Vec<Dispatch>,
     pub argmax: Dispatch,
     pub topk: Dispatch,
+    /// Constrained decoding's mask over the logit rows (before argmax / top-k / readback).
+    pub logit_mask: Dispatch,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -101,6 +105,7 @@ impl Workspace {
             logits: create_zeroed(ctx, "logits", (r * c.vocab_size * 4) as u64).map_err(gpu_err)?,
             argmax: create_zeroed(ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
             topk: create_zeroed(ctx, "topk", (r * 2 * kernels::topk::TOPK_MAX * 4) as u64).map_err(gpu_err)?,
+            token_mask: create_zeroed(ctx, "token_mask", (r * kernels::logit_mask::words(c.vocab_size) * 4) as u64).map_err(gpu_err)?,
             rope: create_storage(
                 ctx,
                 "rope",
@@ -140,6 +145,7 @@ impl Workspace {
             &self.logits,
             &self.argmax,
             &self.topk,
+            &self.token_mask,
             &self.rope,
             &self.partials,
         ]
@@ -222,6 +228,7 @@ pub(super) async fn build_plans(
     .map_err(gpu_err)?;
     let argmax = kernels::argmax::build(ctx, &ws.step, &ws.logits, &ws.argmax, c.vocab_size).await.map_err(gpu_err)?;
     let topk = kernels::topk::build(ctx, &ws.step, &ws.logits, &ws.topk, c.vocab_size, kernels::topk::TOPK_MAX).await.map_err(gpu_err)?;
+    let logit_mask = kernels::logit_mask::build(ctx, &ws.step, &ws.token_mask, &ws.logits, c.vocab_size).await.map_err(gpu_err)?;
     let plans = Plans {
         embed,
         layers_matvec,
@@ -232,6 +239,7 @@ pub(super) async fn build_plans(
         head_all,
         argmax,
         topk,
+        logit_mask,
     };
     Ok((plans, batch_max_tokens))
 }

@@ -20,10 +20,19 @@ impl PendingStep {
     }
 }
 
+/// Constrained decoding: computes a step's allowed-token bitmasks, `n_out x
+/// kernels::logit_mask::words(vocab)` u32 (all ones for an unconstrained row). A masked step
+/// calls it after submitting the layers and the LM head, so the host computes the masks
+/// while the GPU runs them; the mask, argmax / top-k and readback follow in a second
+/// submission.
+pub type MaskFn<'a> = &'a mut dyn FnMut() -> Result<Vec<u32>>;
+
 /// A step started with [`GpuModel::begin_step_batch`] and driven by [`GpuModel::advance`].
 pub struct PendingStep {
     s: StepUniform,
     want: Want,
+    /// The step's logit rows are masked (the bitmasks were uploaded at its start).
+    masked: bool,
     /// Dispatches submitted so far.
     next: usize,
     submissions: usize,
@@ -111,11 +120,17 @@ impl GpuModel {
     /// Append `tokens` to sequence `seq`, running as many steps as the batch limit needs,
     /// and return the argmax (and logits, if asked) of the last token.
     pub async fn forward(&mut self, seq: usize, tokens: &[u32], want: Want) -> Result<StepOutput> {
+        self.forward_masked(seq, tokens, want, None).await
+    }
+
+    /// [`Self::forward`] with the last token's logits masked on the GPU by the bitmask `mask`
+    /// returns (constrained decoding; called while the GPU runs the last step's layers).
+    pub async fn forward_masked(&mut self, seq: usize, tokens: &[u32], want: Want, mask: Option<MaskFn<'_>>) -> Result<StepOutput> {
         if tokens.is_empty() {
             return Err(LanternError::InvalidRequest("forward called with no tokens".into()));
         }
         let chunk = self.options.max_batch_tokens.max(1);
-        let mut outs = self.run_chunks(seq, tokens, chunk, want, false).await?;
+        let mut outs = self.run_chunks(seq, tokens, chunk, want, false, mask).await?;
         Ok(outs.pop().unwrap_or_default())
     }
 
@@ -135,7 +150,7 @@ impl GpuModel {
         self.check_ids(tokens)?;
         let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
         let rows: Vec<u32> = (0..tokens.len() as u32).collect();
-        match self.step(seq, tokens, start, &rows, want, false).await {
+        match self.step(seq, tokens, start, &rows, want, false, None).await {
             Ok(o) => Ok(o),
             Err(e) => {
                 let _ = self.kv.alloc.truncate(seq, start);
@@ -157,7 +172,7 @@ impl GpuModel {
             return Ok(Vec::new());
         }
         let chunk = self.logit_rows;
-        let outs = self.run_chunks(seq, tokens, chunk, Want::Logits, true).await?;
+        let outs = self.run_chunks(seq, tokens, chunk, Want::Logits, true, None).await?;
         Ok(outs.into_iter().flat_map(|o| o.logits.unwrap_or_default()).collect())
     }
 
@@ -165,7 +180,15 @@ impl GpuModel {
     /// step returns all its rows' outputs, else only the last step returns its last row.
     /// Pages are reserved up front (a full cache is reported before any work) and released
     /// again if a step fails, so the sequence is left as it was.
-    async fn run_chunks(&mut self, seq: usize, tokens: &[u32], chunk: usize, want: Want, every_row: bool) -> Result<Vec<StepOutput>> {
+    async fn run_chunks(
+        &mut self,
+        seq: usize,
+        tokens: &[u32],
+        chunk: usize,
+        want: Want,
+        every_row: bool,
+        mut mask: Option<MaskFn<'_>>,
+    ) -> Result<Vec<StepOutput>> {
         self.check_ids(tokens)?;
         let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
         let n_chunks = tokens.len().div_ceil(chunk);
@@ -178,7 +201,9 @@ impl GpuModel {
             } else {
                 vec![]
             };
-            match self.step(seq, part, start + ci * chunk, &rows, want, every_row).await {
+            // Only the last chunk samples: it alone is masked.
+            let m = if ci + 1 == n_chunks { mask.take() } else { None };
+            match self.step(seq, part, start + ci * chunk, &rows, want, every_row, m).await {
                 Ok(o) => {
                     if !rows.is_empty() {
                         outs.push(o);
@@ -251,9 +276,19 @@ impl GpuModel {
 
     /// One step: `part` tokens of `seq` at positions `pos0..`, logits for `rows` (indices
     /// into `part`). Pages must already be reserved.
-    async fn step(&mut self, seq: usize, part: &[u32], pos0: usize, rows: &[u32], want: Want, all_rows: bool) -> Result<StepOutput> {
+    #[allow(clippy::too_many_arguments)]
+    async fn step(
+        &mut self,
+        seq: usize,
+        part: &[u32],
+        pos0: usize,
+        rows: &[u32],
+        want: Want,
+        all_rows: bool,
+        mask: Option<MaskFn<'_>>,
+    ) -> Result<StepOutput> {
         let s = self.write_step_inputs(seq, part, pos0, rows);
-        self.run_step(s, want, all_rows).await
+        self.run_step(s, want, all_rows, mask).await
     }
 
     /// One step over tokens of several sequences (continuous batching): `ids[i]` at
@@ -288,15 +323,29 @@ impl GpuModel {
     }
 
     pub async fn step_batch(&mut self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32], want: Want) -> Result<StepOutput> {
-        self.validate_batch(ids, positions, seqs, rows)?;
-        let s = self.write_batch_inputs(ids, positions, seqs, rows);
-        self.run_step(s, want, false).await
+        self.step_batch_masked(ids, positions, seqs, rows, want, None).await
     }
 
-    async fn run_step(&mut self, s: StepUniform, want: Want, all_rows: bool) -> Result<StepOutput> {
+    /// [`Self::step_batch`] with the logit rows masked on the GPU by the bitmasks `mask`
+    /// returns (one per row, in `rows` order; called while the GPU runs the layers).
+    pub async fn step_batch_masked(
+        &mut self,
+        ids: &[u32],
+        positions: &[u32],
+        seqs: &[u32],
+        rows: &[u32],
+        want: Want,
+        mask: Option<MaskFn<'_>>,
+    ) -> Result<StepOutput> {
+        self.validate_batch(ids, positions, seqs, rows)?;
+        let s = self.write_batch_inputs(ids, positions, seqs, rows);
+        self.run_step(s, want, false, mask).await
+    }
+
+    async fn run_step(&mut self, s: StepUniform, want: Want, all_rows: bool, mask: Option<MaskFn<'_>>) -> Result<StepOutput> {
         let ctx = self.ctx.clone();
         ctx.check_lost().map_err(LanternError::Gpu)?;
-        let r = self.run_step_inner(s, want, all_rows).await;
+        let r = self.run_step_inner(s, want, all_rows, mask).await;
         // Whatever failed on a lost device, the loss is the error to report.
         match (r, ctx.check_lost()) {
             (Err(_), Err(lost)) => Err(LanternError::Gpu(lost)),
@@ -304,8 +353,9 @@ impl GpuModel {
         }
     }
 
-    /// The dispatches of a step, in order.
-    fn step_dispatches(&self, s: &StepUniform, want: Want, all_rows: bool) -> Vec<&Dispatch> {
+    /// The dispatches of a step, in order; with `masked`, the logit mask runs between the LM
+    /// head and the argmax.
+    fn step_dispatches(&self, s: &StepUniform, want: Want, all_rows: bool, masked: bool) -> Vec<&Dispatch> {
         let mut v: Vec<&Dispatch> = self.plans.embed.iter().chain(self.layer_plan_for(s.n_tokens as usize)).collect();
         if s.n_out > 0 {
             let head = if all_rows {
@@ -316,6 +366,9 @@ impl GpuModel {
                 &self.plans.head_gather
             };
             v.extend(head.iter());
+            if masked {
+                v.push(&self.plans.logit_mask);
+            }
             v.push(&self.plans.argmax);
             if want == Want::TopK {
                 v.push(&self.plans.topk);
@@ -359,17 +412,56 @@ impl GpuModel {
         }
     }
 
-    async fn run_step_inner(&mut self, s: StepUniform, want: Want, all_rows: bool) -> Result<StepOutput> {
+    /// Check a step's bitmasks (one row of `words(vocab)` per logit row) and upload them.
+    fn upload_mask(&self, mask: &[u32], n_out: u32) -> Result<()> {
+        let want = n_out as usize * kernels::logit_mask::words(self.config.vocab_size);
+        if mask.len() != want {
+            return Err(LanternError::InvalidRequest(format!(
+                "token mask of {} words for {n_out} logit rows of {} tokens (want {want})",
+                mask.len(),
+                self.config.vocab_size
+            )));
+        }
+        self.ctx.queue.write_buffer(&self.ws.token_mask, 0, bytemuck::cast_slice(mask));
+        Ok(())
+    }
+
+    async fn run_step_inner(&mut self, s: StepUniform, want: Want, all_rows: bool, mask: Option<MaskFn<'_>>) -> Result<StepOutput> {
         let ctx = self.ctx.clone();
+        let mut mask = mask.filter(|_| s.n_out > 0);
         let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
         self.encode_pending_copies(&mut enc);
+        let dispatches = self.step_dispatches(&s, want, all_rows, mask.is_some());
+        // Masked: the layers and the LM head go first, and the host computes the masks while
+        // the GPU runs them; the mask, argmax / top-k and readback follow.
+        let split = if mask.is_some() { dispatches.len() - 2 - usize::from(want == Want::TopK) } else { dispatches.len() };
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("forward"), timestamp_writes: None });
-            for d in self.step_dispatches(&s, want, all_rows) {
+            for d in &dispatches[..split] {
                 d.encode(&mut pass, &s);
             }
         }
+        if let Some(f) = mask.as_mut() {
+            ctx.queue.submit([enc.finish()]);
+            let words = match f() {
+                Ok(w) => w,
+                Err(e) => {
+                    let _ = scope.pop().await;
+                    return Err(e);
+                }
+            };
+            if let Err(e) = self.upload_mask(&words, s.n_out) {
+                let _ = scope.pop().await;
+                return Err(e);
+            }
+            enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step tail") });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("mask and sample"), timestamp_writes: None });
+            for d in &dispatches[split..] {
+                d.encode(&mut pass, &s);
+            }
+        }
+        drop(dispatches);
         let (src, bytes) = self.readback_source(s.n_out, want);
         if s.n_out > 0 {
             self.readback.copy_from(&mut enc, src, 0, bytes);
@@ -389,13 +481,35 @@ impl GpuModel {
     /// path): inputs are written and page copies submitted; [`Self::advance`] then submits
     /// its dispatches a few at a time and collects the result without ever waiting.
     pub fn begin_step_batch(&mut self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32], want: Want) -> Result<PendingStep> {
+        self.begin_step_batch_masked(ids, positions, seqs, rows, want, None)
+    }
+
+    /// [`Self::begin_step_batch`] with the logit rows masked by `mask` (one bitmask per row,
+    /// computed up front: this path submits a step across several calls, so the masks are
+    /// not overlapped with the GPU's work).
+    pub fn begin_step_batch_masked(
+        &mut self,
+        ids: &[u32],
+        positions: &[u32],
+        seqs: &[u32],
+        rows: &[u32],
+        want: Want,
+        mask: Option<&[u32]>,
+    ) -> Result<PendingStep> {
         self.ctx.check_lost().map_err(LanternError::Gpu)?;
         self.validate_batch(ids, positions, seqs, rows)?;
         let s = self.write_batch_inputs(ids, positions, seqs, rows);
+        let masked = match mask {
+            Some(m) if s.n_out > 0 => {
+                self.upload_mask(m, s.n_out)?;
+                true
+            }
+            _ => false,
+        };
         let mut enc = self.ctx.device.create_command_encoder(&Default::default());
         self.encode_pending_copies(&mut enc);
         self.ctx.queue.submit([enc.finish()]);
-        Ok(PendingStep { s, want, next: 0, mapping: None, submissions: 0 })
+        Ok(PendingStep { s, want, masked, next: 0, mapping: None, submissions: 0 })
     }
 
     /// Submit more of `p`'s dispatches until `deadline` or `max_dispatches` (at least one
@@ -406,7 +520,7 @@ impl GpuModel {
     pub async fn advance(&mut self, p: &mut PendingStep, deadline: web_time::Instant, max_dispatches: usize) -> Result<Option<StepOutput>> {
         let ctx = self.ctx.clone();
         ctx.check_lost().map_err(LanternError::Gpu)?;
-        let dispatches = self.step_dispatches(&p.s, p.want, false);
+        let dispatches = self.step_dispatches(&p.s, p.want, false, p.masked);
         let total = dispatches.len();
         let mut this_call = 0;
         let mut cost = self.submit_ms_per_dispatch;
