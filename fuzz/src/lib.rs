@@ -478,6 +478,82 @@ fn byte_level_char(b: u8) -> char {
 }
 
 // ---------------------------------------------------------------------------------------
+// openai_request: the OpenAI request parsing and validation of `lantern serve`.
+// ---------------------------------------------------------------------------------------
+
+/// `openai_request` target: the bytes as the body of a `/v1/chat/completions` and of a
+/// `/v1/completions` request, through [`lantern::openai::parse_request`] (JSON, the typed
+/// serde structs, validation against the served model: tokenizer, chat template with tools,
+/// vocabulary, context, KV pool, `response_format` grammars), then the engine request it
+/// makes. The served model is a tiny byte-level tokenizer with a ChatML template.
+pub fn openai_request(data: &[u8]) {
+    let _ = parse_openai(data);
+}
+
+/// What [`openai_request`] makes of a body: per endpoint (chat, completions), the error
+/// message or `Ok`.
+pub fn parse_openai(data: &[u8]) -> [Result<(), String>; 2] {
+    use lantern::openai::{parse_request, Endpoint};
+    SERVED.with(|model| {
+        [Endpoint::Chat, Endpoint::Completions].map(|endpoint| match parse_request(model, endpoint, data) {
+            Ok(v) => {
+                let _ = v.request(model, 7);
+                Ok(())
+            }
+            Err(e) => Err(format!("{e:?}")),
+        })
+    })
+}
+
+thread_local! {
+    static SERVED: lantern::openai::ServedModel = served_model();
+}
+
+/// ChatML with tools, as Qwen's and SmolLM2's templates render them (shortened).
+const SERVED_TEMPLATE: &str = "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}\
+{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% endif %}\
+{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}\
+{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// The model `openai_request` validates against: 256 byte-level tokens, a few merges,
+/// ChatML specials, 4096 tokens of context in 64 pages of 16.
+fn served_model() -> lantern::openai::ServedModel {
+    let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_level_char(b).to_string()).collect();
+    let merges: Vec<String> = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "{ \""].iter().map(|m| m.to_string()).collect();
+    tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
+    let specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"];
+    tokens.extend(specials.iter().map(|t| t.to_string()));
+    let n = tokens.len();
+    let types = (0..n).map(|i| if i + specials.len() >= n { 3 } else { 1 }).collect();
+    let kv = vec![
+        ("tokenizer.ggml.model".to_string(), Meta::Str("gpt2".into())),
+        ("tokenizer.ggml.pre".to_string(), Meta::Str("qwen2".into())),
+        ("tokenizer.ggml.tokens".to_string(), Meta::StrArray(tokens)),
+        ("tokenizer.ggml.token_type".to_string(), Meta::I32Array(types)),
+        ("tokenizer.ggml.merges".to_string(), Meta::StrArray(merges)),
+        ("tokenizer.ggml.eos_token_id".to_string(), Meta::U32(n as u32 - 2)),
+        ("tokenizer.chat_template".to_string(), Meta::Str(SERVED_TEMPLATE.into())),
+    ];
+    let bytes = gguf_bytes(&kv);
+    let g = GgufFile::parse(&bytes, "served.gguf").expect("served GGUF parses");
+    let tokenizer = Tokenizer::from_gguf(&g).expect("served tokenizer builds");
+    let template = tokenizer.chat_template().map_err(|e| e.to_string());
+    lantern::openai::ServedModel {
+        vocab: tokenizer.vocab_size(),
+        stop_ids: vec![n as u32 - 2, n as u32 - 1],
+        tokenizer: std::sync::Arc::new(tokenizer),
+        template,
+        context: 4096,
+        kv_pages_total: 64,
+        page_size: 16,
+        model_id: "tiny".into(),
+        aliases: vec!["models/tiny.gguf".into()],
+        speculation: Default::default(),
+        max_seqs: 4,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // A minimal GGUF writer (metadata only) for the recipes and the tiny configs.
 // ---------------------------------------------------------------------------------------
 
