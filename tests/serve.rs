@@ -1082,3 +1082,75 @@ fn sigterm_ends_every_stream_and_exits_zero() {
     let (free, total) = pages.split_once(" of ").unwrap_or_else(|| panic!("no page count in the log:\n{log}"));
     assert_eq!(free, total, "every KV page is free when the server stops:\n{log}");
 }
+
+/// `response_format` (json_schema, greedy and sampled; json_object) and `n` > 1: every
+/// choice parses and fits the schema, and `n` choices come back with the prompt counted once.
+#[test]
+fn structured_output_and_parallel_choices() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 1, "maximum": 99},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+            "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"], "additionalProperties": false},
+        },
+        "required": ["name", "age", "tags", "address"],
+        "additionalProperties": false,
+    });
+    let validator = jsonschema::validator_for(&schema).expect("a valid schema");
+    let format = json!({"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": true}});
+    for (temperature, n) in [(0.0, 1), (1.0, 2)] {
+        let body = json!({
+            "model": MODEL_ID,
+            "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+            "max_tokens": 120,
+            "temperature": temperature,
+            "seed": 5,
+            "n": n,
+            "response_format": format,
+        });
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        let choices = v["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), n);
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], i);
+            assert_eq!(c["finish_reason"], "stop", "{c}");
+            let text = c["message"]["content"].as_str().unwrap();
+            let out: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+            assert!(validator.is_valid(&out), "does not fit the schema: {text}");
+        }
+        let completion: u64 = v["usage"]["completion_tokens"].as_u64().unwrap();
+        assert_eq!(v["usage"]["total_tokens"].as_u64().unwrap(), v["usage"]["prompt_tokens"].as_u64().unwrap() + completion);
+    }
+    // json_object on completions, streamed: the concatenated text is one JSON object.
+    let body = json!({"model": MODEL_ID, "prompt": "A JSON object describing a cat:", "max_tokens": 80, "temperature": 0, "stream": true,
+        "response_format": {"type": "json_object"}});
+    let r = server.post("/v1/completions", &body);
+    assert_eq!(r.status, 200);
+    let ev = r.events();
+    let text: String = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert!(serde_json::from_str::<Value>(&text).is_ok_and(|v| v.is_object()), "{text}");
+    // Greedy n = 3: three equal choices; bad formats are refused naming the field.
+    let r = server.post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 4, "temperature": 0, "n": 3}));
+    let v = r.json();
+    let texts: Vec<&str> = v["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(texts.len(), 3);
+    assert!(texts.iter().all(|t| *t == texts[0]), "{texts:?}");
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    for bad in [json!({"type": "yaml"}), json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})] {
+        let r = server.post(
+            "/v1/chat/completions",
+            &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "response_format": bad}),
+        );
+        assert_eq!((r.status, error_of(&r)["param"].clone()), (400, json!("response_format")), "{}", r.text());
+    }
+    server.wait_idle(Duration::from_secs(10));
+}
