@@ -1154,3 +1154,22 @@ fn structured_output_and_parallel_choices() {
     }
     server.wait_idle(Duration::from_secs(10));
 }
+
+/// The official `openai` Python client (PyPI; scripts/test.sh installs it into target/pyenv
+/// and points LANTERN_PYTHON at it) drives the server unchanged: tests/clients/openai_client.py.
+#[test]
+fn official_openai_python_client() {
+    let _s = serial();
+    let python = std::env::var("LANTERN_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python).args(["-c", "import openai"]).output();
+    assert!(
+        probe.as_ref().is_ok_and(|o| o.status.success()),
+        "{python} cannot import openai: run scripts/test.sh (it installs the client into target/pyenv) or set LANTERN_PYTHON"
+    );
+    let server = Server::start(&[]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_client.py");
+    let out = Command::new(&python).arg(script).arg(format!("http://{}/v1", server.addr)).arg(MODEL_ID).output().expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the openai client failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    eprintln!("{stdout}");
+}
