@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{Constraint, Drafter, FinishReason, GenerateRequest, Generation, SamplingParams, SpecStats, Speculation};
+use crate::engine::{Constraint, Drafter, FinishReason, GenerateRequest, Generation, SamplingParams, SpecStats, Speculation, TokenLogprob};
 use crate::model::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 /// Stop strings per request at most.
@@ -243,11 +243,30 @@ pub struct ServedModel {
     pub speculation: Speculation,
     /// Sequences the engine runs at once: the most choices (`n`) one request may ask for.
     pub max_seqs: usize,
+    /// Every token's bytes, for logprobs (built on first use).
+    pub token_bytes: std::sync::OnceLock<std::sync::Arc<Vec<Vec<u8>>>>,
 }
 
 impl ServedModel {
     pub fn knows_model(&self, m: &str) -> bool {
         m == self.model_id || self.aliases.iter().any(|a| a == m)
+    }
+
+    /// Every token's bytes (special tokens as their text).
+    pub fn token_bytes(&self) -> std::sync::Arc<Vec<Vec<u8>>> {
+        self.token_bytes
+            .get_or_init(|| {
+                let mut words = crate::model::guidance::token_bytes(&self.tokenizer).unwrap_or_else(|_| {
+                    (0..self.vocab as u32).map(|id| self.tokenizer.decode(&[id]).unwrap_or_default().into_bytes()).collect()
+                });
+                for w in &mut words {
+                    if w.first() == Some(&toktrie::TokTrie::SPECIAL_TOKEN_MARKER) {
+                        w.remove(0);
+                    }
+                }
+                std::sync::Arc::new(words)
+            })
+            .clone()
     }
 
     /// Longest sequence (prompt + completion) one request may reach: the context, or the
@@ -274,6 +293,8 @@ pub struct Validated {
     pub n: usize,
     /// The output's grammar (`response_format`).
     pub constraint: Option<Constraint>,
+    /// Log-probabilities with this many alternatives per token (`logprobs`, `top_logprobs`).
+    pub logprobs: Option<usize>,
 }
 
 impl Validated {
@@ -287,6 +308,7 @@ impl Validated {
             stop_strings: self.stop.clone(),
             speculation: self.speculation,
             constraint: self.constraint.clone(),
+            logprobs: self.logprobs,
         }
     }
 }
@@ -355,10 +377,26 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
     if req.echo == Some(true) {
         return Err(ApiError::unsupported("echo", "echo"));
     }
-    match req.logprobs {
-        None | Some(Logprobs::Flag(false)) | Some(Logprobs::Count(0)) => {}
-        Some(_) => return Err(ApiError::unsupported("logprobs", "logprobs")),
-    }
+    let max_lp = crate::engine::batch::MAX_LOGPROBS as u64;
+    let logprobs = match (endpoint, req.logprobs, req.top_logprobs) {
+        (_, None | Some(Logprobs::Flag(false)), None) => None,
+        (Endpoint::Chat, Some(Logprobs::Flag(true)), None) => Some(0),
+        (Endpoint::Chat, Some(Logprobs::Flag(true)), Some(k)) if k <= max_lp => Some(k as usize),
+        (Endpoint::Chat, Some(Logprobs::Flag(true)), Some(k)) => {
+            return Err(ApiError::bad(format!("`top_logprobs` is {k}; at most {max_lp}")).param("top_logprobs"))
+        }
+        (Endpoint::Chat, _, Some(_)) => return Err(ApiError::bad("`top_logprobs` needs `logprobs: true`").param("top_logprobs")),
+        (Endpoint::Chat, Some(Logprobs::Count(_)), _) => {
+            return Err(ApiError::bad("`logprobs` is true or false in chat completions (alternatives: `top_logprobs`)").param("logprobs"))
+        }
+        (Endpoint::Completions, Some(Logprobs::Count(k)), None) if k <= max_lp => Some(k as usize),
+        (Endpoint::Completions, _, Some(_)) => {
+            return Err(ApiError::bad("completions take `logprobs: k`, not `top_logprobs`").param("top_logprobs"))
+        }
+        (Endpoint::Completions, Some(_), _) => {
+            return Err(ApiError::bad(format!("`logprobs` is the number of alternatives per token, 0 to {max_lp}")).param("logprobs"))
+        }
+    };
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported("suffix", "suffix"));
     }
@@ -464,6 +502,7 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
         speculation,
         n: n as usize,
         constraint,
+        logprobs,
     })
 }
 
@@ -619,6 +658,37 @@ pub struct Response {
     pub usage: Option<Usage>,
 }
 
+/// A token with its log-probability, as chat completions report it.
+#[derive(Debug, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// `choices[i].logprobs` of chat completions.
+#[derive(Debug, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// `choices[i].logprobs` of (legacy) completions.
+#[derive(Debug, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    pub text_offset: Vec<usize>,
+}
+
 /// One accepted request's identity in its responses.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -627,9 +697,44 @@ pub struct Job {
     pub endpoint: Endpoint,
     pub model: String,
     pub prompt_tokens: usize,
+    /// Every token's bytes, when the request asked for logprobs.
+    pub token_bytes: Option<std::sync::Arc<Vec<Vec<u8>>>>,
 }
 
 impl Job {
+    /// The `logprobs` object of a choice for these tokens (`offset`: text bytes before them).
+    pub fn logprobs(&self, lps: &[TokenLogprob], offset: usize) -> Option<serde_json::Value> {
+        let words = self.token_bytes.as_ref()?;
+        let bytes = |id: u32| words.get(id as usize).cloned().unwrap_or_default();
+        let text = |id: u32| String::from_utf8_lossy(&bytes(id)).into_owned();
+        let v = if self.chat() {
+            let content = lps
+                .iter()
+                .map(|t| ChatTokenLogprob {
+                    token: text(t.id),
+                    logprob: t.logprob,
+                    bytes: bytes(t.id),
+                    top_logprobs: t.top.iter().map(|&(id, lp)| TopLogprob { token: text(id), logprob: lp, bytes: bytes(id) }).collect(),
+                })
+                .collect();
+            serde_json::to_value(ChatLogprobs { content })
+        } else {
+            let mut at = offset;
+            let mut text_offset = Vec::with_capacity(lps.len());
+            for t in lps {
+                text_offset.push(at);
+                at += bytes(t.id).len();
+            }
+            serde_json::to_value(CompletionLogprobs {
+                tokens: lps.iter().map(|t| text(t.id)).collect(),
+                token_logprobs: lps.iter().map(|t| t.logprob).collect(),
+                top_logprobs: lps.iter().map(|t| t.top.iter().map(|&(id, lp)| (text(id), lp)).collect()).collect(),
+                text_offset,
+            })
+        };
+        v.ok()
+    }
+
     fn chat(&self) -> bool {
         self.endpoint == Endpoint::Chat
     }
@@ -658,11 +763,12 @@ impl Job {
                         text: None,
                         message: Some(AssistantMessage { role: "assistant", content: g.text.clone() }),
                         delta: None,
-                        logprobs: None,
+                        logprobs: self.logprobs(&g.logprobs, 0),
                         finish_reason: finish,
                     }
                 } else {
-                    Choice { index, text: Some(g.text.clone()), message: None, delta: None, logprobs: None, finish_reason: finish }
+                    let logprobs = self.logprobs(&g.logprobs, 0);
+                    Choice { index, text: Some(g.text.clone()), message: None, delta: None, logprobs, finish_reason: finish }
                 }
             })
             .collect();
@@ -672,12 +778,26 @@ impl Job {
     /// A streamed chunk of choice `index`: `text` (chat: a content delta), the role (chat's
     /// first chunk), or the final one with its `finish_reason`.
     pub fn chunk(&self, index: usize, text: Option<&str>, role: bool, finish: Option<&'static str>) -> Response {
+        self.chunk_with(index, text, role, finish, None)
+    }
+
+    /// A chunk carrying one token's text and its log-probabilities (`offset`: the choice's
+    /// text bytes before it).
+    pub fn chunk_with(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        role: bool,
+        finish: Option<&'static str>,
+        logprob: Option<(&TokenLogprob, usize)>,
+    ) -> Response {
+        let logprobs = logprob.and_then(|(t, offset)| self.logprobs(std::slice::from_ref(t), offset));
         let choice = if self.chat() {
             let delta =
                 Delta { role: role.then_some("assistant"), content: if role { Some(String::new()) } else { text.map(str::to_string) } };
-            Choice { index, text: None, message: None, delta: Some(delta), logprobs: None, finish_reason: finish }
+            Choice { index, text: None, message: None, delta: Some(delta), logprobs, finish_reason: finish }
         } else {
-            Choice { index, text: Some(text.unwrap_or("").to_string()), message: None, delta: None, logprobs: None, finish_reason: finish }
+            Choice { index, text: Some(text.unwrap_or("").to_string()), message: None, delta: None, logprobs, finish_reason: finish }
         };
         self.response("chat.completion.chunk", vec![choice], None)
     }

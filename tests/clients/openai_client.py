@@ -2,8 +2,8 @@
 
     python3 tests/clients/openai_client.py BASE_URL MODEL
 
-Chat, completions, streaming with usage, json_schema structured output, json_object and
-n = 2, each through the client's own types, unchanged. Exits non-zero on the first failure.
+Chat, completions, streaming with usage, json_schema structured output, json_object,
+n = 2 and logprobs, each through the client's own types, unchanged. Exits non-zero on the first failure.
 """
 
 import json
@@ -81,6 +81,32 @@ assert [c.index for c in r.choices] == [0, 1], r.choices
 assert all(c.message.content for c in r.choices), r.choices
 assert r.usage.completion_tokens >= 2 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens, r.usage
 
+# logprobs with top_logprobs (greedy: the chosen token is the best alternative), whole and
+# streamed; completions' legacy logprobs.
+r = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Count to three."}], max_tokens=6, temperature=0, logprobs=True, top_logprobs=5
+)
+content = r.choices[0].logprobs.content
+assert len(content) == r.usage.completion_tokens, (len(content), r.usage)
+for t in content:
+    assert t.logprob <= 0 and len(t.top_logprobs) == 5, t
+    assert t.top_logprobs[0].token == t.token and abs(t.top_logprobs[0].logprob - t.logprob) < 1e-6, t
+    assert all(a.logprob >= b.logprob for a, b in zip(t.top_logprobs, t.top_logprobs[1:])), t
+assert "".join(t.token for t in content) == r.choices[0].message.content, (content, r.choices[0].message.content)
+streamed = []
+for chunk in client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Count to three."}], max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True
+):
+    for c in chunk.choices:
+        if c.logprobs and c.logprobs.content:
+            streamed.extend(c.logprobs.content)
+assert [t.token for t in streamed] == [t.token for t in content], (streamed, content)
+assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
+c = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=4, temperature=0, logprobs=3)
+lp = c.choices[0].logprobs
+assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4, lp
+assert all(len(t) == 3 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs), lp
+
 # Errors arrive as the client's typed exceptions.
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}], max_tokens=1)
@@ -88,4 +114,4 @@ try:
 except openai.NotFoundError as e:
     assert e.code == "model_not_found", e
 
-print(f"openai {openai.__version__}: chat, stream with usage, completions, json_schema, json_object, n=2, errors: ok")
+print(f"openai {openai.__version__}: chat, stream with usage, completions, json_schema, json_object, n=2, logprobs, errors: ok")
