@@ -1174,3 +1174,71 @@ fn official_openai_python_client() {
     assert!(out.status.success(), "the openai client failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     eprintln!("{stdout}");
 }
+
+/// Tool calls: `tool_choice` naming a function or `required` gives `tool_calls` whose
+/// arguments fit the function's parameter schema (SmolLM2's template does not take tools:
+/// the system message describes them), streamed as one final delta; `auto` may answer in
+/// text; bad tool fields are refused naming them.
+#[test]
+fn tool_calls_fit_their_parameter_schemas() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let weather = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": false});
+    let add = json!({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"], "additionalProperties": false});
+    let tools = json!([
+        {"type": "function", "function": {"name": "forecast", "description": "Weather forecast", "parameters": weather}},
+        {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": add}},
+    ]);
+    let schemas = [("forecast", jsonschema::validator_for(&weather).unwrap()), ("add", jsonschema::validator_for(&add).unwrap())];
+    let check = |call: &Value| {
+        let name = call["function"]["name"].as_str().unwrap();
+        let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).expect("arguments are JSON");
+        let v = &schemas.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("unknown function {name}")).1;
+        assert!(v.is_valid(&args), "{name} arguments do not fit: {args}");
+        name.to_string()
+    };
+    for (choice, content, stream, want) in [
+        (json!({"type": "function", "function": {"name": "forecast"}}), "Weather in Oslo for 3 days?", false, Some("forecast")),
+        (json!("required"), "What is 2 plus 40?", false, None),
+        (json!("required"), "Weather in Rome this week?", true, None),
+    ] {
+        let body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": content}], "max_tokens": 60, "temperature": 0,
+            "tools": tools, "tool_choice": choice, "stream": stream});
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let (call, finish) = if stream {
+            let ev = r.events();
+            let last: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+            (last["choices"][0]["delta"]["tool_calls"][0].clone(), last["choices"][0]["finish_reason"].clone())
+        } else {
+            let v = r.json();
+            assert!(v["choices"][0]["message"]["content"].is_null(), "{v}");
+            (v["choices"][0]["message"]["tool_calls"][0].clone(), v["choices"][0]["finish_reason"].clone())
+        };
+        assert_eq!(finish, "tool_calls");
+        assert_eq!(call["type"], "function");
+        let name = check(&call);
+        if let Some(w) = want {
+            assert_eq!(name, w);
+        }
+    }
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0, "tools": tools}),
+    );
+    assert_eq!(r.status, 200);
+    for (bad, param) in [
+        (json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice"),
+        (json!({"tools": [{"type": "retrieval"}]}), "tools[0]"),
+        (json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]}), "tools"),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+    ] {
+        let mut body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}]});
+        for (k, v) in bad.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!((r.status, error_of(&r)["param"].clone()), (400, json!(param)), "{}", r.text());
+    }
+    server.wait_idle(Duration::from_secs(10));
+}

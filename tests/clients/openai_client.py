@@ -3,7 +3,7 @@
     python3 tests/clients/openai_client.py BASE_URL MODEL
 
 Chat, completions, streaming with usage, json_schema structured output, json_object,
-n = 2 and logprobs, each through the client's own types, unchanged. Exits non-zero on the first failure.
+n = 2, logprobs and a forced tool call with the tool's answer sent back, each through the client's own types, unchanged. Exits non-zero on the first failure.
 """
 
 import json
@@ -107,6 +107,39 @@ lp = c.choices[0].logprobs
 assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4, lp
 assert all(len(t) == 3 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs), lp
 
+# A forced tool call: tool_calls whose arguments fit the parameters; then the tool's answer
+# goes back in the conversation.
+tools = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+r = client.chat.completions.create(
+    model=model, messages=ask, max_tokens=60, temperature=0, tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+)
+assert r.choices[0].finish_reason == "tool_calls", r
+call = r.choices[0].message.tool_calls[0]
+assert call.type == "function" and call.function.name == "get_weather", call
+args = json.loads(call.function.arguments)
+assert set(args) == {"city", "unit"} and isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit"), args
+follow = ask + [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+    {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "unit": args["unit"]})},
+]
+r = client.chat.completions.create(model=model, messages=follow, max_tokens=20, temperature=0, tools=tools, tool_choice="none")
+assert r.choices[0].message.content and not r.choices[0].message.tool_calls, r
+
 # Errors arrive as the client's typed exceptions.
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}], max_tokens=1)
@@ -114,4 +147,4 @@ try:
 except openai.NotFoundError as e:
     assert e.code == "model_not_found", e
 
-print(f"openai {openai.__version__}: chat, stream with usage, completions, json_schema, json_object, n=2, logprobs, errors: ok")
+print(f"openai {openai.__version__}: chat, stream with usage, completions, json_schema, json_object, n=2, logprobs, a tool call, errors: ok")

@@ -81,6 +81,7 @@ async fn generate(
         model: shared.model.model_id.clone(),
         prompt_tokens: v.prompt_ids.len(),
         token_bytes: v.logprobs.map(|_| shared.model.token_bytes()),
+        tools: v.tools.clone(),
     };
     let run = Run::new(shared, handles, job, BusyGuard::new(conn.0.clone(), shared_clone), !v.stream);
     if v.stream {
@@ -306,8 +307,12 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
                 Wait::Event(i, Event::Token { text, logprob, .. }) => (i, text, logprob),
                 Wait::Event(i, Event::Text(text)) => (i, text, None),
                 Wait::Event(i, Event::Done(g)) => {
-                    let finish = openai::finish_reason(g.finish_reason);
-                    if tx.send(data(&run.job.chunk(i, None, false, Some(finish)))).await.is_err() {
+                    let last = if run.job.tools.is_some() {
+                        run.job.final_delta(i, &g)
+                    } else {
+                        run.job.chunk(i, None, false, Some(openai::finish_reason(g.finish_reason)))
+                    };
+                    if tx.send(data(&last)).await.is_err() {
                         return;
                     }
                     if !run.all_done() {
@@ -329,7 +334,7 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
             };
             // With logprobs every token gets its chunk (its text may be empty: part of a
             // character); without, empty pieces are not sent.
-            if text.is_empty() && lp.is_none() {
+            if (text.is_empty() && lp.is_none()) || run.job.tools.is_some() {
                 continue;
             }
             let offset = offsets[i];

@@ -11,6 +11,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub mod tools;
+
+use tools::{ToolCall, Tools};
+
 use crate::engine::{Constraint, Drafter, FinishReason, GenerateRequest, Generation, SamplingParams, SpecStats, Speculation, TokenLogprob};
 use crate::model::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
@@ -121,7 +125,7 @@ pub struct RequestBody {
     /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
     /// "strict"}}` ([`Constraint::from_response_format`]).
     pub response_format: Option<serde_json::Value>,
-    pub tools: Option<Vec<serde_json::Value>>,
+    pub tools: Option<Vec<tools::Tool>>,
     pub tool_choice: Option<serde_json::Value>,
     pub functions: Option<Vec<serde_json::Value>>,
     pub presence_penalty: Option<f64>,
@@ -183,6 +187,12 @@ pub struct MessageIn {
     pub content: Option<Content>,
     #[serde(default)]
     pub name: Option<String>,
+    /// An assistant message's earlier calls.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message's call id.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -295,6 +305,8 @@ pub struct Validated {
     pub constraint: Option<Constraint>,
     /// Log-probabilities with this many alternatives per token (`logprobs`, `top_logprobs`).
     pub logprobs: Option<usize>,
+    /// The request's tools (chat), unless `tool_choice` is `none`.
+    pub tools: Option<Tools>,
 }
 
 impl Validated {
@@ -359,7 +371,7 @@ pub fn parse_request(model: &ServedModel, endpoint: Endpoint, body: &[u8]) -> Re
 }
 
 /// Check a deserialized body against the served model.
-pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Result<Validated, ApiError> {
+pub fn validate(model: &ServedModel, endpoint: Endpoint, mut req: RequestBody) -> Result<Validated, ApiError> {
     let chat = endpoint == Endpoint::Chat;
     match req.model.as_deref() {
         None => return Err(ApiError::bad("you must provide a `model` parameter").param("model").code("missing_required_parameter")),
@@ -400,17 +412,25 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported("suffix", "suffix"));
     }
-    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::unsupported("tools", "tool calling"));
+    if !chat && req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::bad("tools are for chat completions (/v1/chat/completions)").param("tools"));
     }
+    let tools = if chat { Tools::from_request(req.tools.take(), req.tool_choice.as_ref())? } else { None };
     if req.functions.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::unsupported("functions", "tool calling"));
     }
     // The grammar compiles at submission (the engine refuses one that does not).
-    let constraint = match &req.response_format {
+    let mut constraint = match &req.response_format {
         None => None,
         Some(v) => Constraint::from_response_format(v).map_err(|e| ApiError::bad(e.to_string()).param("response_format"))?,
     };
+    // A forced tool call (`required`, or a named function) is a grammar too.
+    if let Some(forced) = tools.as_ref().and_then(Tools::constraint) {
+        if constraint.is_some() {
+            return Err(ApiError::bad("a forced tool call and a response_format cannot both constrain the output").param("tool_choice"));
+        }
+        constraint = Some(forced);
+    }
     let temperature = req.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::bad(format!("`temperature` is {temperature}; it must be between 0 and 2")).param("temperature"));
@@ -445,7 +465,7 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
             if req.prompt.is_some() {
                 return Err(ApiError::bad("chat completions take `messages`, not `prompt`").param("prompt"));
             }
-            chat_prompt(model, req.messages)?
+            chat_prompt(model, req.messages.take(), tools.as_ref())?
         }
         Endpoint::Completions => {
             if req.messages.is_some() {
@@ -503,6 +523,7 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
         n: n as usize,
         constraint,
         logprobs,
+        tools,
     })
 }
 
@@ -539,8 +560,10 @@ fn completion_prompt(model: &ServedModel, prompt: Option<Prompt>) -> Result<Vec<
     }
 }
 
-/// Chat messages rendered with the model's template and tokenized.
-fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>) -> Result<Vec<u32>, ApiError> {
+/// Chat messages rendered with the model's template and tokenized. With tools, a template
+/// that takes `tools` gets them (and earlier calls as `tool_calls`); for one that does not,
+/// the system message describes them and earlier calls are written in the call syntax.
+fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>, tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
     let bad = |m: String| ApiError::bad(m).param("messages");
     let Some(list) = messages else {
         return Err(bad("you must provide `messages`".into()).code("missing_required_parameter"));
@@ -548,10 +571,14 @@ fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>) -> Result<
     if list.is_empty() {
         return Err(bad("`messages` must not be empty".into()));
     }
-    let mut msgs = Vec::with_capacity(list.len());
+    let tmpl = model.template.as_ref().map_err(|e| {
+        ApiError::bad(format!("this model has no usable chat template ({e}); use /v1/completions")).code("no_chat_template")
+    })?;
+    let takes_tools = model.tokenizer.chat_template_source().is_some_and(|t| t.contains("tools"));
+    let mut msgs: Vec<serde_json::Value> = Vec::with_capacity(list.len() + 1);
     for (i, m) in list.into_iter().enumerate() {
         let role = if m.role == "developer" { "system".to_string() } else { m.role };
-        let content = match m.content {
+        let mut content = match m.content {
             None => String::new(),
             Some(Content::Text(s)) => s,
             Some(Content::Parts(parts)) => {
@@ -565,12 +592,47 @@ fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>) -> Result<
                 text
             }
         };
-        msgs.push(ChatMessage::new(role, content));
+        let mut msg = serde_json::json!({"role": role});
+        match m.tool_calls.filter(|c| !c.is_empty()) {
+            Some(calls) if takes_tools => {
+                let calls: Vec<serde_json::Value> = calls
+                    .iter()
+                    .map(|c| {
+                        let name = c.pointer("/function/name").cloned().unwrap_or_default();
+                        let args = tools::arguments_value(c.pointer("/function/arguments"));
+                        serde_json::json!({"type": "function", "id": c.get("id"), "function": {"name": name, "arguments": args}})
+                    })
+                    .collect();
+                msg["tool_calls"] = serde_json::Value::Array(calls);
+            }
+            Some(calls) => content.push_str(&tools::calls_as_text(&calls)),
+            None => {}
+        }
+        if let Some(id) = m.tool_call_id {
+            msg["tool_call_id"] = serde_json::Value::String(id);
+        }
+        msg["content"] = serde_json::Value::String(content);
+        msgs.push(msg);
     }
-    let tmpl = model.template.as_ref().map_err(|e| {
-        ApiError::bad(format!("this model has no usable chat template ({e}); use /v1/completions")).code("no_chat_template")
-    })?;
-    let rendered = tmpl.render(&msgs, true).map_err(|e| bad(format!("the chat template refused the messages: {e}")))?;
+    let rendered = match tools {
+        Some(t) if takes_tools => tmpl.render_with(
+            minijinja::Value::from_serialize(&msgs),
+            true,
+            minijinja::context! { tools => minijinja::Value::from_serialize(t.template_value()) },
+        ),
+        Some(t) => {
+            let text = t.system_text();
+            if msgs[0]["role"] == "system" {
+                let c = msgs[0]["content"].as_str().unwrap_or("").to_string();
+                msgs[0]["content"] = serde_json::Value::String(format!("{c}\n\n{text}"));
+            } else {
+                msgs.insert(0, serde_json::json!({"role": "system", "content": text}));
+            }
+            tmpl.render_with(minijinja::Value::from_serialize(&msgs), true, minijinja::Value::UNDEFINED)
+        }
+        None => tmpl.render_with(minijinja::Value::from_serialize(&msgs), true, minijinja::Value::UNDEFINED),
+    }
+    .map_err(|e| bad(format!("the chat template refused the messages: {e}")))?;
     model.tokenizer.encode_chat(&rendered).map_err(|e| bad(format!("the messages could not be tokenized: {e}")))
 }
 
@@ -619,7 +681,10 @@ impl Usage {
 #[derive(Debug, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -628,6 +693,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 /// One choice of a response or chunk: `text` (completions), `message` (chat) or `delta`
@@ -699,6 +766,8 @@ pub struct Job {
     pub prompt_tokens: usize,
     /// Every token's bytes, when the request asked for logprobs.
     pub token_bytes: Option<std::sync::Arc<Vec<Vec<u8>>>>,
+    /// The request's tools: the output is parsed for calls.
+    pub tools: Option<Tools>,
 }
 
 impl Job {
@@ -758,10 +827,16 @@ impl Job {
             .map(|(index, g)| {
                 let finish = Some(finish_reason(g.finish_reason));
                 if self.chat() {
+                    let (message, finish) = match self.calls(index, &g.text) {
+                        Some((content, calls)) => {
+                            (AssistantMessage { role: "assistant", content, tool_calls: Some(calls) }, Some("tool_calls"))
+                        }
+                        None => (AssistantMessage { role: "assistant", content: Some(g.text.clone()), tool_calls: None }, finish),
+                    };
                     Choice {
                         index,
                         text: None,
-                        message: Some(AssistantMessage { role: "assistant", content: g.text.clone() }),
+                        message: Some(message),
                         delta: None,
                         logprobs: self.logprobs(&g.logprobs, 0),
                         finish_reason: finish,
@@ -793,12 +868,36 @@ impl Job {
     ) -> Response {
         let logprobs = logprob.and_then(|(t, offset)| self.logprobs(std::slice::from_ref(t), offset));
         let choice = if self.chat() {
-            let delta =
-                Delta { role: role.then_some("assistant"), content: if role { Some(String::new()) } else { text.map(str::to_string) } };
+            let delta = Delta {
+                role: role.then_some("assistant"),
+                content: if role { Some(String::new()) } else { text.map(str::to_string) },
+                tool_calls: None,
+            };
             Choice { index, text: None, message: None, delta: Some(delta), logprobs, finish_reason: finish }
         } else {
             Choice { index, text: Some(text.unwrap_or("").to_string()), message: None, delta: None, logprobs, finish_reason: finish }
         };
+        self.response("chat.completion.chunk", vec![choice], None)
+    }
+
+    /// The tool calls in choice `index`'s text, with the text outside them.
+    pub fn calls(&self, index: usize, text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
+        self.tools.as_ref()?.parse(text, &format!("{}-{index}", self.id))
+    }
+
+    /// A streamed request with tools gets its answer in one delta at the end (the text may
+    /// be a call): the content, or the calls; then the chunk's `finish_reason`.
+    pub fn final_delta(&self, index: usize, g: &Generation) -> Response {
+        let (delta, finish) = match self.calls(index, &g.text) {
+            Some((content, mut calls)) => {
+                for (i, c) in calls.iter_mut().enumerate() {
+                    c.index = Some(i);
+                }
+                (Delta { role: None, content, tool_calls: Some(calls) }, "tool_calls")
+            }
+            None => (Delta { role: None, content: Some(g.text.clone()), tool_calls: None }, finish_reason(g.finish_reason)),
+        };
+        let choice = Choice { index, text: None, message: None, delta: Some(delta), logprobs: None, finish_reason: Some(finish) };
         self.response("chat.completion.chunk", vec![choice], None)
     }
 
