@@ -16,7 +16,7 @@ pub mod tools;
 use tools::{ToolCall, Tools};
 
 use crate::engine::{Constraint, Drafter, FinishReason, GenerateRequest, Generation, SamplingParams, SpecStats, Speculation, TokenLogprob};
-use crate::model::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
+use crate::model::tokenizer::{ChatTemplate, Tokenizer};
 
 /// Stop strings per request at most.
 pub const MAX_STOP: usize = 16;
