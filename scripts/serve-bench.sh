@@ -30,4 +30,4 @@ summary() { awk '/Requests\/sec/ {rps=$2} /^ +50%/ {p50=$2} /^ +99%/ {p99=$2} /N
 printf "%-34s" "GET /health, 64 connections:"
 wrk -t2 -c64 -d"${secs}s" --latency "$url/health" | summary
 printf "%-34s" "1-token completion, 64 conns:"
-wrk -t2 -c64 -d"${secs}s" --latency -s "$lua" "$url/v1/completions" | summary
+wrk -t2 -c64 -d"${secs}s" --timeout 30s --latency -s "$lua" "$url/v1/completions" | summary

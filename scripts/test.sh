@@ -21,6 +21,14 @@ if ! cargo fmt --version >/dev/null 2>&1; then
 fi
 cargo fmt --check
 
+# The official OpenAI Python client, which tests/serve.rs drives the server with (PyPI, in a
+# virtual environment of its own; once).
+if [ ! -x target/pyenv/bin/python ] || ! target/pyenv/bin/python -c "import openai" 2>/dev/null; then
+    python3 -m venv target/pyenv
+    target/pyenv/bin/pip install --quiet "openai==3.57.0"
+fi
+export LANTERN_PYTHON="$root/target/pyenv/bin/python"
+
 # One build of everything (tests, examples, the binary) with one feature set.
 cargo test --release --no-run
 cargo build --release --benches

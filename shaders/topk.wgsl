@@ -5,7 +5,9 @@
 // among them (temperature, top-k <= K, top-p), so a step reads back 8 K bytes per row
 // instead of the whole vocabulary. One workgroup per row: each invocation keeps a sorted
 // private top-K of its strided share of the row, then K rounds of a workgroup max-reduction
-// over the invocations' current heads merge them.
+// over the invocations' current heads merge them. Word 2 KMAX of each row is the row's
+// logsumexp over its finite values (f32 bits), for log-probabilities: an online max/sum per
+// invocation, then one workgroup reduction of the (max, sum) pairs.
 #include "common/step.wgsl"
 
 struct Params {
@@ -18,11 +20,13 @@ struct Params {
 }
 
 const KMAX: u32 = 64u;
+// Words per output row: KMAX ids, KMAX values, the logsumexp, one pad word.
+const ROW: u32 = 2u * KMAX + 2u;
 
 @group(0) @binding(0) var<uniform> step: Step;
 @group(0) @binding(1) var<uniform> p: Params;
 @group(0) @binding(2) var<storage, read> logits: array<f32>;       // (n_out, n)
-// (n_out, 2 KMAX): K ids, then K values as f32 bits.
+// (n_out, ROW): K ids, then K values as f32 bits, then the logsumexp.
 @group(0) @binding(3) var<storage, read_write> out: array<u32>;
 
 var<private> lv: array<f32, KMAX>;
@@ -30,6 +34,7 @@ var<private> li: array<u32, KMAX>;
 var<workgroup> hv: array<f32, WG>;
 var<workgroup> hi: array<u32, WG>;
 var<workgroup> hl: array<u32, WG>;
+var<workgroup> hs: array<f32, WG>;
 
 #include "common/rank.wgsl"
 
@@ -46,11 +51,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let neg_inf = -F32_MAX;
     // This invocation's best k of indices lid, lid + WG, ..., sorted; n of them filled.
     var n = 0u;
+    // Running max and sum of exp(v - max) of this invocation's finite values.
+    var m = neg_inf;
+    var sum = 0.0;
     let base = r * p.n;
     for (var i = lid; i < p.n; i += WG) {
         let v = logits[base + i];
         if (!(abs(v) <= F32_MAX)) {
-            continue; // NaN or infinite
+            continue; // NaN or infinite (a masked logit is -inf)
+        }
+        if (v > m) {
+            sum = sum * exp(m - v) + 1.0;
+            m = v;
+        } else {
+            sum += exp(v - m);
         }
         var j = n;
         if (n < k) {
@@ -68,6 +82,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         lv[j] = v;
         li[j] = i;
     }
+    // The row's logsumexp: (max, sum) pairs combined pairwise.
+    hv[lid] = m;
+    hs[lid] = sum;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            let m2 = hv[lid + s];
+            let mm = max(hv[lid], m2);
+            hs[lid] = hs[lid] * exp(hv[lid] - mm) + hs[lid + s] * exp(m2 - mm);
+            hv[lid] = mm;
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        out[r * ROW + 2u * KMAX] = bitcast<u32>(hv[0] + log(hs[0]));
+    }
+    workgroupBarrier();
     // Merge: each round the best head wins and its invocation moves to its next entry.
     var head = 0u;
     for (var round = 0u; round < k; round++) {
@@ -91,8 +122,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let winner = hl[0];
         let win_id = hi[0];
         if (lid == 0u) {
-            out[r * 2u * KMAX + round] = win_id;
-            out[r * 2u * KMAX + KMAX + round] = bitcast<u32>(hv[0]);
+            out[r * ROW + round] = win_id;
+            out[r * ROW + KMAX + round] = bitcast<u32>(hv[0]);
         }
         if (lid == winner && win_id != none) {
             head += 1u;

@@ -331,6 +331,7 @@ impl Lantern {
                 (None, Some(r)) => Some(crate::engine::Constraint::Regex(r)),
                 (None, None) => None,
             },
+            logprobs: None,
         };
         let cancel = self.cancel.clone();
         let g = generate_with(model, draft, tok, &req, |piece| {

@@ -46,6 +46,7 @@ fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
         stop_strings: vec![],
         speculation: Default::default(),
         constraint: None,
+        logprobs: None,
     }
 }
 

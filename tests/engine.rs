@@ -51,6 +51,7 @@ fn requests(seed: u64, n: usize) -> Vec<GenerateRequest> {
                 stop_strings: vec![],
                 speculation: Default::default(),
                 constraint: None,
+                logprobs: None,
             }
         })
         .collect()
@@ -144,6 +145,7 @@ fn cancelled_and_dropped_requests_free_their_pages() {
         stop_strings: vec![],
         speculation: Default::default(),
         constraint: None,
+        logprobs: None,
     };
     let mut a = e.submit(long.clone()).unwrap();
     let b = e.submit(long.clone()).unwrap();
@@ -173,6 +175,7 @@ fn impossible_requests_are_refused_at_submit() {
         stop_strings: vec![],
         speculation: Default::default(),
         constraint: None,
+        logprobs: None,
     };
     assert!(matches!(e.submit(req(0, 4)), Err(lantern::LanternError::InvalidRequest(_))), "empty prompt");
     assert!(matches!(e.submit(req(64, 4)), Err(lantern::LanternError::PromptTooLong { .. })));
@@ -310,4 +313,42 @@ fn parallel_samples_fork_the_prompt_pages_and_equal_solo_runs() {
     pollster::block_on(e.run_until_idle()).unwrap();
     assert_eq!(collect(&mut hs[0]).0.output_ids, alone[1].output_ids);
     assert_eq!(e.model.kv.alloc.free_pages(), total, "every page back");
+}
+
+/// Logprobs (`GenerateRequest::logprobs`) from the GPU's top pairs and logsumexp (greedy:
+/// `Want::TopK`) and from the logits row (sampling without top-k) equal a CPU log-softmax of
+/// the same logits within 1e-4, for the sampled token and its 5 best alternatives.
+#[test]
+fn logprobs_equal_a_cpu_log_softmax_of_the_logits() {
+    use lantern::model::llama::Want;
+    let prompt: Vec<u32> = (1..14).map(|i| i * 29 % 512).collect();
+    let mut e = engine(model_opts(2, None), EngineOptions { step_tokens: 32, prefill_chunk: 32, max_waiting: 8 });
+    for sampling in [SamplingParams::default(), SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 9 }] {
+        let req = GenerateRequest { prompt_ids: prompt.clone(), max_tokens: 5, sampling, logprobs: Some(5), ..Default::default() };
+        let mut h = e.submit(req).expect("submit");
+        pollster::block_on(e.run_until_idle()).unwrap();
+        let (g, _) = collect(&mut h);
+        assert_eq!(g.logprobs.len(), g.output_ids.len());
+        // The same logits, teacher-forced one position at a time.
+        let seq = e.model.new_sequence().unwrap();
+        let mut feed = prompt.clone();
+        for (t, lp) in g.logprobs.iter().enumerate() {
+            let logits = pollster::block_on(e.model.forward(seq, &feed, Want::Logits)).unwrap().logits.expect("logits");
+            let m = logits.iter().cloned().fold(f32::MIN, f32::max) as f64;
+            let lse = m + logits.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+            let want = |id: u32| logits[id as usize] as f64 - lse;
+            assert_eq!(lp.id, g.output_ids[t]);
+            assert!((lp.logprob as f64 - want(lp.id)).abs() < 1e-4, "token {t}: {} vs {}", lp.logprob, want(lp.id));
+            let mut best: Vec<u32> = (0..logits.len() as u32).collect();
+            best.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b)));
+            assert_eq!(lp.top.iter().map(|p| p.0).collect::<Vec<_>>(), best[..5].to_vec(), "token {t}: the 5 best");
+            for &(id, v) in &lp.top {
+                assert!((v as f64 - want(id)).abs() < 1e-4, "token {t}, alternative {id}: {v} vs {}", want(id));
+            }
+            feed = vec![g.output_ids[t]];
+        }
+        e.model.release_sequence(seq);
+    }
+    let bad = GenerateRequest { prompt_ids: prompt, logprobs: Some(21), ..Default::default() };
+    assert!(e.submit(bad).is_err(), "more than 20 alternatives");
 }

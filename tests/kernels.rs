@@ -987,18 +987,26 @@ fn check_argmax(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], n: usize) {
 }
 
 /// GPU top-k against a CPU sort (value descending, lower id on ties, non-finite skipped):
-/// every pair exact.
+/// every pair exact; the row's logsumexp against an f64 one over its finite values.
 fn check_topk(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], n: usize, k: usize) {
-    use lantern::kernels::topk::{decode_row, TOPK_MAX};
+    use lantern::kernels::topk::{decode_row, row_logsumexp, TOPK_ROW_WORDS};
     let rows = logits.len() / n;
     let step = step_buffer(ctx);
     let lb = buf_f32(ctx, "logits", logits);
-    let out = create_zeroed(ctx, "topk", (rows * 2 * TOPK_MAX * 4) as u64).unwrap();
+    let out = create_zeroed(ctx, "topk", (rows * TOPK_ROW_WORDS * 4) as u64).unwrap();
     let d = block_on(kernels::topk::build(ctx, &step, &lb, &out, n, k)).expect("build topk");
     submit(ctx, &step, rows as u32, rows as u32, std::slice::from_ref(&d));
-    let words = read_u32s(ctx, &out, rows * 2 * TOPK_MAX);
+    let words = read_u32s(ctx, &out, rows * TOPK_ROW_WORDS);
     for (r, row) in logits.chunks(n).enumerate() {
-        let got = decode_row(&words[r * 2 * TOPK_MAX..][..2 * TOPK_MAX], k);
+        let row_words = &words[r * TOPK_ROW_WORDS..][..TOPK_ROW_WORDS];
+        let got = decode_row(row_words, k);
+        let finite: Vec<f64> = row.iter().filter(|v| v.is_finite()).map(|&v| v as f64).collect();
+        if !finite.is_empty() {
+            let m = finite.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = m + finite.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+            let lse_got = row_logsumexp(row_words) as f64;
+            assert!((lse_got - lse).abs() <= 1e-5 * lse.abs().max(1.0), "{what}: row {r}: logsumexp {lse_got} vs {lse}");
+        }
         let mut want: Vec<(u32, f32)> = row.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v)).collect();
         want.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap().then(a.0.cmp(&b.0)));
         want.truncate(k);

@@ -482,7 +482,8 @@ fn models_health_and_request_errors() {
         json!({"max_tokens": 1.5}),
         json!({"stop": 7}),
         json!({"echo": true}),
-        json!({"logprobs": 3}),
+        json!({"logprobs": 30}),
+        json!({"top_logprobs": 2}),
         json!({"stream": "yes"}),
         json!({"prompt": ""}),
         json!({"prompt": [1, 2, 99999999]}),
@@ -1081,4 +1082,163 @@ fn sigterm_ends_every_stream_and_exits_zero() {
     let pages = log.split("KV pages free: ").nth(1).and_then(|r| r.split(')').next()).unwrap_or("");
     let (free, total) = pages.split_once(" of ").unwrap_or_else(|| panic!("no page count in the log:\n{log}"));
     assert_eq!(free, total, "every KV page is free when the server stops:\n{log}");
+}
+
+/// `response_format` (json_schema, greedy and sampled; json_object) and `n` > 1: every
+/// choice parses and fits the schema, and `n` choices come back with the prompt counted once.
+#[test]
+fn structured_output_and_parallel_choices() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 1, "maximum": 99},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+            "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"], "additionalProperties": false},
+        },
+        "required": ["name", "age", "tags", "address"],
+        "additionalProperties": false,
+    });
+    let validator = jsonschema::validator_for(&schema).expect("a valid schema");
+    let format = json!({"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": true}});
+    for (temperature, n) in [(0.0, 1), (1.0, 2)] {
+        let body = json!({
+            "model": MODEL_ID,
+            "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+            "max_tokens": 120,
+            "temperature": temperature,
+            "seed": 5,
+            "n": n,
+            "response_format": format,
+        });
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        let choices = v["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), n);
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], i);
+            assert_eq!(c["finish_reason"], "stop", "{c}");
+            let text = c["message"]["content"].as_str().unwrap();
+            let out: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+            assert!(validator.is_valid(&out), "does not fit the schema: {text}");
+        }
+        let completion: u64 = v["usage"]["completion_tokens"].as_u64().unwrap();
+        assert_eq!(v["usage"]["total_tokens"].as_u64().unwrap(), v["usage"]["prompt_tokens"].as_u64().unwrap() + completion);
+    }
+    // json_object on completions, streamed: the concatenated text is one JSON object.
+    let body = json!({"model": MODEL_ID, "prompt": "A JSON object describing a cat:", "max_tokens": 80, "temperature": 0, "stream": true,
+        "response_format": {"type": "json_object"}});
+    let r = server.post("/v1/completions", &body);
+    assert_eq!(r.status, 200);
+    let ev = r.events();
+    let text: String = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert!(serde_json::from_str::<Value>(&text).is_ok_and(|v| v.is_object()), "{text}");
+    // Greedy n = 3: three equal choices; bad formats are refused naming the field.
+    let r = server.post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 4, "temperature": 0, "n": 3}));
+    let v = r.json();
+    let texts: Vec<&str> = v["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(texts.len(), 3);
+    assert!(texts.iter().all(|t| *t == texts[0]), "{texts:?}");
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    for bad in [json!({"type": "yaml"}), json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})] {
+        let r = server.post(
+            "/v1/chat/completions",
+            &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "response_format": bad}),
+        );
+        assert_eq!((r.status, error_of(&r)["param"].clone()), (400, json!("response_format")), "{}", r.text());
+    }
+    server.wait_idle(Duration::from_secs(10));
+}
+
+/// The official `openai` Python client (PyPI; scripts/test.sh installs it into target/pyenv
+/// and points LANTERN_PYTHON at it) drives the server unchanged: tests/clients/openai_client.py.
+#[test]
+fn official_openai_python_client() {
+    let _s = serial();
+    let python = std::env::var("LANTERN_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python).args(["-c", "import openai"]).output();
+    assert!(
+        probe.as_ref().is_ok_and(|o| o.status.success()),
+        "{python} cannot import openai: run scripts/test.sh (it installs the client into target/pyenv) or set LANTERN_PYTHON"
+    );
+    let server = Server::start(&[]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_client.py");
+    let out = Command::new(&python).arg(script).arg(format!("http://{}/v1", server.addr)).arg(MODEL_ID).output().expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the openai client failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    eprintln!("{stdout}");
+}
+
+/// Tool calls: `tool_choice` naming a function or `required` gives `tool_calls` whose
+/// arguments fit the function's parameter schema (SmolLM2's template does not take tools:
+/// the system message describes them), streamed as one final delta; `auto` may answer in
+/// text; bad tool fields are refused naming them.
+#[test]
+fn tool_calls_fit_their_parameter_schemas() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let weather = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": false});
+    let add = json!({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"], "additionalProperties": false});
+    let tools = json!([
+        {"type": "function", "function": {"name": "forecast", "description": "Weather forecast", "parameters": weather}},
+        {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": add}},
+    ]);
+    let schemas = [("forecast", jsonschema::validator_for(&weather).unwrap()), ("add", jsonschema::validator_for(&add).unwrap())];
+    let check = |call: &Value| {
+        let name = call["function"]["name"].as_str().unwrap();
+        let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).expect("arguments are JSON");
+        let v = &schemas.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("unknown function {name}")).1;
+        assert!(v.is_valid(&args), "{name} arguments do not fit: {args}");
+        name.to_string()
+    };
+    for (choice, content, stream, want) in [
+        (json!({"type": "function", "function": {"name": "forecast"}}), "Weather in Oslo for 3 days?", false, Some("forecast")),
+        (json!("required"), "What is 2 plus 40?", false, None),
+        (json!("required"), "Weather in Rome this week?", true, None),
+    ] {
+        let body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": content}], "max_tokens": 60, "temperature": 0,
+            "tools": tools, "tool_choice": choice, "stream": stream});
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let (call, finish) = if stream {
+            let ev = r.events();
+            let last: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+            (last["choices"][0]["delta"]["tool_calls"][0].clone(), last["choices"][0]["finish_reason"].clone())
+        } else {
+            let v = r.json();
+            assert!(v["choices"][0]["message"]["content"].is_null(), "{v}");
+            (v["choices"][0]["message"]["tool_calls"][0].clone(), v["choices"][0]["finish_reason"].clone())
+        };
+        assert_eq!(finish, "tool_calls");
+        assert_eq!(call["type"], "function");
+        let name = check(&call);
+        if let Some(w) = want {
+            assert_eq!(name, w);
+        }
+    }
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0, "tools": tools}),
+    );
+    assert_eq!(r.status, 200);
+    for (bad, param) in [
+        (json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice"),
+        (json!({"tools": [{"type": "retrieval"}]}), "tools[0]"),
+        (json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]}), "tools"),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+    ] {
+        let mut body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}]});
+        for (k, v) in bad.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!((r.status, error_of(&r)["param"].clone()), (400, json!(param)), "{}", r.text());
+    }
+    server.wait_idle(Duration::from_secs(10));
 }

@@ -53,6 +53,7 @@ fn request(prompt: &[u32], max_tokens: usize, sampling: SamplingParams, speculat
         stop_strings: vec![],
         speculation,
         constraint: None,
+        logprobs: None,
     }
 }
 

@@ -106,6 +106,7 @@ fn native_ids(model: &Path, prompt: &str, max_tokens: usize) -> Vec<u32> {
         stop_strings: vec![],
         speculation: Default::default(),
         constraint: None,
+        logprobs: None,
     };
     pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap().output_ids
 }

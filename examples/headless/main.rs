@@ -127,7 +127,7 @@ fn run(args: shared::Args) -> Result<(), Box<dyn std::error::Error>> {
         }
         while let Ok(Some(ev)) = handle.try_next() {
             match ev {
-                Event::Token { id, text: piece } => {
+                Event::Token { id, text: piece, .. } => {
                     ids.push(id);
                     log.token_at.push(start.elapsed().as_secs_f64());
                     text.push_str(&piece);

@@ -93,6 +93,7 @@ pub fn load(args: &Args, device: wgpu::Device, queue: wgpu::Queue) -> Result<Loa
         stop_strings: vec![],
         speculation: Default::default(),
         constraint: None,
+        logprobs: None,
     };
     let mut engine = Engine::new(model, tokenizer, EngineOptions::default());
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;

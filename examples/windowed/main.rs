@@ -436,7 +436,7 @@ impl App {
         let mut changed = false;
         while let Ok(Some(ev)) = s.handle.try_next() {
             match ev {
-                Event::Token { id, text } => {
+                Event::Token { id, text, .. } => {
                     s.ids.push(id);
                     s.log.token_at.push(s.start.elapsed().as_secs_f64());
                     s.text.push_str(&text);

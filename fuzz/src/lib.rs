@@ -550,6 +550,7 @@ fn served_model() -> lantern::openai::ServedModel {
         aliases: vec!["models/tiny.gguf".into()],
         speculation: Default::default(),
         max_seqs: 4,
+        token_bytes: Default::default(),
     }
 }
 

@@ -356,6 +356,7 @@ fn run(a: RunArgs) -> Result<()> {
         stop_strings: a.stop.clone(),
         speculation: a.spec.speculation(),
         constraint: run_constraint(&a)?,
+        logprobs: None,
     };
     let json = a.json;
     let stdout = std::io::stdout();

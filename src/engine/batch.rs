@@ -21,7 +21,7 @@ use web_time::Instant;
 use super::constraint::{self, Guide};
 use super::generate::{FinishReason, GenerateRequest, Generation, TextStream};
 use super::metrics::RequestTimings;
-use super::sampler::{Dist, Sampler};
+use super::sampler::{Dist, Sampler, TokenLogprob};
 use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats};
 use crate::kv::KvError;
 use crate::model::llama::{GpuModel, Want};
@@ -51,8 +51,8 @@ impl Default for EngineOptions {
 #[derive(Debug, Clone)]
 pub enum Event {
     /// A sampled token and the text it completes (may be empty: part of a character, or
-    /// held back because it may begin a stop string).
-    Token { id: u32, text: String },
+    /// held back because it may begin a stop string); its log-probabilities when asked for.
+    Token { id: u32, text: String, logprob: Option<Box<TokenLogprob>> },
     /// Text released when the request ends (held back earlier, or the decoder's rest).
     Text(String),
     /// The request ended normally (stop, length, context full, cancelled).
@@ -119,6 +119,8 @@ struct Seq {
     cancel: Arc<AtomicBool>,
     /// Speculative decoding state, when the request asked for it (and is not constrained).
     spec: Option<SeqSpec>,
+    /// Log-probabilities of the output so far (with `GenerateRequest::logprobs`).
+    logprobs: Vec<TokenLogprob>,
     /// Parallel samples of the same prompt ([`Engine::submit_n`]) waiting for this one to
     /// compute all but the prompt's last token; then each forks its KV pages.
     held: Vec<Seq>,
@@ -241,6 +243,9 @@ pub struct Engine {
     draft: Option<GpuModel>,
 }
 
+/// Alternatives per token `GenerateRequest::logprobs` may ask for (OpenAI's bound).
+pub const MAX_LOGPROBS: usize = 20;
+
 /// Why `submit` refused a request.
 fn refuse(msg: String) -> LanternError {
     LanternError::InvalidRequest(msg)
@@ -361,7 +366,10 @@ impl Engine {
         // Constrained requests decode without speculation (drafts are not checked against
         // the grammar).
         let guide = constraint::guide_for(&self.tokenizer, req.constraint.as_ref(), self.model.config.vocab_size, &req.stop_ids)?;
-        let speculate = req.speculation.enabled() && guide.is_none();
+        if req.logprobs.is_some_and(|k| k > MAX_LOGPROBS) {
+            return Err(refuse(format!("logprobs asks for {} alternatives; at most {MAX_LOGPROBS}", req.logprobs.unwrap_or(0))));
+        }
+        let speculate = req.speculation.enabled() && guide.is_none() && req.logprobs.is_none();
         if speculate && req.speculation.drafter == Drafter::Model && self.draft.is_none() {
             return Err(refuse("speculation with a draft model needs a draft model in the engine (--draft)".into()));
         }
@@ -379,6 +387,7 @@ impl Engine {
                 timings,
                 cached_prompt_tokens: 0,
                 speculative: None,
+                logprobs: Vec::new(),
             };
             let _ = tx.unbounded_send(Event::Done(Box::new(g)));
             let id = self.next_id;
@@ -425,7 +434,7 @@ impl Engine {
             let r = sample(i);
             // Each sample walks the grammar on its own (it compiled for the first).
             let guide = constraint::guide_for(&self.tokenizer, r.constraint.as_ref(), self.model.config.vocab_size, &r.stop_ids)?;
-            let speculate = r.speculation.enabled() && guide.is_none();
+            let speculate = r.speculation.enabled() && guide.is_none() && r.logprobs.is_none();
             let (seq, handle) = self.new_seq(r, guide, speculate);
             held.push(seq);
             handles.push(handle);
@@ -466,6 +475,7 @@ impl Engine {
             tx,
             cancel: cancel.clone(),
             held: Vec::new(),
+            logprobs: Vec::new(),
         };
         (seq, RequestHandle { id, events: rx, cancel })
     }
@@ -520,6 +530,7 @@ impl Engine {
             timings: s.timings.clone(),
             cached_prompt_tokens: s.cached_prompt_tokens,
             speculative: s.spec.as_ref().map(|sp| sp.stats.clone()),
+            logprobs: std::mem::take(&mut s.logprobs),
         };
         let _ = s.tx.unbounded_send(Event::Done(Box::new(g)));
     }
@@ -873,6 +884,10 @@ impl Engine {
                     rows.push((ids.len() - n_rows + r) as u32);
                 }
                 want = speculative::wider(want, speculative::want_for(&s.sampler));
+                if s.req.logprobs.is_some() {
+                    // The GPU's top pairs and logsumexp (or the logits when those are read).
+                    want = speculative::wider(want, Want::TopK);
+                }
                 (Some(first), n_rows)
             } else {
                 (None, 0)
@@ -954,12 +969,13 @@ impl Engine {
             let Some(r) = row else { continue };
             let tokens = if drafts.is_empty() {
                 let token = s.sampler.sample_step(&out, r, vocab);
+                let lp = s.req.logprobs.and_then(|k| super::sampler::token_logprob(&out, r, vocab, token, k));
                 if let Some(sp) = s.spec.as_mut().filter(|_| !prefill) {
                     sp.len.observe_lookup(&s.req.speculation, &s.tokens, token);
                     sp.len.record(0, 0, 0.0, step_ms);
                     sp.stats.record(0, 0, 0.0, step_ms);
                 }
-                vec![token]
+                vec![(token, lp)]
             } else {
                 let v = if s.req.sampling.is_greedy() {
                     speculative::verify_greedy(&drafts, &out.argmax[r..r + n_rows])
@@ -979,11 +995,11 @@ impl Engine {
                 }
                 sp.len.record(drafts.len(), v.accepted, draft_ms, step_ms);
                 sp.stats.record(drafts.len(), v.accepted, draft_ms, step_ms);
-                v.tokens
+                v.tokens.into_iter().map(|t| (t, None)).collect()
             };
             report.sampled += 1;
-            for token in tokens {
-                if self.emit(i, token, now) {
+            for (token, lp) in tokens {
+                if self.emit(i, token, lp, now) {
                     report.finished += 1;
                     break;
                 }
@@ -994,7 +1010,7 @@ impl Engine {
 
     /// Hand running sequence `i` its next token: stream it, then finish the sequence on a
     /// stop, its length or the context's end. Returns whether it left the running list.
-    fn emit(&mut self, i: usize, token: u32, now: Instant) -> bool {
+    fn emit(&mut self, i: usize, token: u32, logprob: Option<TokenLogprob>, now: Instant) -> bool {
         let context = self.model.kv.alloc.config.context;
         let s = &mut self.running[i];
         if let Some(Err(e)) = s.guide.as_mut().map(|g| g.accept(token)) {
@@ -1014,7 +1030,10 @@ impl Engine {
                 return true;
             }
         };
-        let _ = s.tx.unbounded_send(Event::Token { id: token, text: piece.unwrap_or_default() });
+        if let Some(lp) = &logprob {
+            s.logprobs.push(lp.clone());
+        }
+        let _ = s.tx.unbounded_send(Event::Token { id: token, text: piece.unwrap_or_default(), logprob: logprob.map(Box::new) });
         let reason = if let Some(f) = stop {
             Some(f)
         } else if s.guide.as_ref().is_some_and(|g| g.is_finished()) {

@@ -5,7 +5,7 @@ use web_time::Instant;
 
 use super::constraint::{Constraint, Guide};
 use super::metrics::RequestTimings;
-use super::sampler::{Sampler, SamplingParams};
+use super::sampler::{Sampler, SamplingParams, TokenLogprob};
 use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats, Speculation};
 use crate::model::llama::{GpuModel, StepOutput, Want};
 use crate::model::tokenizer::Tokenizer;
@@ -54,6 +54,11 @@ pub struct GenerateRequest {
     /// and the sequence ends when the grammar is finished. A constraint that does not
     /// compile refuses the request (`LanternError::Constraint`).
     pub constraint: Option<Constraint>,
+    /// Log-probabilities of each sampled token and its `k` best alternatives (0..=20;
+    /// `Some(0)`: the token's own only), from the GPU's top-k and logsumexp. The batching
+    /// engine honours it (in `Event::Token` and `Generation::logprobs`); such requests decode
+    /// without speculation.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for GenerateRequest {
@@ -68,6 +73,7 @@ impl Default for GenerateRequest {
             stop_strings: Vec::new(),
             speculation: Speculation::default(),
             constraint: None,
+            logprobs: None,
         }
     }
 }
@@ -84,6 +90,8 @@ pub struct Generation {
     pub cached_prompt_tokens: usize,
     /// What speculative decoding did, when it was on.
     pub speculative: Option<SpecStats>,
+    /// Per output token, with `GenerateRequest::logprobs`.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// The tokens that end a generation unless the caller says otherwise: the model's
@@ -331,6 +339,7 @@ async fn run(
             timings,
             cached_prompt_tokens: 0,
             speculative: spec.map(|s| s.1),
+            logprobs: Vec::new(),
         });
     }
     let out = forward_guided(model, seq, &req.prompt_ids[cached..], want, &mut guide).await?;
@@ -384,6 +393,7 @@ async fn run(
         timings,
         cached_prompt_tokens: 0,
         speculative: spec.map(|s| s.1),
+        logprobs: Vec::new(),
     })
 }
 

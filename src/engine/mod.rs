@@ -14,7 +14,7 @@ pub use batch::{Engine, EngineOptions, Event, FrameBudget, FrameReport, RequestH
 pub use constraint::{Constraint, Guide};
 pub use generate::{FinishReason, GenerateRequest, Generation};
 pub use metrics::RequestTimings;
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{token_logprob, Sampler, SamplingParams, TokenLogprob};
 pub use speculative::{Drafter, SpecStats, Speculation};
 #[cfg(not(target_arch = "wasm32"))]
 pub use worker::{EngineClient, EngineWorker, Snapshot};

@@ -304,3 +304,38 @@ mod tests {
         assert!((ones - 0.75).abs() < 0.02, "{ones}");
     }
 }
+
+/// A sampled token's log-probability and the row's most likely alternatives, from the
+/// model's raw logits (before temperature; over the tokens a constraint allows).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    /// The `k` best (id, log-probability), best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Log-probabilities of row `r` of a step's output for the sampled `token` and the `k` best
+/// alternatives: from the GPU's top pairs and logsumexp (`Want::TopK`: 512 bytes read back),
+/// or from the full logits row. `None` when the step read back neither, or the token is not
+/// among the top pairs.
+pub fn token_logprob(out: &crate::model::llama::StepOutput, r: usize, vocab: usize, token: u32, k: usize) -> Option<TokenLogprob> {
+    if let (Some(top), Some(lse)) = (&out.top, &out.lse) {
+        let (row, lse) = (top.get(r)?, *lse.get(r)?);
+        let chosen = row.iter().find(|p| p.0 == token)?.1 - lse;
+        return Some(TokenLogprob { id: token, logprob: chosen, top: row.iter().take(k).map(|&(i, v)| (i, v - lse)).collect() });
+    }
+    let row = out.logits.as_ref()?.get(r * vocab..(r + 1) * vocab)?;
+    let m = row.iter().copied().filter(|v| v.is_finite()).fold(f32::MIN, f32::max) as f64;
+    let lse = (m + row.iter().filter(|v| v.is_finite()).map(|&v| (v as f64 - m).exp()).sum::<f64>().ln()) as f32;
+    let mut best: Vec<(u32, f32)> = row.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v)).collect();
+    let k = k.min(best.len());
+    if k > 0 {
+        best.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        best.truncate(k);
+        best.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    } else {
+        best.clear();
+    }
+    Some(TokenLogprob { id: token, logprob: row.get(token as usize)? - lse, top: best.into_iter().map(|(i, v)| (i, v - lse)).collect() })
+}

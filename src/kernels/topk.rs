@@ -12,6 +12,10 @@ pub const UNIFORM_BYTES: usize = std::mem::size_of::<TopkParams>();
 /// Pairs per row the kernel can return (`KMAX` in the shader).
 pub const TOPK_MAX: usize = 64;
 
+/// Words per output row (`ROW` in the shader): `TOPK_MAX` ids, `TOPK_MAX` values, the row's
+/// logsumexp, a pad word.
+pub const TOPK_ROW_WORDS: usize = 2 * TOPK_MAX + 2;
+
 /// Mirrors `struct Params` in topk.wgsl.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
@@ -22,8 +26,9 @@ struct TopkParams {
 }
 
 /// `out[r]` = the `k` (at most [`TOPK_MAX`]) best (id, value) of `logits[r, :n]` for the
-/// step's `n_out` rows: ids in words `0..TOPK_MAX` of the row's slot, values (f32 bits) in
-/// `TOPK_MAX..2 TOPK_MAX`.
+/// step's `n_out` rows: ids in words `0..TOPK_MAX` of the row's [`TOPK_ROW_WORDS`], values
+/// (f32 bits) in `TOPK_MAX..2 TOPK_MAX`, the logsumexp of the row's finite values at
+/// `2 TOPK_MAX` ([`row_logsumexp`]).
 pub async fn build(
     ctx: &GpuContext,
     step: &wgpu::Buffer,
@@ -45,7 +50,12 @@ pub async fn build(
     Ok(Dispatch { label: "topk".into(), pipeline: pipe, bind_group: bg, grid: [Dim::Out, Dim::Const(1), Dim::Const(1)] })
 }
 
-/// One row's pairs from the words the kernel wrote (`2 TOPK_MAX` per row), best first,
+/// The row's logsumexp from its words: `logit - logsumexp` is a token's log-probability.
+pub fn row_logsumexp(words: &[u32]) -> f32 {
+    f32::from_bits(words[2 * TOPK_MAX])
+}
+
+/// One row's pairs from the words the kernel wrote ([`TOPK_ROW_WORDS`] per row), best first,
 /// without the empty slots.
 pub fn decode_row(words: &[u32], k: usize) -> Vec<(u32, f32)> {
     (0..k.min(TOPK_MAX)).filter(|&j| words[j] != u32::MAX).map(|j| (words[j], f32::from_bits(words[TOPK_MAX + j]))).collect()

@@ -201,6 +201,7 @@ pub fn check_speculative_cases(
             stop_strings: vec![],
             speculation,
             constraint: None,
+            logprobs: None,
         };
         let g = pollster::block_on(lantern::engine::generate::generate_with(model, draft.as_deref_mut(), tokenizer, &req, |_| true))
             .map_err(|e| format!("{name}: {e}"))?;

@@ -159,6 +159,7 @@ fn workload(a: &BenchArgs, vocab: usize, seed: u64) -> Result<Vec<Planned>> {
                 stop_strings: vec![],
                 speculation: Default::default(),
                 constraint: None,
+                logprobs: None,
             },
             at: t,
         });

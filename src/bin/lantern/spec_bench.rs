@@ -74,6 +74,7 @@ fn generate_once(
         stop_strings: vec![],
         speculation,
         constraint: None,
+        logprobs: None,
     };
     Ok(pollster::block_on(generate_with(target, draft, tokenizer, &req, |_| true))?)
 }

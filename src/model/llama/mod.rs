@@ -192,7 +192,7 @@ impl GpuModel {
 
         let (ws, r) = plan::Workspace::new(&ctx, &c, &options, kv_cfg, context, partials_bytes)?;
         let (plans, batch_max_tokens) = plan::build_plans(&ctx, &c, &options, &ws, &kv, kv_cfg, &w).await?;
-        let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size.max(2 * kernels::topk::TOPK_MAX) * 4) as u64);
+        let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size.max(kernels::topk::TOPK_ROW_WORDS) * 4) as u64);
         // CPU adapters: the blocked matmul already beats one matvec per token at 2 tokens
         // (SmolLM2-135M on lavapipe, layer linears: 1.67 s blocked vs 2 x 1.04 s matvec).
         let matvec_max_tokens = if options.batch_invariant {

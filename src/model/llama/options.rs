@@ -111,4 +111,7 @@ pub struct StepOutput {
     pub logits: Option<Vec<f32>>,
     /// Per requested row, its best (id, logit) pairs, best first (with `Want::TopK`).
     pub top: Option<Vec<Vec<(u32, f32)>>>,
+    /// Per requested row, the logsumexp of its finite logits, from the GPU (with
+    /// `Want::TopK`): `logit - lse` is a log-probability.
+    pub lse: Option<Vec<f32>>,
 }

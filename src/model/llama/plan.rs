@@ -30,7 +30,7 @@ pub(super) struct Workspace {
     pub act: wgpu::Buffer,
     pub logits: wgpu::Buffer,
     pub argmax: wgpu::Buffer,
-    /// GPU top-k pairs of the logit rows (`2 TOPK_MAX` words per row).
+    /// GPU top-k pairs of the logit rows (`TOPK_ROW_WORDS` words per row).
     pub topk: wgpu::Buffer,
     /// Constrained decoding: the allowed-token bitmask of each logit row (`r x ceil(vocab / 32)`).
     pub token_mask: wgpu::Buffer,
@@ -104,7 +104,7 @@ impl Workspace {
             act: create_zeroed(ctx, "act", (t * f * 4) as u64).map_err(gpu_err)?,
             logits: create_zeroed(ctx, "logits", (r * c.vocab_size * 4) as u64).map_err(gpu_err)?,
             argmax: create_zeroed(ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
-            topk: create_zeroed(ctx, "topk", (r * 2 * kernels::topk::TOPK_MAX * 4) as u64).map_err(gpu_err)?,
+            topk: create_zeroed(ctx, "topk", (r * kernels::topk::TOPK_ROW_WORDS * 4) as u64).map_err(gpu_err)?,
             token_mask: create_zeroed(ctx, "token_mask", (r * kernels::logit_mask::words(c.vocab_size) * 4) as u64).map_err(gpu_err)?,
             rope: create_storage(
                 ctx,

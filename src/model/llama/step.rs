@@ -382,7 +382,7 @@ impl GpuModel {
         let n = n_out as u64;
         match want {
             Want::Logits => (&self.ws.logits, n * self.config.vocab_size as u64 * 4),
-            Want::TopK => (&self.ws.topk, n * (kernels::topk::TOPK_MAX * 2) as u64 * 4),
+            Want::TopK => (&self.ws.topk, n * kernels::topk::TOPK_ROW_WORDS as u64 * 4),
             Want::Argmax => (&self.ws.argmax, n * 4),
         }
     }
@@ -396,19 +396,18 @@ impl GpuModel {
             Want::Logits => {
                 let logits: Vec<f32> = bytemuck::cast_slice(bytes).to_vec();
                 let argmax = logits.chunks_exact(self.config.vocab_size).map(crate::reference::ops::argmax).collect();
-                StepOutput { argmax, logits: Some(logits), top: None }
+                StepOutput { argmax, logits: Some(logits), top: None, lse: None }
             }
             Want::TopK => {
                 let words: &[u32] = bytemuck::cast_slice(bytes);
-                let top: Vec<Vec<(u32, f32)>> = words
-                    .chunks_exact(kernels::topk::TOPK_MAX * 2)
-                    .map(|w| kernels::topk::decode_row(w, kernels::topk::TOPK_MAX))
-                    .collect();
+                let rows = words.chunks_exact(kernels::topk::TOPK_ROW_WORDS);
+                let top: Vec<Vec<(u32, f32)>> = rows.clone().map(|w| kernels::topk::decode_row(w, kernels::topk::TOPK_MAX)).collect();
+                let lse = rows.map(kernels::topk::row_logsumexp).collect();
                 // The best pair is the argmax (same order: value, then lower id).
                 let argmax = top.iter().map(|t| t.first().map_or(0, |p| p.0)).collect();
-                StepOutput { argmax, logits: None, top: Some(top) }
+                StepOutput { argmax, logits: None, top: Some(top), lse: Some(lse) }
             }
-            Want::Argmax => StepOutput { argmax: bytemuck::cast_slice(bytes).to_vec(), logits: None, top: None },
+            Want::Argmax => StepOutput { argmax: bytemuck::cast_slice(bytes).to_vec(), logits: None, top: None, lse: None },
         }
     }
 

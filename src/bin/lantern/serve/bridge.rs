@@ -80,6 +80,8 @@ async fn generate(
         endpoint,
         model: shared.model.model_id.clone(),
         prompt_tokens: v.prompt_ids.len(),
+        token_bytes: v.logprobs.map(|_| shared.model.token_bytes()),
+        tools: v.tools.clone(),
     };
     let run = Run::new(shared, handles, job, BusyGuard::new(conn.0.clone(), shared_clone), !v.stream);
     if v.stream {
@@ -287,6 +289,8 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
     let (tx, mut rx) = mpsc::channel::<SseEvent>(STREAM_BUFFER);
     let keepalive = run.shared.sse_keepalive;
     tokio::spawn(async move {
+        // Per choice: text bytes streamed so far (completions' `text_offset`).
+        let mut offsets = vec![0usize; run.done.len()];
         if run.job.endpoint == Endpoint::Chat {
             for i in 0..run.done.len() {
                 if tx.send(data(&run.job.chunk(i, None, true, None))).await.is_err() {
@@ -299,11 +303,16 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
                 w = run.next() => w,
                 _ = tx.closed() => return,
             };
-            let (i, text) = match w {
-                Wait::Event(i, Event::Token { text, .. } | Event::Text(text)) => (i, text),
+            let (i, text, lp) = match w {
+                Wait::Event(i, Event::Token { text, logprob, .. }) => (i, text, logprob),
+                Wait::Event(i, Event::Text(text)) => (i, text, None),
                 Wait::Event(i, Event::Done(g)) => {
-                    let finish = openai::finish_reason(g.finish_reason);
-                    if tx.send(data(&run.job.chunk(i, None, false, Some(finish)))).await.is_err() {
+                    let last = if run.job.tools.is_some() {
+                        run.job.final_delta(i, &g)
+                    } else {
+                        run.job.chunk(i, None, false, Some(openai::finish_reason(g.finish_reason)))
+                    };
+                    if tx.send(data(&last)).await.is_err() {
                         return;
                     }
                     if !run.all_done() {
@@ -323,7 +332,16 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
                     return;
                 }
             };
-            if !text.is_empty() && tx.send(data(&run.job.chunk(i, Some(&text), false, None))).await.is_err() {
+            // With logprobs every token gets its chunk (its text may be empty: part of a
+            // character); without, empty pieces are not sent.
+            if (text.is_empty() && lp.is_none()) || run.job.tools.is_some() {
+                continue;
+            }
+            let offset = offsets[i];
+            offsets[i] +=
+                lp.as_ref().and_then(|t| run.job.token_bytes.as_ref().map(|w| w.get(t.id as usize).map_or(0, Vec::len))).unwrap_or(0);
+            let chunk = run.job.chunk_with(i, Some(&text), false, None, lp.as_deref().map(|t| (t, offset)));
+            if tx.send(data(&chunk)).await.is_err() {
                 return;
             }
         }

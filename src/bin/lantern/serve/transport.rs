@@ -221,6 +221,7 @@ impl Server {
                 aliases: cfg.aliases,
                 speculation: cfg.speculation,
                 max_seqs,
+                token_bytes: Default::default(),
             },
             created: cfg.created,
             adapter: cfg.adapter,

@@ -11,8 +11,12 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{Constraint, Drafter, FinishReason, GenerateRequest, Generation, SamplingParams, SpecStats, Speculation};
-use crate::model::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
+pub mod tools;
+
+use tools::{ToolCall, Tools};
+
+use crate::engine::{Constraint, Drafter, FinishReason, GenerateRequest, Generation, SamplingParams, SpecStats, Speculation, TokenLogprob};
+use crate::model::tokenizer::{ChatTemplate, Tokenizer};
 
 /// Stop strings per request at most.
 pub const MAX_STOP: usize = 16;
@@ -121,7 +125,7 @@ pub struct RequestBody {
     /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
     /// "strict"}}` ([`Constraint::from_response_format`]).
     pub response_format: Option<serde_json::Value>,
-    pub tools: Option<Vec<serde_json::Value>>,
+    pub tools: Option<Vec<tools::Tool>>,
     pub tool_choice: Option<serde_json::Value>,
     pub functions: Option<Vec<serde_json::Value>>,
     pub presence_penalty: Option<f64>,
@@ -183,6 +187,12 @@ pub struct MessageIn {
     pub content: Option<Content>,
     #[serde(default)]
     pub name: Option<String>,
+    /// An assistant message's earlier calls.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message's call id.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -243,11 +253,30 @@ pub struct ServedModel {
     pub speculation: Speculation,
     /// Sequences the engine runs at once: the most choices (`n`) one request may ask for.
     pub max_seqs: usize,
+    /// Every token's bytes, for logprobs (built on first use).
+    pub token_bytes: std::sync::OnceLock<std::sync::Arc<Vec<Vec<u8>>>>,
 }
 
 impl ServedModel {
     pub fn knows_model(&self, m: &str) -> bool {
         m == self.model_id || self.aliases.iter().any(|a| a == m)
+    }
+
+    /// Every token's bytes (special tokens as their text).
+    pub fn token_bytes(&self) -> std::sync::Arc<Vec<Vec<u8>>> {
+        self.token_bytes
+            .get_or_init(|| {
+                let mut words = crate::model::guidance::token_bytes(&self.tokenizer).unwrap_or_else(|_| {
+                    (0..self.vocab as u32).map(|id| self.tokenizer.decode(&[id]).unwrap_or_default().into_bytes()).collect()
+                });
+                for w in &mut words {
+                    if w.first() == Some(&toktrie::TokTrie::SPECIAL_TOKEN_MARKER) {
+                        w.remove(0);
+                    }
+                }
+                std::sync::Arc::new(words)
+            })
+            .clone()
     }
 
     /// Longest sequence (prompt + completion) one request may reach: the context, or the
@@ -274,6 +303,10 @@ pub struct Validated {
     pub n: usize,
     /// The output's grammar (`response_format`).
     pub constraint: Option<Constraint>,
+    /// Log-probabilities with this many alternatives per token (`logprobs`, `top_logprobs`).
+    pub logprobs: Option<usize>,
+    /// The request's tools (chat), unless `tool_choice` is `none`.
+    pub tools: Option<Tools>,
 }
 
 impl Validated {
@@ -287,6 +320,7 @@ impl Validated {
             stop_strings: self.stop.clone(),
             speculation: self.speculation,
             constraint: self.constraint.clone(),
+            logprobs: self.logprobs,
         }
     }
 }
@@ -337,7 +371,7 @@ pub fn parse_request(model: &ServedModel, endpoint: Endpoint, body: &[u8]) -> Re
 }
 
 /// Check a deserialized body against the served model.
-pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Result<Validated, ApiError> {
+pub fn validate(model: &ServedModel, endpoint: Endpoint, mut req: RequestBody) -> Result<Validated, ApiError> {
     let chat = endpoint == Endpoint::Chat;
     match req.model.as_deref() {
         None => return Err(ApiError::bad("you must provide a `model` parameter").param("model").code("missing_required_parameter")),
@@ -355,24 +389,48 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
     if req.echo == Some(true) {
         return Err(ApiError::unsupported("echo", "echo"));
     }
-    match req.logprobs {
-        None | Some(Logprobs::Flag(false)) | Some(Logprobs::Count(0)) => {}
-        Some(_) => return Err(ApiError::unsupported("logprobs", "logprobs")),
-    }
+    let max_lp = crate::engine::batch::MAX_LOGPROBS as u64;
+    let logprobs = match (endpoint, req.logprobs, req.top_logprobs) {
+        (_, None | Some(Logprobs::Flag(false)), None) => None,
+        (Endpoint::Chat, Some(Logprobs::Flag(true)), None) => Some(0),
+        (Endpoint::Chat, Some(Logprobs::Flag(true)), Some(k)) if k <= max_lp => Some(k as usize),
+        (Endpoint::Chat, Some(Logprobs::Flag(true)), Some(k)) => {
+            return Err(ApiError::bad(format!("`top_logprobs` is {k}; at most {max_lp}")).param("top_logprobs"))
+        }
+        (Endpoint::Chat, _, Some(_)) => return Err(ApiError::bad("`top_logprobs` needs `logprobs: true`").param("top_logprobs")),
+        (Endpoint::Chat, Some(Logprobs::Count(_)), _) => {
+            return Err(ApiError::bad("`logprobs` is true or false in chat completions (alternatives: `top_logprobs`)").param("logprobs"))
+        }
+        (Endpoint::Completions, Some(Logprobs::Count(k)), None) if k <= max_lp => Some(k as usize),
+        (Endpoint::Completions, _, Some(_)) => {
+            return Err(ApiError::bad("completions take `logprobs: k`, not `top_logprobs`").param("top_logprobs"))
+        }
+        (Endpoint::Completions, Some(_), _) => {
+            return Err(ApiError::bad(format!("`logprobs` is the number of alternatives per token, 0 to {max_lp}")).param("logprobs"))
+        }
+    };
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported("suffix", "suffix"));
     }
-    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::unsupported("tools", "tool calling"));
+    if !chat && req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::bad("tools are for chat completions (/v1/chat/completions)").param("tools"));
     }
+    let tools = if chat { Tools::from_request(req.tools.take(), req.tool_choice.as_ref())? } else { None };
     if req.functions.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::unsupported("functions", "tool calling"));
     }
     // The grammar compiles at submission (the engine refuses one that does not).
-    let constraint = match &req.response_format {
+    let mut constraint = match &req.response_format {
         None => None,
         Some(v) => Constraint::from_response_format(v).map_err(|e| ApiError::bad(e.to_string()).param("response_format"))?,
     };
+    // A forced tool call (`required`, or a named function) is a grammar too.
+    if let Some(forced) = tools.as_ref().and_then(Tools::constraint) {
+        if constraint.is_some() {
+            return Err(ApiError::bad("a forced tool call and a response_format cannot both constrain the output").param("tool_choice"));
+        }
+        constraint = Some(forced);
+    }
     let temperature = req.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::bad(format!("`temperature` is {temperature}; it must be between 0 and 2")).param("temperature"));
@@ -407,7 +465,7 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
             if req.prompt.is_some() {
                 return Err(ApiError::bad("chat completions take `messages`, not `prompt`").param("prompt"));
             }
-            chat_prompt(model, req.messages)?
+            chat_prompt(model, req.messages.take(), tools.as_ref())?
         }
         Endpoint::Completions => {
             if req.messages.is_some() {
@@ -464,6 +522,8 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, req: RequestBody) -> Re
         speculation,
         n: n as usize,
         constraint,
+        logprobs,
+        tools,
     })
 }
 
@@ -500,8 +560,10 @@ fn completion_prompt(model: &ServedModel, prompt: Option<Prompt>) -> Result<Vec<
     }
 }
 
-/// Chat messages rendered with the model's template and tokenized.
-fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>) -> Result<Vec<u32>, ApiError> {
+/// Chat messages rendered with the model's template and tokenized. With tools, a template
+/// that takes `tools` gets them (and earlier calls as `tool_calls`); for one that does not,
+/// the system message describes them and earlier calls are written in the call syntax.
+fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>, tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
     let bad = |m: String| ApiError::bad(m).param("messages");
     let Some(list) = messages else {
         return Err(bad("you must provide `messages`".into()).code("missing_required_parameter"));
@@ -509,10 +571,14 @@ fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>) -> Result<
     if list.is_empty() {
         return Err(bad("`messages` must not be empty".into()));
     }
-    let mut msgs = Vec::with_capacity(list.len());
+    let tmpl = model.template.as_ref().map_err(|e| {
+        ApiError::bad(format!("this model has no usable chat template ({e}); use /v1/completions")).code("no_chat_template")
+    })?;
+    let takes_tools = model.tokenizer.chat_template_source().is_some_and(|t| t.contains("tools"));
+    let mut msgs: Vec<serde_json::Value> = Vec::with_capacity(list.len() + 1);
     for (i, m) in list.into_iter().enumerate() {
         let role = if m.role == "developer" { "system".to_string() } else { m.role };
-        let content = match m.content {
+        let mut content = match m.content {
             None => String::new(),
             Some(Content::Text(s)) => s,
             Some(Content::Parts(parts)) => {
@@ -526,12 +592,47 @@ fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>) -> Result<
                 text
             }
         };
-        msgs.push(ChatMessage::new(role, content));
+        let mut msg = serde_json::json!({"role": role});
+        match m.tool_calls.filter(|c| !c.is_empty()) {
+            Some(calls) if takes_tools => {
+                let calls: Vec<serde_json::Value> = calls
+                    .iter()
+                    .map(|c| {
+                        let name = c.pointer("/function/name").cloned().unwrap_or_default();
+                        let args = tools::arguments_value(c.pointer("/function/arguments"));
+                        serde_json::json!({"type": "function", "id": c.get("id"), "function": {"name": name, "arguments": args}})
+                    })
+                    .collect();
+                msg["tool_calls"] = serde_json::Value::Array(calls);
+            }
+            Some(calls) => content.push_str(&tools::calls_as_text(&calls)),
+            None => {}
+        }
+        if let Some(id) = m.tool_call_id {
+            msg["tool_call_id"] = serde_json::Value::String(id);
+        }
+        msg["content"] = serde_json::Value::String(content);
+        msgs.push(msg);
     }
-    let tmpl = model.template.as_ref().map_err(|e| {
-        ApiError::bad(format!("this model has no usable chat template ({e}); use /v1/completions")).code("no_chat_template")
-    })?;
-    let rendered = tmpl.render(&msgs, true).map_err(|e| bad(format!("the chat template refused the messages: {e}")))?;
+    let rendered = match tools {
+        Some(t) if takes_tools => tmpl.render_with(
+            minijinja::Value::from(minijinja::value::Serde(&msgs)),
+            true,
+            minijinja::context! { tools => minijinja::Value::from(minijinja::value::Serde(t.template_value())) },
+        ),
+        Some(t) => {
+            let text = t.system_text();
+            if msgs[0]["role"] == "system" {
+                let c = msgs[0]["content"].as_str().unwrap_or("").to_string();
+                msgs[0]["content"] = serde_json::Value::String(format!("{c}\n\n{text}"));
+            } else {
+                msgs.insert(0, serde_json::json!({"role": "system", "content": text}));
+            }
+            tmpl.render_with(minijinja::Value::from(minijinja::value::Serde(&msgs)), true, minijinja::Value::UNDEFINED)
+        }
+        None => tmpl.render_with(minijinja::Value::from(minijinja::value::Serde(&msgs)), true, minijinja::Value::UNDEFINED),
+    }
+    .map_err(|e| bad(format!("the chat template refused the messages: {e}")))?;
     model.tokenizer.encode_chat(&rendered).map_err(|e| bad(format!("the messages could not be tokenized: {e}")))
 }
 
@@ -580,7 +681,10 @@ impl Usage {
 #[derive(Debug, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -589,6 +693,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 /// One choice of a response or chunk: `text` (completions), `message` (chat) or `delta`
@@ -619,6 +725,37 @@ pub struct Response {
     pub usage: Option<Usage>,
 }
 
+/// A token with its log-probability, as chat completions report it.
+#[derive(Debug, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// `choices[i].logprobs` of chat completions.
+#[derive(Debug, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// `choices[i].logprobs` of (legacy) completions.
+#[derive(Debug, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    pub text_offset: Vec<usize>,
+}
+
 /// One accepted request's identity in its responses.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -627,9 +764,46 @@ pub struct Job {
     pub endpoint: Endpoint,
     pub model: String,
     pub prompt_tokens: usize,
+    /// Every token's bytes, when the request asked for logprobs.
+    pub token_bytes: Option<std::sync::Arc<Vec<Vec<u8>>>>,
+    /// The request's tools: the output is parsed for calls.
+    pub tools: Option<Tools>,
 }
 
 impl Job {
+    /// The `logprobs` object of a choice for these tokens (`offset`: text bytes before them).
+    pub fn logprobs(&self, lps: &[TokenLogprob], offset: usize) -> Option<serde_json::Value> {
+        let words = self.token_bytes.as_ref()?;
+        let bytes = |id: u32| words.get(id as usize).cloned().unwrap_or_default();
+        let text = |id: u32| String::from_utf8_lossy(&bytes(id)).into_owned();
+        let v = if self.chat() {
+            let content = lps
+                .iter()
+                .map(|t| ChatTokenLogprob {
+                    token: text(t.id),
+                    logprob: t.logprob,
+                    bytes: bytes(t.id),
+                    top_logprobs: t.top.iter().map(|&(id, lp)| TopLogprob { token: text(id), logprob: lp, bytes: bytes(id) }).collect(),
+                })
+                .collect();
+            serde_json::to_value(ChatLogprobs { content })
+        } else {
+            let mut at = offset;
+            let mut text_offset = Vec::with_capacity(lps.len());
+            for t in lps {
+                text_offset.push(at);
+                at += bytes(t.id).len();
+            }
+            serde_json::to_value(CompletionLogprobs {
+                tokens: lps.iter().map(|t| text(t.id)).collect(),
+                token_logprobs: lps.iter().map(|t| t.logprob).collect(),
+                top_logprobs: lps.iter().map(|t| t.top.iter().map(|&(id, lp)| (text(id), lp)).collect()).collect(),
+                text_offset,
+            })
+        };
+        v.ok()
+    }
+
     fn chat(&self) -> bool {
         self.endpoint == Endpoint::Chat
     }
@@ -653,16 +827,23 @@ impl Job {
             .map(|(index, g)| {
                 let finish = Some(finish_reason(g.finish_reason));
                 if self.chat() {
+                    let (message, finish) = match self.calls(index, &g.text) {
+                        Some((content, calls)) => {
+                            (AssistantMessage { role: "assistant", content, tool_calls: Some(calls) }, Some("tool_calls"))
+                        }
+                        None => (AssistantMessage { role: "assistant", content: Some(g.text.clone()), tool_calls: None }, finish),
+                    };
                     Choice {
                         index,
                         text: None,
-                        message: Some(AssistantMessage { role: "assistant", content: g.text.clone() }),
+                        message: Some(message),
                         delta: None,
-                        logprobs: None,
+                        logprobs: self.logprobs(&g.logprobs, 0),
                         finish_reason: finish,
                     }
                 } else {
-                    Choice { index, text: Some(g.text.clone()), message: None, delta: None, logprobs: None, finish_reason: finish }
+                    let logprobs = self.logprobs(&g.logprobs, 0);
+                    Choice { index, text: Some(g.text.clone()), message: None, delta: None, logprobs, finish_reason: finish }
                 }
             })
             .collect();
@@ -672,13 +853,51 @@ impl Job {
     /// A streamed chunk of choice `index`: `text` (chat: a content delta), the role (chat's
     /// first chunk), or the final one with its `finish_reason`.
     pub fn chunk(&self, index: usize, text: Option<&str>, role: bool, finish: Option<&'static str>) -> Response {
+        self.chunk_with(index, text, role, finish, None)
+    }
+
+    /// A chunk carrying one token's text and its log-probabilities (`offset`: the choice's
+    /// text bytes before it).
+    pub fn chunk_with(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        role: bool,
+        finish: Option<&'static str>,
+        logprob: Option<(&TokenLogprob, usize)>,
+    ) -> Response {
+        let logprobs = logprob.and_then(|(t, offset)| self.logprobs(std::slice::from_ref(t), offset));
         let choice = if self.chat() {
-            let delta =
-                Delta { role: role.then_some("assistant"), content: if role { Some(String::new()) } else { text.map(str::to_string) } };
-            Choice { index, text: None, message: None, delta: Some(delta), logprobs: None, finish_reason: finish }
+            let delta = Delta {
+                role: role.then_some("assistant"),
+                content: if role { Some(String::new()) } else { text.map(str::to_string) },
+                tool_calls: None,
+            };
+            Choice { index, text: None, message: None, delta: Some(delta), logprobs, finish_reason: finish }
         } else {
-            Choice { index, text: Some(text.unwrap_or("").to_string()), message: None, delta: None, logprobs: None, finish_reason: finish }
+            Choice { index, text: Some(text.unwrap_or("").to_string()), message: None, delta: None, logprobs, finish_reason: finish }
         };
+        self.response("chat.completion.chunk", vec![choice], None)
+    }
+
+    /// The tool calls in choice `index`'s text, with the text outside them.
+    pub fn calls(&self, index: usize, text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
+        self.tools.as_ref()?.parse(text, &format!("{}-{index}", self.id))
+    }
+
+    /// A streamed request with tools gets its answer in one delta at the end (the text may
+    /// be a call): the content, or the calls; then the chunk's `finish_reason`.
+    pub fn final_delta(&self, index: usize, g: &Generation) -> Response {
+        let (delta, finish) = match self.calls(index, &g.text) {
+            Some((content, mut calls)) => {
+                for (i, c) in calls.iter_mut().enumerate() {
+                    c.index = Some(i);
+                }
+                (Delta { role: None, content, tool_calls: Some(calls) }, "tool_calls")
+            }
+            None => (Delta { role: None, content: Some(g.text.clone()), tool_calls: None }, finish_reason(g.finish_reason)),
+        };
+        let choice = Choice { index, text: None, message: None, delta: Some(delta), logprobs: None, finish_reason: Some(finish) };
         self.response("chat.completion.chunk", vec![choice], None)
     }
 
