@@ -484,6 +484,8 @@ fn models_health_and_request_errors() {
         json!({"echo": true}),
         json!({"logprobs": 30}),
         json!({"top_logprobs": 2}),
+        json!({"presence_penalty": 0.5}),
+        json!({"logit_bias": {"42": 5}}),
         json!({"stream": "yes"}),
         json!({"prompt": ""}),
         json!({"prompt": [1, 2, 99999999]}),

@@ -409,6 +409,16 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, mut req: RequestBody) -
             return Err(ApiError::bad(format!("`logprobs` is the number of alternatives per token, 0 to {max_lp}")).param("logprobs"))
         }
     };
+    // Not implemented yet: refused by name rather than ignored (0 and {} are the defaults
+    // clients send, and change nothing).
+    for (key, v) in [("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)] {
+        if v.is_some_and(|v| v != 0.0) {
+            return Err(ApiError::unsupported(key, &format!("a non-zero `{key}`")));
+        }
+    }
+    if req.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(ApiError::unsupported("logit_bias", "`logit_bias`"));
+    }
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported("suffix", "suffix"));
     }
