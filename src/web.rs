@@ -72,7 +72,8 @@ struct LoadOptions {
 }
 
 /// Options for generating (all optional): `{ maxTokens, temperature, topK, topP, seed,
-/// chat, system, history, speculative, jsonSchema, regex }`. With `chat`, the prompt is the user's next message and
+/// chat, system, history, speculative, jsonSchema, regex, logitBias, presencePenalty,
+/// frequencyPenalty }` (`logitBias`: `{ "tokenId": delta }`, OpenAI's). With `chat`, the prompt is the user's next message and
 /// `history` the conversation so far (`[{ role, content }]`), rendered with the model's
 /// chat template (earlier turns' KV pages come from the prefix cache).
 #[derive(serde::Deserialize)]
@@ -94,6 +95,10 @@ struct GenOptions {
     json_schema: Option<serde_json::Value>,
     /// Constrained decoding: the output matches this regular expression.
     regex: Option<String>,
+    /// Added to these tokens' logits (`{ "13": -100 }`), OpenAI's `logit_bias`.
+    logit_bias: std::collections::BTreeMap<String, f32>,
+    presence_penalty: f32,
+    frequency_penalty: f32,
 }
 
 #[derive(serde::Deserialize)]
@@ -123,6 +128,9 @@ impl Default for GenOptions {
             speculative: None,
             json_schema: None,
             regex: None,
+            logit_bias: Default::default(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
     }
 }
@@ -332,6 +340,17 @@ impl Lantern {
                 (None, None) => None,
             },
             logprobs: None,
+            bias: crate::engine::LogitBias {
+                tokens: o
+                    .logit_bias
+                    .iter()
+                    .map(|(k, &v)| {
+                        k.trim().parse::<u32>().map(|t| (t, v)).map_err(|_| JsError::new(&format!("logitBias key {k:?} is not a token id")))
+                    })
+                    .collect::<Result<_, _>>()?,
+                presence_penalty: o.presence_penalty,
+                frequency_penalty: o.frequency_penalty,
+            },
         };
         let cancel = self.cancel.clone();
         let g = generate_with(model, draft, tok, &req, |piece| {

@@ -47,6 +47,7 @@ fn request(prompt: Vec<u32>, n: usize) -> GenerateRequest {
         speculation: Default::default(),
         constraint: None,
         logprobs: None,
+        bias: Default::default(),
     }
 }
 

@@ -52,6 +52,7 @@ fn requests(seed: u64, n: usize) -> Vec<GenerateRequest> {
                 speculation: Default::default(),
                 constraint: None,
                 logprobs: None,
+                bias: Default::default(),
             }
         })
         .collect()
@@ -146,6 +147,7 @@ fn cancelled_and_dropped_requests_free_their_pages() {
         speculation: Default::default(),
         constraint: None,
         logprobs: None,
+        bias: Default::default(),
     };
     let mut a = e.submit(long.clone()).unwrap();
     let b = e.submit(long.clone()).unwrap();
@@ -176,6 +178,7 @@ fn impossible_requests_are_refused_at_submit() {
         speculation: Default::default(),
         constraint: None,
         logprobs: None,
+        bias: Default::default(),
     };
     assert!(matches!(e.submit(req(0, 4)), Err(lantern::LanternError::InvalidRequest(_))), "empty prompt");
     assert!(matches!(e.submit(req(64, 4)), Err(lantern::LanternError::PromptTooLong { .. })));
@@ -351,4 +354,86 @@ fn logprobs_equal_a_cpu_log_softmax_of_the_logits() {
     }
     let bad = GenerateRequest { prompt_ids: prompt, logprobs: Some(21), ..Default::default() };
     assert!(e.submit(bad).is_err(), "more than 20 alternatives");
+}
+
+/// OpenAI's logit_bias and presence/frequency penalties: a biased greedy request takes, at
+/// every step, the argmax of the logits plus its biases computed on the CPU (teacher-forced
+/// through the same model), and its logprobs are the log-softmax of those biased logits. A
+/// plain request batched beside biased ones keeps its solo output, two rows of 512 pairs
+/// overflow the bias buffer's first size (16 rows x 64 pairs; it grows), and `generate`
+/// takes the same biased tokens as the engine.
+#[test]
+fn logit_bias_and_penalties_equal_a_cpu_bias_of_the_logits() {
+    use lantern::engine::LogitBias;
+    use lantern::model::llama::Want;
+    let prompt: Vec<u32> = (1..12).map(|i| i * 37 % 512).collect();
+    let mut e = engine(model_opts(6, None), EngineOptions { step_tokens: 32, prefill_chunk: 32, max_waiting: 8 });
+    let plain = GenerateRequest { prompt_ids: prompt.clone(), max_tokens: 10, ..Default::default() };
+    let mut h = e.submit(plain.clone()).unwrap();
+    pollster::block_on(e.run_until_idle()).unwrap();
+    let alone = collect(&mut h).0;
+    // Ban the plain run's first token, favour another, and penalise repeats hard.
+    let fixed = vec![(alone.output_ids[0], -100.0), (77, 2.5)];
+    let mut r = Rng::new(4242);
+    let wide: Vec<(u32, f32)> = (0..512u32).map(|t| (t, r.uniform())).collect();
+    let cases = [
+        LogitBias { tokens: fixed.clone(), presence_penalty: 0.8, frequency_penalty: 1.1 },
+        LogitBias { tokens: vec![], presence_penalty: -0.5, frequency_penalty: 2.0 },
+        LogitBias { tokens: wide.clone(), presence_penalty: 0.0, frequency_penalty: 0.0 },
+        LogitBias { tokens: wide.iter().map(|&(t, d)| (t, -d)).collect(), presence_penalty: 0.3, frequency_penalty: 0.0 },
+    ];
+    let reqs: Vec<GenerateRequest> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, b)| GenerateRequest {
+            prompt_ids: prompt.iter().map(|&t| (t + i as u32) % 512).collect(),
+            max_tokens: 10,
+            logprobs: Some(3),
+            bias: b.clone(),
+            ..Default::default()
+        })
+        .collect();
+    let mut hs: Vec<RequestHandle> = reqs.iter().map(|q| e.submit(q.clone()).unwrap()).collect();
+    let mut hp = e.submit(plain.clone()).unwrap();
+    let before = e.model.memory().workspace;
+    pollster::block_on(e.run_until_idle()).unwrap();
+    assert!(e.model.memory().workspace > before, "the bias buffer grew");
+    assert_eq!(collect(&mut hp).0.output_ids, alone.output_ids, "a plain request beside biased ones");
+    for (q, h) in reqs.iter().zip(hs.iter_mut()) {
+        let g = collect(h).0;
+        assert_eq!(g.output_ids.len(), 10);
+        let seq = e.model.new_sequence().unwrap();
+        let mut feed = q.prompt_ids.clone();
+        let mut counts = std::collections::HashMap::<u32, u32>::new();
+        for (t, lp) in g.logprobs.iter().enumerate() {
+            let mut logits = pollster::block_on(e.model.forward(seq, &feed, Want::Logits)).unwrap().logits.expect("logits");
+            for &(tok, d) in &q.bias.tokens {
+                logits[tok as usize] += d;
+            }
+            for (&tok, &c) in &counts {
+                logits[tok as usize] -= c as f32 * q.bias.frequency_penalty + q.bias.presence_penalty;
+            }
+            let best = lantern::reference::ops::argmax(&logits);
+            assert_eq!(g.output_ids[t], best, "{:?}: token {t}", q.bias);
+            let m = logits.iter().cloned().fold(f32::MIN, f32::max) as f64;
+            let lse = m + logits.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+            assert!((lp.logprob as f64 - (logits[best as usize] as f64 - lse)).abs() < 1e-4, "{:?}: token {t} logprob", q.bias);
+            *counts.entry(best).or_default() += 1;
+            feed = vec![best];
+        }
+        e.model.release_sequence(seq);
+        // The single-sequence loop (`lantern run`, the browser) takes the same tokens.
+        let one = GenerateRequest { logprobs: None, ..q.clone() };
+        let solo = pollster::block_on(lantern::engine::generate::generate(&mut e.model, &tokenizer(), &one, |_| true)).unwrap();
+        assert_eq!(solo.output_ids, g.output_ids, "{:?}: generate", q.bias);
+    }
+    assert_ne!(reqs[0].bias.tokens[0].0, 0, "the banned token is a real choice");
+    let bad = GenerateRequest {
+        prompt_ids: prompt.clone(),
+        bias: LogitBias { tokens: vec![(512, 1.0)], ..Default::default() },
+        ..Default::default()
+    };
+    let Err(err) = e.submit(bad) else { panic!("a bias outside the vocabulary was accepted") };
+    let err = err.to_string();
+    assert!(err.contains("token 512") && err.contains("512"), "{err}");
 }

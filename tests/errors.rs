@@ -33,6 +33,7 @@ fn prompt_longer_than_the_context_is_refused_before_any_work() {
         speculation: Default::default(),
         constraint: None,
         logprobs: None,
+        bias: Default::default(),
     };
     let err = pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap_err();
     assert!(matches!(err, LanternError::PromptTooLong { prompt_tokens: 10, context: 8, .. }), "{err:?}");

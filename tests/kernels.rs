@@ -1748,3 +1748,47 @@ fn logit_mask_single_allowed_token_and_empty_row() {
     mask[700 / 32] = 1 << (700 % 32);
     check_logit_mask(&ctx, "one allowed", &logits, &mask, n);
 }
+
+/// GPU logit bias against `ops::logit_bias` (exact: one f32 add per pair): rows with many
+/// pairs (more than a workgroup strides over), a row without any, pairs at both ends of
+/// the vocabulary; rows past the step's are left alone.
+#[test]
+fn logit_bias_matches_reference_on_odd_shapes() {
+    let ctx = gpu();
+    for (i, &(n, rows, max_rows)) in [(1usize, 1usize, 1usize), (33, 3, 4), (1000, 2, 2), (4099, 4, 8), (49152, 2, 3)].iter().enumerate() {
+        let mut rng = Rng::new(1400 + i as u64);
+        let logits = rng.vec(max_rows * n);
+        let mut bias: Vec<Vec<(u32, f32)>> = Vec::new();
+        for r in 0..rows {
+            let want = match r % 3 {
+                0 => n.min(150),
+                1 => 0,
+                _ => n.min(3),
+            };
+            let mut toks: Vec<u32> = (0..n as u32).collect();
+            for k in 0..want {
+                let j = k + rng.below(n - k);
+                toks.swap(k, j);
+            }
+            let mut row: Vec<(u32, f32)> = toks[..want].iter().map(|&t| (t, 10.0 * rng.uniform())).collect();
+            if want > 1 {
+                row[0].0 = 0;
+                row[1].0 = n as u32 - 1;
+                row.sort_by_key(|p| p.0);
+                row.dedup_by_key(|p| p.0);
+            }
+            bias.push(row);
+        }
+        let step = step_buffer(&ctx);
+        let lb = buf_f32(&ctx, "logits", &logits);
+        let bb = buf_u32(&ctx, "bias", &kernels::logit_bias::pack(&bias, max_rows));
+        let d = block_on(kernels::logit_bias::build(&ctx, &step, &bb, &lb, n, max_rows)).expect("build logit_bias");
+        submit(&ctx, &step, rows as u32, rows as u32, &[d]);
+        let got = read_f32s(&ctx, &lb, max_rows * n);
+        let mut want = logits.clone();
+        ops::logit_bias(&mut want[..rows * n], n, &bias);
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(g.to_bits() == w.to_bits(), "n {n}, row {} index {}: got {g}, want {w}", k / n, k % n);
+        }
+    }
+}

@@ -127,6 +127,7 @@ fn requests_with_a_common_prefix_share_pages_and_tokens() {
         speculation: Default::default(),
         constraint: None,
         logprobs: None,
+        bias: Default::default(),
     };
     let run = |m: &mut GpuModel, ids: &Vec<u32>| pollster::block_on(generate(m, &tok, &req(ids), |_| true)).expect("generate");
     let ga = run(&mut m, &a);
@@ -226,6 +227,7 @@ fn budget_sizes_the_cache_and_a_full_cache_refuses_with_a_message() {
         speculation: Default::default(),
         constraint: None,
         logprobs: None,
+        bias: Default::default(),
     };
     let mut streamed = String::new();
     let err = pollster::block_on(generate(&mut m, &tok, &req, |p| {

@@ -315,6 +315,29 @@ fn completion_and_chat_equal_lantern_run_greedy() {
     assert_eq!(v["usage"]["completion_tokens"], 6);
     assert_eq!(v["usage"]["total_tokens"].as_u64(), Some(prompt_tokens + 6));
 
+    // logit_bias and the penalties: banning the first token, with repeats penalised, gives
+    // what `lantern run` gives with the same options (and not the unbiased text).
+    let first = run["output_ids"][0].as_u64().unwrap();
+    let biased = lantern_run(&[
+        "--max-tokens",
+        "6",
+        "--logit-bias",
+        &format!("{first}=-100"),
+        "--frequency-penalty",
+        "1.5",
+        "--presence-penalty",
+        "0.5",
+        "Once upon a time",
+    ]);
+    assert_ne!(biased["output_ids"][0], run["output_ids"][0], "the banned token");
+    let r = server.post(
+        "/v1/completions",
+        &json!({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
+                "logit_bias": {first.to_string(): -100}, "frequency_penalty": 1.5, "presence_penalty": 0.5}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["choices"][0]["text"], biased["text"], "biased: server vs lantern run");
+
     // The prompt as token ids, and the model named by its path: the same text.
     let ids = run["prompt_ids"].clone();
     let path = common::smollm2_gguf().display().to_string();
@@ -484,8 +507,11 @@ fn models_health_and_request_errors() {
         json!({"echo": true}),
         json!({"logprobs": 30}),
         json!({"top_logprobs": 2}),
-        json!({"presence_penalty": 0.5}),
-        json!({"logit_bias": {"42": 5}}),
+        json!({"presence_penalty": 2.5}),
+        json!({"frequency_penalty": -3}),
+        json!({"logit_bias": {"42": 500}}),
+        json!({"logit_bias": {"forty-two": 5}}),
+        json!({"logit_bias": {"99999999": 5}}),
         json!({"stream": "yes"}),
         json!({"prompt": ""}),
         json!({"prompt": [1, 2, 99999999]}),

@@ -54,6 +54,7 @@ fn request(prompt: &[u32], max_tokens: usize, sampling: SamplingParams, speculat
         speculation,
         constraint: None,
         logprobs: None,
+        bias: Default::default(),
     }
 }
 

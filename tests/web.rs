@@ -107,6 +107,7 @@ fn native_ids(model: &Path, prompt: &str, max_tokens: usize) -> Vec<u32> {
         speculation: Default::default(),
         constraint: None,
         logprobs: None,
+        bias: Default::default(),
     };
     pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap().output_ids
 }

@@ -94,6 +94,7 @@ pub fn load(args: &Args, device: wgpu::Device, queue: wgpu::Queue) -> Result<Loa
         speculation: Default::default(),
         constraint: None,
         logprobs: None,
+        bias: Default::default(),
     };
     let mut engine = Engine::new(model, tokenizer, EngineOptions::default());
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;

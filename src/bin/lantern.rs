@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use lantern::engine::generate::{generate_with, GenerateRequest};
-use lantern::engine::SamplingParams;
+use lantern::engine::{LogitBias, SamplingParams};
 use lantern::gpu::{DeviceOptions, GpuContext};
 use lantern::model::llama::{ModelOptions, WeightPrecision};
 use lantern::model::tokenizer::ChatMessage;
@@ -163,6 +163,16 @@ struct RunArgs {
     /// Stop when this string appears (repeatable); the text is cut before it.
     #[arg(long)]
     stop: Vec<String>,
+    /// Add DELTA to token ID's logit at every step (repeatable; OpenAI's `logit_bias`:
+    /// -100 bans a token, 100 all but forces it).
+    #[arg(long, value_name = "ID=DELTA", value_parser = parse_logit_bias)]
+    logit_bias: Vec<(u32, f32)>,
+    /// Subtract this from the logit of every token already generated (OpenAI's).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    presence_penalty: f32,
+    /// Subtract this from a token's logit for each time it was already generated (OpenAI's).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    frequency_penalty: f32,
     /// Constrained decoding: the output is JSON valid against the JSON schema in this file
     /// (llguidance; masked on the GPU each step).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "grammar", "json_object"])]
@@ -357,6 +367,7 @@ fn run(a: RunArgs) -> Result<()> {
         speculation: a.spec.speculation(),
         constraint: run_constraint(&a)?,
         logprobs: None,
+        bias: LogitBias { tokens: a.logit_bias.clone(), presence_penalty: a.presence_penalty, frequency_penalty: a.frequency_penalty },
     };
     let json = a.json;
     let stdout = std::io::stdout();
@@ -475,6 +486,17 @@ fn run(a: RunArgs) -> Result<()> {
 
 /// The constraint `run`'s flags ask for (`--json-schema`, `--json-object`, `--regex`,
 /// `--grammar`), read from their files.
+/// `--logit-bias ID=DELTA`.
+fn parse_logit_bias(s: &str) -> std::result::Result<(u32, f32), String> {
+    let (id, d) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected TOKEN_ID=DELTA, e.g. 13=-100"))?;
+    let id = id.trim().parse().map_err(|_| format!("{id:?} is not a token id"))?;
+    let d: f32 = d.trim().parse().map_err(|_| format!("{d:?} is not a number"))?;
+    if !d.is_finite() {
+        return Err(format!("{d} is not a finite number"));
+    }
+    Ok((id, d))
+}
+
 fn run_constraint(a: &RunArgs) -> Result<Option<lantern::engine::Constraint>> {
     use lantern::engine::Constraint;
     let read = |p: &PathBuf| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));

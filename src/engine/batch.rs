@@ -20,11 +20,12 @@ use web_time::Instant;
 
 use super::constraint::{self, Guide};
 use super::generate::{FinishReason, GenerateRequest, Generation, TextStream};
+use super::logit_bias::BiasState;
 use super::metrics::RequestTimings;
 use super::sampler::{Dist, Sampler, TokenLogprob};
 use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats};
 use crate::kv::KvError;
-use crate::model::llama::{GpuModel, Want};
+use crate::model::llama::{GpuModel, LogitOps, Want};
 use crate::model::tokenizer::Tokenizer;
 use crate::{LanternError, Result};
 
@@ -126,6 +127,8 @@ struct Seq {
     held: Vec<Seq>,
     /// Constrained decoding: the grammar's state, which masks the sequence's logit rows.
     guide: Option<Guide>,
+    /// Logit bias and penalties: what is added to the sequence's logit rows.
+    bias: Option<BiasState>,
 }
 
 /// A speculative sequence's state in the engine.
@@ -366,10 +369,11 @@ impl Engine {
         // Constrained requests decode without speculation (drafts are not checked against
         // the grammar).
         let guide = constraint::guide_for(&self.tokenizer, req.constraint.as_ref(), self.model.config.vocab_size, &req.stop_ids)?;
+        req.bias.check(self.model.config.vocab_size).map_err(refuse)?;
         if req.logprobs.is_some_and(|k| k > MAX_LOGPROBS) {
             return Err(refuse(format!("logprobs asks for {} alternatives; at most {MAX_LOGPROBS}", req.logprobs.unwrap_or(0))));
         }
-        let speculate = req.speculation.enabled() && guide.is_none() && req.logprobs.is_none();
+        let speculate = speculates(&req, &guide);
         if speculate && req.speculation.drafter == Drafter::Model && self.draft.is_none() {
             return Err(refuse("speculation with a draft model needs a draft model in the engine (--draft)".into()));
         }
@@ -434,7 +438,7 @@ impl Engine {
             let r = sample(i);
             // Each sample walks the grammar on its own (it compiled for the first).
             let guide = constraint::guide_for(&self.tokenizer, r.constraint.as_ref(), self.model.config.vocab_size, &r.stop_ids)?;
-            let speculate = r.speculation.enabled() && guide.is_none() && r.logprobs.is_none();
+            let speculate = speculates(&r, &guide);
             let (seq, handle) = self.new_seq(r, guide, speculate);
             held.push(seq);
             handles.push(handle);
@@ -463,6 +467,7 @@ impl Engine {
             preemptions: 0,
             slot: None,
             guide,
+            bias: BiasState::new(&req.bias),
             spec: speculate.then(|| SeqSpec {
                 len: DraftLength::new(&req.speculation).with_costs(self.model.step_costs(), self.draft.as_ref().map(|d| d.step_costs())),
                 stats: SpecStats::new(req.speculation.drafter),
@@ -580,13 +585,16 @@ impl Engine {
         let (report, sch) = self.schedule()?;
         let Some(mut sch) = sch else { return Ok(report) };
         sch.started = Instant::now();
+        let bias = step_bias(&self.running, &sch.sampling, sch.rows.len());
         let out = if guided(&self.running, &sch.sampling) {
             // The masks are computed while the GPU runs the step's layers.
             let (running, sampling, n_rows, vocab) = (&mut self.running, &sch.sampling, sch.rows.len(), self.model.config.vocab_size);
             let mut masks = || Ok(step_masks(running, sampling, n_rows, vocab));
-            self.model.step_batch_masked(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, Some(&mut masks)).await
+            let ops = LogitOps { bias, mask: Some(&mut masks) };
+            self.model.step_batch_with(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, ops).await
         } else {
-            self.model.step_batch(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want).await
+            let ops = LogitOps { bias, mask: None };
+            self.model.step_batch_with(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, ops).await
         };
         self.complete(sch, out, report)
     }
@@ -671,9 +679,18 @@ impl Engine {
                 let Some(mut sch) = sch else { return Ok(FrameReport { step: Some(report), in_flight: false, submitted: 0 }) };
                 sch.started = Instant::now();
                 // This path submits a step over several calls: the masks are computed first.
-                let masks = guided(&self.running, &sch.sampling)
-                    .then(|| step_masks(&mut self.running, &sch.sampling, sch.rows.len(), self.model.config.vocab_size));
-                match self.model.begin_step_batch_masked(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, masks.as_deref()) {
+                let bias = step_bias(&self.running, &sch.sampling, sch.rows.len());
+                let r = if guided(&self.running, &sch.sampling) {
+                    let (running, sampling, n_rows, vocab) =
+                        (&mut self.running, &sch.sampling, sch.rows.len(), self.model.config.vocab_size);
+                    let mut masks = || Ok(step_masks(running, sampling, n_rows, vocab));
+                    let ops = LogitOps { bias, mask: Some(&mut masks) };
+                    self.model.begin_step_batch_with(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, ops)
+                } else {
+                    let ops = LogitOps { bias, mask: None };
+                    self.model.begin_step_batch_with(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, ops)
+                };
+                match r {
                     Ok(p) => (sch, p, report),
                     Err(e) => {
                         return self.complete(sch, Err(e), report).map(|r| FrameReport { step: Some(r), in_flight: false, submitted: 0 })
@@ -1018,6 +1035,9 @@ impl Engine {
             self.fail(s, e.to_string());
             return true;
         }
+        if let Some(b) = s.bias.as_mut() {
+            b.observe(token);
+        }
         self.stats.output_tokens += 1;
         s.timings.tokens.push(now);
         s.out.push(token);
@@ -1055,6 +1075,29 @@ impl Engine {
             None => false,
         }
     }
+}
+
+/// Whether a request decodes speculatively: asked for, and neither constrained, biased nor
+/// asking for logprobs (drafts are checked against none of those).
+fn speculates(req: &GenerateRequest, guide: &Option<Guide>) -> bool {
+    req.speculation.enabled() && guide.is_none() && req.logprobs.is_none() && req.bias.is_none()
+}
+
+/// The step's bias pairs, one row per logit row (empty for a sequence without biases;
+/// none at all when no sampled sequence has any).
+fn step_bias(running: &[Seq], sampling: &[(u64, usize, Option<usize>, usize)], n_rows: usize) -> Vec<Vec<(u32, f32)>> {
+    let mut rows = Vec::new();
+    for &(id, _, row, n) in sampling {
+        let (Some(r), Some(b)) = (row, running.iter().find(|s| s.id == id).and_then(|s| s.bias.as_ref())) else { continue };
+        if rows.is_empty() {
+            rows = vec![Vec::new(); n_rows];
+        }
+        let pairs = b.row();
+        for row in &mut rows[r..r + n] {
+            row.clone_from(&pairs);
+        }
+    }
+    rows
 }
 
 /// Whether a scheduled step samples a row of a constrained sequence.

@@ -4,10 +4,11 @@
 use web_time::Instant;
 
 use super::constraint::{Constraint, Guide};
+use super::logit_bias::{BiasState, LogitBias};
 use super::metrics::RequestTimings;
 use super::sampler::{Sampler, SamplingParams, TokenLogprob};
 use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats, Speculation};
-use crate::model::llama::{GpuModel, StepOutput, Want};
+use crate::model::llama::{GpuModel, LogitOps, StepOutput, Want};
 use crate::model::tokenizer::Tokenizer;
 use crate::{LanternError, Result};
 
@@ -59,6 +60,10 @@ pub struct GenerateRequest {
     /// engine honours it (in `Event::Token` and `Generation::logprobs`); such requests decode
     /// without speculation.
     pub logprobs: Option<usize>,
+    /// OpenAI's `logit_bias` and presence/frequency penalties (none by default), added to
+    /// the logits on the GPU before the mask, argmax and top-k. Requests with any decode
+    /// without speculation.
+    pub bias: LogitBias,
 }
 
 impl Default for GenerateRequest {
@@ -74,6 +79,7 @@ impl Default for GenerateRequest {
             speculation: Speculation::default(),
             constraint: None,
             logprobs: None,
+            bias: LogitBias::default(),
         }
     }
 }
@@ -135,10 +141,11 @@ pub async fn generate_with(
     if req.prompt_ids.len() >= context {
         return Err(LanternError::PromptTooLong { prompt_tokens: req.prompt_ids.len(), max_new: req.max_tokens, context });
     }
-    // Constrained requests decode without speculation (their drafts are not checked
-    // against the grammar).
+    req.bias.check(model.config.vocab_size).map_err(LanternError::InvalidRequest)?;
+    // Constrained and biased requests decode without speculation (their drafts are not
+    // checked against the grammar or the biases).
     let unspeculated;
-    let req = if req.constraint.is_some() && req.speculation.enabled() {
+    let req = if (req.constraint.is_some() || !req.bias.is_none()) && req.speculation.enabled() {
         unspeculated = GenerateRequest { speculation: Speculation::default(), ..req.clone() };
         &unspeculated
     } else {
@@ -225,12 +232,13 @@ async fn next_tokens(
     want: Want,
     spec: &mut Option<(DraftLength, SpecStats)>,
     guide: &mut Option<Guide>,
+    bias: &Option<BiasState>,
 ) -> Result<Vec<u32>> {
     let context = model.kv.alloc.config.context;
     let last = *history.last().expect("a sampled token");
     let Some((len_ctl, stats)) = spec.as_mut() else {
         let t0 = Instant::now();
-        let out = forward_guided(model, seq, &[last], want, guide).await?;
+        let out = forward_guided(model, seq, &[last], want, guide, bias).await?;
         model.record_step_ms(1, t0.elapsed().as_secs_f64() * 1e3);
         return Ok(vec![sampler.sample_step(&out, 0, model.config.vocab_size)]);
     };
@@ -294,12 +302,20 @@ async fn next_tokens(
     Ok(verdict.tokens)
 }
 
-/// A forward step whose sampled row is masked by `guide`'s allowed tokens (computed while
-/// the GPU runs the step's layers), or a plain one without a guide.
-async fn forward_guided(model: &mut GpuModel, seq: usize, tokens: &[u32], want: Want, guide: &mut Option<Guide>) -> Result<StepOutput> {
+/// A forward step whose sampled row is biased by `bias` and masked by `guide`'s allowed
+/// tokens (computed while the GPU runs the step's layers), or a plain one without either.
+async fn forward_guided(
+    model: &mut GpuModel,
+    seq: usize,
+    tokens: &[u32],
+    want: Want,
+    guide: &mut Option<Guide>,
+    bias: &Option<BiasState>,
+) -> Result<StepOutput> {
+    let bias = bias.as_ref().map(|b| vec![b.row()]).unwrap_or_default();
     match guide.as_mut() {
-        Some(g) => model.forward_masked(seq, tokens, want, Some(&mut || g.mask())).await,
-        None => model.forward(seq, tokens, want).await,
+        Some(g) => model.forward_with(seq, tokens, want, LogitOps { bias, mask: Some(&mut || g.mask()) }).await,
+        None => model.forward_with(seq, tokens, want, LogitOps { bias, mask: None }).await,
     }
 }
 
@@ -342,7 +358,8 @@ async fn run(
             logprobs: Vec::new(),
         });
     }
-    let out = forward_guided(model, seq, &req.prompt_ids[cached..], want, &mut guide).await?;
+    let mut bias = BiasState::new(&req.bias);
+    let out = forward_guided(model, seq, &req.prompt_ids[cached..], want, &mut guide, &bias).await?;
     if model.options.prefix_cache {
         model.cache_prefix(seq, &req.prompt_ids)?;
     }
@@ -352,6 +369,9 @@ async fn run(
         for token in batch {
             if let Some(g) = guide.as_mut() {
                 g.accept(token)?;
+            }
+            if let Some(b) = bias.as_mut() {
+                b.observe(token);
             }
             timings.tokens.push(now);
             out_ids.push(token);
@@ -378,7 +398,7 @@ async fn run(
                 break 'gen;
             }
         }
-        batch = next_tokens(model, drafting, req, seq, &history, out_ids.len(), &mut sampler, want, &mut spec, &mut guide).await?;
+        batch = next_tokens(model, drafting, req, seq, &history, out_ids.len(), &mut sampler, want, &mut spec, &mut guide, &bias).await?;
     }
     if let Some(rest) = stream.finish(tokenizer, finish)? {
         on_text(&rest);

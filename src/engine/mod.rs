@@ -1,9 +1,10 @@
-//! Requests and generation: sampling, constrained decoding, the generation loop with
+//! Requests and generation: sampling, logit bias and penalties, constrained decoding, the generation loop with
 //! streaming and stop conditions, and serving metrics (TTFT, ITL, TPOT, E2E).
 
 pub mod batch;
 pub mod constraint;
 pub mod generate;
+pub mod logit_bias;
 pub mod metrics;
 pub mod sampler;
 pub mod speculative;
@@ -13,6 +14,7 @@ pub mod worker;
 pub use batch::{Engine, EngineOptions, Event, FrameBudget, FrameReport, RequestHandle};
 pub use constraint::{Constraint, Guide};
 pub use generate::{FinishReason, GenerateRequest, Generation};
+pub use logit_bias::LogitBias;
 pub use metrics::RequestTimings;
 pub use sampler::{token_logprob, Sampler, SamplingParams, TokenLogprob};
 pub use speculative::{Drafter, SpecStats, Speculation};

@@ -28,6 +28,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("argmax.wgsl", include_str!("../../shaders/argmax.wgsl")),
     ("topk.wgsl", include_str!("../../shaders/topk.wgsl")),
     ("logit_mask.wgsl", include_str!("../../shaders/logit_mask.wgsl")),
+    ("logit_bias.wgsl", include_str!("../../shaders/logit_bias.wgsl")),
 ];
 
 /// Look up an embedded shader file.
@@ -66,6 +67,8 @@ pub enum ShaderOp {
     TopK,
     /// Constrained decoding: disallowed tokens' logits set to -inf from a bitmask per row.
     LogitMask,
+    /// OpenAI's logit_bias and penalties: sparse (token, delta) pairs added to each row.
+    LogitBias,
 }
 
 impl ShaderOp {
@@ -85,6 +88,7 @@ impl ShaderOp {
             ShaderOp::Argmax => "argmax.wgsl",
             ShaderOp::TopK => "topk.wgsl",
             ShaderOp::LogitMask => "logit_mask.wgsl",
+            ShaderOp::LogitBias => "logit_bias.wgsl",
         }
     }
 
@@ -420,6 +424,7 @@ impl PipelineKey {
         v.push(PipelineKey::new(ShaderOp::Argmax, 256));
         v.push(PipelineKey::new(ShaderOp::TopK, 64));
         v.push(PipelineKey::new(ShaderOp::LogitMask, crate::kernels::logit_mask::WORKGROUP));
+        v.push(PipelineKey::new(ShaderOp::LogitBias, crate::kernels::logit_bias::WORKGROUP));
         let combos = [NORM | BIAS, 0, RESIDUAL, NORM | GATED, NORM | GATED | GELU, NORM | GATHER, NORM, BIAS];
         for w in [WeightFormat::F32, WeightFormat::F16] {
             for &c in &combos {

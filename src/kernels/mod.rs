@@ -6,6 +6,7 @@ pub mod argmax;
 pub mod attention;
 pub mod embedding;
 pub mod linear;
+pub mod logit_bias;
 pub mod logit_mask;
 pub mod rmsnorm;
 pub mod rope_kv;
@@ -149,5 +150,6 @@ pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
         O::Argmax => std::mem::size_of::<argmax::ArgmaxParams>(),
         O::TopK => topk::UNIFORM_BYTES,
         O::LogitMask => std::mem::size_of::<logit_mask::LogitMaskParams>(),
+        O::LogitBias => std::mem::size_of::<logit_bias::LogitBiasParams>(),
     }
 }

@@ -62,8 +62,12 @@ pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usi
     let (heads, kv_heads) = (c.num_heads as u64, c.num_kv_heads as u64);
     let qkv = mul(&[sum(&[heads, kv_heads, kv_heads]), hd]);
     let act = mul(&[t, sum(&[d, qkv, mul(&[heads, hd]), c.intermediate_size as u64]), 4]);
-    // The logits rows and their constrained-decoding bitmasks.
-    let logits = sum(&[mul(&[r, c.vocab_size as u64, 4]), mul(&[r, c.vocab_size.div_ceil(32) as u64, 4])]);
+    // The logits rows, their constrained-decoding bitmasks and their logit-bias pairs.
+    let logits = sum(&[
+        mul(&[r, c.vocab_size as u64, 4]),
+        mul(&[r, c.vocab_size.div_ceil(32) as u64, 4]),
+        crate::kernels::logit_bias::initial_bytes(r as usize),
+    ]);
     let inputs = sum(&[mul(&[t, 16]), mul(&[r, 4])]);
     let tables = if c.has_local_rope() { 2 } else { 1 };
     let rope = mul(&[tables, context as u64, hd, 4]);

@@ -15,7 +15,9 @@ pub mod tools;
 
 use tools::{ToolCall, Tools};
 
-use crate::engine::{Constraint, Drafter, FinishReason, GenerateRequest, Generation, SamplingParams, SpecStats, Speculation, TokenLogprob};
+use crate::engine::{
+    Constraint, Drafter, FinishReason, GenerateRequest, Generation, LogitBias, SamplingParams, SpecStats, Speculation, TokenLogprob,
+};
 use crate::model::tokenizer::{ChatTemplate, Tokenizer};
 
 /// Stop strings per request at most.
@@ -307,6 +309,8 @@ pub struct Validated {
     pub logprobs: Option<usize>,
     /// The request's tools (chat), unless `tool_choice` is `none`.
     pub tools: Option<Tools>,
+    /// `logit_bias`, `presence_penalty` and `frequency_penalty`.
+    pub bias: LogitBias,
 }
 
 impl Validated {
@@ -321,8 +325,49 @@ impl Validated {
             speculation: self.speculation,
             constraint: self.constraint.clone(),
             logprobs: self.logprobs,
+            bias: self.bias.clone(),
         }
     }
+}
+
+/// `presence_penalty` and `frequency_penalty` (-2 to 2) and `logit_bias` (token ids as
+/// strings, values -100 to 100), OpenAI's ranges.
+fn logit_bias(
+    model: &ServedModel,
+    presence: Option<f64>,
+    frequency: Option<f64>,
+    bias: Option<&BTreeMap<String, f64>>,
+) -> Result<LogitBias, ApiError> {
+    let mut out = LogitBias::default();
+    for (key, v, slot) in
+        [("presence_penalty", presence, &mut out.presence_penalty), ("frequency_penalty", frequency, &mut out.frequency_penalty)]
+    {
+        let v = v.unwrap_or(0.0);
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(ApiError::bad(format!("`{key}` is {v}; it must be between -2 and 2")).param(key));
+        }
+        *slot = v as f32;
+    }
+    for (k, &v) in bias.into_iter().flatten() {
+        let param = format!("logit_bias.{k}");
+        let t: u32 = k
+            .trim()
+            .parse()
+            .map_err(|_| ApiError::bad(format!("`logit_bias` keys are token ids; {k:?} is not one")).param(param.clone()))?;
+        if t as usize >= model.vocab {
+            return Err(
+                ApiError::bad(format!("`logit_bias` names token {t}, outside the vocabulary (size {})", model.vocab)).param(param.clone())
+            );
+        }
+        if !(-100.0..=100.0).contains(&v) {
+            return Err(ApiError::bad(format!("`logit_bias` for token {t} is {v}; it must be between -100 and 100")).param(param.clone()));
+        }
+        if out.tokens.iter().any(|p| p.0 == t) {
+            return Err(ApiError::bad(format!("`logit_bias` names token {t} twice")).param(param.clone()));
+        }
+        out.tokens.push((t, v as f32));
+    }
+    Ok(out)
 }
 
 /// The JSON path of a deserialization error as OpenAI's `param` (`messages[0].role`).
@@ -409,16 +454,7 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, mut req: RequestBody) -
             return Err(ApiError::bad(format!("`logprobs` is the number of alternatives per token, 0 to {max_lp}")).param("logprobs"))
         }
     };
-    // Not implemented yet: refused by name rather than ignored (0 and {} are the defaults
-    // clients send, and change nothing).
-    for (key, v) in [("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)] {
-        if v.is_some_and(|v| v != 0.0) {
-            return Err(ApiError::unsupported(key, &format!("a non-zero `{key}`")));
-        }
-    }
-    if req.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-        return Err(ApiError::unsupported("logit_bias", "`logit_bias`"));
-    }
+    let bias = logit_bias(model, req.presence_penalty, req.frequency_penalty, req.logit_bias.as_ref())?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported("suffix", "suffix"));
     }
@@ -534,6 +570,7 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, mut req: RequestBody) -
         constraint,
         logprobs,
         tools,
+        bias,
     })
 }
 

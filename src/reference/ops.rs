@@ -241,6 +241,18 @@ pub fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// OpenAI's logit_bias and penalties (`shaders/logit_bias.wgsl`): `logits[r * n + t] +=
+/// delta` for each `(t, delta)` of `rows[r]`, in place (tokens at or past `n` are skipped).
+pub fn logit_bias(logits: &mut [f32], n: usize, rows: &[Vec<(u32, f32)>]) {
+    for (row, pairs) in logits.chunks_mut(n).zip(rows) {
+        for &(t, d) in pairs {
+            if let Some(v) = row.get_mut(t as usize) {
+                *v += d;
+            }
+        }
+    }
+}
+
 /// Constrained decoding's mask (`shaders/logit_mask.wgsl`): every logit of `logits`
 /// (`rows x n`) whose bit in its row's `words(n)`-word bitmask (`mask`, bit `i % 32` of word
 /// `i / 32`) is clear becomes -inf, in place.

@@ -107,6 +107,14 @@ lp = c.choices[0].logprobs
 assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4, lp
 assert all(len(t) == 3 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs), lp
 
+# Penalties and logit_bias go through the client's own types (tests/serve.rs checks their
+# effect token by token against `lantern run`).
+r = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0,
+    presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"0": -100},
+)
+assert r.choices[0].message.content, r
+
 # A forced tool call: tool_calls whose arguments fit the parameters; then the tool's answer
 # goes back in the conversation.
 tools = [

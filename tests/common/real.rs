@@ -202,6 +202,7 @@ pub fn check_speculative_cases(
             speculation,
             constraint: None,
             logprobs: None,
+            bias: Default::default(),
         };
         let g = pollster::block_on(lantern::engine::generate::generate_with(model, draft.as_deref_mut(), tokenizer, &req, |_| true))
             .map_err(|e| format!("{name}: {e}"))?;

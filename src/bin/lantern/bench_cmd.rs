@@ -160,6 +160,7 @@ fn workload(a: &BenchArgs, vocab: usize, seed: u64) -> Result<Vec<Planned>> {
                 speculation: Default::default(),
                 constraint: None,
                 logprobs: None,
+                bias: Default::default(),
             },
             at: t,
         });

@@ -75,6 +75,7 @@ fn generate_once(
         speculation,
         constraint: None,
         logprobs: None,
+        bias: Default::default(),
     };
     Ok(pollster::block_on(generate_with(target, draft, tokenizer, &req, |_| true))?)
 }

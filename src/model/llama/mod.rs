@@ -40,7 +40,7 @@ mod upload;
 
 pub use memory::{DtypeBytes, MemoryReport};
 pub use options::{ModelOptions, StepOutput, Want, WeightPrecision};
-pub use step::{MaskFn, PendingStep, DISPATCHES_PER_SUBMIT};
+pub use step::{LogitOps, MaskFn, PendingStep, DISPATCHES_PER_SUBMIT};
 
 struct Layer {
     /// q|k|v: one projection, or runs of parts stored alike, each with the first qkv column

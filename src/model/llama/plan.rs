@@ -34,6 +34,9 @@ pub(super) struct Workspace {
     pub topk: wgpu::Buffer,
     /// Constrained decoding: the allowed-token bitmask of each logit row (`r x ceil(vocab / 32)`).
     pub token_mask: wgpu::Buffer,
+    /// OpenAI's logit_bias and penalties: each logit row's sparse (token, delta) pairs
+    /// (`kernels::logit_bias::pack`); grows when a step brings more pairs.
+    pub logit_bias: wgpu::Buffer,
     pub rope: wgpu::Buffer,
     /// The sliding layers' cos/sin table when their RoPE base differs (Gemma 3).
     pub rope_local: Option<wgpu::Buffer>,
@@ -57,6 +60,8 @@ pub(super) struct Plans {
     pub topk: Dispatch,
     /// Constrained decoding's mask over the logit rows (before argmax / top-k / readback).
     pub logit_mask: Dispatch,
+    /// Logit bias and penalties over the logit rows (before the mask).
+    pub logit_bias: Dispatch,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -106,6 +111,7 @@ impl Workspace {
             argmax: create_zeroed(ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
             topk: create_zeroed(ctx, "topk", (r * kernels::topk::TOPK_ROW_WORDS * 4) as u64).map_err(gpu_err)?,
             token_mask: create_zeroed(ctx, "token_mask", (r * kernels::logit_mask::words(c.vocab_size) * 4) as u64).map_err(gpu_err)?,
+            logit_bias: create_zeroed(ctx, "logit_bias", kernels::logit_bias::initial_bytes(r)).map_err(gpu_err)?,
             rope: create_storage(
                 ctx,
                 "rope",
@@ -146,6 +152,7 @@ impl Workspace {
             &self.argmax,
             &self.topk,
             &self.token_mask,
+            &self.logit_bias,
             &self.rope,
             &self.partials,
         ]
@@ -229,6 +236,10 @@ pub(super) async fn build_plans(
     let argmax = kernels::argmax::build(ctx, &ws.step, &ws.logits, &ws.argmax, c.vocab_size).await.map_err(gpu_err)?;
     let topk = kernels::topk::build(ctx, &ws.step, &ws.logits, &ws.topk, c.vocab_size, kernels::topk::TOPK_MAX).await.map_err(gpu_err)?;
     let logit_mask = kernels::logit_mask::build(ctx, &ws.step, &ws.token_mask, &ws.logits, c.vocab_size).await.map_err(gpu_err)?;
+    // The rows of logits a step can produce: the logit_rows buffer holds one index each.
+    let logit_rows = (ws.logit_rows.size() / 4) as usize;
+    let logit_bias =
+        kernels::logit_bias::build(ctx, &ws.step, &ws.logit_bias, &ws.logits, c.vocab_size, logit_rows).await.map_err(gpu_err)?;
     let plans = Plans {
         embed,
         layers_matvec,
@@ -240,6 +251,7 @@ pub(super) async fn build_plans(
         argmax,
         topk,
         logit_mask,
+        logit_bias,
     };
     Ok((plans, batch_max_tokens))
 }

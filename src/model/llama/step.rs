@@ -27,12 +27,37 @@ impl PendingStep {
 /// submission.
 pub type MaskFn<'a> = &'a mut dyn FnMut() -> Result<Vec<u32>>;
 
+/// What a step does to its logit rows on the GPU before argmax, top-k and the readback:
+/// first the biases are added, then the mask sets disallowed tokens to -inf.
+#[derive(Default)]
+pub struct LogitOps<'a> {
+    /// OpenAI's `logit_bias` and presence/frequency penalties: `(token, delta)` pairs added
+    /// to each logit row, in the step's row order (rows past the end, and empty rows, are
+    /// left as they are). Each token at most once per row, inside the vocabulary; deltas
+    /// finite.
+    pub bias: Vec<Vec<(u32, f32)>>,
+    /// Constrained decoding's bitmasks. [`GpuModel::step_batch_with`] and
+    /// [`GpuModel::forward_with`] ask for them once the layers and the LM head are submitted,
+    /// so the host computes them while the GPU runs those; the frame-budgeted
+    /// [`GpuModel::begin_step_batch_with`] asks up front.
+    pub mask: Option<MaskFn<'a>>,
+}
+
+impl LogitOps<'_> {
+    /// Whether any row is biased.
+    pub fn biased(&self) -> bool {
+        self.bias.iter().any(|r| !r.is_empty())
+    }
+}
+
 /// A step started with [`GpuModel::begin_step_batch`] and driven by [`GpuModel::advance`].
 pub struct PendingStep {
     s: StepUniform,
     want: Want,
     /// The step's logit rows are masked (the bitmasks were uploaded at its start).
     masked: bool,
+    /// The step's logit rows are biased (the pairs were uploaded at its start).
+    biased: bool,
     /// Dispatches submitted so far.
     next: usize,
     submissions: usize,
@@ -120,17 +145,18 @@ impl GpuModel {
     /// Append `tokens` to sequence `seq`, running as many steps as the batch limit needs,
     /// and return the argmax (and logits, if asked) of the last token.
     pub async fn forward(&mut self, seq: usize, tokens: &[u32], want: Want) -> Result<StepOutput> {
-        self.forward_masked(seq, tokens, want, None).await
+        self.forward_with(seq, tokens, want, LogitOps::default()).await
     }
 
-    /// [`Self::forward`] with the last token's logits masked on the GPU by the bitmask `mask`
-    /// returns (constrained decoding; called while the GPU runs the last step's layers).
-    pub async fn forward_masked(&mut self, seq: usize, tokens: &[u32], want: Want, mask: Option<MaskFn<'_>>) -> Result<StepOutput> {
+    /// [`Self::forward`] with the last token's logits row biased and masked on the GPU by
+    /// `ops` (its first bias row; the mask is asked for while the GPU runs the last step's
+    /// layers).
+    pub async fn forward_with(&mut self, seq: usize, tokens: &[u32], want: Want, ops: LogitOps<'_>) -> Result<StepOutput> {
         if tokens.is_empty() {
             return Err(LanternError::InvalidRequest("forward called with no tokens".into()));
         }
         let chunk = self.options.max_batch_tokens.max(1);
-        let mut outs = self.run_chunks(seq, tokens, chunk, want, false, mask).await?;
+        let mut outs = self.run_chunks(seq, tokens, chunk, want, false, ops).await?;
         Ok(outs.pop().unwrap_or_default())
     }
 
@@ -150,7 +176,7 @@ impl GpuModel {
         self.check_ids(tokens)?;
         let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
         let rows: Vec<u32> = (0..tokens.len() as u32).collect();
-        match self.step(seq, tokens, start, &rows, want, false, None).await {
+        match self.step(seq, tokens, start, &rows, want, false, LogitOps::default()).await {
             Ok(o) => Ok(o),
             Err(e) => {
                 let _ = self.kv.alloc.truncate(seq, start);
@@ -172,7 +198,7 @@ impl GpuModel {
             return Ok(Vec::new());
         }
         let chunk = self.logit_rows;
-        let outs = self.run_chunks(seq, tokens, chunk, Want::Logits, true, None).await?;
+        let outs = self.run_chunks(seq, tokens, chunk, Want::Logits, true, LogitOps::default()).await?;
         Ok(outs.into_iter().flat_map(|o| o.logits.unwrap_or_default()).collect())
     }
 
@@ -187,8 +213,9 @@ impl GpuModel {
         chunk: usize,
         want: Want,
         every_row: bool,
-        mut mask: Option<MaskFn<'_>>,
+        ops: LogitOps<'_>,
     ) -> Result<Vec<StepOutput>> {
+        let mut ops = Some(ops);
         self.check_ids(tokens)?;
         let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
         let n_chunks = tokens.len().div_ceil(chunk);
@@ -201,9 +228,9 @@ impl GpuModel {
             } else {
                 vec![]
             };
-            // Only the last chunk samples: it alone is masked.
-            let m = if ci + 1 == n_chunks { mask.take() } else { None };
-            match self.step(seq, part, start + ci * chunk, &rows, want, every_row, m).await {
+            // Only the last chunk samples: it alone is biased and masked.
+            let o = if ci + 1 == n_chunks { ops.take().unwrap_or_default() } else { LogitOps::default() };
+            match self.step(seq, part, start + ci * chunk, &rows, want, every_row, o).await {
                 Ok(o) => {
                     if !rows.is_empty() {
                         outs.push(o);
@@ -285,10 +312,10 @@ impl GpuModel {
         rows: &[u32],
         want: Want,
         all_rows: bool,
-        mask: Option<MaskFn<'_>>,
+        ops: LogitOps<'_>,
     ) -> Result<StepOutput> {
         let s = self.write_step_inputs(seq, part, pos0, rows);
-        self.run_step(s, want, all_rows, mask).await
+        self.run_step(s, want, all_rows, ops).await
     }
 
     /// One step over tokens of several sequences (continuous batching): `ids[i]` at
@@ -323,29 +350,30 @@ impl GpuModel {
     }
 
     pub async fn step_batch(&mut self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32], want: Want) -> Result<StepOutput> {
-        self.step_batch_masked(ids, positions, seqs, rows, want, None).await
+        self.step_batch_with(ids, positions, seqs, rows, want, LogitOps::default()).await
     }
 
-    /// [`Self::step_batch`] with the logit rows masked on the GPU by the bitmasks `mask`
-    /// returns (one per row, in `rows` order; called while the GPU runs the layers).
-    pub async fn step_batch_masked(
+    /// [`Self::step_batch`] with the logit rows biased and masked on the GPU by `ops` (one
+    /// bias row and one bitmask per logit row, in `rows` order; the masks are asked for while
+    /// the GPU runs the layers).
+    pub async fn step_batch_with(
         &mut self,
         ids: &[u32],
         positions: &[u32],
         seqs: &[u32],
         rows: &[u32],
         want: Want,
-        mask: Option<MaskFn<'_>>,
+        ops: LogitOps<'_>,
     ) -> Result<StepOutput> {
         self.validate_batch(ids, positions, seqs, rows)?;
         let s = self.write_batch_inputs(ids, positions, seqs, rows);
-        self.run_step(s, want, false, mask).await
+        self.run_step(s, want, false, ops).await
     }
 
-    async fn run_step(&mut self, s: StepUniform, want: Want, all_rows: bool, mask: Option<MaskFn<'_>>) -> Result<StepOutput> {
+    async fn run_step(&mut self, s: StepUniform, want: Want, all_rows: bool, ops: LogitOps<'_>) -> Result<StepOutput> {
         let ctx = self.ctx.clone();
         ctx.check_lost().map_err(LanternError::Gpu)?;
-        let r = self.run_step_inner(s, want, all_rows, mask).await;
+        let r = self.run_step_inner(s, want, all_rows, ops).await;
         // Whatever failed on a lost device, the loss is the error to report.
         match (r, ctx.check_lost()) {
             (Err(_), Err(lost)) => Err(LanternError::Gpu(lost)),
@@ -353,9 +381,9 @@ impl GpuModel {
         }
     }
 
-    /// The dispatches of a step, in order; with `masked`, the logit mask runs between the LM
-    /// head and the argmax.
-    fn step_dispatches(&self, s: &StepUniform, want: Want, all_rows: bool, masked: bool) -> Vec<&Dispatch> {
+    /// The dispatches of a step, in order; with `biased` and `masked`, the logit bias and then
+    /// the logit mask run between the LM head and the argmax.
+    fn step_dispatches(&self, s: &StepUniform, want: Want, all_rows: bool, biased: bool, masked: bool) -> Vec<&Dispatch> {
         let mut v: Vec<&Dispatch> = self.plans.embed.iter().chain(self.layer_plan_for(s.n_tokens as usize)).collect();
         if s.n_out > 0 {
             let head = if all_rows {
@@ -366,6 +394,9 @@ impl GpuModel {
                 &self.plans.head_gather
             };
             v.extend(head.iter());
+            if biased {
+                v.push(&self.plans.logit_bias);
+            }
             if masked {
                 v.push(&self.plans.logit_mask);
             }
@@ -425,13 +456,57 @@ impl GpuModel {
         Ok(())
     }
 
-    async fn run_step_inner(&mut self, s: StepUniform, want: Want, all_rows: bool, mask: Option<MaskFn<'_>>) -> Result<StepOutput> {
+    /// Check a step's bias pairs (at most one row per logit row; tokens inside the
+    /// vocabulary, once per row; finite deltas) and upload them, growing the buffer (and
+    /// rebinding the bias dispatch) when they do not fit.
+    fn upload_bias(&mut self, bias: &[Vec<(u32, f32)>], n_out: u32) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        if bias.len() > n_out as usize {
+            return Err(LanternError::InvalidRequest(format!("logit bias for {} rows in a step of {n_out} logit rows", bias.len())));
+        }
+        for (r, row) in bias.iter().enumerate() {
+            let mut seen: Vec<u32> = row.iter().map(|p| p.0).collect();
+            seen.sort_unstable();
+            if let Some(&(t, d)) = row.iter().find(|&&(t, d)| t as usize >= vocab || !d.is_finite()) {
+                return Err(LanternError::InvalidRequest(format!(
+                    "logit bias row {r}: token {t} with delta {d} (tokens must be below the vocabulary size {vocab}, deltas finite)"
+                )));
+            }
+            if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+                return Err(LanternError::InvalidRequest(format!("logit bias row {r}: token {} appears twice", w[0])));
+            }
+        }
+        let words = kernels::logit_bias::pack(bias, self.logit_rows);
+        let need = (words.len() * 4) as u64;
+        if need > self.ws.logit_bias.size() {
+            let bytes = need.next_power_of_two();
+            self.ws.logit_bias = crate::gpu::buffer::create_zeroed(&self.ctx, "logit_bias", bytes).map_err(gpu_err)?;
+            self.plans.logit_bias = kernels::logit_bias::rebind(
+                &self.ctx,
+                &self.plans.logit_bias,
+                &self.ws.step,
+                &self.ws.logit_bias,
+                &self.ws.logits,
+                vocab,
+                self.logit_rows,
+            );
+            self.memory.workspace = self.ws.bytes();
+        }
+        self.ctx.queue.write_buffer(&self.ws.logit_bias, 0, bytemuck::cast_slice(&words));
+        Ok(())
+    }
+
+    async fn run_step_inner(&mut self, s: StepUniform, want: Want, all_rows: bool, ops: LogitOps<'_>) -> Result<StepOutput> {
         let ctx = self.ctx.clone();
-        let mut mask = mask.filter(|_| s.n_out > 0);
+        let biased = ops.biased() && s.n_out > 0;
+        if biased {
+            self.upload_bias(&ops.bias, s.n_out)?;
+        }
+        let mut mask = ops.mask.filter(|_| s.n_out > 0);
         let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
         self.encode_pending_copies(&mut enc);
-        let dispatches = self.step_dispatches(&s, want, all_rows, mask.is_some());
+        let dispatches = self.step_dispatches(&s, want, all_rows, biased, mask.is_some());
         // Masked: the layers and the LM head go first, and the host computes the masks while
         // the GPU runs them; the mask, argmax / top-k and readback follow.
         let split = if mask.is_some() { dispatches.len() - 2 - usize::from(want == Want::TopK) } else { dispatches.len() };
@@ -480,27 +555,31 @@ impl GpuModel {
     /// path): inputs are written and page copies submitted; [`Self::advance`] then submits
     /// its dispatches a few at a time and collects the result without ever waiting.
     pub fn begin_step_batch(&mut self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32], want: Want) -> Result<PendingStep> {
-        self.begin_step_batch_masked(ids, positions, seqs, rows, want, None)
+        self.begin_step_batch_with(ids, positions, seqs, rows, want, LogitOps::default())
     }
 
-    /// [`Self::begin_step_batch`] with the logit rows masked by `mask` (one bitmask per row,
-    /// computed up front: this path submits a step across several calls, so the masks are
-    /// not overlapped with the GPU's work).
-    pub fn begin_step_batch_masked(
+    /// [`Self::begin_step_batch`] with the logit rows biased and masked by `ops` (the masks
+    /// are asked for here, up front: this path submits a step across several calls, so they
+    /// are not overlapped with the GPU's work).
+    pub fn begin_step_batch_with(
         &mut self,
         ids: &[u32],
         positions: &[u32],
         seqs: &[u32],
         rows: &[u32],
         want: Want,
-        mask: Option<&[u32]>,
+        ops: LogitOps<'_>,
     ) -> Result<PendingStep> {
         self.ctx.check_lost().map_err(LanternError::Gpu)?;
         self.validate_batch(ids, positions, seqs, rows)?;
         let s = self.write_batch_inputs(ids, positions, seqs, rows);
-        let masked = match mask {
-            Some(m) if s.n_out > 0 => {
-                self.upload_mask(m, s.n_out)?;
+        let biased = ops.biased() && s.n_out > 0;
+        if biased {
+            self.upload_bias(&ops.bias, s.n_out)?;
+        }
+        let masked = match ops.mask {
+            Some(f) if s.n_out > 0 => {
+                self.upload_mask(&f()?, s.n_out)?;
                 true
             }
             _ => false,
@@ -508,7 +587,7 @@ impl GpuModel {
         let mut enc = self.ctx.device.create_command_encoder(&Default::default());
         self.encode_pending_copies(&mut enc);
         self.ctx.queue.submit([enc.finish()]);
-        Ok(PendingStep { s, want, masked, next: 0, mapping: None, submissions: 0 })
+        Ok(PendingStep { s, want, masked, biased, next: 0, mapping: None, submissions: 0 })
     }
 
     /// Submit more of `p`'s dispatches until `deadline` or `max_dispatches` (at least one
@@ -519,7 +598,7 @@ impl GpuModel {
     pub async fn advance(&mut self, p: &mut PendingStep, deadline: web_time::Instant, max_dispatches: usize) -> Result<Option<StepOutput>> {
         let ctx = self.ctx.clone();
         ctx.check_lost().map_err(LanternError::Gpu)?;
-        let dispatches = self.step_dispatches(&p.s, p.want, false, p.masked);
+        let dispatches = self.step_dispatches(&p.s, p.want, false, p.biased, p.masked);
         let total = dispatches.len();
         let mut this_call = 0;
         let mut cost = self.submit_ms_per_dispatch;
