@@ -1,11 +1,13 @@
 //! Unit tests in a real browser (wasm-bindgen-test in headless Chromium through
 //! chromedriver, WebGPU on SwiftShader: no shader-f16): the adapter is found, the forward
 //! pass on the browser's WebGPU matches the CPU reference on random models (f32 and f16
-//! weights, GQA/MQA, odd widths, uneven chunks), and bad input is a clear error, not a
-//! panic. Run by `scripts/test.sh` as
+//! weights, GQA/MQA, odd widths, uneven chunks), the generate API's regex constraint and
+//! logit bias hold there, and bad input is a clear error, not a panic. Run by `scripts/test.sh` as
 //! `cargo test --release --target wasm32-unknown-unknown --no-default-features --features web --test wasm`.
 #![cfg(target_arch = "wasm32")]
 
+#[path = "common/gguf_writer.rs"]
+mod gguf_writer;
 #[path = "common/random.rs"]
 mod random;
 
@@ -157,4 +159,34 @@ async fn every_gguf_block_format_matches_transformers_in_the_browser() {
             assert!(worst <= 1e-4 * scale, "{ty}: position {r} off by {worst:e} (row max |logit| {scale})");
         }
     }
+}
+
+/// The browser API's constrained decoding and logit bias (llguidance compiled for wasm, the
+/// mask and bias kernels on SwiftShader), on a tiny GGUF with a byte-level tokenizer: a
+/// `regex` output is in the language, and `logitBias` -100 on the unconstrained first token
+/// moves the first token elsewhere.
+#[wasm_bindgen_test]
+async fn generate_takes_a_regex_and_a_logit_bias_in_the_browser() {
+    use gguf_writer::{byte_level_tokenizer, tiny_model, TinyShape};
+    let mut w = tiny_model("llama", TinyShape { hidden: 32, heads: 2, kv_heads: 1, head_dim: 16, ffn: 64, vocab: 258, layers: 2 }, 0);
+    for (k, v) in byte_level_tokenizer(&["a b"], &["<|endoftext|>"]) {
+        w.set(&k, v);
+    }
+    let bytes = js_sys::Uint8Array::from(&w.to_bytes()[..]);
+    let lantern = lantern::web::Lantern::load_bytes(bytes, "tiny.gguf".into(), JsValue::UNDEFINED, None).await.expect("load");
+    let field = |v: &JsValue, k: &str| js_sys::Reflect::get(v, &k.into()).unwrap();
+    let opts = |json: &str| js_sys::JSON::parse(json).unwrap();
+    let out = lantern.generate("ab".into(), opts(r#"{"maxTokens": 8, "regex": "[ab]{2,4}c"}"#), None).await.expect("generate");
+    let text = field(&out, "text").as_string().unwrap();
+    let (letters, last) = text.split_at(text.len().saturating_sub(1));
+    assert!(last == "c" && (2..=4).contains(&letters.len()) && letters.chars().all(|c| c == 'a' || c == 'b'), "{text:?}");
+    assert_eq!(field(&out, "finishReason").as_string().unwrap(), "stop", "the finished grammar ends it");
+    let plain = lantern.generate("ab".into(), opts(r#"{"maxTokens": 2}"#), None).await.expect("generate");
+    let first = js_sys::Array::from(&field(&plain, "outputIds")).get(0).as_f64().unwrap() as u32;
+    let biased = lantern
+        .generate("ab".into(), opts(&format!(r#"{{"maxTokens": 2, "logitBias": {{"{first}": -100}}, "frequencyPenalty": 1}}"#)), None)
+        .await
+        .expect("generate");
+    let got = js_sys::Array::from(&field(&biased, "outputIds")).get(0).as_f64().unwrap() as u32;
+    assert_ne!(got, first, "a -100 bias bans the unbiased first token");
 }

@@ -19,6 +19,12 @@ use lantern::model::gguf::{
 use lantern::model::tokenizer::{ChatMessage, Tokenizer};
 use lantern::model::{HostTensor, ModelConfig};
 
+// The tests' GGUF writer and byte-level tokenizer (one file, shared with tests/common and
+// tests/wasm.rs).
+#[path = "../../tests/common/gguf_writer.rs"]
+mod gguf_writer;
+pub use gguf_writer::{byte_level_char, byte_level_tokenizer, GgufWriter, Meta};
+
 /// Name given to the inputs in error messages.
 const GGUF_NAME: &str = "fuzz.gguf";
 const ST_NAME: &str = "model.safetensors";
@@ -467,16 +473,6 @@ impl TokenizerRecipe {
     }
 }
 
-/// GPT-2's byte-to-character map (`bytes_to_unicode`).
-fn byte_level_char(b: u8) -> char {
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
-    if printable(b) {
-        return b as char;
-    }
-    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(256 + n).unwrap_or('?')
-}
-
 // ---------------------------------------------------------------------------------------
 // openai_request: the OpenAI request parsing and validation of `lantern serve`.
 // ---------------------------------------------------------------------------------------
@@ -518,22 +514,12 @@ const SERVED_TEMPLATE: &str = "{% if tools %}<|im_start|>system\n{% for t in too
 /// The model `openai_request` validates against: 256 byte-level tokens, a few merges,
 /// ChatML specials, 4096 tokens of context in 64 pages of 16.
 fn served_model() -> lantern::openai::ServedModel {
-    let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_level_char(b).to_string()).collect();
-    let merges: Vec<String> = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "{ \""].iter().map(|m| m.to_string()).collect();
-    tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
-    let specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"];
-    tokens.extend(specials.iter().map(|t| t.to_string()));
-    let n = tokens.len();
-    let types = (0..n).map(|i| if i + specials.len() >= n { 3 } else { 1 }).collect();
-    let kv = vec![
-        ("tokenizer.ggml.model".to_string(), Meta::Str("gpt2".into())),
-        ("tokenizer.ggml.pre".to_string(), Meta::Str("qwen2".into())),
-        ("tokenizer.ggml.tokens".to_string(), Meta::StrArray(tokens)),
-        ("tokenizer.ggml.token_type".to_string(), Meta::I32Array(types)),
-        ("tokenizer.ggml.merges".to_string(), Meta::StrArray(merges)),
-        ("tokenizer.ggml.eos_token_id".to_string(), Meta::U32(n as u32 - 2)),
-        ("tokenizer.chat_template".to_string(), Meta::Str(SERVED_TEMPLATE.into())),
-    ];
+    let merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "{ \""];
+    let mut kv = byte_level_tokenizer(&merges, &["<|im_start|>", "<|im_end|>", "<|endoftext|>"]);
+    let n = 256 + merges.len() + 3;
+    kv.retain(|(k, _)| k != "tokenizer.ggml.eos_token_id");
+    kv.push(("tokenizer.ggml.eos_token_id".to_string(), Meta::U32(n as u32 - 2)));
+    kv.push(("tokenizer.chat_template".to_string(), Meta::Str(SERVED_TEMPLATE.into())));
     let bytes = gguf_bytes(&kv);
     let g = GgufFile::parse(&bytes, "served.gguf").expect("served GGUF parses");
     let tokenizer = Tokenizer::from_gguf(&g).expect("served tokenizer builds");
@@ -554,67 +540,11 @@ fn served_model() -> lantern::openai::ServedModel {
     }
 }
 
-// ---------------------------------------------------------------------------------------
-// A minimal GGUF writer (metadata only) for the recipes and the tiny configs.
-// ---------------------------------------------------------------------------------------
-
-/// A metadata value to write.
-#[derive(Debug, Clone)]
-pub enum Meta {
-    U32(u32),
-    F32(f32),
-    Bool(bool),
-    Str(String),
-    StrArray(Vec<String>),
-    I32Array(Vec<i32>),
-    F32Array(Vec<f32>),
-}
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend((s.len() as u64).to_le_bytes());
-    out.extend(s.as_bytes());
-}
-
-/// A GGUF v3 file with these metadata entries and no tensors.
+/// A GGUF file with these metadata entries and no tensors (the tests' writer).
 pub fn gguf_bytes(kv: &[(String, Meta)]) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend(b"GGUF");
-    out.extend(3u32.to_le_bytes());
-    out.extend(0u64.to_le_bytes());
-    out.extend((kv.len() as u64).to_le_bytes());
+    let mut w = GgufWriter::default();
     for (k, v) in kv {
-        put_str(&mut out, k);
-        let (ty, elem): (u32, Option<u32>) = match v {
-            Meta::U32(_) => (4, None),
-            Meta::F32(_) => (6, None),
-            Meta::Bool(_) => (7, None),
-            Meta::Str(_) => (8, None),
-            Meta::StrArray(_) => (9, Some(8)),
-            Meta::I32Array(_) => (9, Some(5)),
-            Meta::F32Array(_) => (9, Some(6)),
-        };
-        out.extend(ty.to_le_bytes());
-        if let Some(e) = elem {
-            out.extend(e.to_le_bytes());
-        }
-        match v {
-            Meta::U32(x) => out.extend(x.to_le_bytes()),
-            Meta::F32(x) => out.extend(x.to_le_bytes()),
-            Meta::Bool(x) => out.push(*x as u8),
-            Meta::Str(s) => put_str(&mut out, s),
-            Meta::StrArray(a) => {
-                out.extend((a.len() as u64).to_le_bytes());
-                a.iter().for_each(|s| put_str(&mut out, s));
-            }
-            Meta::I32Array(a) => {
-                out.extend((a.len() as u64).to_le_bytes());
-                a.iter().for_each(|x| out.extend(x.to_le_bytes()));
-            }
-            Meta::F32Array(a) => {
-                out.extend((a.len() as u64).to_le_bytes());
-                a.iter().for_each(|x| out.extend(x.to_le_bytes()));
-            }
-        }
+        w.kv(k, v.clone());
     }
-    out
+    w.to_bytes()
 }
