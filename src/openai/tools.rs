@@ -167,6 +167,10 @@ impl Tools {
 
     /// The calls in `text` (the text outside them is the message's content). Only calls to
     /// known functions with an object of arguments count; `None` when there is none.
+    ///
+    /// Small models often drop the tags the template asks for: a message that is, as a
+    /// whole, one call object (or a list of them) without tags, bare or in a ```json fence,
+    /// is read as those calls too, under the same rule (known functions, object arguments).
     pub fn parse(&self, text: &str, id_prefix: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
         let mut calls = Vec::new();
         let mut content = String::new();
@@ -176,28 +180,48 @@ impl Tools {
             let body = rest[start + OPEN.len()..start + len].trim();
             content.push_str(&rest[..start]);
             rest = &rest[start + len + CLOSE.len()..];
-            let Ok(v) = serde_json::from_str::<Value>(body) else { continue };
-            let (Some(name), Some(args)) = (v.get("name").and_then(Value::as_str), v.get("arguments")) else { continue };
-            if !self.functions.iter().any(|f| f.name == name) {
-                continue;
+            if let Some(c) = serde_json::from_str::<Value>(body).ok().and_then(|v| self.call(&v, id_prefix, calls.len())) {
+                calls.push(c);
             }
-            let arguments = match args {
-                Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
-            calls.push(ToolCall {
-                index: None,
-                id: format!("{id_prefix}-call{}", calls.len()),
-                kind: "function",
-                function: CalledFunction { name: name.to_string(), arguments },
-            });
         }
         content.push_str(rest);
         if calls.is_empty() {
-            return None;
+            return self.parse_untagged(text, id_prefix).map(|c| (None, c));
         }
         let content = content.trim();
         Some(((!content.is_empty()).then(|| content.to_string()), calls))
+    }
+
+    /// A whole message that is one call object or a list of them (optionally in a ```json
+    /// fence); every element must be a call to a known function.
+    fn parse_untagged(&self, text: &str, id_prefix: &str) -> Option<Vec<ToolCall>> {
+        let t = text.trim();
+        let t = t.strip_prefix("```json").or_else(|| t.strip_prefix("```")).and_then(|r| r.trim_end().strip_suffix("```")).unwrap_or(t);
+        let v: Value = serde_json::from_str(t.trim()).ok()?;
+        let items = match v {
+            Value::Array(a) if !a.is_empty() => a,
+            v @ Value::Object(_) => vec![v],
+            _ => return None,
+        };
+        items.iter().enumerate().map(|(i, v)| self.call(v, id_prefix, i)).collect()
+    }
+
+    /// `{"name", "arguments"}` as call number `i`, when it names a known function and its
+    /// arguments are an object (or a JSON string of one).
+    fn call(&self, v: &Value, id_prefix: &str, i: usize) -> Option<ToolCall> {
+        let (name, args) = (v.get("name")?.as_str()?, v.get("arguments")?);
+        self.functions.iter().find(|f| f.name == name)?;
+        let arguments = match args {
+            Value::String(s) if serde_json::from_str::<Value>(s).is_ok_and(|a| a.is_object()) => s.clone(),
+            Value::Object(_) => args.to_string(),
+            _ => return None,
+        };
+        Some(ToolCall {
+            index: None,
+            id: format!("{id_prefix}-call{i}"),
+            kind: "function",
+            function: CalledFunction { name: name.to_string(), arguments },
+        })
     }
 }
 
@@ -247,6 +271,28 @@ mod tests {
         assert!(t.parse("no call", "x").is_none());
         assert!(t.parse("<tool_call>{\"name\": \"unknown\", \"arguments\": {}}</tool_call>", "x").is_none());
         assert!(t.constraint().is_none());
+    }
+
+    /// What Qwen2.5-Coder-0.5B answers (measured): the call object without its tags.
+    #[test]
+    fn untagged_whole_message_calls_parse_back() {
+        let t = tools(json!("auto"));
+        let (content, calls) = t.parse(r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#, "x").unwrap();
+        assert_eq!((content, calls[0].function.name.as_str()), (None, "get_weather"));
+        let fenced = "```json\n[{\"name\": \"add\", \"arguments\": {\"a\": 1}}, {\"name\": \"get_weather\", \"arguments\": \"{}\"}]\n```";
+        let (_, calls) = t.parse(fenced, "x").unwrap();
+        assert_eq!(calls.iter().map(|c| c.function.name.as_str()).collect::<Vec<_>>(), ["add", "get_weather"]);
+        assert_eq!(calls[1].id, "x-call1");
+        // Anything else stays text: an unknown name, non-object arguments, text around it.
+        for text in [
+            r#"{"name": "unknown", "arguments": {}}"#,
+            r#"{"name": "add", "arguments": 3}"#,
+            r#"Call: {"name": "add", "arguments": {}}"#,
+            r#"[{"name": "add", "arguments": {}}, {"x": 1}]"#,
+            r#"{"city": "Paris"}"#,
+        ] {
+            assert!(t.parse(text, "x").is_none(), "{text}");
+        }
     }
 
     #[test]
