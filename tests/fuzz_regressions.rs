@@ -8,6 +8,9 @@
 
 mod common;
 
+// The harness includes tests/common/gguf_writer.rs itself (it builds on its own in fuzz/), so
+// this binary has that file twice: once through `common`, once through the harness.
+#[allow(clippy::duplicate_mod)]
 #[path = "../fuzz/src/lib.rs"]
 mod harness;
 
