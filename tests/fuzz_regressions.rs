@@ -331,18 +331,13 @@ fn write_seeds() {
 
     // Tokenizer recipes (see `TokenizerRecipe::read`): for each (model, pre-tokenizer) byte
     // pair, the first pseudo-random recipe that builds a tokenizer which encodes its text.
-    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut rng = common::random::Rng(0x2545_f491_4f6c_dd1d);
     for (name, model, pre) in [("gpt2", 0u8, 0u8), ("gpt2-qwen2", 0, 8), ("gpt2-llama-bpe", 0, 6), ("gpt2-smollm", 0, 3), ("llama", 1, 11)]
     {
         let recipe = (0..10_000)
             .find_map(|_| {
                 let mut bytes = vec![model, pre];
-                bytes.extend((0..120).map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (state >> 24) as u8
-                }));
+                bytes.extend((0..120).map(|_| (rng.next_u64() >> 24) as u8));
                 bytes.extend(b"Hello world! 123 <|im_end|> caf\xc3\xa9");
                 let (tok, text, _) = harness::tokenizer_from_input(&bytes)?;
                 (!tok.encode(&text).ok()?.is_empty()).then_some(bytes)

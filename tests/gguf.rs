@@ -518,13 +518,8 @@ fn missing_keys_and_tensors() {
 #[test]
 fn random_corruption_never_panics() {
     let good = tiny_model("llama", TINY, ggml::Q8_0).to_bytes();
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut next = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut rng = common::random::Rng(0x2545_f491_4f6c_dd1d);
+    let mut next = || rng.next_u64();
     // Corrupt the header/metadata/infos region (the data region is opaque bytes).
     let header_len = GgufFile::parse(&good, "g").unwrap().data_offset() as usize;
     for _ in 0..3000 {

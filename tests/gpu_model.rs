@@ -154,3 +154,84 @@ fn streamed_gguf_load_equals_the_whole_file_load() {
         assert_eq!(streamed.memory().weights, m.memory().weights);
     }
 }
+
+/// Every pipeline the runtime asks for is among the variants the shader tests validate,
+/// translate and snapshot (`kernels::all_variants`, tests/shaders.rs). The tiny models
+/// of every architecture (HF folders and llama.cpp GGUFs) and of every GGUF weight format
+/// are loaded under the capabilities of each adapter family the kernels tell apart (CPU
+/// adapters with subgroups of 8 like lavapipe, of 4 or none; GPUs with f16 and fixed or
+/// variable subgroups, and without either), with each weight precision and KV dtype; every
+/// key those loads compiled must be in the set.
+#[test]
+fn every_pipeline_the_runtime_requests_is_a_validated_variant() {
+    use lantern::gpu::shader::{Features, PipelineKey};
+    use lantern::gpu::Capabilities;
+    use lantern::kv::plan::KvDtype;
+    use lantern::model::llama::WeightPrecision;
+    use std::collections::BTreeSet;
+    let base = common::gpu();
+    let validated: BTreeSet<PipelineKey> = [false, true]
+        .into_iter()
+        .flat_map(|f16| [false, true].map(|subgroups| Features { f16, subgroups }))
+        .flat_map(lantern::kernels::all_variants)
+        .collect();
+    let caps = |cpu_like: bool, shader_f16: bool, sg: Option<(u32, u32)>| Capabilities {
+        shader_f16: shader_f16 && base.caps.shader_f16,
+        subgroups: sg.is_some() && base.caps.subgroups,
+        timestamps: false,
+        subgroup_min_size: sg.map_or(0, |s| s.0),
+        subgroup_max_size: sg.map_or(0, |s| s.1),
+        cpu_like,
+    };
+    let families = [
+        ("this adapter", base.caps),
+        ("CPU adapter, subgroups of 8 (lavapipe)", caps(true, true, Some((8, 8)))),
+        ("CPU adapter, no f16, subgroups of 4 (SwiftShader)", caps(true, false, Some((4, 4)))),
+        ("CPU adapter without subgroups", caps(true, false, None)),
+        ("GPU, f16, subgroups of 32", caps(false, true, Some((32, 32)))),
+        ("GPU, f16, subgroups of 8 to 64", caps(false, true, Some((8, 64)))),
+        ("GPU without f16 or subgroups", caps(false, false, None)),
+    ];
+    let mut models: Vec<(String, ModelWeights)> = Vec::new();
+    for name in ["llama-gqa", "llama-gqa-f16", "llama-mha-tied", "llama-mqa", "qwen2-bias", "mistral"] {
+        models.push((name.into(), load_hf_folder(&tiny(name)).expect(name)));
+    }
+    let archs = common::fixtures_dir().join("tiny-archs");
+    for name in ["gemma3", "llama3.2", "phi3", "phi3-longrope", "qwen3"] {
+        let l = lantern::model::load::load_path(&archs.join(name).join("model.gguf")).expect(name);
+        models.push((format!("{name} GGUF"), l.weights));
+    }
+    let types = common::fixtures_dir().join("ggml-types");
+    for ty in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"] {
+        let l = lantern::model::load::load_path(&types.join(format!("tiny-{ty}.gguf"))).expect(ty);
+        models.push((format!("tiny Llama {ty}"), l.weights));
+    }
+    let base_opts = ModelOptions { context: Some(64), max_batch_tokens: 32, max_logit_rows: 8, ..Default::default() };
+    let option_sets = [
+        ModelOptions { ..base_opts.clone() },
+        ModelOptions { weights: WeightPrecision::F16, kv_dtype: KvDtype::F16, ..base_opts.clone() },
+        ModelOptions { weights: WeightPrecision::F32, kv_dtype: KvDtype::Q8, batch_invariant: true, ..base_opts.clone() },
+        ModelOptions { weight_textures: Some(false), kv_dtype: KvDtype::Q8, ..base_opts.clone() },
+    ];
+    let mut missing: BTreeSet<String> = BTreeSet::new();
+    let mut requested = 0;
+    for (family, caps) in families {
+        let ctx = base.with_caps(caps).expect("capabilities within the device's");
+        for (name, w) in &models {
+            for opts in &option_sets {
+                if let Err(e) = pollster::block_on(GpuModel::load(ctx.clone(), w, opts.clone())) {
+                    panic!("{family}: {name} with {:?} weights, {:?} KV does not load: {e}", opts.weights, opts.kv_dtype);
+                }
+            }
+        }
+        let keys = ctx.pipelines.keys();
+        requested += keys.len();
+        missing.extend(keys.iter().filter(|k| !validated.contains(k)).map(|k| format!("{family}: {}", k.label())));
+    }
+    assert!(
+        missing.is_empty(),
+        "pipelines the runtime asks for that no shader test validates:\n{}",
+        missing.into_iter().collect::<Vec<_>>().join("\n")
+    );
+    eprintln!("{requested} pipelines requested over the adapter families, all validated");
+}

@@ -15,7 +15,7 @@ fn feature_sets() -> Vec<Features> {
 }
 
 fn all_keys() -> Vec<PipelineKey> {
-    let mut keys: Vec<PipelineKey> = feature_sets().into_iter().flat_map(PipelineKey::all_variants).collect();
+    let mut keys: Vec<PipelineKey> = feature_sets().into_iter().flat_map(lantern::kernels::all_variants).collect();
     keys.sort();
     keys.dedup();
     keys
@@ -45,7 +45,7 @@ fn every_variant_validates_under_its_capabilities_and_richer_ones() {
 fn variants_without_optional_features_validate_with_no_capabilities() {
     // The baseline set must run where neither shader-f16 nor subgroups exist
     // (SwiftShader in Chromium has no f16).
-    for key in PipelineKey::all_variants(Features::default()) {
+    for key in lantern::kernels::all_variants(Features::default()) {
         assert!(!key.features.f16 && !key.features.subgroups, "{}", key.label());
         // Only the core-WebGPU f16 packing builtins, never the shader-f16 feature.
         let caps = key.naga_capabilities();
@@ -56,7 +56,7 @@ fn variants_without_optional_features_validate_with_no_capabilities() {
 
 #[test]
 fn subgroup_variants_are_rejected_without_the_capability() {
-    let sg = PipelineKey::all_variants(Features { f16: false, subgroups: true })
+    let sg = lantern::kernels::all_variants(Features { f16: false, subgroups: true })
         .into_iter()
         .filter(|k| k.features.subgroups)
         .collect::<Vec<_>>();

@@ -166,7 +166,7 @@ try {
   // Chat: two turns with the model's template; the transcript keeps both.
   {
     await page.check('#chat');
-    await page.fill('#max-tokens', '4');
+    await page.fill('#max-tokens', '2');
     for (const q of ['What is 2+2?', 'And 3+3?']) {
       await page.fill('#prompt', q);
       await page.click('#generate');

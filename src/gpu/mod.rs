@@ -399,6 +399,36 @@ impl GpuContext {
         Self::host_device(device, queue, Some(dir))
     }
 
+    /// The same device, with the kernels choosing their variants and layouts as they would
+    /// on an adapter with `caps`: a test can then walk the pipelines a GPU (or another CPU
+    /// adapter) would ask for on this machine. `caps` may claim no shader-f16 or subgroups
+    /// the device lacks (those pipelines would not compile); its own pipeline cache starts
+    /// empty.
+    pub fn with_caps(&self, caps: Capabilities) -> Result<Arc<GpuContext>, GpuError> {
+        let has = self.device.features();
+        for (want, feature, name) in
+            [(caps.shader_f16, wgpu::Features::SHADER_F16, "shader-f16"), (caps.subgroups, wgpu::Features::SUBGROUP, "subgroups")]
+        {
+            if want && !has.contains(feature) {
+                return Err(GpuError::MissingCapability {
+                    adapter: self.info.name.clone(),
+                    capability: name.into(),
+                    why: "with_caps cannot claim a feature the device was not created with".into(),
+                });
+            }
+        }
+        Ok(Arc::new(GpuContext {
+            device: self.device.clone(),
+            queue: self.queue.clone(),
+            info: self.info.clone(),
+            limits: self.limits.clone(),
+            caps,
+            pipelines: PipelineCache::default(),
+            ledger: Ledger::default(),
+            lost: self.lost.clone(),
+        }))
+    }
+
     fn wrap(
         device: wgpu::Device,
         queue: wgpu::Queue,

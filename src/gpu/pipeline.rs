@@ -179,6 +179,11 @@ impl PipelineCache {
         Self::with_state(Some(driver), state)
     }
 
+    /// The keys of every pipeline compiled so far.
+    pub fn keys(&self) -> Vec<PipelineKey> {
+        self.map.lock().map(|m| m.keys().copied().collect()).unwrap_or_default()
+    }
+
     /// Number of compiled pipelines.
     pub fn len(&self) -> usize {
         self.map.lock().map(|m| m.len()).unwrap_or(0)

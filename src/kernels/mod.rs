@@ -153,3 +153,85 @@ pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
         O::LogitBias => std::mem::size_of::<logit_bias::LogitBiasParams>(),
     }
 }
+
+/// Every pipeline variant the kernels can ask for on a device with `features`: the set the
+/// shader tests validate, translate and snapshot (tests/shaders.rs), and that
+/// tests/gpu_model.rs checks every requested pipeline against. It lives with the kernels
+/// because their variant choices define it.
+pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
+    use crate::gpu::shader::flags::*;
+    use crate::gpu::shader::{Features, ShaderOp, WeightFormat};
+    let mut v = Vec::new();
+    let sg = Features { f16: false, subgroups: features.subgroups };
+    v.push(PipelineKey::new(ShaderOp::Embedding, 64));
+    // f16 tables (f16 checkpoints, `--weights f16`): unpacked from u32 pairs, no shader-f16.
+    v.push(PipelineKey::new(ShaderOp::Embedding, 64).with_weights(WeightFormat::F16));
+    for mode in [rmsnorm::Mode::Write, rmsnorm::Mode::Residual, rmsnorm::Mode::InPlace] {
+        v.push(rmsnorm::key(mode));
+    }
+    for kv in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8] {
+        v.push(PipelineKey::new(ShaderOp::RopeKv, 64).with_weights(kv));
+        v.push(PipelineKey::new(ShaderOp::Attention, 64).with_weights(kv));
+        if features.subgroups {
+            v.push(PipelineKey::new(ShaderOp::Attention, 8).with_flags(XBCAST).with_features(sg).with_weights(kv));
+        }
+    }
+    v.push(PipelineKey::new(ShaderOp::AttentionReduce, 64));
+    v.push(PipelineKey::new(ShaderOp::Argmax, 256));
+    v.push(PipelineKey::new(ShaderOp::TopK, 64));
+    v.push(PipelineKey::new(ShaderOp::LogitMask, logit_mask::WORKGROUP));
+    v.push(PipelineKey::new(ShaderOp::LogitBias, logit_bias::WORKGROUP));
+    let combos = [NORM | BIAS, 0, RESIDUAL, NORM | GATED, NORM | GATED | GELU, NORM | GATHER, NORM, BIAS];
+    for w in [WeightFormat::F32, WeightFormat::F16] {
+        for &c in &combos {
+            v.push(PipelineKey::new(ShaderOp::Matvec, 64).with_flags(c).with_weights(w));
+            v.push(PipelineKey::new(ShaderOp::Matvec, 8).with_flags(c | ROWS4).with_weights(w));
+            v.push(PipelineKey::new(ShaderOp::Matvec, 64).with_flags(c | ROW_PER_WORKGROUP).with_weights(w).with_features(sg));
+            if c & GATHER == 0 {
+                v.push(PipelineKey::new(ShaderOp::Matmul, 64).with_flags(c).with_weights(w));
+                // The blocked matmul CPU adapters get (kernels::linear::BLOCKED_DEFAULT).
+                v.push(PipelineKey::new(ShaderOp::MatmulBlocked, 8).with_flags(c | BLOCK_M8 | BLOCK_N8).with_weights(w));
+            }
+        }
+    }
+    // Packed integer weights: the CPU-adapter and GPU matvec layouts, the blocked and
+    // tiled matmuls, with and without shader-f16 where the variant uses it, and the
+    // embedding gather (a tied table is also the LM head).
+    let f16 = Features { f16: features.f16, subgroups: false };
+    let f16_sg = Features { f16: features.f16, subgroups: features.subgroups };
+    for w in WeightFormat::packed() {
+        v.push(PipelineKey::new(ShaderOp::Embedding, 64).with_weights(w));
+        for &c in &combos {
+            v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4).with_weights(w));
+            if features.subgroups {
+                v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST).with_weights(w).with_features(sg));
+                v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST | TOK4).with_weights(w).with_features(sg));
+                for tok in [0, TOK4] {
+                    v.push(
+                        PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST | TEX | tok).with_weights(w).with_features(sg),
+                    );
+                }
+            }
+            for feat in [sg, f16_sg] {
+                v.push(PipelineKey::new(ShaderOp::MatvecQ, 64).with_flags(c | ROW_PER_WORKGROUP).with_weights(w).with_features(feat));
+            }
+            if c & GATHER == 0 {
+                for feat in [Features::default(), f16] {
+                    v.push(PipelineKey::new(ShaderOp::Matmul, 64).with_flags(c).with_weights(w).with_features(feat));
+                }
+                v.push(PipelineKey::new(ShaderOp::MatmulBlockedQ, 8).with_flags(c | BLOCK_M8 | BLOCK_N8).with_weights(w));
+                if features.subgroups {
+                    v.push(
+                        PipelineKey::new(ShaderOp::MatmulBlockedQ, 8)
+                            .with_flags(c | BLOCK_M8 | BLOCK_N8 | XBCAST)
+                            .with_weights(w)
+                            .with_features(sg),
+                    );
+                }
+            }
+        }
+    }
+    v.sort();
+    v.dedup();
+    v
+}
