@@ -21,6 +21,12 @@ if ! cargo fmt --version >/dev/null 2>&1; then
 fi
 cargo fmt --check
 
+# Lints: clippy with warnings as errors on every target (a check build of its own).
+if ! cargo clippy --version >/dev/null 2>&1; then
+    rustup component add clippy
+fi
+cargo clippy --release --all-targets -- -D warnings
+
 # The official OpenAI Python client, which tests/serve.rs drives the server with (PyPI, in a
 # virtual environment of its own; once).
 if [ ! -x target/pyenv/bin/python ] || ! target/pyenv/bin/python -c "import openai" 2>/dev/null; then

@@ -89,22 +89,40 @@ fn every_variant_translates_to_spirv_msl_and_hlsl() {
     }
 }
 
-/// Whether a variant's expanded source is kept as a snapshot. Every variant is validated and
-/// translated above; the GGUF-only formats (Q5_0 ... IQ4_XS) share every kernel body with
-/// the first three and differ only in common/weights.wgsl's format section, so each gets one
-/// snapshot per kernel layout (the fullest fused combination, NORM + GATED, and the
-/// embedding gather) rather than one per fused combination.
+/// Whether a variant's expanded source is kept as a snapshot: one per op, weight format,
+/// layout family and feature set, so that an edit to a shared include shows up once per
+/// kernel body it reaches rather than once per fused combination. Every variant is still
+/// validated and translated above. The linear ops keep their fullest common fusion
+/// (`NORM | GATED`: the norm prologue and the gated epilogue); the other fusions (bias,
+/// residual, the gathered LM-head rows, GELU, plain) are shown once, on the f32 matvec.
 fn snapshotted(key: &PipelineKey) -> bool {
     use lantern::gpu::shader::{flags, ShaderOp, WeightFormat};
-    if key.flags & flags::GELU != 0 {
-        // One shared epilogue line: the f32 variants show it in every kernel file.
-        return key.weights == WeightFormat::F32;
-    }
-    if !key.weights.is_packed() || matches!(key.weights, WeightFormat::Q8 | WeightFormat::Q4 | WeightFormat::Q4Sym) {
+    let linear =
+        matches!(key.op, ShaderOp::Matvec | ShaderOp::Matmul | ShaderOp::MatmulBlocked | ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ);
+    if !linear {
         return true;
     }
-    key.op == ShaderOp::Embedding
-        || key.flags & (flags::NORM | flags::GATED | flags::BIAS | flags::RESIDUAL | flags::GATHER) == flags::NORM | flags::GATED
+    let fused = flags::NORM | flags::GATED | flags::BIAS | flags::RESIDUAL | flags::GATHER | flags::GELU;
+    let f32_matvec = key.op == ShaderOp::Matvec && key.weights == WeightFormat::F32 && key.flags & !fused == 0;
+    f32_matvec || key.flags & fused == flags::NORM | flags::GATED
+}
+
+/// The snapshot files are exactly those of the snapshotted variants (none left over from a
+/// variant that is no longer snapshotted or no longer exists).
+#[test]
+fn snapshot_files_are_the_snapshotted_variants() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots");
+    let want: std::collections::BTreeSet<String> =
+        all_keys().iter().filter(|k| snapshotted(k)).map(|k| format!("shaders__{}.snap", k.label())).collect();
+    let have: std::collections::BTreeSet<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("shaders__") && n.ends_with(".snap"))
+        .collect();
+    let stale: Vec<&String> = have.difference(&want).collect();
+    let missing: Vec<&String> = want.difference(&have).collect();
+    assert!(stale.is_empty() && missing.is_empty(), "stale snapshot files: {stale:?}\nmissing: {missing:?}");
+    assert!(want.len() < 250, "{} snapshots: more than one per op, format, layout and feature set?", want.len());
 }
 
 #[test]
