@@ -1205,7 +1205,7 @@ fn official_openai_python_client() {
 
 /// Tool calls: `tool_choice` naming a function or `required` gives `tool_calls` whose
 /// arguments fit the function's parameter schema (SmolLM2's template does not take tools:
-/// the system message describes them), streamed as one final delta; `auto` may answer in
+/// the system message describes them), streamed as the name then argument fragments; `auto` may answer in
 /// text; bad tool fields are refused naming them.
 #[test]
 fn tool_calls_fit_their_parameter_schemas() {
@@ -1235,9 +1235,18 @@ fn tool_calls_fit_their_parameter_schemas() {
         let r = server.post("/v1/chat/completions", &body);
         assert_eq!(r.status, 200, "{}", r.text());
         let (call, finish) = if stream {
+            // The call's name comes first, then its arguments in fragments as they are
+            // generated (OpenAI's streamed tool_calls); the last chunk says tool_calls.
             let ev = r.events();
-            let last: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
-            (last["choices"][0]["delta"]["tool_calls"][0].clone(), last["choices"][0]["finish_reason"].clone())
+            let chunks: Vec<Value> = ev[..ev.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+            let deltas: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0)).collect();
+            assert!(deltas.len() > 2, "arguments arrive in fragments: {deltas:?}");
+            assert!(deltas[0]["function"]["name"].is_string() && deltas[0]["id"].is_string(), "{:?}", deltas[0]);
+            assert!(deltas[1..].iter().all(|d| d["function"]["name"].is_null() && d["index"] == 0), "{deltas:?}");
+            let args: String = deltas.iter().map(|d| d["function"]["arguments"].as_str().unwrap()).collect();
+            let mut call = deltas[0].clone();
+            call["function"]["arguments"] = json!(args);
+            (call, chunks.last().unwrap()["choices"][0]["finish_reason"].clone())
         } else {
             let v = r.json();
             assert!(v["choices"][0]["message"]["content"].is_null(), "{v}");

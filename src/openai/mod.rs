@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod tools;
 
-use tools::{ToolCall, Tools};
+use tools::{CallStream, StreamPiece, ToolCall, ToolCallDelta, Tools};
 
 use crate::engine::{
     Constraint, Drafter, FinishReason, GenerateRequest, Generation, LogitBias, SamplingParams, SpecStats, Speculation, TokenLogprob,
@@ -741,7 +741,7 @@ pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub tool_calls: Option<Vec<ToolCall>>,
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 /// One choice of a response or chunk: `text` (completions), `message` (chat) or `delta`
@@ -932,20 +932,25 @@ impl Job {
         self.tools.as_ref()?.parse(text, &format!("{}-{index}", self.id))
     }
 
-    /// A streamed request with tools gets its answer in one delta at the end (the text may
-    /// be a call): the content, or the calls; then the chunk's `finish_reason`.
-    pub fn final_delta(&self, index: usize, g: &Generation) -> Response {
-        let (delta, finish) = match self.calls(index, &g.text) {
-            Some((content, mut calls)) => {
-                for (i, c) in calls.iter_mut().enumerate() {
-                    c.index = Some(i);
-                }
-                (Delta { role: None, content, tool_calls: Some(calls) }, "tool_calls")
-            }
-            None => (Delta { role: None, content: Some(g.text.clone()), tool_calls: None }, finish_reason(g.finish_reason)),
+    /// A streamed choice's parser of tool calls (with tools).
+    pub fn call_stream(&self, index: usize) -> Option<CallStream<'_>> {
+        Some(CallStream::new(self.tools.as_ref()?, &format!("{}-{index}", self.id)))
+    }
+
+    /// A chunk for one piece of a streamed choice with tools: content, or a tool-call delta.
+    pub fn piece_chunk(&self, index: usize, piece: StreamPiece) -> Response {
+        let delta = match piece {
+            StreamPiece::Content(t) => Delta { role: None, content: Some(t), tool_calls: None },
+            StreamPiece::Call(c) => Delta { role: None, content: None, tool_calls: Some(vec![c]) },
         };
-        let choice = Choice { index, text: None, message: None, delta: Some(delta), logprobs: None, finish_reason: Some(finish) };
+        let choice = Choice { index, text: None, message: None, delta: Some(delta), logprobs: None, finish_reason: None };
         self.response("chat.completion.chunk", vec![choice], None)
+    }
+
+    /// The last chunk of a streamed choice with tools: `tool_calls` when it made any.
+    pub fn tools_finish_chunk(&self, index: usize, g: &Generation, made_calls: bool) -> Response {
+        let finish = if made_calls { "tool_calls" } else { finish_reason(g.finish_reason) };
+        self.chunk(index, None, false, Some(finish))
     }
 
     /// The last chunk of a stream with `include_usage`: no choices, the usage.

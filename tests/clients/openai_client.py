@@ -141,6 +141,21 @@ call = r.choices[0].message.tool_calls[0]
 assert call.type == "function" and call.function.name == "get_weather", call
 args = json.loads(call.function.arguments)
 assert set(args) == {"city", "unit"} and isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit"), args
+# The same call streamed: the SDK's deltas put it together (name first, then the arguments
+# in fragments); it is the same call.
+name, streamed_args, fragments, finish = None, "", 0, None
+for chunk in client.chat.completions.create(
+    model=model, messages=ask, max_tokens=60, temperature=0, tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True
+):
+    for c in chunk.choices:
+        for d in c.delta.tool_calls or []:
+            assert d.index == 0, d
+            name = name or d.function.name
+            streamed_args += d.function.arguments or ""
+            fragments += 1
+        finish = c.finish_reason or finish
+assert name == "get_weather" and finish == "tool_calls" and fragments > 2, (name, finish, fragments)
+assert json.loads(streamed_args) == args, (streamed_args, args)
 follow = ask + [
     {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
     {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "unit": args["unit"]})},
@@ -155,4 +170,4 @@ try:
 except openai.NotFoundError as e:
     assert e.code == "model_not_found", e
 
-print(f"openai {openai.__version__}: chat, stream with usage, completions, json_schema, json_object, n=2, logprobs, a tool call, errors: ok")
+print(f"openai {openai.__version__}: chat, stream with usage, completions, json_schema, json_object, n=2, logprobs, a tool call (whole and streamed), errors: ok")

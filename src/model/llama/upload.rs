@@ -58,7 +58,11 @@ fn matrix(parts: &[&HostTensor], precision: WeightPrecision) -> Result<Owned> {
         // Every part packed (`packed()` is None for float dtypes), in one format.
         let packed = parts.iter().map(|t| t.packed()).collect::<Option<std::result::Result<Vec<_>, _>>>();
         if let Some(packed) = packed {
-            let packed = packed?;
+            let mut packed = packed?;
+            if packed.len() == 1 {
+                // One tensor: no second copy to stack it (an LM head is the largest matrix).
+                return Ok(Owned::Packed(packed.pop().expect("one part")));
+            }
             if packed.iter().all(|p| p.format == packed[0].format) {
                 return Ok(Owned::Packed(PackedMatrix::concat_rows(&packed)?));
             }
@@ -228,8 +232,13 @@ pub(super) fn upload_globals(
     let norm = |name: &str| upload_norm(ctx, weights, name);
     let embed_t = get(weights, "model.embed_tokens.weight")?;
     let head_t = if c.tie_word_embeddings { embed_t } else { get(weights, "lm_head.weight")? };
-    let head_m = matrix(&[head_t], keep)?;
-    let lm_head = GpuLinear::upload_with(ctx, "lm_head", head_m.as_matrix(), None, None, c.vocab_size, d, textures).map_err(gpu_err)?;
+    // Each host copy is dropped once it is on the GPU, before the next is made: the head and
+    // the embedding table are a model's largest matrices (a browser's wasm heap keeps its
+    // high-water mark).
+    let lm_head = {
+        let head_m = matrix(&[head_t], keep)?;
+        GpuLinear::upload_with(ctx, "lm_head", head_m.as_matrix(), None, None, c.vocab_size, d, textures).map_err(gpu_err)?
+    };
     let embed_own = if c.tie_word_embeddings {
         None
     } else {

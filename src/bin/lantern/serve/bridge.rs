@@ -291,6 +291,10 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
     tokio::spawn(async move {
         // Per choice: text bytes streamed so far (completions' `text_offset`).
         let mut offsets = vec![0usize; run.done.len()];
+        // With tools, per choice: its text parsed into content and tool-call deltas as it
+        // arrives (the job outlives the task's borrows: it is cloned out of `run`).
+        let job = run.job.clone();
+        let mut calls: Vec<Option<openai::tools::CallStream<'_>>> = (0..run.done.len()).map(|i| job.call_stream(i)).collect();
         if run.job.endpoint == Endpoint::Chat {
             for i in 0..run.done.len() {
                 if tx.send(data(&run.job.chunk(i, None, true, None))).await.is_err() {
@@ -307,10 +311,19 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
                 Wait::Event(i, Event::Token { text, logprob, .. }) => (i, text, logprob),
                 Wait::Event(i, Event::Text(text)) => (i, text, None),
                 Wait::Event(i, Event::Done(g)) => {
-                    let last = if run.job.tools.is_some() {
-                        run.job.final_delta(i, &g)
-                    } else {
-                        run.job.chunk(i, None, false, Some(openai::finish_reason(g.finish_reason)))
+                    let last = match calls[i].take() {
+                        Some(cs) => {
+                            let made = cs.calls();
+                            let rest = cs.finish();
+                            let made = made > 0 || rest.iter().any(|p| matches!(p, openai::tools::StreamPiece::Call(_)));
+                            for p in rest {
+                                if tx.send(data(&job.piece_chunk(i, p))).await.is_err() {
+                                    return;
+                                }
+                            }
+                            job.tools_finish_chunk(i, &g, made)
+                        }
+                        None => run.job.chunk(i, None, false, Some(openai::finish_reason(g.finish_reason))),
                     };
                     if tx.send(data(&last)).await.is_err() {
                         return;
@@ -332,9 +345,17 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
                     return;
                 }
             };
+            if let Some(cs) = calls[i].as_mut() {
+                for p in cs.push(&text) {
+                    if tx.send(data(&job.piece_chunk(i, p))).await.is_err() {
+                        return;
+                    }
+                }
+                continue;
+            }
             // With logprobs every token gets its chunk (its text may be empty: part of a
             // character); without, empty pieces are not sent.
-            if (text.is_empty() && lp.is_none()) || run.job.tools.is_some() {
+            if text.is_empty() && lp.is_none() {
                 continue;
             }
             let offset = offsets[i];
