@@ -172,18 +172,22 @@ impl Tokenizer {
         }
         let mut added = Vec::new();
         if let Some(types) = &types {
-            for (i, (&ty, t)) in types.iter().zip(tokens).enumerate() {
+            for (&ty, t) in types.iter().zip(tokens) {
                 if ty == token_type::CONTROL || ty == token_type::USER_DEFINED {
-                    added.push(json!({
-                        "id": i, "content": t, "single_word": false, "lstrip": false,
-                        "rstrip": false, "normalized": false, "special": true
-                    }));
+                    added.push(
+                        tokenizers::AddedToken::from(t.clone(), true).single_word(false).lstrip(false).rstrip(false).normalized(false),
+                    );
                 }
             }
         }
-        let vocab_json: serde_json::Map<String, Json> = vocab.iter().map(|(k, &v)| (k.to_string(), json!(v))).collect();
+        // The BPE model is built from the vocabulary and merges directly, not through its
+        // tokenizer.json form: for a 262k-token vocabulary (Gemma 3) the JSON value, its
+        // bytes and the parser's copies took 700 MB at the peak, which a browser's wasm heap
+        // keeps. The rest of the pipeline (normalizer, pre-tokenizer, decoder, post-processor)
+        // is small and still described as JSON.
+        let bpe_vocab: tokenizers::models::bpe::Vocab = vocab.iter().map(|(k, &v)| (k.to_string(), v)).collect();
 
-        let (add_bos_default, spec) = match model {
+        let (add_bos_default, spec, bpe) = match model {
             "gpt2" => {
                 let merges = gguf.get_str_array("tokenizer.ggml.merges")?;
                 let mut pairs = Vec::with_capacity(merges.len());
@@ -213,19 +217,16 @@ impl Tokenizer {
                 };
                 let spec = json!({
                     "version": "1.0",
-                    "added_tokens": added,
+                    "added_tokens": [],
                     "normalizer": null,
                     "pre_tokenizer": pre_tokenizer,
                     "post_processor": null,
                     "decoder": {"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": false, "use_regex": true},
-                    "model": {
-                        "type": "BPE", "dropout": null, "unk_token": null,
-                        "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                        "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges,
-                        "vocab": vocab_json, "merges": pairs
-                    }
+                    "model": {"type": "BPE", "vocab": {}, "merges": []}
                 });
-                (false, spec)
+                let merges: Vec<(String, String)> = pairs.into_iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+                let bpe = tokenizers::models::bpe::BPE::builder().vocab_and_merges(bpe_vocab, merges).ignore_merges(ignore_merges);
+                (false, spec, bpe)
             }
             "llama" => {
                 let merges: Vec<(String, String)> = match gguf.get_array_opt("tokenizer.ggml.merges")? {
@@ -261,19 +262,19 @@ impl Tokenizer {
                 let unk = unk_id.map(|i| tokens[i as usize].clone());
                 let spec = json!({
                     "version": "1.0",
-                    "added_tokens": added,
+                    "added_tokens": [],
                     "normalizer": {"type": "Sequence", "normalizers": normalizers},
                     "pre_tokenizer": null,
                     "post_processor": null,
                     "decoder": {"type": "Sequence", "decoders": decoders},
-                    "model": {
-                        "type": "BPE", "dropout": null, "unk_token": unk,
-                        "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                        "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
-                        "vocab": vocab_json, "merges": merges
-                    }
+                    "model": {"type": "BPE", "vocab": {}, "merges": []}
                 });
-                (true, spec)
+                let mut bpe =
+                    tokenizers::models::bpe::BPE::builder().vocab_and_merges(bpe_vocab, merges).fuse_unk(true).byte_fallback(true);
+                if let Some(u) = unk {
+                    bpe = bpe.unk_token(u);
+                }
+                (true, spec, bpe)
             }
             other => return Err(TokenizerError::UnsupportedModel { source_name: src.to_string(), model: other.to_string() }),
         };
@@ -284,7 +285,11 @@ impl Tokenizer {
             spec["post_processor"] = bos_post_processor(bos, id);
         }
         let bytes = serde_json::to_vec(&spec).map_err(|e| build_err(src, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| build_err(src, e))?;
+        drop(spec);
+        let mut inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| build_err(src, e))?;
+        inner.with_model(bpe.build().map_err(|e| build_err(src, e))?);
+        // As tokenizer.json's `added_tokens` would be: ids from the model's vocabulary.
+        inner.add_tokens(&added);
         let mut tok = Tokenizer {
             inner,
             source_name: src.to_string(),
