@@ -275,7 +275,7 @@ pub fn quantize_model(
         if c.block != crate::model::BlockSpec::default() {
             return Err(LanternError::Config {
                 field: "method".into(),
-                reason: format!("AWQ's calibration forward runs the Llama block only, not {:?}'s; use round-to-nearest", c.arch),
+                reason: format!("AWQ's folds assume the Llama block's norm names, not {:?}'s; use round-to-nearest", c.arch),
             });
         }
         let tokens = calibration.ok_or_else(|| LanternError::Calibration("AWQ needs calibration tokens".into()))?;
