@@ -26,3 +26,17 @@ pub(crate) fn par_ranges<T: Send>(n: usize, f: impl Fn(Range<usize>) -> T + Sync
         handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn par_ranges_cover_every_index_once_in_order() {
+        for n in [0, 1, 2, 5, 16, 17, 100] {
+            let parts = par_ranges(n, |r| r.collect::<Vec<_>>());
+            assert!(parts.len() <= threads().max(1));
+            assert_eq!(parts.concat(), (0..n).collect::<Vec<_>>(), "n = {n}");
+        }
+    }
+}
