@@ -6,9 +6,15 @@
 //! add, no FMA, the same final sums), so the results are bit-identical and the choice of AWQ
 //! scales does not depend on the CPU.
 //!
-//! Why they exist: LLVM does not vectorize the portable `dot4` well (it packs the four
-//! accumulators' same lane together and shuffles), and the baseline x86_64 target has only
-//! 128-bit SSE2. `cargo bench --bench awq` times both; BENCH_NUMBERS
+//! Why they exist: the baseline x86_64 target has only 128-bit SSE2, and LLVM vectorizes the
+//! portable `dot4` badly (it packs the same lane of the four accumulators into one register
+//! and shuffles every load); compiling the portable code with `target_feature(enable =
+//! "avx")` instead did not close the gap (1.0-1.2x on the products, 1.0-1.6x on the error
+//! sums). `cargo bench --bench awq` times both on SmolLM2-135M's shapes, one thread, medians of
+//! 21 (2-core x86_64 VM, shared; measured when awq.rs was split, issue 17): the calibration
+//! products (256 tokens) run 1.1-1.6x faster with AVX (1.4x over a layer's seven), the
+//! search's error sums (32 sampled tokens) 4.2-4.8x, with the same bits. Rerun it before
+//! deciding to drop them.
 
 use std::arch::x86_64::*;
 

@@ -4,9 +4,9 @@
 //!
 //! Each has a portable version (written for LLVM to vectorize: independent accumulators,
 //! separate multiply and add) and, on x86_64 CPUs with AVX, the hand-written one in
-//! [`super::avx`]. Both perform the same operations in the same order, so they give the same
+//! `avx.rs`. Both perform the same operations in the same order, so they give the same
 //! bits and the chosen AWQ scales do not depend on the CPU. The AVX path stays because it is
-//! measurably faster: `cargo bench --bench awq` times both (numbers in [`super::avx`]).
+//! measurably faster: `cargo bench --bench awq` times both (numbers in `avx.rs`).
 
 use std::ops::Range;
 
@@ -185,4 +185,54 @@ fn dot4(e: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
         a2.iter().sum::<f32>() + tail(e[2]),
         a3.iter().sum::<f32>() + tail(e[3]),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::ops;
+
+    fn data(n: usize, seed: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i * 7919 + seed * 104729) % 2001) as f32 / 1000.0 - 1.0) * 0.5).collect()
+    }
+
+    /// The AVX kernels give the portable ones' bits (lane tails, row remainders, bias), so
+    /// the AWQ scales do not depend on the CPU. Skipped where the CPU has no AVX.
+    #[test]
+    fn avx_matches_portable_bit_for_bit() {
+        let Some(avx) = Kernels::avx() else {
+            eprintln!("no AVX on this CPU: nothing to compare");
+            return;
+        };
+        for k in [1, 7, 8, 9, 15, 16, 17, 40, 576] {
+            for rows in 1..=9 {
+                let (x, w, b) = (data(3 * k, 1), data(rows * k, 2), data(rows, 3));
+                for bias in [None, Some(&b[..])] {
+                    let (mut p, mut a) = (Vec::new(), Vec::new());
+                    Kernels::PORTABLE.matmul_rows(&x, &w, bias, k, 0..rows, &mut p);
+                    avx.matmul_rows(&x, &w, bias, k, 0..rows, &mut a);
+                    assert_eq!(p.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), a.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+                }
+                let (e, p) = (Kernels::PORTABLE.block_error(&w, k, &x), avx.block_error(&w, k, &x));
+                assert_eq!(e.to_bits(), p.to_bits(), "block_error k {k} rows {rows}");
+            }
+        }
+    }
+
+    /// The threaded product (blocks of rows interleaved back into `[t, n]`) against the
+    /// reference's f64 linear layer; and `block_error` against its definition.
+    #[test]
+    fn threaded_matmul_and_block_error_match_the_reference() {
+        let (t, k, n) = (5, 40, 37);
+        let (x, w, b) = (data(t * k, 4), data(n * k, 5), data(n, 6));
+        let got = matmul(&x, &w, Some(&b), k, n);
+        let want = ops::linear(&x, &w, Some(&b), k, n);
+        assert!(got.iter().zip(&want).all(|(g, r)| (g - r).abs() <= 1e-5 * (1.0 + r.abs())), "{got:?} vs {want:?}");
+        for kernels in [Some(Kernels::PORTABLE), Kernels::avx()].into_iter().flatten() {
+            let err = kernels.block_error(&w, k, &x);
+            let y = ops::linear(&x, &w, None, k, n);
+            let want: f64 = y.iter().map(|&v| v as f64 * v as f64).sum();
+            assert!((err - want).abs() <= 1e-5 * want, "{}: {err} vs {want}", kernels.name());
+        }
+    }
 }
