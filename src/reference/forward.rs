@@ -220,7 +220,7 @@ pub struct ReferenceModel {
 
 impl ReferenceModel {
     /// Builds the reference from loaded weights, after checking them with
-    /// [`validate`](crate::model::validate::validate).
+    /// [`validate`].
     pub fn new(weights: &ModelWeights) -> Result<Self, LanternError> {
         validate(weights)?;
         let c = weights.config.clone();
