@@ -46,6 +46,7 @@ use half::f16;
 
 pub mod awq;
 pub mod ggml;
+mod pool;
 pub mod quantize;
 pub mod safetensors;
 

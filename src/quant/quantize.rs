@@ -17,7 +17,7 @@ use web_time::Instant;
 
 use super::awq::{self, AwqOptions, FloatWeights, LayerScales, Site, SiteResult};
 use super::safetensors::{QuantMetadata, TensorInfo};
-use super::{PackedMatrix, QuantError, QuantFormat, QuantKind};
+use super::{pool, PackedMatrix, QuantError, QuantFormat, QuantKind};
 use crate::error::LanternError;
 use crate::model::validate::validate;
 use crate::model::{DType, HostTensor, ModelWeights};
@@ -185,21 +185,10 @@ fn rows_k(t: &HostTensor) -> Result<(usize, usize), QuantError> {
 /// Round to nearest on all cores (row blocks quantized in parallel, then stacked).
 pub fn quantize_parallel(tensor: &str, values: &[f32], rows: usize, k: usize, format: QuantFormat) -> Result<PackedMatrix, QuantError> {
     format.check(tensor, k)?;
-    let threads = if cfg!(target_arch = "wasm32") { 1 } else { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) };
-    if threads <= 1 || rows < 64 {
+    if pool::threads() <= 1 || rows < 64 {
         return PackedMatrix::quantize(tensor, values, rows, k, format);
     }
-    let chunk = rows.div_ceil(threads);
-    let parts: Vec<Result<PackedMatrix, QuantError>> = std::thread::scope(|sc| {
-        let handles: Vec<_> = (0..rows)
-            .step_by(chunk)
-            .map(|r0| {
-                let r1 = (r0 + chunk).min(rows);
-                sc.spawn(move || PackedMatrix::quantize(tensor, &values[r0 * k..r1 * k], r1 - r0, k, format))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
-    });
+    let parts = pool::par_ranges(rows, |r| PackedMatrix::quantize(tensor, &values[r.start * k..r.end * k], r.len(), k, format));
     let parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
     PackedMatrix::concat_rows(&parts)
 }
@@ -275,7 +264,7 @@ pub fn quantize_model(
         if c.block != crate::model::BlockSpec::default() {
             return Err(LanternError::Config {
                 field: "method".into(),
-                reason: format!("AWQ's calibration forward runs the Llama block only, not {:?}'s; use round-to-nearest", c.arch),
+                reason: format!("AWQ's folds assume the Llama block's norm names, not {:?}'s; use round-to-nearest", c.arch),
             });
         }
         let tokens = calibration.ok_or_else(|| LanternError::Calibration("AWQ needs calibration tokens".into()))?;

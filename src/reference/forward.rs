@@ -5,85 +5,232 @@
 //! and `Gemma3ForCausalLM` (`models/gemma3/modeling_gemma3.py`) through the config's
 //! [`BlockSpec`](crate::model::BlockSpec): sandwich norms, q/k norms, GELU-tanh, the
 //! embedding scale, sliding-window layers with their own RoPE base.
+//!
+//! The decoder stack itself ([`run`]) is shared: a [`Pass`] chooses how the linear layers are
+//! computed (here [`ops::linear`]) and sees every linear layer's input and the residual
+//! stream after each layer. AWQ's calibration (`quant/awq/calibrate.rs`) runs the same
+//! blocks with threaded f32 matrix products and records the inputs.
 
 use super::ops;
 use crate::error::LanternError;
-use crate::model::validate::validate;
+use crate::model::validate::{layer_norm_names, validate};
 use crate::model::{ModelConfig, ModelWeights};
 
-/// One decoder block's weights, dequantized to f32.
-struct RefLayer {
-    input_norm: Vec<f32>,     // (hidden)
-    q: Vec<f32>,              // (n_heads * head_dim, hidden)
-    k: Vec<f32>,              // (n_kv_heads * head_dim, hidden)
-    v: Vec<f32>,              // (n_kv_heads * head_dim, hidden)
-    q_bias: Option<Vec<f32>>, // (n_heads * head_dim)
-    k_bias: Option<Vec<f32>>, // (n_kv_heads * head_dim)
-    v_bias: Option<Vec<f32>>, // (n_kv_heads * head_dim)
-    o: Vec<f32>,              // (hidden, n_heads * head_dim)
+/// The linear layers of a decoder block, by the input they share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LinearInput {
+    /// q/k/v projections: the attention input norm's output.
+    Qkv,
+    /// o_proj: the attention output.
+    O,
+    /// gate/up projections: the MLP input norm's output.
+    GateUp,
+    /// down_proj: the gated activation, `act(gate) * up`.
+    Down,
+}
+
+/// How [`run`] computes the linear layers, and what it is told along the way. Every method
+/// has a default: the reference's f64 [`ops::linear`], and nothing observed.
+pub trait Pass {
+    /// `y = x W^T + b` for `x: [T, k]`, `w: [n, k]`; returns `[T, n]`.
+    fn linear(&self, x: &[f32], w: &[f32], bias: Option<&[f32]>, k: usize, n: usize) -> Vec<f32> {
+        ops::linear(x, w, bias, k, n)
+    }
+
+    /// The input `x` (`[T, k]`) of layer `layer`'s linear layers `input`, before they run.
+    fn input(&mut self, layer: usize, input: LinearInput, x: &[f32], k: usize) {
+        let _ = (layer, input, x, k);
+    }
+
+    /// The residual stream `[T, hidden]` after `index` layers (0: the embedding output).
+    fn state(&mut self, index: usize, x: &[f32]) {
+        let _ = (index, x);
+    }
+}
+
+/// One decoder block's weights: `W` is `Vec<f32>` in [`ReferenceModel`] (dequantized with
+/// `HostTensor::to_f32`), `&[f32]` while [`run`] reads them.
+#[derive(Debug, Clone)]
+pub struct Layer<W> {
+    pub input_norm: W,     // (hidden)
+    pub q: W,              // (n_heads * head_dim, hidden)
+    pub k: W,              // (n_kv_heads * head_dim, hidden)
+    pub v: W,              // (n_kv_heads * head_dim, hidden)
+    pub q_bias: Option<W>, // (n_heads * head_dim)
+    pub k_bias: Option<W>, // (n_kv_heads * head_dim)
+    pub v_bias: Option<W>, // (n_kv_heads * head_dim)
+    pub o: W,              // (hidden, n_heads * head_dim)
     /// q/k norms over each head (head_dim), with `BlockSpec::qk_norm`.
-    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    pub qk_norm: Option<(W, W)>,
     /// Sandwich norms of the attention and MLP outputs (hidden each).
-    attn_out_norm: Option<Vec<f32>>,
-    mlp_out_norm: Option<Vec<f32>>,
+    pub attn_out_norm: Option<W>,
+    pub mlp_out_norm: Option<W>,
     /// The MLP input's norm.
-    post_norm: Vec<f32>, // (hidden)
-    window: Option<usize>,
-    gate: Vec<f32>, // (intermediate, hidden)
-    up: Vec<f32>,   // (intermediate, hidden)
-    down: Vec<f32>, // (hidden, intermediate)
+    pub post_norm: W, // (hidden)
+    pub window: Option<usize>,
+    pub gate: W, // (intermediate, hidden)
+    pub up: W,   // (intermediate, hidden)
+    pub down: W, // (hidden, intermediate)
+}
+
+impl<W> Layer<W> {
+    /// Layer `l`'s weights by their Hugging Face names: `get` fetches the ones the config
+    /// requires, `opt` the q/k/v biases (looked up only with `qkv_bias`).
+    pub fn by_name<E>(
+        c: &ModelConfig,
+        l: usize,
+        mut get: impl FnMut(&str) -> Result<W, E>,
+        mut opt: impl FnMut(&str) -> Option<W>,
+    ) -> Result<Self, E> {
+        let p = format!("model.layers.{l}");
+        let mut bias = |n: &str| if c.qkv_bias { opt(&format!("{p}.self_attn.{n}_proj.bias")) } else { None };
+        let norms = layer_norm_names(c, l);
+        Ok(Layer {
+            qk_norm: match c.block.qk_norm {
+                true => Some((get(&format!("{p}.self_attn.q_norm.weight"))?, get(&format!("{p}.self_attn.k_norm.weight"))?)),
+                false => None,
+            },
+            attn_out_norm: norms.attn_out.as_deref().map(&mut get).transpose()?,
+            mlp_out_norm: norms.mlp_out.as_deref().map(&mut get).transpose()?,
+            window: c.block.window(l),
+            input_norm: get(&norms.attn_in)?,
+            q: get(&format!("{p}.self_attn.q_proj.weight"))?,
+            k: get(&format!("{p}.self_attn.k_proj.weight"))?,
+            v: get(&format!("{p}.self_attn.v_proj.weight"))?,
+            q_bias: bias("q"),
+            k_bias: bias("k"),
+            v_bias: bias("v"),
+            o: get(&format!("{p}.self_attn.o_proj.weight"))?,
+            post_norm: get(&norms.mlp_in)?,
+            gate: get(&format!("{p}.mlp.gate_proj.weight"))?,
+            up: get(&format!("{p}.mlp.up_proj.weight"))?,
+            down: get(&format!("{p}.mlp.down_proj.weight"))?,
+        })
+    }
+}
+
+impl Layer<Vec<f32>> {
+    /// The same weights, borrowed.
+    pub fn view(&self) -> Layer<&[f32]> {
+        let v = Vec::as_slice;
+        Layer {
+            input_norm: v(&self.input_norm),
+            q: v(&self.q),
+            k: v(&self.k),
+            v: v(&self.v),
+            q_bias: self.q_bias.as_deref(),
+            k_bias: self.k_bias.as_deref(),
+            v_bias: self.v_bias.as_deref(),
+            o: v(&self.o),
+            qk_norm: self.qk_norm.as_ref().map(|(q, k)| (v(q), v(k))),
+            attn_out_norm: self.attn_out_norm.as_deref(),
+            mlp_out_norm: self.mlp_out_norm.as_deref(),
+            post_norm: v(&self.post_norm),
+            window: self.window,
+            gate: v(&self.gate),
+            up: v(&self.up),
+            down: v(&self.down),
+        }
+    }
+}
+
+/// One decoder block (layer `l`, weights `w`) applied to the residual stream `x`
+/// (`[T, hidden]`, positions `0..T`). `inv_freq`: this layer's RoPE frequencies for the
+/// sequence's length.
+#[allow(clippy::too_many_arguments)]
+fn layer(c: &ModelConfig, l: usize, w: &Layer<&[f32]>, x: &[f32], positions: &[usize], inv_freq: &[f32], pass: &mut dyn Pass) -> Vec<f32> {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+
+    let n = ops::rmsnorm(x, w.input_norm, c.rms_norm_eps);
+    pass.input(l, LinearInput::Qkv, &n, h);
+    let q = pass.linear(&n, w.q, w.q_bias, h, qd);
+    let k = pass.linear(&n, w.k, w.k_bias, h, kvd);
+    let v = pass.linear(&n, w.v, w.v_bias, h, kvd);
+    // q/k norms run over each head's head_dim values.
+    let (q, k) = match w.qk_norm {
+        Some((qn, kn)) => (ops::rmsnorm(&q, qn, c.rms_norm_eps), ops::rmsnorm(&k, kn, c.rms_norm_eps)),
+        None => (q, k),
+    };
+    let m = c.rope_attention_factor();
+    let q = ops::rope_scaled(&q, positions, c.num_heads, hd, inv_freq, m);
+    let k = ops::rope_scaled(&k, positions, c.num_kv_heads, hd, inv_freq, m);
+    let a = ops::attention_windowed(&q, &k, &v, positions, c.num_heads, c.num_kv_heads, hd, c.attention_scale(), w.window);
+    let out_norm = |y: Vec<f32>, norm: Option<&[f32]>| match norm {
+        Some(g) => ops::rmsnorm(&y, g, c.rms_norm_eps),
+        None => y,
+    };
+    pass.input(l, LinearInput::O, &a, qd);
+    let x = ops::add(x, &out_norm(pass.linear(&a, w.o, None, qd, h), w.attn_out_norm));
+
+    let n = ops::rmsnorm(&x, w.post_norm, c.rms_norm_eps);
+    let ffn = c.intermediate_size;
+    pass.input(l, LinearInput::GateUp, &n, h);
+    let g = pass.linear(&n, w.gate, None, h, ffn);
+    let u = pass.linear(&n, w.up, None, h, ffn);
+    let act = match c.block.activation {
+        crate::model::Activation::Silu => ops::silu_mul(&g, &u),
+        crate::model::Activation::GeluTanh => ops::gelu_tanh_mul(&g, &u),
+    };
+    pass.input(l, LinearInput::Down, &act, ffn);
+    let m = pass.linear(&act, w.down, None, ffn, h);
+    ops::add(&x, &out_norm(m, w.mlp_out_norm))
+}
+
+/// A full causal pass over `tokens` (positions `0..T`) through the embedding table `embed`
+/// (`[vocab, hidden]`) and `layers`, with `pass` computing the linear layers and observing
+/// (see [`Pass`]). Returns the final residual stream `[T, hidden]`, before the final norm.
+///
+/// # Panics
+/// If a token id is `>= vocab_size`.
+pub fn run(c: &ModelConfig, embed: &[f32], layers: &[Layer<&[f32]>], tokens: &[u32], pass: &mut dyn Pass) -> Vec<f32> {
+    let positions: Vec<usize> = (0..tokens.len()).collect();
+    let mut x = ops::embedding(embed, c.vocab_size, c.hidden_size, tokens);
+    if let Some(scale) = c.block.embedding_scale {
+        // transformers multiplies in the activation dtype (f32).
+        x.iter_mut().for_each(|v| *v *= scale);
+    }
+    pass.state(0, &x);
+    for (l, w) in layers.iter().enumerate() {
+        // transformers picks LongRoPE's factor set by the sequence's length.
+        let inv_freq = c.layer_rope_inv_freq(l, tokens.len());
+        x = layer(c, l, w, &x, &positions, &inv_freq, pass);
+        pass.state(l + 1, &x);
+    }
+    x
+}
+
+/// The reference's own pass: f64 linear layers, every residual stream kept.
+struct States(Vec<Vec<f32>>);
+
+impl Pass for States {
+    fn state(&mut self, _: usize, x: &[f32]) {
+        self.0.push(x.to_vec());
+    }
 }
 
 /// A CPU reference model: every weight converted to f32 with `HostTensor::to_f32`.
 pub struct ReferenceModel {
     config: ModelConfig,
     embed: Vec<f32>, // (vocab, hidden)
-    layers: Vec<RefLayer>,
+    layers: Vec<Layer<Vec<f32>>>,
     norm: Vec<f32>,            // (hidden)
     lm_head: Option<Vec<f32>>, // (vocab, hidden); None when tied to `embed`
 }
 
 impl ReferenceModel {
     /// Builds the reference from loaded weights, after checking them with
-    /// [`validate`](crate::model::validate::validate).
+    /// [`validate`].
     pub fn new(weights: &ModelWeights) -> Result<Self, LanternError> {
         validate(weights)?;
         let c = weights.config.clone();
         // `validate` guarantees presence, so indexing cannot fail.
         let get = |name: &str| weights.tensors[name].to_f32();
-        let opt = |name: &str| weights.tensors.get(name).map(|t| t.to_f32());
         let layers = (0..c.num_layers)
             .map(|l| {
-                let p = format!("model.layers.{l}");
-                let bias = |n: &str| {
-                    if c.qkv_bias {
-                        opt(&format!("{p}.self_attn.{n}_proj.bias"))
-                    } else {
-                        None
-                    }
-                };
-                let norms = crate::model::validate::layer_norm_names(&c, l);
-                RefLayer {
-                    qk_norm: c
-                        .block
-                        .qk_norm
-                        .then(|| (get(&format!("{p}.self_attn.q_norm.weight")), get(&format!("{p}.self_attn.k_norm.weight")))),
-                    attn_out_norm: norms.attn_out.as_deref().map(get),
-                    mlp_out_norm: norms.mlp_out.as_deref().map(get),
-                    window: c.block.window(l),
-                    input_norm: get(&norms.attn_in),
-                    q: get(&format!("{p}.self_attn.q_proj.weight")),
-                    k: get(&format!("{p}.self_attn.k_proj.weight")),
-                    v: get(&format!("{p}.self_attn.v_proj.weight")),
-                    q_bias: bias("q"),
-                    k_bias: bias("k"),
-                    v_bias: bias("v"),
-                    o: get(&format!("{p}.self_attn.o_proj.weight")),
-                    post_norm: get(&norms.mlp_in),
-                    gate: get(&format!("{p}.mlp.gate_proj.weight")),
-                    up: get(&format!("{p}.mlp.up_proj.weight")),
-                    down: get(&format!("{p}.mlp.down_proj.weight")),
-                }
+                let r: Result<_, std::convert::Infallible> =
+                    Layer::by_name(&c, l, |n| Ok(get(n)), |n| weights.tensors.get(n).map(|t| t.to_f32()));
+                r.unwrap_or_else(|e| match e {})
             })
             .collect();
         Ok(ReferenceModel {
@@ -100,44 +247,6 @@ impl ReferenceModel {
         &self.config
     }
 
-    /// One decoder block applied to the residual stream `x` (`[T, hidden]`, positions `0..T`).
-    /// `inv_freq`: this layer's RoPE frequencies for the sequence's length.
-    fn layer(&self, layer: &RefLayer, x: &[f32], positions: &[usize], inv_freq: &[f32]) -> Vec<f32> {
-        let c = &self.config;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
-
-        let n = ops::rmsnorm(x, &layer.input_norm, c.rms_norm_eps);
-        let q = ops::linear(&n, &layer.q, layer.q_bias.as_deref(), h, qd);
-        let k = ops::linear(&n, &layer.k, layer.k_bias.as_deref(), h, kvd);
-        let v = ops::linear(&n, &layer.v, layer.v_bias.as_deref(), h, kvd);
-        // q/k norms run over each head's head_dim values.
-        let (q, k) = match &layer.qk_norm {
-            Some((qn, kn)) => (ops::rmsnorm(&q, qn, c.rms_norm_eps), ops::rmsnorm(&k, kn, c.rms_norm_eps)),
-            None => (q, k),
-        };
-        let m = c.rope_attention_factor();
-        let q = ops::rope_scaled(&q, positions, c.num_heads, hd, inv_freq, m);
-        let k = ops::rope_scaled(&k, positions, c.num_kv_heads, hd, inv_freq, m);
-        let a = ops::attention_windowed(&q, &k, &v, positions, c.num_heads, c.num_kv_heads, hd, c.attention_scale(), layer.window);
-        let out_norm = |y: Vec<f32>, w: &Option<Vec<f32>>| match w {
-            Some(w) => ops::rmsnorm(&y, w, c.rms_norm_eps),
-            None => y,
-        };
-        let x = ops::add(x, &out_norm(ops::linear(&a, &layer.o, None, qd, h), &layer.attn_out_norm));
-
-        let n = ops::rmsnorm(&x, &layer.post_norm, c.rms_norm_eps);
-        let ffn = c.intermediate_size;
-        let g = ops::linear(&n, &layer.gate, None, h, ffn);
-        let u = ops::linear(&n, &layer.up, None, h, ffn);
-        let act = match c.block.activation {
-            crate::model::Activation::Silu => ops::silu_mul(&g, &u),
-            crate::model::Activation::GeluTanh => ops::gelu_tanh_mul(&g, &u),
-        };
-        let m = ops::linear(&act, &layer.down, None, ffn, h);
-        ops::add(&x, &out_norm(m, &layer.mlp_out_norm))
-    }
-
     /// The residual stream of a full causal pass over `tokens` (positions `0..T`): element 0
     /// is the embedding output and element `l + 1` the stream after layer `l`, each
     /// `[T, hidden]` row-major. For locating where a GPU pass first diverges.
@@ -145,22 +254,10 @@ impl ReferenceModel {
     /// # Panics
     /// If a token id is `>= vocab_size`.
     pub fn forward_hidden(&self, tokens: &[u32]) -> Vec<Vec<f32>> {
-        let c = &self.config;
-        let positions: Vec<usize> = (0..tokens.len()).collect();
-        let mut states = Vec::with_capacity(c.num_layers + 1);
-        let mut e = ops::embedding(&self.embed, c.vocab_size, c.hidden_size, tokens);
-        if let Some(scale) = c.block.embedding_scale {
-            // transformers multiplies in the activation dtype (f32).
-            e.iter_mut().for_each(|v| *v *= scale);
-        }
-        states.push(e);
-        for (l, layer) in self.layers.iter().enumerate() {
-            // transformers picks LongRoPE's factor set by the sequence's length.
-            let inv_freq = c.layer_rope_inv_freq(l, tokens.len());
-            let next = self.layer(layer, states.last().map(Vec::as_slice).unwrap_or(&[]), &positions, &inv_freq);
-            states.push(next);
-        }
-        states
+        let layers: Vec<_> = self.layers.iter().map(Layer::view).collect();
+        let mut states = States(Vec::with_capacity(layers.len() + 1));
+        run(&self.config, &self.embed, &layers, tokens, &mut states);
+        states.0
     }
 
     /// Final norm and lm_head (or the tied embedding) over residual rows `[T, hidden]`.
