@@ -145,7 +145,8 @@ fn labels_are_unique_per_key() {
 
 /// The Rust structs written into each kernel's uniforms have the size of the WGSL structs they
 /// mirror, in every variant: binding 0 is the step uniform, binding 1 the op's `Params`
-/// (naga's layout of the expanded source against `kernels::params_size`).
+/// (naga's layout of the expanded source against `kernels::params_size`), whose named fields
+/// sit at the offsets the Rust struct gives them (`kernels::params_fields`).
 #[test]
 fn uniform_structs_match_their_wgsl_mirrors() {
     let step = std::mem::size_of::<lantern::kernels::StepUniform>() as u32;
@@ -165,6 +166,20 @@ fn uniform_structs_match_their_wgsl_mirrors() {
                 other => panic!("{}: unexpected uniform at {other:?}", key.label()),
             };
             assert_eq!(size, want, "{}: uniform at binding {} is {size} bytes in WGSL, {want} in Rust", key.label(), b.binding);
+            // The op's Params: every named field at the same offset (padding aside).
+            if (b.group, b.binding) == (0, 1) {
+                let naga::TypeInner::Struct { members, .. } = &module.types[var.ty].inner else {
+                    panic!("{}: binding 1 is not a struct", key.label())
+                };
+                let wgsl: Vec<(String, usize)> = members
+                    .iter()
+                    .filter_map(|m| m.name.clone().map(|n| (n, m.offset as usize)))
+                    .filter(|(n, _)| !n.starts_with('_'))
+                    .collect();
+                let rust: Vec<(String, usize)> =
+                    lantern::kernels::params_fields(key.op).into_iter().map(|(n, o)| (n.to_string(), o)).collect();
+                assert_eq!(wgsl, rust, "{}: Params fields and offsets, WGSL vs Rust", key.label());
+            }
             checked += 1;
         }
     }

@@ -64,6 +64,17 @@ struct ReduceUniform {
     n_shards: u32,
 }
 
+/// `AttentionUniform`'s named fields and offsets (`kernels::params_fields`).
+pub(crate) fn uniform_fields() -> Vec<(&'static str, usize)> {
+    field_offsets!(AttentionUniform; n_heads, n_kv_heads, head_dim, qkv_stride, page_size, max_pages, out_stride, scale,
+        pages_per_shard, shard, n_shards, scale_base, window)
+}
+
+/// `ReduceUniform`'s named fields and offsets (`kernels::params_fields`).
+pub(crate) fn reduce_uniform_fields() -> Vec<(&'static str, usize)> {
+    field_offsets!(ReduceUniform; n_heads, head_dim, out_stride, n_shards)
+}
+
 /// Largest head_dim the kernel supports (4 dims per lane x 64 lanes).
 pub const MAX_HEAD_DIM: u32 = 256;
 

@@ -2,6 +2,14 @@
 //! variant choice by device capability, and construction of ready-to-encode dispatches.
 //! The CPU oracle for each op lives in `crate::reference::ops`.
 
+/// `(field, byte offset)` of each named field of a uniform struct, for the test that checks
+/// them against the WGSL struct the struct mirrors (padding fields are left out).
+macro_rules! field_offsets {
+    ($t:ty; $($f:ident),* $(,)?) => {
+        vec![$((stringify!($f), std::mem::offset_of!($t, $f))),*]
+    };
+}
+
 pub mod argmax;
 pub mod attention;
 pub mod embedding;
@@ -138,6 +146,25 @@ pub fn step_buffer(ctx: &GpuContext) -> wgpu::Buffer {
 /// Bytes of the Rust struct each op writes into its `Params` uniform (binding 1), and of
 /// [`StepUniform`] (binding 0): what `tests/shaders.rs` checks against naga's layout of the
 /// WGSL structs for every variant, so a field added on one side only fails a test.
+pub fn params_fields(op: crate::gpu::ShaderOp) -> Vec<(&'static str, usize)> {
+    use crate::gpu::ShaderOp as O;
+    match op {
+        O::Embedding => field_offsets!(embedding::EmbeddingParams; k, row_offset, n_rows, group, scale),
+        O::RmsNorm => field_offsets!(rmsnorm::RmsNormParams; k, eps, rows, token_stride, row_stride, split),
+        O::Matvec | O::Matmul | O::MatmulBlocked | O::MatvecQ | O::MatmulBlockedQ => {
+            field_offsets!(linear::LinearParams; n_rows, k, row_offset, out_stride, x_stride, grid_x, eps, group)
+        }
+        O::RopeKv => rope_kv::uniform_fields(),
+        O::Attention => attention::uniform_fields(),
+        O::AttentionReduce => attention::reduce_uniform_fields(),
+        O::Argmax => field_offsets!(argmax::ArgmaxParams; n),
+        O::TopK => topk::uniform_fields(),
+        O::LogitMask => field_offsets!(logit_mask::LogitMaskParams; n, words, fill),
+        O::LogitBias => field_offsets!(logit_bias::LogitBiasParams; n, base),
+    }
+}
+
+/// Bytes of the `Params` uniform the op's shader declares at binding 1 (its Rust mirror).
 pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
     use crate::gpu::ShaderOp as O;
     match op {

@@ -41,6 +41,11 @@ struct RopeKvUniform {
     _pad: [u32; 2],
 }
 
+/// `RopeKvUniform`'s named fields and offsets (`kernels::params_fields`).
+pub(crate) fn uniform_fields() -> Vec<(&'static str, usize)> {
+    field_offsets!(RopeKvUniform; n_heads, n_kv_heads, head_dim, qkv_stride, page_size, max_pages, n_positions, pages_per_shard, shard, scale_base)
+}
+
 /// cos/sin table: row `pos` holds cos(pos * inv_freq[i]) for i < hd/2, then the sines, each
 /// times `mscale` (LongRoPE's attention factor; 1 otherwise). The angle is formed in f32 (as
 /// transformers does), the cos/sin taken in f64.

@@ -25,6 +25,11 @@ struct TopkParams {
     _pad: [u32; 2],
 }
 
+/// `TopkParams`' named fields and offsets (`kernels::params_fields`).
+pub(crate) fn uniform_fields() -> Vec<(&'static str, usize)> {
+    field_offsets!(TopkParams; n, k)
+}
+
 /// `out[r]` = the `k` (at most [`TOPK_MAX`]) best (id, value) of `logits[r, :n]` for the
 /// step's `n_out` rows: ids in words `0..TOPK_MAX` of the row's [`TOPK_ROW_WORDS`], values
 /// (f32 bits) in `TOPK_MAX..2 TOPK_MAX`, the logsumexp of the row's finite values at
