@@ -155,6 +155,90 @@ fn streamed_gguf_load_equals_the_whole_file_load() {
     }
 }
 
+/// A streamed load writes the embedding table and the head a slice of rows at a time
+/// (`ModelOptions::stream_slice_bytes`), never reading either whole. With slices of 3 rows
+/// and bindings of 16 KiB (so slices straddle the buffer chunks they are written into), every
+/// GGUF weight format of the ggml-types fixture and the tiny architectures (tied and untied
+/// heads) give the logits of the whole-file load bit for bit; SmolLM2's 28 MB table comes in
+/// slices of at most 16 MiB by default.
+#[test]
+fn streamed_loads_write_the_head_a_slice_of_rows_at_a_time() {
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut paths: Vec<_> = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+        .iter()
+        .map(|t| root.join(format!("ggml-types/tiny-{t}.gguf")))
+        .collect();
+    paths.extend(["gemma3", "llama3.2", "phi3", "qwen3"].iter().map(|a| root.join(format!("tiny-archs/{a}/model.gguf"))));
+    let ctx = common::gpu_with(&lantern::gpu::DeviceOptions { max_binding_size: Some(16 * 1024), ..Default::default() });
+    for path in &paths {
+        let bytes = std::fs::read(path).unwrap();
+        let name = path.display().to_string();
+        let whole = lantern::model::load::load_path(path).unwrap();
+        let c = &whole.weights.config;
+        let opts = ModelOptions {
+            context: Some(32),
+            max_batch_tokens: 4,
+            max_logit_rows: 4,
+            stream_slice_bytes: 3 * c.hidden_size * 4,
+            ..Default::default()
+        };
+        let map = lantern::model::gguf::GgufMmap::open(path).unwrap();
+        let gguf = map.parse().unwrap();
+        let info = gguf.tensor_info("token_embd.weight").unwrap();
+        let (t0, t1) = gguf.tensor_range(info);
+        assert!(info.size > 2 * 16 * 1024, "{name}: the table spans several binding chunks");
+        let mut slices = 0;
+        let mut read = async |a: u64, b: u64| {
+            if a >= t0 && b <= t1 {
+                assert!(b - a < info.size, "{name}: the table read whole");
+                slices += 1;
+            }
+            Ok(bytes[a as usize..b as usize].to_vec())
+        };
+        let (mut streamed, _) = pollster::block_on(lantern::model::load::load_gguf_streamed(
+            ctx.clone(),
+            &name,
+            bytes.len() as u64,
+            opts.clone(),
+            &mut read,
+            &mut |_, _| {},
+        ))
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(slices, c.vocab_size.div_ceil(3), "{name}");
+        let mut m = pollster::block_on(GpuModel::load(ctx.clone(), &whole.weights, opts)).unwrap();
+        let ids = [1u32, 5, 9, 2, 7, 3];
+        let (s1, s2) = (streamed.new_sequence().unwrap(), m.new_sequence().unwrap());
+        let a = pollster::block_on(streamed.forward_all_logits(s1, &ids)).unwrap();
+        let b = pollster::block_on(m.forward_all_logits(s2, &ids)).unwrap();
+        assert_eq!(a, b, "{name}");
+        assert_eq!(streamed.memory().weights, m.memory().weights, "{name}");
+    }
+    // SmolLM2 by default: no read as large as its embedding table.
+    let path = common::smollm2_gguf();
+    let bytes = std::fs::read(&path).unwrap();
+    let map = lantern::model::gguf::GgufMmap::open(&path).unwrap();
+    let gguf = map.parse().unwrap();
+    let table = gguf.tensor_info("token_embd.weight").unwrap().size;
+    let mut largest = 0u64;
+    let mut read = async |a: u64, b: u64| {
+        if a > 0 {
+            largest = largest.max(b - a);
+        }
+        Ok(bytes[a as usize..b as usize].to_vec())
+    };
+    let opts = ModelOptions { context: Some(32), ..Default::default() };
+    pollster::block_on(lantern::model::load::load_gguf_streamed(
+        common::gpu(),
+        "smollm2",
+        bytes.len() as u64,
+        opts,
+        &mut read,
+        &mut |_, _| {},
+    ))
+    .unwrap();
+    assert!(largest < table, "largest read {largest} bytes, the embedding table is {table}");
+}
+
 /// Every pipeline the runtime asks for is among the variants the shader tests validate,
 /// translate and snapshot (`kernels::all_variants`, tests/shaders.rs). The tiny models
 /// of every architecture (HF folders and llama.cpp GGUFs) and of every GGUF weight format

@@ -30,22 +30,11 @@ pub struct GpuTensor {
 impl GpuTensor {
     /// Upload `data` (rows x row_bytes) split into chunks of at most the binding limit.
     pub fn upload_rows(ctx: &GpuContext, name: &str, data: &[u8], rows: usize, row_bytes: usize) -> Result<GpuTensor, GpuError> {
-        let limit = ctx.max_binding() as usize;
-        if row_bytes > limit || row_bytes == 0 && rows > 0 {
-            return Err(GpuError::BindingTooLarge { tensor: name.into(), bytes: row_bytes as u64, limit: limit as u64 });
-        }
         debug_assert_eq!(data.len(), rows * row_bytes);
-        let rows_per_chunk = (limit / row_bytes.max(1)).max(1);
         let mut chunks = Vec::new();
-        let mut r = 0;
-        while r < rows || (rows == 0 && chunks.is_empty()) {
-            let n = rows_per_chunk.min(rows - r);
+        for (r, n) in Self::split(ctx, name, rows, row_bytes)? {
             let bytes = &data[r * row_bytes..(r + n) * row_bytes];
             chunks.push(Chunk { buffer: create_storage(ctx, &format!("{name}[{r}..{}]", r + n), bytes)?, row_offset: r, rows: n });
-            r += n;
-            if rows == 0 {
-                break;
-            }
         }
         Ok(GpuTensor { name: name.into(), rows, row_bytes, chunks })
     }
@@ -70,6 +59,90 @@ impl GpuTensor {
             });
         }
         Ok(GpuTensor { name: name.into(), rows: like.rows, row_bytes, chunks })
+    }
+
+    /// The row ranges `(first row, rows)` of a tensor's chunks: as many whole rows as one
+    /// binding holds (one empty chunk for an empty tensor).
+    fn split(ctx: &GpuContext, name: &str, rows: usize, row_bytes: usize) -> Result<Vec<(usize, usize)>, GpuError> {
+        let limit = ctx.max_binding() as usize;
+        if row_bytes > limit || row_bytes == 0 && rows > 0 {
+            return Err(GpuError::BindingTooLarge { tensor: name.into(), bytes: row_bytes as u64, limit: limit as u64 });
+        }
+        let per_chunk = (limit / row_bytes.max(1)).max(1);
+        let mut out = Vec::new();
+        let mut r = 0;
+        while r < rows || out.is_empty() {
+            let n = per_chunk.min(rows - r);
+            out.push((r, n));
+            r += n;
+            if rows == 0 {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// A tensor of `rows` x `row_bytes` whose bytes come later, a slice of rows at a time
+    /// ([`write_rows`](Self::write_rows)): a streamed load writes a large matrix (an LM head)
+    /// without holding it whole on the host. Chunked as [`upload_rows`](Self::upload_rows)
+    /// would chunk it; `row_bytes` must be a multiple of 4 (the queue's copy alignment).
+    pub fn allocate_rows(ctx: &GpuContext, name: &str, rows: usize, row_bytes: usize) -> Result<GpuTensor, GpuError> {
+        if !row_bytes.is_multiple_of(4) {
+            return Err(GpuError::Validation {
+                context: name.into(),
+                message: format!("rows of {row_bytes} bytes cannot be written a slice at a time (not a multiple of 4)"),
+            });
+        }
+        let mut chunks = Vec::new();
+        for (r, n) in Self::split(ctx, name, rows, row_bytes)? {
+            chunks.push(Chunk {
+                buffer: create_zeroed(ctx, &format!("{name}[{r}..{}]", r + n), (n * row_bytes) as u64)?,
+                row_offset: r,
+                rows: n,
+            });
+        }
+        Ok(GpuTensor { name: name.into(), rows, row_bytes, chunks })
+    }
+
+    /// [`allocate_rows`](Self::allocate_rows) split at the same rows as `like`.
+    pub fn allocate_rows_like(ctx: &GpuContext, name: &str, row_bytes: usize, like: &GpuTensor) -> Result<GpuTensor, GpuError> {
+        if !row_bytes.is_multiple_of(4) {
+            return Err(GpuError::Validation {
+                context: name.into(),
+                message: format!("rows of {row_bytes} bytes cannot be written a slice at a time (not a multiple of 4)"),
+            });
+        }
+        let mut chunks = Vec::new();
+        for c in &like.chunks {
+            let label = format!("{name}[{}..{}]", c.row_offset, c.row_offset + c.rows);
+            chunks.push(Chunk { buffer: create_zeroed(ctx, &label, (c.rows * row_bytes) as u64)?, row_offset: c.row_offset, rows: c.rows });
+        }
+        Ok(GpuTensor { name: name.into(), rows: like.rows, row_bytes, chunks })
+    }
+
+    /// Write rows `r0 ..` (as many as `data` holds, whole rows) of a tensor made by
+    /// [`allocate_rows`](Self::allocate_rows), across chunk boundaries.
+    pub fn write_rows(&self, ctx: &GpuContext, r0: usize, data: &[u8]) -> Result<(), GpuError> {
+        let bad = |message: String| GpuError::Validation { context: self.name.clone(), message };
+        if self.row_bytes == 0 || !data.len().is_multiple_of(self.row_bytes) {
+            return Err(bad(format!("{} bytes are not whole rows of {}", data.len(), self.row_bytes)));
+        }
+        let n = data.len() / self.row_bytes;
+        if r0 + n > self.rows {
+            return Err(bad(format!("rows {r0}..{} written, the tensor has {}", r0 + n, self.rows)));
+        }
+        for c in &self.chunks {
+            let (a, b) = (r0.max(c.row_offset), (r0 + n).min(c.row_offset + c.rows));
+            if a >= b {
+                continue;
+            }
+            let src = &data[(a - r0) * self.row_bytes..(b - r0) * self.row_bytes];
+            let at = ((a - c.row_offset) * self.row_bytes) as u64;
+            for (i, piece) in src.chunks(UPLOAD_CHUNK).enumerate() {
+                ctx.queue.write_buffer(&c.buffer, at + (i * UPLOAD_CHUNK) as u64, piece);
+            }
+        }
+        Ok(())
     }
 
     /// Bytes held on the GPU.

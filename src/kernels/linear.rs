@@ -162,6 +162,124 @@ fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usiz
     }
 }
 
+/// A single (ungated, unbiased) matrix uploaded a slice of rows at a time: a streamed load
+/// writes an LM head or embedding table (a model's largest matrix) without holding it whole
+/// on the host. Rows must be written in order; [`RowUpload::finish`] checks they all were.
+pub struct RowUpload {
+    name: String,
+    n_rows: usize,
+    k: usize,
+    format: WeightFormat,
+    quant: Option<QuantFormat>,
+    w: GpuTensor,
+    scales: Option<GpuTensor>,
+    next: usize,
+}
+
+impl HostMatrix<'_> {
+    /// Bytes per row of the weights (codes for packed formats) and of the scales, for rows
+    /// of `k` elements.
+    fn row_bytes(&self, k: usize) -> (usize, usize) {
+        match self {
+            HostMatrix::F32(_) => (k * 4, 0),
+            HostMatrix::F16(_) => (k * 2, 0),
+            HostMatrix::Packed(p) => (p.format.qs_words(k) * 4, p.format.scale_words(k) * 4),
+        }
+    }
+
+    /// Rows held, for rows of `k` elements.
+    fn rows(&self, k: usize) -> usize {
+        match self {
+            HostMatrix::F32(v) => v.len() / k.max(1),
+            HostMatrix::F16(v) => v.len() / k.max(1),
+            HostMatrix::Packed(p) => p.rows,
+        }
+    }
+}
+
+impl RowUpload {
+    /// Whether a matrix stored like `first` can be written a slice at a time: its rows are
+    /// whole 4-byte words (an f16 matrix with odd `k` is not).
+    pub fn fits(first: &HostMatrix, k: usize) -> bool {
+        let (w, s) = first.row_bytes(k);
+        w.is_multiple_of(4) && s.is_multiple_of(4)
+    }
+
+    /// GPU buffers for an `n_rows` x `k` matrix stored like `first` (a slice of its rows, in
+    /// the format every slice will have); nothing is written yet.
+    pub fn begin(ctx: &GpuContext, name: &str, first: &HostMatrix, n_rows: usize, k: usize) -> Result<RowUpload, GpuError> {
+        let (format, quant) = match first {
+            HostMatrix::F32(_) => (WeightFormat::F32, None),
+            HostMatrix::F16(_) => (WeightFormat::F16, None),
+            HostMatrix::Packed(p) => {
+                p.format.check(name, k).map_err(|e| GpuError::Validation { context: name.into(), message: e.to_string() })?;
+                (WeightFormat::from_quant(p.format.kind), Some(p.format))
+            }
+        };
+        let (wb, sb) = first.row_bytes(k);
+        let w = GpuTensor::allocate_rows(ctx, name, n_rows, wb)?;
+        let scales = match quant {
+            Some(_) => Some(GpuTensor::allocate_rows_like(ctx, &format!("{name}.scales"), sb, &w)?),
+            None => None,
+        };
+        Ok(RowUpload { name: name.into(), n_rows, k, format, quant, w, scales, next: 0 })
+    }
+
+    /// Write the next rows (as many as `m` holds), which must be stored like the first.
+    pub fn write(&mut self, ctx: &GpuContext, m: &HostMatrix) -> Result<(), GpuError> {
+        let bad = |message: String| GpuError::Validation { context: self.name.clone(), message };
+        let same = match (m, self.quant) {
+            (HostMatrix::F32(_), None) => self.format == WeightFormat::F32,
+            (HostMatrix::F16(_), None) => self.format == WeightFormat::F16,
+            (HostMatrix::Packed(p), Some(q)) => p.format == q && p.k == self.k,
+            _ => false,
+        };
+        if !same {
+            return Err(bad(format!("rows from {} on are stored unlike the first rows", self.next)));
+        }
+        let n = m.rows(self.k);
+        if self.next + n > self.n_rows {
+            return Err(bad(format!("rows {}..{} written, the matrix has {}", self.next, self.next + n, self.n_rows)));
+        }
+        match m {
+            HostMatrix::F32(v) => self.w.write_rows(ctx, self.next, bytemuck::cast_slice(v))?,
+            HostMatrix::F16(v) => self.w.write_rows(ctx, self.next, bytemuck::cast_slice(v))?,
+            HostMatrix::Packed(p) => {
+                self.w.write_rows(ctx, self.next, bytemuck::cast_slice(&p.qs))?;
+                if let Some(s) = &self.scales {
+                    s.write_rows(ctx, self.next, bytemuck::cast_slice(&p.scales))?;
+                }
+            }
+        }
+        self.next += n;
+        Ok(())
+    }
+
+    /// The linear layer, once every row is written.
+    pub fn finish(self) -> Result<GpuLinear, GpuError> {
+        if self.next != self.n_rows {
+            return Err(GpuError::Validation {
+                context: self.name,
+                message: format!("{} of {} rows were written", self.next, self.n_rows),
+            });
+        }
+        Ok(GpuLinear {
+            name: self.name,
+            n_rows: self.n_rows,
+            k: self.k,
+            format: self.format,
+            w: self.w,
+            u: None,
+            quant: self.quant,
+            w_scales: self.scales,
+            u_scales: None,
+            bias: None,
+            tex: None,
+            gelu: false,
+        })
+    }
+}
+
 impl GpuLinear {
     /// Upload a weight (and, for gated layers, the up weight) plus an optional bias, with
     /// texture copies of packed weights where [`tex_fits`].

@@ -85,7 +85,11 @@ pub async fn load_gguf_streamed(
     read: &mut impl AsyncFnMut(u64, u64) -> Result<Vec<u8>>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(crate::model::llama::GpuModel, Tokenizer)> {
-    use crate::model::gguf::{config_from_gguf, convert_tensor, packed_bytes, part_tensors, weights_part, GgufError, GgufFile};
+    use crate::model::gguf::{
+        check_streamed, config_from_gguf, convert_tensor, gguf_info_for, packed_bytes, part_tensors, row_range, weights_part_except,
+        GgufError, GgufFile, STREAMED_MATRICES,
+    };
+    use crate::model::llama::Part;
     let mut n = 4u64 << 20;
     let prefix = loop {
         let prefix = read(0, n.min(file_len)).await?;
@@ -98,14 +102,37 @@ pub async fn load_gguf_streamed(
     let gguf = GgufFile::parse_prefix(&prefix, file_len, name)?;
     let config = config_from_gguf(&gguf)?;
     let tokenizer = Tokenizer::from_gguf(&gguf)?;
-    let mut fetch = async |layer: Option<usize>| -> Result<ModelWeights> {
+    let mut fetch = async |part: Part| -> Result<ModelWeights> {
+        let layer = match part {
+            Part::Layer(l) => Some(l),
+            Part::Globals => None,
+            Part::Rows { tensor, start, end } => {
+                // A slice of the embedding table or the head, read by byte range.
+                let info = gguf_info_for(&gguf, &config, &tensor)
+                    .ok_or_else(|| crate::model::LoadError::MissingTensor { file: name.to_string(), tensor: tensor.clone() })?;
+                let (a, b) = row_range(&gguf, info, start, end, name)?;
+                let mut shape = info.shape();
+                shape[0] = end - start;
+                let data = read(a, b).await?;
+                let t = crate::model::HostTensor { name: tensor.clone(), shape, dtype: gguf.loadable_dtype(info)?, data };
+                return Ok(ModelWeights { config: config.clone(), tensors: [(tensor, t)].into(), source: name.to_string() });
+            }
+        };
+        // The embedding table and head come by rows (`Part::Rows`), not with the globals.
+        let streamed: &[&str] = if layer.is_none() { &STREAMED_MATRICES } else { &[] };
+        if layer.is_none() {
+            check_streamed(&gguf, &config, streamed, name)?;
+        }
         let mut tensors = Vec::new();
         for info in part_tensors(&gguf, layer) {
+            if crate::model::gguf::hf_tensor_name(&info.name, config.arch).is_some_and(|hf| streamed.contains(&hf.as_str())) {
+                continue;
+            }
             let (a, b) = gguf.tensor_range(info);
             let raw = read(a, b).await?;
             tensors.extend(convert_tensor(&config, info, gguf.loadable_dtype(info)?, raw, name)?);
         }
-        weights_part(&config, layer, tensors, name)
+        weights_part_except(&config, layer, tensors, streamed, name)
     };
     let model =
         crate::model::llama::GpuModel::load_streamed(ctx, config.clone(), packed_bytes(&gguf), options, &mut fetch, progress).await?;

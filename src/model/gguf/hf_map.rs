@@ -434,18 +434,82 @@ pub fn weights_part(
     tensors: Vec<HostTensor>,
     file_name: &str,
 ) -> Result<ModelWeights, LanternError> {
+    weights_part_except(config, layer, tensors, &[], file_name)
+}
+
+/// [`weights_part`] for a part whose tensors named in `streamed` (Hugging Face names) are
+/// left out, to be read a slice of rows at a time ([`row_range`]); the caller checks their
+/// shapes ([`check_streamed`]).
+pub fn weights_part_except(
+    config: &ModelConfig,
+    layer: Option<usize>,
+    tensors: Vec<HostTensor>,
+    streamed: &[&str],
+    file_name: &str,
+) -> Result<ModelWeights, LanternError> {
     let mut w = ModelWeights {
         config: config.clone(),
         tensors: tensors.into_iter().map(|t| (t.name.clone(), t)).collect(),
         source: file_name.to_string(),
     };
     w.unfuse()?;
-    let expected = match layer {
+    let mut expected = match layer {
         Some(l) => crate::model::validate::expected_layer_tensors(config, l),
         None => crate::model::validate::expected_global_tensors(config),
     };
+    expected.retain(|(name, _)| !streamed.contains(&name.as_str()));
     crate::model::validate::check_expected(&w.tensors, expected, file_name)?;
     Ok(w)
+}
+
+/// The global matrices a streamed load reads a slice of rows at a time instead of whole: the
+/// embedding table and the LM head, a model's largest (Qwen2.5-1.5B's Q6_K table is 191 MB).
+/// Never a q/k projection, whose rows llama.cpp permutes.
+pub const STREAMED_MATRICES: [&str; 2] = ["model.embed_tokens.weight", "lm_head.weight"];
+
+/// The GGUF tensor a Hugging Face name comes from.
+pub fn gguf_info_for<'g>(gguf: &'g GgufFile<'_>, config: &ModelConfig, hf: &str) -> Option<&'g GgufTensorInfo> {
+    gguf.tensors().iter().find(|t| hf_tensor_name(&t.name, config.arch).as_deref() == Some(hf))
+}
+
+/// Each of `streamed` that this config reads is in the file with the shape it expects and a
+/// loadable type: the checks [`weights_part`] makes, without reading the tensor.
+pub fn check_streamed(gguf: &GgufFile<'_>, config: &ModelConfig, streamed: &[&str], file_name: &str) -> Result<(), LanternError> {
+    for (name, shape) in crate::model::validate::expected_global_tensors(config) {
+        if !streamed.contains(&name.as_str()) {
+            continue;
+        }
+        let info = gguf_info_for(gguf, config, &name)
+            .ok_or_else(|| LoadError::MissingTensor { file: file_name.to_string(), tensor: name.clone() })?;
+        if info.shape() != shape {
+            return Err(LoadError::WrongShape { file: file_name.to_string(), tensor: name, got: info.shape(), expected: shape }.into());
+        }
+        gguf.loadable_dtype(info)?;
+    }
+    Ok(())
+}
+
+/// The byte range in the file of rows `start..end` of a 2-D tensor (every row the same
+/// number of bytes: whole blocks for block formats).
+pub fn row_range(
+    gguf: &GgufFile<'_>,
+    info: &GgufTensorInfo,
+    start: usize,
+    end: usize,
+    file_name: &str,
+) -> Result<(u64, u64), LanternError> {
+    let shape = info.shape();
+    let rows = shape.first().copied().unwrap_or(0);
+    let bad = |reason: String| LoadError::Invalid { file: file_name.to_string(), reason: format!("tensor `{}`: {reason}", info.name) };
+    if shape.len() != 2 || rows == 0 || !info.size.is_multiple_of(rows as u64) {
+        return Err(bad(format!("{} bytes in {shape:?} cannot be read by rows", info.size)).into());
+    }
+    if start > end || end > rows {
+        return Err(bad(format!("rows {start}..{end} asked for, it has {rows}")).into());
+    }
+    let row_bytes = info.size / rows as u64;
+    let (a, _) = gguf.tensor_range(info);
+    Ok((a + start as u64 * row_bytes, a + end as u64 * row_bytes))
 }
 
 /// Every tensor the forward pass needs is present with the shape the config implies

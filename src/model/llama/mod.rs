@@ -42,6 +42,19 @@ pub use memory::{DtypeBytes, MemoryReport};
 pub use options::{ModelOptions, StepOutput, Want, WeightPrecision};
 pub use step::{LogitOps, MaskFn, PendingStep, DISPATCHES_PER_SUBMIT};
 
+/// What a streamed load ([`GpuModel::load_streamed`]) asks its source for next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Part {
+    /// Layer `l`'s tensors.
+    Layer(usize),
+    /// The final norm and any other global tensor, without the embedding table and the
+    /// head (`model::gguf::STREAMED_MATRICES`), which come by [`Part::Rows`].
+    Globals,
+    /// Rows `start..end` of the 2-D tensor `tensor` (a Hugging Face name), as a
+    /// [`ModelWeights`] holding just that slice under that name (shape `[end - start, cols]`).
+    Rows { tensor: String, start: usize, end: usize },
+}
+
 struct Layer {
     /// q|k|v: one projection, or runs of parts stored alike, each with the first qkv column
     /// it writes.
@@ -114,18 +127,19 @@ impl GpuModel {
         Self::finish_load(ctx, weights.config.clone(), options, mark, w).await
     }
 
-    /// [`GpuModel::load_with_progress`] without the whole model in host memory: `fetch(Some(l))`
-    /// yields layer `l`'s tensors and `fetch(None)` the embedding, head and final norm (each
-    /// a [`ModelWeights`] holding just those, under Hugging Face names), and each part is
-    /// uploaded and dropped before the next is asked for. `packed_bytes` is the size of the
-    /// model's quantized tensors (for the texture-copy rule). The browser streams a large
-    /// GGUF this way, tensor by tensor out of a `Blob`.
+    /// [`GpuModel::load_with_progress`] without the whole model in host memory: `fetch(Part::Layer(l))`
+    /// yields layer `l`'s tensors, `fetch(Part::Globals)` the final norm, and the embedding
+    /// table and head come a slice of rows at a time (`fetch(Part::Rows { .. })`,
+    /// [`ModelOptions::stream_slice_bytes`] each), each a [`ModelWeights`] holding just those, under Hugging Face names. Each part
+    /// is uploaded and dropped before the next is asked for, so host memory holds about one
+    /// layer or one slice. `packed_bytes` is the size of the model's quantized tensors (for
+    /// the texture-copy rule). Native GGUF files and browser `Blob`s load this way.
     pub async fn load_streamed(
         ctx: Arc<GpuContext>,
         config: ModelConfig,
         packed_bytes: u64,
         options: ModelOptions,
-        fetch: &mut impl AsyncFnMut(Option<usize>) -> Result<ModelWeights>,
+        fetch: &mut impl AsyncFnMut(Part) -> Result<ModelWeights>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<GpuModel> {
         let mark = ctx.ledger.mark();
@@ -133,14 +147,15 @@ impl GpuModel {
         let keep = options.weights;
         let mut layers = Vec::with_capacity(config.num_layers);
         for l in 0..config.num_layers {
-            let part = fetch(Some(l)).await?;
+            let part = fetch(Part::Layer(l)).await?;
             layers.push(upload::upload_layer(&ctx, &part, l, keep, textures)?);
             drop(part);
             ctx.queue.submit(std::iter::empty());
             progress(l + 1, config.num_layers);
         }
-        let part = fetch(None).await?;
-        let (lm_head, embed_own, final_norm) = upload::upload_globals(&ctx, &part, keep, textures)?;
+        let part = fetch(Part::Globals).await?;
+        let (lm_head, embed_own, final_norm) =
+            upload::upload_globals_streamed(&ctx, &part, keep, textures, options.stream_slice_bytes, fetch).await?;
         drop(part);
         let w = upload::GpuWeights { layers, lm_head, embed_own, final_norm };
         Self::finish_load(ctx, config, options, mark, w).await

@@ -49,6 +49,10 @@ pub struct ModelOptions {
     /// (`Some(true)`), never (`Some(false)`), or only while holding them twice takes at most
     /// 60% of the memory budget (`None`, the default).
     pub weight_textures: Option<bool>,
+    /// A streamed load ([`GpuModel::load_streamed`](super::GpuModel::load_streamed)) reads
+    /// the embedding table and the head a slice of rows at a time, each slice at most this
+    /// many bytes once converted (counted as f32, the widest kernel format). Default 16 MiB.
+    pub stream_slice_bytes: usize,
 }
 
 impl Default for ModelOptions {
@@ -70,6 +74,7 @@ impl Default for ModelOptions {
             kv_pages: None,
             memory_budget: None,
             weight_textures: None,
+            stream_slice_bytes: 16 << 20,
         }
     }
 }

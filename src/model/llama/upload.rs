@@ -4,12 +4,12 @@
 
 use crate::gpu::buffer::create_storage;
 use crate::gpu::GpuContext;
-use crate::kernels::linear::{GpuLinear, HostMatrix};
+use crate::kernels::linear::{GpuLinear, HostMatrix, RowUpload};
 use crate::model::{DType, HostTensor, ModelWeights};
 use crate::quant::PackedMatrix;
 use crate::{LanternError, Result};
 
-use super::{gpu_err, Layer, WeightPrecision};
+use super::{gpu_err, Layer, Part, WeightPrecision};
 
 /// Everything a model holds on the GPU besides its cache and workspace.
 pub(super) struct GpuWeights {
@@ -248,4 +248,75 @@ pub(super) fn upload_globals(
     };
     let final_norm = norm("model.norm.weight")?;
     Ok((lm_head, embed_own, final_norm))
+}
+
+/// [`upload_globals`] for a streamed load: the final norm from `part`, and the head and the
+/// embedding table (when not tied) a slice of rows at a time from `fetch`, so the host never
+/// holds one of them whole (its file bytes and its repacked copy at once were a browser's
+/// wasm-heap high-water mark).
+pub(super) async fn upload_globals_streamed(
+    ctx: &GpuContext,
+    part: &ModelWeights,
+    keep: WeightPrecision,
+    textures: bool,
+    slice_bytes: usize,
+    fetch: &mut impl AsyncFnMut(Part) -> Result<ModelWeights>,
+) -> Result<(GpuLinear, Option<GpuLinear>, wgpu::Buffer)> {
+    let c = &part.config;
+    let (n, d) = (c.vocab_size, c.hidden_size);
+    let embed = "model.embed_tokens.weight";
+    let head = if c.tie_word_embeddings { embed } else { "lm_head.weight" };
+    let lm_head = stream_matrix(ctx, "lm_head", head, n, d, keep, textures, slice_bytes, fetch).await?;
+    let embed_own = match c.tie_word_embeddings {
+        true => None,
+        false => Some(stream_matrix(ctx, "embed_tokens", embed, n, d, keep, textures, slice_bytes, fetch).await?),
+    };
+    let final_norm = upload_norm(ctx, part, "model.norm.weight")?;
+    Ok((lm_head, embed_own, final_norm))
+}
+
+/// The `n` x `k` matrix `tensor` uploaded as `label` from slices of rows. Whole (one fetch of
+/// every row) where it cannot be written by slices: texture copies wanted, or f16 rows that
+/// are not whole words.
+#[allow(clippy::too_many_arguments)]
+async fn stream_matrix(
+    ctx: &GpuContext,
+    label: &str,
+    tensor: &str,
+    n: usize,
+    k: usize,
+    keep: WeightPrecision,
+    textures: bool,
+    slice_bytes: usize,
+    fetch: &mut impl AsyncFnMut(Part) -> Result<ModelWeights>,
+) -> Result<GpuLinear> {
+    let per = (slice_bytes / (k * 4).max(1)).clamp(1, n.max(1));
+    let rows = |start: usize| Part::Rows { tensor: tensor.into(), start, end: (start + per).min(n) };
+    let first_part = fetch(rows(0)).await?;
+    let first = matrix(&[get(&first_part, tensor)?], keep)?;
+    let tex = textures && matches!(first, Owned::Packed(_)) && crate::kernels::linear::tex_fits(ctx, k);
+    if per >= n || tex || !RowUpload::fits(&first.as_matrix(), k) {
+        let m = if per >= n {
+            first
+        } else {
+            drop((first, first_part));
+            let all = fetch(Part::Rows { tensor: tensor.into(), start: 0, end: n }).await?;
+            matrix(&[get(&all, tensor)?], keep)?
+        };
+        return GpuLinear::upload_with(ctx, label, m.as_matrix(), None, None, n, k, textures).map_err(gpu_err);
+    }
+    let mut up = RowUpload::begin(ctx, label, &first.as_matrix(), n, k).map_err(gpu_err)?;
+    up.write(ctx, &first.as_matrix()).map_err(gpu_err)?;
+    drop((first, first_part));
+    let mut start = per;
+    while start < n {
+        let part = fetch(rows(start)).await?;
+        let m = matrix(&[get(&part, tensor)?], keep)?;
+        up.write(ctx, &m.as_matrix()).map_err(gpu_err)?;
+        drop((m, part));
+        // Flush the slice's staging copy before the next is made.
+        ctx.queue.submit(std::iter::empty());
+        start += per;
+    }
+    up.finish().map_err(gpu_err)
 }
