@@ -453,28 +453,54 @@ async fn read_range(blob: &web_sys::Blob, start: u64, end: u64) -> Result<Vec<u8
     Ok(out)
 }
 
-/// Read `resp`'s body to the end, reporting bytes as `phase` (the download's progress),
-/// keeping none of it.
-async fn drain_counting(resp: &web_sys::Response, phase: &str, progress: &Option<Function>) -> Result<u64, JsError> {
-    let total = resp.headers().get("content-length").ok().flatten().and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
+/// `resp`'s body as a stream reporting its bytes as `phase` (the download's progress) as they
+/// pass. Its consumer (the cache write) pulls it, so the network is read only as fast as the
+/// cache takes it and nothing queues in the page. (A `tee`d clone counted by a second reader
+/// queued the file in the renderer whenever the counting branch ran ahead of the cache: a
+/// 1223 MB renderer peak downloading a 1117 MB model.)
+struct CountingBody {
+    stream: web_sys::ReadableStream,
+    /// Bytes passed so far, and the Content-Length (0 when the server sent none).
+    count: Rc<Cell<u64>>,
+    total: u64,
+    /// Why the network read failed, if it did.
+    failed: Rc<RefCell<Option<String>>>,
+    _pull: Closure<dyn FnMut(JsValue) -> js_sys::Promise>,
+}
+
+fn counting_body(resp: &web_sys::Response, phase: &'static str, progress: &Option<Function>) -> Result<CountingBody, JsError> {
+    let total = resp.headers().get("content-length").ok().flatten().and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
     let body = resp.body().ok_or_else(|| JsError::new("the response has no body"))?;
     let reader: web_sys::ReadableStreamDefaultReader = body.get_reader().unchecked_into();
-    let mut done_bytes = 0u64;
-    loop {
-        let chunk = JsFuture::from(reader.read()).await.map_err(|e| JsError::new(&format!("download interrupted: {e:?}")))?;
-        let done = js_sys::Reflect::get(&chunk, &"done".into()).ok().and_then(|d| d.as_bool()).unwrap_or(true);
-        if done {
-            break;
-        }
-        let value: Uint8Array =
-            js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| JsError::new("bad stream chunk"))?.unchecked_into();
-        done_bytes += value.length() as u64;
-        report(progress, phase, done_bytes as f64, total.max(done_bytes as f64));
-    }
-    if total > 0.0 && (done_bytes as f64) < total {
-        return Err(JsError::new(&format!("download truncated: {done_bytes} of {total} bytes")));
-    }
-    Ok(done_bytes)
+    let count = Rc::new(Cell::new(0u64));
+    let failed = Rc::new(RefCell::new(None));
+    let (c, f, progress) = (count.clone(), failed.clone(), progress.clone());
+    let pull = Closure::<dyn FnMut(JsValue) -> js_sys::Promise>::new(move |controller: JsValue| {
+        let controller: web_sys::ReadableStreamDefaultController = controller.unchecked_into();
+        let (reader, count, failed, progress) = (reader.clone(), c.clone(), f.clone(), progress.clone());
+        wasm_bindgen_futures::future_to_promise(async move {
+            let chunk = match JsFuture::from(reader.read()).await {
+                Ok(chunk) => chunk,
+                Err(e) => {
+                    *failed.borrow_mut() = Some(format!("{e:?}"));
+                    return Err(e);
+                }
+            };
+            if js_sys::Reflect::get(&chunk, &"done".into())?.as_bool().unwrap_or(true) {
+                controller.close()?;
+                return Ok(JsValue::UNDEFINED);
+            }
+            let value: Uint8Array = js_sys::Reflect::get(&chunk, &"value".into())?.unchecked_into();
+            count.set(count.get() + value.length() as u64);
+            report(&progress, phase, count.get() as f64, total.max(count.get()) as f64);
+            controller.enqueue_with_chunk(&value)?;
+            Ok(JsValue::UNDEFINED)
+        })
+    });
+    let source = js_sys::Object::new();
+    js_sys::Reflect::set(&source, &"pull".into(), pull.as_ref()).map_err(|e| JsError::new(&format!("{e:?}")))?;
+    let stream = web_sys::ReadableStream::new_with_underlying_source(&source).map_err(|e| JsError::new(&format!("{e:?}")))?;
+    Ok(CountingBody { stream, count, total, failed, _pull: pull })
 }
 
 async fn response_blob(resp: &web_sys::Response, url: &str) -> Result<web_sys::Blob, JsError> {
@@ -512,11 +538,20 @@ async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(web_sys
         return Err(JsError::new(&format!("could not download {url}: HTTP {} {}", resp.status(), resp.status_text())));
     }
     if let Some(c) = &cache {
-        let counted = resp.clone().map_err(|e| JsError::new(&format!("{url}: {e:?}")))?;
-        let put = JsFuture::from(c.put_with_str(url, &resp));
-        drain_counting(&counted, "download", progress).await?;
+        // The download streams into the cache and is read back from there (on disk).
+        let body = counting_body(&resp, "download", progress)?;
+        let counted = web_sys::Response::new_with_opt_readable_stream(Some(&body.stream)).map_err(|e| JsError::new(&format!("{e:?}")))?;
+        let put = JsFuture::from(c.put_with_str(url, &counted)).await;
+        if let Some(e) = body.failed.borrow().as_ref() {
+            let _ = JsFuture::from(c.delete_with_str(url)).await;
+            return Err(JsError::new(&format!("download of {url} interrupted after {} bytes: {e}", body.count.get())));
+        }
+        if body.total > 0 && body.count.get() < body.total {
+            let _ = JsFuture::from(c.delete_with_str(url)).await;
+            return Err(JsError::new(&format!("download of {url} truncated: {} of {} bytes", body.count.get(), body.total)));
+        }
         // Failing to store (quota) only costs a download next time: read the response again.
-        if put.await.is_ok() {
+        if put.is_ok() {
             if let Ok(hit) = JsFuture::from(c.match_with_str(url)).await {
                 if let Ok(stored) = hit.dyn_into::<web_sys::Response>() {
                     return Ok((response_blob(&stored, url).await?, "network".into()));
