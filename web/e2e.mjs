@@ -4,7 +4,9 @@
 // runtime's (the case file carries them). Then reloads the page and checks that the model
 // now comes from the browser's cache, and saves a screenshot.
 //
-// node web/e2e.mjs --models DIR --cases CASES.json [--screenshot PNG] [--chromium PATH]
+// node web/e2e.mjs --models DIR --cases CASES.json [--screenshot PNG] [--chromium PATH] [--cases-only]
+// --cases-only: the cases and the reload from the cache, without the bad-file, stop and chat
+// checks (the large-model run).
 // CASES.json: [{ "model": "file.gguf", "prompt": "...", "maxTokens": 8, "expect": [ids] }]
 // The last case is the one reloaded for the cache check.
 import { spawn } from 'node:child_process';
@@ -20,6 +22,7 @@ const here = dirname(fileURLToPath(import.meta.url));
 const cases = JSON.parse(readFileSync(opt('cases'), 'utf8'));
 const shot = opt('screenshot', join(here, '..', 'target', 'test-artifacts', 'web-demo.png'));
 const timeout = Number(opt('timeout-s', 600)) * 1000;
+const casesOnly = args.includes('--cases-only');
 
 function startServer() {
   return new Promise((resolve, reject) => {
@@ -130,7 +133,7 @@ try {
     log(`${c.model}: ${ok ? 'same tokens as native' : 'MISMATCH'} (${r.source}); loaded in ${(r.loadMs / 1000).toFixed(1)} s, wasm heap ${r.wasmMb} MB, peak resident MB while loading ${JSON.stringify(r.peakMb)}; ${r.metrics}; ${r.adapter}`);
   }
   // A file that is not a model: a sentence in the error box, and the page still works.
-  {
+  if (!casesOnly) {
     await page.goto(`${server.url}?model=${encodeURIComponent('models/cases.json')}&autoload=1`);
     await page.waitForFunction(() => !!document.body.dataset.error, null, { timeout });
     const shown = await page.evaluate(() => ({ visible: !document.getElementById('error').hidden, text: document.getElementById('error').textContent }));
@@ -140,7 +143,7 @@ try {
     log(`bad file: ${shown.text}`);
   }
   // Stop: a long generation on the first (small) model, stopped once text has arrived.
-  {
+  if (!casesOnly) {
     const c = cases[0];
     await page.goto(`${server.url}?model=${encodeURIComponent('models/' + c.model)}&autoload=1`);
     await state('loaded');
@@ -164,7 +167,7 @@ try {
   results.push({ model: last.model, reload: true, ok: cached, ...again, expect: last.expect });
   log(`reload of ${last.model}: source ${again.source}${cached ? '' : ' (expected cache)'}, loaded in ${(again.loadMs / 1000).toFixed(1)} s, wasm heap ${again.wasmMb} MB, peak resident MB ${JSON.stringify(again.peakMb)}`);
   // Chat: two turns with the model's template; the transcript keeps both.
-  {
+  if (!casesOnly) {
     await page.check('#chat');
     await page.fill('#max-tokens', '2');
     for (const q of ['What is 2+2?', 'And 3+3?']) {
