@@ -16,45 +16,65 @@ use lantern::engine::generate::generate;
 use lantern::engine::{GenerateRequest, SamplingParams};
 use lantern::model::llama::{GpuModel, ModelOptions};
 
-/// A tiny llama GGUF with random weights and a byte-level tokenizer (256 byte tokens and an
-/// end-of-text token, `common::byte_level_tokenizer`), small enough to load in a browser in a moment.
-fn tiny_web_gguf(path: &Path) {
-    let (hidden, heads, kv_heads, hd, ffn, layers) = (64u64, 4u64, 2u64, 16u64, 128u64, 2u64);
+/// Shapes of a random llama for the browser tests.
+struct Dims {
+    hidden: u64,
+    heads: u64,
+    kv_heads: u64,
+    hd: u64,
+    ffn: u64,
+    layers: u64,
+}
+
+/// A llama GGUF named `name` with the byte-level tokenizer (256 byte tokens and an
+/// end-of-text token, `common::byte_level_tokenizer`), a tied head, unit norms, and each
+/// matrix written by `matrix(writer, name, dims, is_embedding)`.
+fn web_gguf(path: &Path, name: &str, d: Dims, mut matrix: impl FnMut(&mut GgufWriter, &str, &[u64], bool)) {
     let vocab = 257u64;
     let mut w = GgufWriter::default();
     w.kv("general.architecture", Meta::Str("llama".into()))
-        .kv("general.name", Meta::Str("tiny-web".into()))
-        .kv("llama.block_count", Meta::U32(layers as u32))
+        .kv("general.name", Meta::Str(name.into()))
+        .kv("llama.block_count", Meta::U32(d.layers as u32))
         .kv("llama.context_length", Meta::U32(256))
-        .kv("llama.embedding_length", Meta::U32(hidden as u32))
-        .kv("llama.feed_forward_length", Meta::U32(ffn as u32))
-        .kv("llama.attention.head_count", Meta::U32(heads as u32))
-        .kv("llama.attention.head_count_kv", Meta::U32(kv_heads as u32))
-        .kv("llama.attention.key_length", Meta::U32(hd as u32))
+        .kv("llama.embedding_length", Meta::U32(d.hidden as u32))
+        .kv("llama.feed_forward_length", Meta::U32(d.ffn as u32))
+        .kv("llama.attention.head_count", Meta::U32(d.heads as u32))
+        .kv("llama.attention.head_count_kv", Meta::U32(d.kv_heads as u32))
+        .kv("llama.attention.key_length", Meta::U32(d.hd as u32))
         .kv("llama.attention.layer_norm_rms_epsilon", Meta::F32(1e-5))
         .kv("llama.rope.freq_base", Meta::F32(10000.0));
     for (k, v) in common::byte_level_tokenizer(&[], &["<|endoftext|>"]) {
         w.kv(&k, v);
     }
     w.set("tokenizer.ggml.pre", Meta::Str("default".into()));
-    let mut rng = common::random::Rng(0x2545_f491_4f6c_dd1d);
-    let mut rand = |n: u64, scale: f32| -> Vec<f32> { (0..n).map(|_| rng.uniform() * 0.5 * scale).collect() };
     let ones = |n: u64| vec![1.0f32; n as usize];
-    w.tensor_f32("token_embd.weight", &[hidden, vocab], &rand(hidden * vocab, 2.0));
-    for l in 0..layers {
+    let (h, q, kv, f) = (d.hidden, d.heads * d.hd, d.kv_heads * d.hd, d.ffn);
+    matrix(&mut w, "token_embd.weight", &[h, vocab], true);
+    for l in 0..d.layers {
         let b = |x: &str| format!("blk.{l}.{x}");
-        w.tensor_f32(&b("attn_norm.weight"), &[hidden], &ones(hidden));
-        w.tensor_f32(&b("attn_q.weight"), &[hidden, heads * hd], &rand(hidden * heads * hd, 0.5));
-        w.tensor_f32(&b("attn_k.weight"), &[hidden, kv_heads * hd], &rand(hidden * kv_heads * hd, 0.5));
-        w.tensor_f32(&b("attn_v.weight"), &[hidden, kv_heads * hd], &rand(hidden * kv_heads * hd, 0.5));
-        w.tensor_f32(&b("attn_output.weight"), &[heads * hd, hidden], &rand(heads * hd * hidden, 0.5));
-        w.tensor_f32(&b("ffn_norm.weight"), &[hidden], &ones(hidden));
-        w.tensor_f32(&b("ffn_gate.weight"), &[hidden, ffn], &rand(hidden * ffn, 0.5));
-        w.tensor_f32(&b("ffn_up.weight"), &[hidden, ffn], &rand(hidden * ffn, 0.5));
-        w.tensor_f32(&b("ffn_down.weight"), &[ffn, hidden], &rand(ffn * hidden, 0.5));
+        w.tensor_f32(&b("attn_norm.weight"), &[h], &ones(h));
+        matrix(&mut w, &b("attn_q.weight"), &[h, q], false);
+        matrix(&mut w, &b("attn_k.weight"), &[h, kv], false);
+        matrix(&mut w, &b("attn_v.weight"), &[h, kv], false);
+        matrix(&mut w, &b("attn_output.weight"), &[q, h], false);
+        w.tensor_f32(&b("ffn_norm.weight"), &[h], &ones(h));
+        matrix(&mut w, &b("ffn_gate.weight"), &[h, f], false);
+        matrix(&mut w, &b("ffn_up.weight"), &[h, f], false);
+        matrix(&mut w, &b("ffn_down.weight"), &[f, h], false);
     }
-    w.tensor_f32("output_norm.weight", &[hidden], &ones(hidden));
+    w.tensor_f32("output_norm.weight", &[h], &ones(h));
     std::fs::write(path, w.to_bytes()).unwrap();
+}
+
+/// A tiny llama GGUF with random f32 weights, small enough to load in a browser in a moment.
+fn tiny_web_gguf(path: &Path) {
+    let d = Dims { hidden: 64, heads: 4, kv_heads: 2, hd: 16, ffn: 128, layers: 2 };
+    let mut rng = common::random::Rng(0x2545_f491_4f6c_dd1d);
+    web_gguf(path, "tiny-web", d, |w, name, dims, embedding| {
+        let scale = if embedding { 2.0 } else { 0.5 };
+        let v: Vec<f32> = (0..dims[0] * dims[1]).map(|_| rng.uniform() * 0.5 * scale).collect();
+        w.tensor_f32(name, dims, &v);
+    });
 }
 
 /// `web/e2e.mjs` on the models in `dir` with these cases (and extra flags): its report,
@@ -85,32 +105,16 @@ fn run_e2e(root: &Path, dir: &Path, cases: &serde_json::Value, extra: &[&str]) -
 }
 
 /// A llama GGUF of random Q8_0 weights larger than 2 GiB (the ArrayBuffer limit): hidden
-/// 2048, 36 layers of 16 heads (4 KV heads), feed-forward 8192, the byte-level tokenizer and
-/// a tied head. Weights of about 0.02 standard deviation, the table's about 1, so the greedy
-/// tokens are well separated.
+/// 2048, 36 layers of 16 heads (4 KV heads), feed-forward 8192. Weights of about 0.02
+/// standard deviation, the table's about 1, so the greedy tokens are well separated.
 fn large_gguf(path: &Path) {
-    let (hidden, heads, kv_heads, hd, ffn, layers) = (2048u64, 16u64, 4u64, 128u64, 8192u64, 36u64);
-    let vocab = 257u64;
-    let mut w = GgufWriter::default();
-    w.kv("general.architecture", Meta::Str("llama".into()))
-        .kv("general.name", Meta::Str("large-web".into()))
-        .kv("llama.block_count", Meta::U32(layers as u32))
-        .kv("llama.context_length", Meta::U32(256))
-        .kv("llama.embedding_length", Meta::U32(hidden as u32))
-        .kv("llama.feed_forward_length", Meta::U32(ffn as u32))
-        .kv("llama.attention.head_count", Meta::U32(heads as u32))
-        .kv("llama.attention.head_count_kv", Meta::U32(kv_heads as u32))
-        .kv("llama.attention.key_length", Meta::U32(hd as u32))
-        .kv("llama.attention.layer_norm_rms_epsilon", Meta::F32(1e-5))
-        .kv("llama.rope.freq_base", Meta::F32(10000.0));
-    for (k, v) in common::byte_level_tokenizer(&[], &["<|endoftext|>"]) {
-        w.kv(&k, v);
-    }
-    w.set("tokenizer.ggml.pre", Meta::Str("default".into()));
+    let d = Dims { hidden: 2048, heads: 16, kv_heads: 4, hd: 128, ffn: 8192, layers: 36 };
     let mut rng = common::random::Rng::new(0x1234_5678);
-    // Q8_0 blocks (f16 scale, 32 int8 codes) of random codes; uniform int8 has std ~74.
-    let mut q8 = |n: u64, std: f32| -> Vec<u8> {
-        let d = half::f16::from_f32(std / 74.0).to_le_bytes();
+    const Q8_0: u32 = 8;
+    web_gguf(path, "large-web", d, |w, name, dims, embedding| {
+        // Q8_0 blocks (f16 scale, 32 int8 codes) of random codes; uniform int8 has std ~74.
+        let n = dims[0] * dims[1];
+        let d = half::f16::from_f32(if embedding { 1.0 } else { 0.02 } / 74.0).to_le_bytes();
         let mut out = Vec::with_capacity((n / 32 * 34) as usize);
         for _ in 0..n / 32 {
             out.extend(d);
@@ -118,25 +122,8 @@ fn large_gguf(path: &Path) {
                 out.extend(rng.next_u64().to_le_bytes());
             }
         }
-        out
-    };
-    const Q8_0: u32 = 8;
-    let ones = |n: u64| vec![1.0f32; n as usize];
-    w.tensor("token_embd.weight", &[hidden, vocab], Q8_0, q8(hidden * vocab, 1.0));
-    for l in 0..layers {
-        let b = |x: &str| format!("blk.{l}.{x}");
-        w.tensor_f32(&b("attn_norm.weight"), &[hidden], &ones(hidden));
-        w.tensor(&b("attn_q.weight"), &[hidden, heads * hd], Q8_0, q8(hidden * heads * hd, 0.02));
-        w.tensor(&b("attn_k.weight"), &[hidden, kv_heads * hd], Q8_0, q8(hidden * kv_heads * hd, 0.02));
-        w.tensor(&b("attn_v.weight"), &[hidden, kv_heads * hd], Q8_0, q8(hidden * kv_heads * hd, 0.02));
-        w.tensor(&b("attn_output.weight"), &[heads * hd, hidden], Q8_0, q8(heads * hd * hidden, 0.02));
-        w.tensor_f32(&b("ffn_norm.weight"), &[hidden], &ones(hidden));
-        w.tensor(&b("ffn_gate.weight"), &[hidden, ffn], Q8_0, q8(hidden * ffn, 0.02));
-        w.tensor(&b("ffn_up.weight"), &[hidden, ffn], Q8_0, q8(hidden * ffn, 0.02));
-        w.tensor(&b("ffn_down.weight"), &[ffn, hidden], Q8_0, q8(ffn * hidden, 0.02));
-    }
-    w.tensor_f32("output_norm.weight", &[hidden], &ones(hidden));
-    std::fs::write(path, w.to_bytes()).unwrap();
+        w.tensor(name, dims, Q8_0, out);
+    });
 }
 
 /// A model larger than 2 GiB (what one ArrayBuffer can hold) loads in the page from the
