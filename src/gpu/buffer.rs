@@ -82,17 +82,23 @@ impl GpuTensor {
         Ok(out)
     }
 
+    /// Rows written a slice at a time must be whole 4-byte words (the queue's copy alignment).
+    fn check_word_rows(name: &str, row_bytes: usize) -> Result<(), GpuError> {
+        if row_bytes.is_multiple_of(4) {
+            return Ok(());
+        }
+        Err(GpuError::Validation {
+            context: name.into(),
+            message: format!("rows of {row_bytes} bytes cannot be written a slice at a time (not a multiple of 4)"),
+        })
+    }
+
     /// A tensor of `rows` x `row_bytes` whose bytes come later, a slice of rows at a time
     /// ([`write_rows`](Self::write_rows)): a streamed load writes a large matrix (an LM head)
     /// without holding it whole on the host. Chunked as [`upload_rows`](Self::upload_rows)
     /// would chunk it; `row_bytes` must be a multiple of 4 (the queue's copy alignment).
     pub fn allocate_rows(ctx: &GpuContext, name: &str, rows: usize, row_bytes: usize) -> Result<GpuTensor, GpuError> {
-        if !row_bytes.is_multiple_of(4) {
-            return Err(GpuError::Validation {
-                context: name.into(),
-                message: format!("rows of {row_bytes} bytes cannot be written a slice at a time (not a multiple of 4)"),
-            });
-        }
+        Self::check_word_rows(name, row_bytes)?;
         let mut chunks = Vec::new();
         for (r, n) in Self::split(ctx, name, rows, row_bytes)? {
             chunks.push(Chunk {
@@ -106,12 +112,7 @@ impl GpuTensor {
 
     /// [`allocate_rows`](Self::allocate_rows) split at the same rows as `like`.
     pub fn allocate_rows_like(ctx: &GpuContext, name: &str, row_bytes: usize, like: &GpuTensor) -> Result<GpuTensor, GpuError> {
-        if !row_bytes.is_multiple_of(4) {
-            return Err(GpuError::Validation {
-                context: name.into(),
-                message: format!("rows of {row_bytes} bytes cannot be written a slice at a time (not a multiple of 4)"),
-            });
-        }
+        Self::check_word_rows(name, row_bytes)?;
         let mut chunks = Vec::new();
         for c in &like.chunks {
             let label = format!("{name}[{}..{}]", c.row_offset, c.row_offset + c.rows);

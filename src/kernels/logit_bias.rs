@@ -66,23 +66,12 @@ pub async fn build(
     max_rows: usize,
 ) -> Result<Dispatch, GpuError> {
     let pipe = pipeline(ctx, PipelineKey::new(ShaderOp::LogitBias, WORKGROUP)).await?;
-    Ok(bound(ctx, pipe, step, bias, logits, n, max_rows))
+    Ok(rebind(ctx, pipe, step, bias, logits, n, max_rows))
 }
 
-/// `d` (built by [`build`]) bound to a new bias buffer, after it grew.
+/// The dispatch of `pipe` (from a [`build`]) bound to these buffers: a plan rebinds it when
+/// its bias buffer grows.
 pub fn rebind(
-    ctx: &GpuContext,
-    d: &Dispatch,
-    step: &wgpu::Buffer,
-    bias: &wgpu::Buffer,
-    logits: &wgpu::Buffer,
-    n: usize,
-    max_rows: usize,
-) -> Dispatch {
-    bound(ctx, d.pipeline.clone(), step, bias, logits, n, max_rows)
-}
-
-fn bound(
     ctx: &GpuContext,
     pipe: std::sync::Arc<wgpu::ComputePipeline>,
     step: &wgpu::Buffer,

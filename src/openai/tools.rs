@@ -364,13 +364,21 @@ fn header(s: &str) -> Header {
             Some(false)
         }
     };
-    for l in ["{", "\"name\"", ":"] {
-        ws(&mut i);
-        match lit(&mut i, l) {
-            None => return Header::More,
-            Some(false) => return Header::Bad,
-            Some(true) => {}
+    // The literals `ls` in order, with whitespace before each: the header's verdict if they
+    // are not all there.
+    let lits = |i: &mut usize, ls: &[&str]| -> Result<(), Header> {
+        for l in ls {
+            ws(i);
+            match lit(i, l) {
+                None => return Err(Header::More),
+                Some(false) => return Err(Header::Bad),
+                Some(true) => {}
+            }
         }
+        Ok(())
+    };
+    if let Err(h) = lits(&mut i, &["{", "\"name\"", ":"]) {
+        return h;
     }
     ws(&mut i);
     if i >= b.len() {
@@ -386,13 +394,8 @@ fn header(s: &str) -> Header {
         return Header::Bad;
     }
     i += len + 2;
-    for l in [",", "\"arguments\"", ":"] {
-        ws(&mut i);
-        match lit(&mut i, l) {
-            None => return Header::More,
-            Some(false) => return Header::Bad,
-            Some(true) => {}
-        }
+    if let Err(h) = lits(&mut i, &[",", "\"arguments\"", ":"]) {
+        return h;
     }
     Header::Done { name, consumed: i }
 }

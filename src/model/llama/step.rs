@@ -483,7 +483,7 @@ impl GpuModel {
             self.ws.logit_bias = crate::gpu::buffer::create_zeroed(&self.ctx, "logit_bias", bytes).map_err(gpu_err)?;
             self.plans.logit_bias = kernels::logit_bias::rebind(
                 &self.ctx,
-                &self.plans.logit_bias,
+                self.plans.logit_bias.pipeline.clone(),
                 &self.ws.step,
                 &self.ws.logit_bias,
                 &self.ws.logits,
