@@ -594,8 +594,12 @@ fn models_health_and_request_errors() {
     assert_eq!(error_of(&r)["code"], "too_many_connections");
     assert_eq!(r.header("retry-after"), Some("1"));
     drop(busy);
+    // Until the server has seen the four streams close, a probe may get 503 too (a slow CI
+    // machine): each such refusal is counted, so count them here as well.
     let t0 = Instant::now();
+    let mut refused = 1.0;
     while server.get("/health").status != 200 {
+        refused += 1.0;
         assert!(t0.elapsed() < Duration::from_secs(10), "connections not released");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -603,7 +607,7 @@ fn models_health_and_request_errors() {
     // The errors were counted.
     let text = server.get("/metrics").text();
     assert!(metric(&text, "lantern_requests_total{outcome=\"rejected\"}") >= 18.0);
-    assert_eq!(metric(&text, "lantern_requests_total{outcome=\"too_many_connections\"}"), 1.0);
+    assert_eq!(metric(&text, "lantern_requests_total{outcome=\"too_many_connections\"}"), refused);
     assert!(metric(&text, "lantern_http_connections_evicted_total") >= 1.0);
     assert_eq!(metric(&text, "lantern_requests_total{outcome=\"cancelled\"}"), 4.0);
     assert!(metric(&text, "lantern_http_responses_total{route=\"/v1/completions\",code=\"404\"}") >= 1.0);
