@@ -40,7 +40,9 @@ struct Params {
     scale_base: u32,
     // Keys a query sees, itself included (sliding-window layers); 0: every earlier key.
     window: u32,
-    _pad0: u32,
+    // Pages of a sequence's window ring (kv/ring.rs): key j of sequence `seq` is in page
+    // seq * ring + (j / page_size) % ring; 0: pages come from the block table.
+    ring: u32,
     _pad1: u32,
     _pad2: u32,
 }
@@ -88,7 +90,12 @@ fn part_base(t: u32, h: u32, split: u32) -> u32 {
 // The cache slot of key j of sequence `seq`: its token-head index in this shard, or
 // 0xffffffff when the key's page is in another shard.
 fn key_th(seq: u32, j: u32, kvh: u32) -> u32 {
-    let page = block_table[seq * p.max_pages + j / p.page_size];
+    var page = 0u;
+    if (p.ring != 0u) {
+        page = seq * p.ring + (j / p.page_size) % p.ring;
+    } else {
+        page = block_table[seq * p.max_pages + j / p.page_size];
+    }
     if (page / p.pages_per_shard != p.shard) {
         return 0xffffffffu;
     }

@@ -1,9 +1,10 @@
 // Rust dispatch: src/kernels/rope_kv.rs; CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs rope_kv_*).
 // RoPE (rotate_half layout: dimension i pairs with i + head_dim/2) on the q heads of each
 // token's fused q|k|v row, in place, and the write of the token's rotated k and its v into the
-// paged KV cache at its position: page = block_table[seq, pos / page_size], slot
-// pos % page_size, in the cache's dtype (common/kv.wgsl). cos/sin come from a host-computed
-// table (exact like transformers).
+// paged KV cache at its position: page = block_table[seq, pos / page_size] (or, for a
+// sliding layer's window ring, seq * ring + (pos / page_size) % ring), slot pos % page_size,
+// in the cache's dtype (common/kv.wgsl). cos/sin come from a host-computed table (exact like
+// transformers).
 //
 // Invocations: one per (q head, rotation pair), then one per KV head that writes the whole
 // head (so a Q8 head can find its amax and an F16 word gets both its halves from one
@@ -27,7 +28,9 @@ struct Params {
     shard: u32,
     // KV_Q8: first word of the scales in a shard buffer.
     scale_base: u32,
-    _pad0: u32,
+    // Pages of a sequence's window ring (sliding layers, kv/ring.rs): position pos of
+    // sequence seq goes to page seq * ring + (pos / page_size) % ring; 0: the block table.
+    ring: u32,
     _pad1: u32,
 }
 
@@ -81,7 +84,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
     let kvh = i_flat - q_pairs;
-    let page = block_table[token_seq[t] * p.max_pages + positions[t] / p.page_size];
+    var page = 0u;
+    if (p.ring != 0u) {
+        page = token_seq[t] * p.ring + (positions[t] / p.page_size) % p.ring;
+    } else {
+        page = block_table[token_seq[t] * p.max_pages + positions[t] / p.page_size];
+    }
     if (page / p.pages_per_shard != p.shard) {
         return;
     }

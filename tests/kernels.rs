@@ -19,6 +19,7 @@ use lantern::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
 use lantern::kernels::{self, step_buffer, submit, submit_step, StepUniform};
 use lantern::kv::cache::{quantize_head_q8, round_trip, KvLayout};
 use lantern::kv::plan::KvDtype;
+use lantern::kv::ring::WindowRing;
 use lantern::quant::{PackedMatrix, QuantFormat, QuantKind};
 use lantern::reference::ops;
 use pollster::block_on;
@@ -1140,7 +1141,12 @@ struct Paged {
     page_size: usize,
     max_pages: usize,
     layout: KvLayout,
+    /// Where each (seq, page index) lives: the block table, or for a window ring the pages
+    /// the ring formula gives (the uploaded table is then all 0xffffffff: the kernels must
+    /// not read it).
     block_table: Vec<u32>,
+    /// The table the kernels get.
+    gpu_table: Vec<u32>,
     k: Vec<f32>,
     v: Vec<f32>,
 }
@@ -1168,7 +1174,27 @@ impl Paged {
         // The values the cache can hold exactly in its dtype.
         let store = |v: Vec<f32>| -> Vec<f32> { v.chunks(hd).flat_map(|h| round_trip(storage.dtype, h)).collect() };
         let (k, v) = (store(rng.vec(cells)), store(rng.vec(cells)));
-        Paged { heads, page_size, max_pages, layout, block_table, k, v }
+        let gpu_table = block_table.clone();
+        Paged { heads, page_size, max_pages, layout, block_table, gpu_table, k, v }
+    }
+
+    /// Window rings (`kv::ring`) for `n_seqs` sequence slots of up to `max_len` positions:
+    /// position p of slot s in page s * ring.pages + (p / page_size) % ring.pages.
+    fn rings(rng: &mut Rng, heads: Heads, n_seqs: usize, max_len: usize, ring: WindowRing, storage: Storage) -> Paged {
+        let page_size = ring.page_size;
+        let max_pages = max_len.div_ceil(page_size);
+        let block_table: Vec<u32> = (0..n_seqs).flat_map(|s| (0..max_pages).map(move |i| ring.page(s, i * page_size) as u32)).collect();
+        let n_pages = n_seqs * ring.pages;
+        let cells = n_pages * page_size * heads.kv_dim();
+        let page_bytes = page_size as u64 * heads.n_kv_heads as u64 * storage.dtype.head_bytes(heads.head_dim);
+        let binding = storage.pages_per_shard.map_or(u64::MAX >> 8, |p| p as u64 * page_bytes);
+        let layout = KvLayout::rings(storage.dtype, &ring, n_seqs, heads.n_kv_heads, heads.head_dim, binding).expect("ring layout");
+        assert_eq!(layout.ring, ring.pages);
+        let hd = heads.head_dim;
+        let store = |v: Vec<f32>| -> Vec<f32> { v.chunks(hd).flat_map(|h| round_trip(storage.dtype, h)).collect() };
+        let (k, v) = (store(rng.vec(cells)), store(rng.vec(cells)));
+        let gpu_table = vec![u32::MAX; block_table.len()];
+        Paged { heads, page_size, max_pages, layout, block_table, gpu_table, k, v }
     }
 
     /// Offset of (seq, pos, kv head) in the caches.
@@ -1296,12 +1322,28 @@ fn columns(x: &[f32], stride: usize, from: usize, width: usize) -> Vec<f32> {
 // ---------------------------------------------------------------------------------------------
 
 fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Range<usize>)], storage: Storage, seed: u64) {
+    check_rope_kv_into(heads, page_size, spans, storage, seed, None)
+}
+
+/// [`check_rope_kv`] into the pool's pages, or into window rings (`ring`, whose page size
+/// it takes).
+fn check_rope_kv_into(
+    heads: Heads,
+    page_size: usize,
+    spans: &[(usize, std::ops::Range<usize>)],
+    storage: Storage,
+    seed: u64,
+    ring: Option<WindowRing>,
+) {
     let ctx = gpu();
     let mut rng = Rng::new(seed);
     let Heads { n_heads, n_kv_heads, head_dim } = heads;
     let n_seqs = spans.iter().map(|s| s.0 + 1).max().unwrap();
     let n_positions = spans.iter().map(|s| s.1.end).max().unwrap() + 3;
-    let mut paged = Paged::random(&mut rng, heads, n_seqs, n_positions, page_size, storage, 0);
+    let mut paged = match ring {
+        Some(r) => Paged::rings(&mut rng, heads, n_seqs, n_positions, r, storage),
+        None => Paged::random(&mut rng, heads, n_seqs, n_positions, page_size, storage, 0),
+    };
     let tokens = mixed_tokens(&mut rng, spans);
     let t = tokens.len();
     let stride = heads.qkv_dim() + 3; // padding the kernel must leave alone
@@ -1310,8 +1352,8 @@ fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Rang
     let seqs: Vec<u32> = tokens.iter().map(|&(s, _)| s as u32).collect();
     let freq = inv_freq(head_dim);
     let what = format!(
-        "rope_kv {n_heads}/{n_kv_heads} heads, head_dim {head_dim}, page {page_size}, {t} tokens, {:?} KV in {} shard(s)",
-        storage.dtype, paged.layout.n_shards
+        "rope_kv {n_heads}/{n_kv_heads} heads, head_dim {head_dim}, page {}, {t} tokens, {:?} KV in {} shard(s), ring {ring:?}",
+        paged.page_size, storage.dtype, paged.layout.n_shards
     );
 
     let step = step_buffer(&ctx);
@@ -1319,7 +1361,7 @@ fn check_rope_kv(heads: Heads, page_size: usize, spans: &[(usize, std::ops::Rang
     let rope_b = buf_f32(&ctx, "rope", &rope_table(&freq, n_positions, 1.0));
     let pos_b = buf_u32(&ctx, "positions", &positions);
     let seq_b = buf_u32(&ctx, "token_seq", &seqs);
-    let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
+    let bt_b = buf_u32(&ctx, "block_table", &paged.gpu_table);
     let (k_b, v_b) = paged.upload(&ctx);
     let io = RopeKvIo {
         step: &step,
@@ -1443,6 +1485,8 @@ struct AttentionCase<'a> {
     splits: &'a [u32],
     shared: usize,
     seed: u64,
+    /// Window rings instead of pool pages (and their window on the queries).
+    ring: Option<WindowRing>,
 }
 
 fn check_attention(c: AttentionCase) {
@@ -1453,7 +1497,10 @@ fn check_attention(c: AttentionCase) {
     let n_seqs = c.spans.iter().map(|s| s.0 + 1).max().unwrap();
     let max_len = c.spans.iter().map(|s| s.1.end).max().unwrap() + 2;
     // Every cell random, including slots past each query's position: reading them is a bug.
-    let paged = Paged::random(&mut rng, heads, n_seqs, max_len, c.page_size, c.storage, c.shared);
+    let paged = match c.ring {
+        Some(r) => Paged::rings(&mut rng, heads, n_seqs, max_len, r, c.storage),
+        None => Paged::random(&mut rng, heads, n_seqs, max_len, c.page_size, c.storage, c.shared),
+    };
     let tokens = mixed_tokens(&mut rng, c.spans);
     let t = tokens.len();
     let stride = heads.qkv_dim();
@@ -1472,10 +1519,11 @@ fn check_attention(c: AttentionCase) {
     let qkv_b = buf_f32(&ctx, "qkv", &qkv);
     let pos_b = buf_u32(&ctx, "positions", &positions);
     let seq_b = buf_u32(&ctx, "token_seq", &seqs);
-    let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
+    let bt_b = buf_u32(&ctx, "block_table", &paged.gpu_table);
     let (k_b, v_b) = paged.upload(&ctx);
     let out_b = buf_f32(&ctx, "out", &out0);
-    let p = attention_params(heads, &paged, stride, out_stride);
+    let mut p = attention_params(heads, &paged, stride, out_stride);
+    p.window = c.ring.map_or(0, |r| r.window as u32);
     let max_splits = *c.splits.iter().max().unwrap() as usize;
     let part_bytes = kernels::attention::partials_bytes(&p, &paged.layout, t, max_splits).max(4);
     let partials = create_zeroed(&ctx, "partials", part_bytes).unwrap();
@@ -1510,7 +1558,8 @@ fn check_attention(c: AttentionCase) {
     for (ti, &(s, pos)) in tokens.iter().enumerate() {
         let (k, v) = paged.gather(s, pos + 1);
         let q = &qkv[ti * stride..][..heads.q_dim()];
-        let o = ops::attention(q, &k, &v, &[pos], n_heads, n_kv_heads, head_dim, p.scale);
+        let window = c.ring.map(|r| r.window);
+        let o = ops::attention_windowed(q, &k, &v, &[pos], n_heads, n_kv_heads, head_dim, p.scale, window);
         want[ti * out_stride..][..heads.q_dim()].copy_from_slice(&o);
     }
     for (label, got) in outs {
@@ -1523,7 +1572,7 @@ fn check_attention(c: AttentionCase) {
 const ATTENTION_SPANS: [(usize, std::ops::Range<usize>); 3] = [(0, 0..3), (1, 70..73), (2, 130..131)];
 
 fn attention_case(heads: Heads, page_size: usize, seed: u64) -> AttentionCase<'static> {
-    AttentionCase { heads, page_size, spans: &ATTENTION_SPANS, storage: F32_ONE_SHARD, splits: &[1], shared: 0, seed }
+    AttentionCase { heads, page_size, spans: &ATTENTION_SPANS, storage: F32_ONE_SHARD, splits: &[1], shared: 0, seed, ring: None }
 }
 
 #[test]
@@ -1579,7 +1628,41 @@ fn paged_attention_splits_shards_shared_prefixes_and_kv_dtypes_match_reference()
                 splits: &[1, 2, 3, 7],
                 shared: 3,
                 seed,
+                ring: None,
             });
+        }
+    }
+}
+
+/// Sliding layers' window rings (`kv::ring`): keys found by the ring formula, never the
+/// block table, for positions whose rings have wrapped many times, with key splits, rings
+/// spread over shards and every KV dtype, through both kernels; and the KV writes land in
+/// the ring slots.
+#[test]
+fn window_ring_attention_and_writes_match_reference() {
+    // Chunks of up to 4 tokens, decodes deep into sequences, and a fresh prefill.
+    let spans: [(usize, std::ops::Range<usize>); 4] = [(0, 40..41), (1, 25..29), (2, 0..3), (3, 97..98)];
+    let mut seed = 660;
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+        for (heads, window, page_size, pages_per_shard) in [
+            (Heads { n_heads: 9, n_kv_heads: 3, head_dim: 64 }, 9, 4, Some(5)),
+            (Heads { n_heads: 4, n_kv_heads: 1, head_dim: 32 }, 5, 3, Some(2)),
+            (Heads { n_heads: 6, n_kv_heads: 2, head_dim: 16 }, 12, 5, None),
+        ] {
+            seed += 1;
+            let ring = WindowRing::new(window, 4, page_size);
+            let storage = Storage { dtype, pages_per_shard };
+            check_attention(AttentionCase {
+                heads,
+                page_size,
+                spans: &spans,
+                storage,
+                splits: &[1, 2, 3],
+                shared: 0,
+                seed,
+                ring: Some(ring),
+            });
+            check_rope_kv_into(heads, page_size, &spans, storage, seed, Some(ring));
         }
     }
 }
@@ -1631,7 +1714,7 @@ fn rope_kv_then_attention_continue_a_paged_sequence() {
         let rope_b = buf_f32(&ctx, "rope", &rope_table(&freq, n_positions, 1.0));
         let pos_b = buf_u32(&ctx, "positions", &positions);
         let seq_b = buf_u32(&ctx, "token_seq", &vec![seq as u32; new]);
-        let bt_b = buf_u32(&ctx, "block_table", &paged.block_table);
+        let bt_b = buf_u32(&ctx, "block_table", &paged.gpu_table);
         let (k_b, v_b) = paged.upload(&ctx);
         let kv = KvBinding { layout: &paged.layout, k: &k_b, v: &v_b };
         let out_b = create_zeroed(&ctx, "out", (new * heads.q_dim() * 4) as u64).unwrap();

@@ -7,6 +7,7 @@ mod common;
 
 use lantern::gpu::memory::{adapter_memory, default_budget, probe, probe_largest, MemoryOrigin};
 use lantern::kv::plan::{kv_bytes, kv_bytes_per_token, KvDtype};
+use lantern::kv::ring::KvWindow;
 use lantern::model::plan::{param_count, plan};
 use lantern::model::ModelConfig;
 
@@ -99,7 +100,7 @@ fn plan_fits_pages_into_what_the_budget_leaves() {
 }
 
 #[test]
-fn sliding_window_layers_say_what_a_windowed_cache_would_save() {
+fn sliding_window_layers_keep_rings_and_the_plan_counts_them() {
     // Gemma 3 270M's shape: 18 layers, 15 behind a 512-key window, 1 KV head of 256.
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-archs/gemma3");
     let mut c = lantern::model::load::load_path(&dir).unwrap().weights.config;
@@ -107,17 +108,40 @@ fn sliding_window_layers_say_what_a_windowed_cache_would_save() {
     c.num_kv_heads = 1;
     c.head_dim = 256;
     c.block = lantern::model::BlockSpec::gemma3(18, c.hidden_size, 512, 256.0, 10000.0);
-    let w = lantern::model::plan::window_saving(&c, KvDtype::F32, 8192, 128).unwrap();
+    let w = lantern::model::plan::window_saving(&c, KvDtype::F32, 8192, 128, 16).unwrap();
     let per_layer_token = 2 * 256 * 4;
     assert_eq!((w.sliding_layers, w.layers, w.window), (15, 18, 512));
     assert_eq!(w.bytes_per_sequence, 18 * 8192 * per_layer_token);
-    assert_eq!(w.bytes_per_sequence_windowed, (3 * 8192 + 15 * (512 + 127)) * per_layer_token);
+    // Rings of 512 + 128 - 1 tokens, in whole pages of 16: 640.
+    assert_eq!(w.bytes_per_sequence_windowed, (3 * 8192 + 15 * 640) * per_layer_token);
     // A context inside the window saves nothing.
-    let w = lantern::model::plan::window_saving(&c, KvDtype::F32, 300, 1).unwrap();
+    let w = lantern::model::plan::window_saving(&c, KvDtype::F32, 300, 1, 16).unwrap();
     assert_eq!(w.bytes_per_sequence, w.bytes_per_sequence_windowed);
+
+    // The plan with rings: they come out of the budget first, and the pages hold 3 layers.
+    let gb = 1u64 << 30;
+    let full = plan(&c, 300 << 20, KvDtype::F32, 4, 8192, 16, 50 << 20, 64 << 20, gb, "test".into());
+    let ring = KvWindow::Auto.ring(c.block.sliding_window, 8192, 128, 16);
+    assert_eq!(ring.map(|r| r.tokens()), Some(640));
+    let rung = full.clone().with_ring(&c, ring, 128);
+    let r = rung.ring.as_ref().unwrap();
+    assert_eq!(r.bytes_per_sequence, 15 * 640 * per_layer_token);
+    assert_eq!(r.pool_bytes_per_token, 3 * per_layer_token);
+    assert_eq!(rung.pages, (full.kv_budget_bytes - 4 * r.bytes_per_sequence) / (16 * 3 * per_layer_token));
+    assert_eq!(rung.kv_bytes_requested, 4 * (r.bytes_per_sequence + 8192 * 3 * per_layer_token));
+    assert!(rung.window.as_ref().unwrap().taken && !full.window.as_ref().unwrap().taken);
+    // 8192-token sequences in 610 MiB of KV: 2 fit with every layer keeping every token
+    // (302 MB each), 9 with rings (70 MB each).
+    assert_eq!((full.max_sequences_at_context, full.fits), (2, false));
+    assert_eq!((rung.max_sequences_at_context, rung.fits), (9, true));
+    assert!(rung.kv_bytes() <= rung.kv_budget_bytes);
+    // Auto takes no ring where it would not be smaller than the context; full never does.
+    assert_eq!(KvWindow::Auto.ring(c.block.sliding_window, 640, 128, 16), None);
+    assert_eq!(KvWindow::Full.ring(c.block.sliding_window, 8192, 128, 16), None);
     // Full attention everywhere: nothing to say.
     c.block = Default::default();
-    assert!(lantern::model::plan::window_saving(&c, KvDtype::F32, 8192, 1).is_none());
+    assert!(lantern::model::plan::window_saving(&c, KvDtype::F32, 8192, 1, 16).is_none());
+    assert_eq!(KvWindow::Ring.ring(c.block.sliding_window, 8192, 128, 16), None);
 }
 
 #[test]

@@ -140,3 +140,121 @@ fn gemma_block_decoding_token_by_token_with_split_keys() {
     };
     check(s, 17, opts);
 }
+
+/// Logits of every position of `ids`, fed in steps of `steps` tokens (cycled), each step
+/// returning its rows.
+fn rows_in_steps(m: &mut GpuModel, seq: usize, ids: &[u32], steps: &[usize]) -> Vec<f32> {
+    let mut out = Vec::new();
+    let (mut at, mut i) = (0, 0);
+    while at < ids.len() {
+        let n = steps[i % steps.len()].min(ids.len() - at);
+        out.extend(pollster::block_on(m.forward_all_logits(seq, &ids[at..at + n])).expect("step"));
+        at += n;
+        i += 1;
+    }
+    out
+}
+
+#[test]
+fn gemma_block_window_rings_equal_full_pages_in_every_kv_dtype() {
+    // Window 5, steps of up to 6, pages of 3: a ring of 4 pages (12 tokens) per sequence for
+    // the sliding layers, against 61 tokens of context: each sequence's ring wraps five
+    // times. Ring and pool addressing must give bit-identical logits, for f32 (also equal
+    // to the reference), f16 and q8 caches alike, with the pages the rings free.
+    use lantern::kv::plan::KvDtype;
+    use lantern::model::llama::KvWindow;
+    let s = Spec { seed: 8, vocab: 80, hidden: 48, ffn: 64, layers: 4, heads: 4, kv_heads: 2, head_dim: 16, gemma: true, ..BASE };
+    let w = random_model(s);
+    let mut rng = Rng(s.seed + 5);
+    let ids: Vec<u32> = (0..61).map(|_| rng.below(s.vocab) as u32).collect();
+    let want = ReferenceModel::new(&w).unwrap().forward(&ids);
+    for kv_dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+        let mut runs = Vec::new();
+        for kv_window in [KvWindow::Ring, KvWindow::Full] {
+            let opts = ModelOptions {
+                context: Some(64),
+                page_size: 3,
+                max_batch_tokens: 6,
+                max_logit_rows: 6,
+                kv_dtype,
+                kv_window,
+                ..Default::default()
+            };
+            let mut m = pollster::block_on(GpuModel::load(common::gpu(), &w, opts)).expect("load");
+            let mem = m.memory().clone();
+            assert_eq!(mem.kv_window_ring.map(|r| (r.pages, r.tokens())), (kv_window == KvWindow::Ring).then_some((4, 12)));
+            let seq = m.new_sequence().unwrap();
+            // Uneven steps that cross page and window edges, then single tokens.
+            let mut got = rows_in_steps(&mut m, seq, &ids[..40], &[6, 1, 5, 2, 3]);
+            got.extend(rows_in_steps(&mut m, seq, &ids[40..], &[1]));
+            runs.push((got, mem.kv_cache, mem.kv_ring_bytes));
+        }
+        let ((ring, ring_bytes, ring_part), (full, full_bytes, _)) = (&runs[0], &runs[1]);
+        assert!(ring == full, "{kv_dtype:?}: ring and full-page logits differ");
+        // Two sliding layers of four keep 12 tokens instead of 64.
+        assert!(ring_bytes < full_bytes && *ring_part > 0, "{kv_dtype:?}: ring {ring_bytes} B vs full {full_bytes} B");
+        if kv_dtype == KvDtype::F32 {
+            let scale = want.iter().fold(0.0f32, |a, &b| a.max(b.abs())).max(1.0);
+            let worst = ring.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst <= TOL * scale, "ring vs reference: {worst:e} (scale {scale})");
+        }
+    }
+}
+
+#[test]
+fn window_rings_fork_with_their_sequence_and_refuse_a_rollback_past_the_ring() {
+    use lantern::kv::KvError;
+    use lantern::model::llama::{KvWindow, Want};
+    use lantern::LanternError;
+    let s = Spec { seed: 9, vocab: 70, hidden: 32, ffn: 48, layers: 2, heads: 2, kv_heads: 1, head_dim: 16, gemma: true, ..BASE };
+    let w = random_model(s);
+    let reference = ReferenceModel::new(&w).unwrap();
+    let opts = ModelOptions {
+        context: Some(48),
+        max_seqs: 3,
+        page_size: 2,
+        max_batch_tokens: 4,
+        max_logit_rows: 4,
+        kv_window: KvWindow::Ring,
+        ..Default::default()
+    };
+    let mut m = pollster::block_on(GpuModel::load(common::gpu(), &w, opts)).expect("load");
+    // Window 5, steps of 4, pages of 2: 4 pages, 8 tokens per ring.
+    assert_eq!(m.memory().kv_window_ring.map(|r| r.tokens()), Some(8));
+    let mut rng = Rng(3);
+    let prompt: Vec<u32> = (0..21).map(|_| rng.below(s.vocab) as u32).collect();
+    let seq = m.new_sequence().unwrap();
+    rows_in_steps(&mut m, seq, &prompt, &[4]);
+    // A fork copies the ring: both continue differently and each matches the reference.
+    let fork = m.fork_sequence(seq).unwrap();
+    let tails: [Vec<u32>; 2] = [vec![1, 2, 3, 4, 5, 6, 7], vec![9, 8, 7, 6, 5, 4, 3]];
+    for (sq, tail) in [(seq, &tails[0]), (fork, &tails[1])] {
+        let got = rows_in_steps(&mut m, sq, tail, &[1, 2]);
+        let all: Vec<u32> = prompt.iter().chain(tail.iter()).copied().collect();
+        let want = reference.forward(&all);
+        let want = &want[prompt.len() * s.vocab..];
+        let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst <= TOL * 10.0, "sequence {sq} after the fork: {worst:e}");
+    }
+    // A rejected 4-token verify step rolls back and the sequence stays exact.
+    let len = m.sequence_len(seq).unwrap();
+    pollster::block_on(m.forward_rows(seq, &[11, 12, 13, 14], Want::Argmax)).unwrap();
+    m.truncate_sequence(seq, len).unwrap();
+    let got = pollster::block_on(m.forward_all_logits(seq, &[20])).unwrap();
+    let all: Vec<u32> = prompt.iter().chain(&tails[0]).chain(&[20]).copied().collect();
+    let want = reference.forward(&all);
+    let worst = got.iter().zip(&want[(all.len() - 1) * s.vocab..]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(worst <= TOL * 10.0, "after the rollback: {worst:e}");
+    // Going back past the ring is refused and changes nothing.
+    let len = m.sequence_len(seq).unwrap();
+    match m.truncate_sequence(seq, len - 6) {
+        Err(LanternError::Kv(KvError::RollbackBeyondRing { ring_tokens: 8, .. })) => {}
+        other => panic!("rollback past the ring: {other:?}"),
+    }
+    assert_eq!(m.sequence_len(seq).unwrap(), len);
+    pollster::block_on(m.forward_all_logits(seq, &[21])).unwrap();
+    // No prefix cache with rings: nothing registers, nothing attaches.
+    assert_eq!(m.cache_prefix(seq, &prompt).unwrap(), 0);
+    let other = m.new_sequence().unwrap();
+    assert_eq!(m.attach_cached_prefix(other, &prompt).unwrap(), 0);
+}

@@ -107,8 +107,10 @@ fn exercise_config(c: &ModelConfig) {
     use lantern::model::plan::{param_count, plan, window_saving, workspace_bytes};
     let params = param_count(c);
     let workspace = workspace_bytes(c, 512, 1, 4096);
-    let _ = window_saving(c, KvDtype::F16, 4096, 512);
-    let _ = plan(c, params.total.saturating_mul(2), KvDtype::F16, 4, 4096, 16, workspace, 64 << 20, 8 << 30, "fuzz".into());
+    let _ = window_saving(c, KvDtype::F16, 4096, 512, 16);
+    let ring = lantern::kv::ring::KvWindow::Ring.ring(c.block.sliding_window, 4096, 512, 16);
+    let p = plan(c, params.total.saturating_mul(2), KvDtype::F16, 4, 4096, 16, workspace, 64 << 20, 8 << 30, "fuzz".into());
+    let _ = p.with_ring(c, ring, 512).kv_bytes();
 }
 
 /// The streamed load: the tensors outside the layers, then each layer's (at most a few; a

@@ -203,6 +203,11 @@ struct RunArgs {
     /// what the adapter reports.
     #[arg(long)]
     memory_budget: Option<String>,
+    /// Sliding-window layers (Gemma 3's local layers): keep only a ring of their window's
+    /// pages per sequence (`ring`), every token (`full`, which keeps the prefix cache), or a
+    /// ring where it is smaller than the context (`auto`).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "ring", "full"])]
+    kv_window: String,
     /// Do not reuse the KV pages of an earlier prompt with the same beginning.
     #[arg(long)]
     no_prefix_cache: bool,
@@ -332,6 +337,7 @@ fn run(a: RunArgs) -> Result<()> {
         kv_dtype: a.kv_dtype.dtype(),
         memory_budget: a.memory_budget.as_deref().map(plan_cmd::parse_bytes).transpose()?,
         prefix_cache: !a.no_prefix_cache,
+        kv_window: a.kv_window.parse().map_err(anyhow::Error::msg)?,
         ..Default::default()
     };
     let (mut model, tokenizer) =
@@ -449,8 +455,12 @@ fn run(a: RunArgs) -> Result<()> {
         } else {
             String::new()
         };
+        let rings = match &mem.kv_window_ring {
+            Some(r) => format!("; sliding layers keep a {}-token ring per sequence, {:.1} MB of it", r.tokens(), mb(mem.kv_ring_bytes)),
+            None => String::new(),
+        };
         eprintln!(
-            "[GPU memory {:.1} MB: weights {:.1} MB = {}{tex} | KV cache {:.1} MB ({:?}, {} pages of {} tokens in {} buffer(s) per layer for K and V) | workspace {:.1} MB | budget {}]",
+            "[GPU memory {:.1} MB: weights {:.1} MB = {}{tex} | KV cache {:.1} MB ({:?}, {} pages of {} tokens in {} buffer(s) per layer for K and V{rings}) | workspace {:.1} MB | budget {}]",
             mb(mem.ledger_bytes),
             mb(mem.weight_bytes()),
             by_dtype.join(", "),

@@ -51,7 +51,8 @@ struct AttentionUniform {
     n_shards: u32,
     scale_base: u32,
     window: u32,
-    _pad: [u32; 3],
+    ring: u32,
+    _pad: [u32; 2],
 }
 
 /// Mirrors `struct Params` in attention_reduce.wgsl.
@@ -67,7 +68,7 @@ struct ReduceUniform {
 /// `AttentionUniform`'s named fields and offsets (`kernels::params_fields`).
 pub(crate) fn uniform_fields() -> Vec<(&'static str, usize)> {
     field_offsets!(AttentionUniform; n_heads, n_kv_heads, head_dim, qkv_stride, page_size, max_pages, out_stride, scale,
-        pages_per_shard, shard, n_shards, scale_base, window)
+        pages_per_shard, shard, n_shards, scale_base, window, ring)
 }
 
 /// `ReduceUniform`'s named fields and offsets (`kernels::params_fields`).
@@ -193,7 +194,8 @@ pub async fn build_variant(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionP
             shard: shard as u32,
             n_shards: layout.n_shards as u32,
             window: p.window,
-            _pad: [0; 3],
+            ring: layout.ring as u32,
+            _pad: [0; 2],
             scale_base: layout.scale_base() as u32,
         };
         let ubuf = create_uniform(ctx, "attention.params", &u);

@@ -38,12 +38,13 @@ struct RopeKvUniform {
     pages_per_shard: u32,
     shard: u32,
     scale_base: u32,
-    _pad: [u32; 2],
+    ring: u32,
+    _pad: u32,
 }
 
 /// `RopeKvUniform`'s named fields and offsets (`kernels::params_fields`).
 pub(crate) fn uniform_fields() -> Vec<(&'static str, usize)> {
-    field_offsets!(RopeKvUniform; n_heads, n_kv_heads, head_dim, qkv_stride, page_size, max_pages, n_positions, pages_per_shard, shard, scale_base)
+    field_offsets!(RopeKvUniform; n_heads, n_kv_heads, head_dim, qkv_stride, page_size, max_pages, n_positions, pages_per_shard, shard, scale_base, ring)
 }
 
 /// cos/sin table: row `pos` holds cos(pos * inv_freq[i]) for i < hd/2, then the sines, each
@@ -117,7 +118,8 @@ pub async fn build(ctx: &GpuContext, io: &RopeKvIo<'_>, p: RopeKvParams) -> Resu
             pages_per_shard: layout.pages_per_shard as u32,
             shard: shard as u32,
             scale_base: layout.scale_base() as u32,
-            _pad: [0; 2],
+            ring: layout.ring as u32,
+            _pad: 0,
         };
         let ubuf = create_uniform(ctx, "rope_kv.params", &u);
         let bg = bind(

@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use super::ring::WindowRing;
 use super::{KvConfig, KvError};
 
 /// A copy the GPU side must execute, in queue order, before the next step writes: slots
@@ -67,6 +68,11 @@ fn chain_hash(prev: u64, tokens: &[u32]) -> u64 {
 struct Seq {
     pages: Vec<u32>,
     len: usize,
+    /// Positions `..written` have been reserved for writing since the sequence started (with
+    /// a window ring: how far its ring may have wrapped).
+    written: usize,
+    /// With a window ring: a rollback past the ring left its window incomplete.
+    lost: bool,
 }
 
 /// A page in the prefix cache.
@@ -104,6 +110,10 @@ pub struct PageAllocator {
     tick: u64,
     /// Copy-on-write copies not yet taken.
     copies: Vec<PageCopy>,
+    /// Sliding-window layers' page rings (one per sequence slot), if the cache has them.
+    ring: Option<WindowRing>,
+    /// Ring copies (source slot, destination slot) queued by forks, not yet taken.
+    ring_copies: Vec<(usize, usize)>,
     stats: PrefixStats,
 }
 
@@ -119,8 +129,24 @@ impl PageAllocator {
             lru: BTreeMap::new(),
             tick: 0,
             copies: Vec::new(),
+            ring: None,
+            ring_copies: Vec::new(),
             stats: PrefixStats::default(),
         }
+    }
+
+    /// This allocator for a cache whose sliding-window layers keep a page ring per sequence
+    /// slot (`kv::ring`): forks queue a ring copy ([`Self::take_ring_copies`]), a rollback
+    /// past the ring marks the sequence lost, and there is no prefix cache (a cached
+    /// prefix's sliding-layer keys are not kept).
+    pub fn with_ring(mut self, ring: WindowRing) -> Self {
+        self.ring = Some(ring);
+        self
+    }
+
+    /// The sliding layers' page ring, if there is one.
+    pub fn ring(&self) -> Option<&WindowRing> {
+        self.ring.as_ref()
     }
 
     /// Pages that can be handed out: the free list plus evictable cached pages.
@@ -163,13 +189,14 @@ impl PageAllocator {
     /// Start a sequence; returns its slot.
     pub fn create(&mut self) -> Result<usize, KvError> {
         let slot = self.free_slot()?;
-        self.seqs[slot] = Some(Seq { pages: Vec::new(), len: 0 });
+        self.seqs[slot] = Some(Seq { pages: Vec::new(), len: 0, written: 0, lost: false });
         Ok(slot)
     }
 
     /// Start a sequence that shares all pages of `seq` (one more reference each) and has its
     /// length; returns its slot. The first write into the shared partial last page, by
-    /// either, copies it.
+    /// either, copies it. With a window ring, the source's ring is queued to be copied whole
+    /// into the new slot's.
     pub fn fork(&mut self, seq: usize) -> Result<usize, KvError> {
         let s = self.seq(seq)?.clone();
         let slot = self.free_slot()?;
@@ -177,7 +204,28 @@ impl PageAllocator {
             self.refs[p as usize] += 1;
         }
         self.seqs[slot] = Some(s);
+        if self.ring.is_some() {
+            self.ring_copies.push((seq, slot));
+        }
         Ok(slot)
+    }
+
+    /// Ring copies (source slot, destination slot) queued by forks since the last call, in
+    /// the order they must run (before the next step writes).
+    pub fn take_ring_copies(&mut self) -> Vec<(usize, usize)> {
+        std::mem::take(&mut self.ring_copies)
+    }
+
+    /// Positions of `seq` reserved for writing since it started (at least its length).
+    pub fn written(&self, seq: usize) -> Result<usize, KvError> {
+        self.seq(seq).map(|s| s.written)
+    }
+
+    /// Whether `seq` can go back to `len` tokens and keep its sliding window (always true
+    /// without a ring).
+    pub fn can_truncate(&self, seq: usize, len: usize) -> Result<bool, KvError> {
+        let s = self.seq(seq)?;
+        Ok(len >= s.len || self.ring.is_none_or(|r| r.keeps_window(s.written, len)))
     }
 
     /// Tokens stored for `seq`.
@@ -211,6 +259,9 @@ impl PageAllocator {
     /// queues a [`PageCopy`] (see [`Self::take_copies`]); writing into a cached page held
     /// alone removes it from the prefix cache.
     pub fn append(&mut self, seq: usize, n: usize) -> Result<usize, KvError> {
+        if self.seq(seq)?.lost {
+            return Err(KvError::WindowLost { seq });
+        }
         let needed = self.pages_needed(seq, n)?;
         if needed > self.free_pages() {
             return Err(KvError::Full { needed, free: self.free_pages(), total: self.config.num_pages, page_size: self.config.page_size });
@@ -236,7 +287,9 @@ impl PageAllocator {
             self.refs[p as usize] = 1;
             self.seq_mut(seq)?.pages.push(p);
         }
-        self.seq_mut(seq)?.len = start + n;
+        let s = self.seq_mut(seq)?;
+        s.len = start + n;
+        s.written = s.written.max(s.len);
         Ok(start)
     }
 
@@ -245,12 +298,16 @@ impl PageAllocator {
         std::mem::take(&mut self.copies)
     }
 
-    /// Keep only the first `len` tokens of `seq` (a failed step), dropping the references
-    /// of pages it no longer needs.
+    /// Keep only the first `len` tokens of `seq` (a failed step, rejected drafts), dropping
+    /// the references of pages it no longer needs. With a window ring, going back further
+    /// than [`Self::can_truncate`] allows marks the sequence lost: later appends fail with
+    /// [`KvError::WindowLost`].
     pub fn truncate(&mut self, seq: usize, len: usize) -> Result<(), KvError> {
         let page_size = self.config.page_size;
+        let keeps = self.can_truncate(seq, len)?;
         let s = self.seq_mut(seq)?;
         if len < s.len {
+            s.lost |= !keeps;
             s.len = len;
             let dropped = s.pages.split_off(len.div_ceil(page_size));
             for p in dropped.into_iter().rev() {
@@ -296,6 +353,9 @@ impl PageAllocator {
         if tokens.len() > s.len {
             return Err(KvError::BeyondLength { seq, tokens: tokens.len(), len: s.len });
         }
+        if self.ring.is_some() {
+            return Ok(0);
+        }
         let pages = s.pages.clone();
         let (mut hash, mut parent, mut added) = (HASH_SEED, None, 0);
         for (chunk, &page) in tokens.chunks_exact(self.config.page_size).zip(&pages) {
@@ -335,6 +395,9 @@ impl PageAllocator {
             return Err(KvError::NotEmpty(seq));
         }
         self.stats.lookups += 1;
+        if self.ring.is_some() {
+            return Ok(0);
+        }
         let ps = self.config.page_size;
         let max_pages = tokens.len().saturating_sub(1).min(self.config.context) / ps;
         let (mut hash, mut parent) = (HASH_SEED, None);
@@ -1015,5 +1078,42 @@ mod tests {
             assert!(hits > 0 && st.evictions > 0 && st.cow_copies > 0, "seed {seed:x}: {st:?}");
             assert_eq!(st.hit_tokens, hits as u64);
         }
+    }
+
+    #[test]
+    fn with_a_window_ring_forks_copy_rings_rollbacks_are_bounded_and_no_prefix_is_cached() {
+        // Window 8, steps of up to 4, pages of 4: a ring of 3 pages (12 tokens).
+        let ring = WindowRing::new(8, 4, 4);
+        let mut a = PageAllocator::new(cfg(4, 40, 3, 64)).with_ring(ring);
+        let s = a.create().unwrap();
+        let prompt: Vec<u32> = (0..20).collect();
+        a.append(s, 20).unwrap();
+        assert_eq!(a.register_prefix(s, &prompt).unwrap(), 0, "no prefix cache with a ring");
+        let f = a.fork(s).unwrap();
+        assert_eq!(a.take_ring_copies(), vec![(s, f)]);
+        assert!(a.take_ring_copies().is_empty());
+        let t = a.create().unwrap();
+        assert_eq!(a.match_prefix(t, &prompt).unwrap(), 0);
+        // A rejected 4-token draft rolls back; 12 tokens back from 20 does not keep the window
+        // of a query at 8 (keys 1..8, which positions 13..20 overwrote).
+        assert!(a.can_truncate(s, 16).unwrap());
+        assert!(!a.can_truncate(s, 8).unwrap());
+        a.truncate(s, 16).unwrap();
+        a.append(s, 4).unwrap();
+        a.truncate(s, 8).unwrap();
+        assert_eq!(a.append(s, 1), Err(KvError::WindowLost { seq: s }));
+        // The fork kept its own state, and a released slot starts clean.
+        a.append(f, 1).unwrap();
+        a.release(s);
+        let s2 = a.create().unwrap();
+        a.append(s2, 3).unwrap();
+        check_invariants(&a);
+        // Without a ring the same rollback is fine.
+        let mut b = PageAllocator::new(cfg(4, 40, 1, 64));
+        let s = b.create().unwrap();
+        b.append(s, 20).unwrap();
+        assert!(b.can_truncate(s, 0).unwrap());
+        b.truncate(s, 0).unwrap();
+        b.append(s, 1).unwrap();
     }
 }

@@ -23,6 +23,10 @@ pub struct KvLayout {
     pub num_pages: usize,
     pub pages_per_shard: usize,
     pub n_shards: usize,
+    /// 0: pages come from the block table. Else the layout of sliding layers' window rings
+    /// (`kv::ring`): this many pages per sequence slot, slot `s` owning pages
+    /// `s * ring .. (s + 1) * ring`.
+    pub ring: usize,
 }
 
 impl KvLayout {
@@ -49,7 +53,8 @@ impl KvLayout {
             }
             KvDtype::Bf16 => return Err(invalid("bf16 is a planning size only; the runtime caches f32, f16 or q8".into())),
         }
-        let mut l = KvLayout { dtype, page_size, n_kv_heads, head_dim, num_pages: num_pages.max(1), pages_per_shard: 1, n_shards: 1 };
+        let mut l =
+            KvLayout { dtype, page_size, n_kv_heads, head_dim, num_pages: num_pages.max(1), pages_per_shard: 1, n_shards: 1, ring: 0 };
         let page = l.page_bytes();
         if page > max_binding {
             return Err(invalid(format!(
@@ -59,6 +64,21 @@ impl KvLayout {
         let fit = (max_binding / page).max(1) as usize;
         l.pages_per_shard = fit.min(l.num_pages);
         l.n_shards = l.num_pages.div_ceil(l.pages_per_shard);
+        Ok(l)
+    }
+
+    /// The layout of window rings of `ring` pages for `max_seqs` sequence slots (the rings
+    /// of a layer: `max_seqs * ring` pages, sharded like any layout).
+    pub fn rings(
+        dtype: KvDtype,
+        ring: &super::ring::WindowRing,
+        max_seqs: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        max_binding: u64,
+    ) -> Result<KvLayout, GpuError> {
+        let mut l = KvLayout::new(dtype, ring.page_size, n_kv_heads, head_dim, max_seqs * ring.pages, max_binding)?;
+        l.ring = ring.pages;
         Ok(l)
     }
 
@@ -122,67 +142,132 @@ pub fn round_trip(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
     }
 }
 
-/// The K and V shard buffers of every layer.
+/// The K and V shard buffers of every layer. Full-attention layers hold the pool's pages
+/// (`layout`); with a window ring, sliding layers hold their rings instead (`ring_layout`).
 pub struct KvStore {
     pub layout: KvLayout,
+    /// The sliding layers' ring layout, when they keep rings.
+    pub ring_layout: Option<KvLayout>,
+    /// Per layer, whether it keeps a ring (its buffers have `ring_layout`).
+    pub ringed: Vec<bool>,
     /// `k[layer][shard]`.
     pub k: Vec<Vec<wgpu::Buffer>>,
     pub v: Vec<Vec<wgpu::Buffer>>,
-    /// One page of one layer's K or V: copy-on-write goes through it (wgpu copies never
-    /// have the same buffer at both ends).
+    /// Copies go through it (wgpu copies never have the same buffer at both ends): one page
+    /// of a pool layer's K or V, or one whole ring.
     staging: wgpu::Buffer,
 }
 
 impl KvStore {
+    /// Every layer's buffers with `layout`.
     pub fn new(ctx: &GpuContext, layout: KvLayout, n_layers: usize) -> Result<KvStore, GpuError> {
+        Self::with_rings(ctx, layout, None, &vec![false; n_layers])
+    }
+
+    /// Buffers for each layer: `ring_layout` for the layers `ringed` marks, `layout` for the
+    /// rest.
+    pub fn with_rings(ctx: &GpuContext, layout: KvLayout, ring_layout: Option<KvLayout>, ringed: &[bool]) -> Result<KvStore, GpuError> {
+        let n_layers = ringed.len();
         let mut k = Vec::with_capacity(n_layers);
         let mut v = Vec::with_capacity(n_layers);
-        for l in 0..n_layers {
-            let mut ks = Vec::with_capacity(layout.n_shards);
-            let mut vs = Vec::with_capacity(layout.n_shards);
-            for s in 0..layout.n_shards {
-                ks.push(create_zeroed(ctx, &format!("kv.k.{l}.{s}"), layout.shard_bytes())?);
-                vs.push(create_zeroed(ctx, &format!("kv.v.{l}.{s}"), layout.shard_bytes())?);
+        for (l, &r) in ringed.iter().enumerate() {
+            let lay = match (r, ring_layout) {
+                (true, Some(rl)) => rl,
+                (true, None) => {
+                    return Err(GpuError::Validation {
+                        context: "KV cache layout".into(),
+                        message: format!("layer {l} keeps a window ring but no ring layout was given"),
+                    })
+                }
+                (false, _) => layout,
+            };
+            let tag = if r { "ring" } else { "pool" };
+            let mut ks = Vec::with_capacity(lay.n_shards);
+            let mut vs = Vec::with_capacity(lay.n_shards);
+            for s in 0..lay.n_shards {
+                ks.push(create_zeroed(ctx, &format!("kv.k.{l}.{s} ({tag})"), lay.shard_bytes())?);
+                vs.push(create_zeroed(ctx, &format!("kv.v.{l}.{s} ({tag})"), lay.shard_bytes())?);
             }
             k.push(ks);
             v.push(vs);
         }
-        let staging = create_zeroed(ctx, "kv.page_staging", layout.page_bytes().next_multiple_of(4))?;
-        Ok(KvStore { layout, k, v, staging })
+        let ring_bytes = ring_layout.filter(|_| ringed.contains(&true)).map_or(0, |r| r.page_bytes() * r.ring as u64);
+        let staging = create_zeroed(ctx, "kv.page_staging", layout.page_bytes().max(ring_bytes).next_multiple_of(4))?;
+        let ring_layout = ring_layout.filter(|_| ringed.contains(&true));
+        Ok(KvStore { layout, ring_layout, ringed: ringed.to_vec(), k, v, staging })
     }
 
-    /// Total bytes of the cache (the page-sized staging buffer included).
+    /// The layout of layer `l`'s buffers.
+    pub fn layout_of(&self, l: usize) -> &KvLayout {
+        match (self.ringed.get(l), &self.ring_layout) {
+            (Some(true), Some(r)) => r,
+            _ => &self.layout,
+        }
+    }
+
+    /// Total bytes of the cache (the staging buffer included).
     pub fn bytes(&self) -> u64 {
-        self.layout.shard_bytes() * 2 * (self.k.len() * self.layout.n_shards) as u64 + self.staging.size()
+        let layers: u64 = (0..self.k.len()).map(|l| self.layout_of(l).shard_bytes() * 2 * self.layout_of(l).n_shards as u64).sum();
+        layers + self.staging.size()
     }
 
-    /// Record copies of slots `0..tokens` of page `src` into page `dst` in every layer's K
-    /// and V (copy-on-write of a shared partial page).
+    /// Bytes of the sliding layers' rings (0 without).
+    pub fn ring_bytes(&self) -> u64 {
+        (0..self.k.len()).filter(|&l| self.ringed[l]).map(|l| self.layout_of(l).shard_bytes() * 2 * self.layout_of(l).n_shards as u64).sum()
+    }
+
+    /// Record copies of slots `0..tokens` of page `src` into page `dst` in every pool layer's
+    /// K and V (copy-on-write of a shared partial page).
     pub fn encode_page_copy(&self, enc: &mut wgpu::CommandEncoder, src: usize, dst: usize, tokens: usize) {
-        let l = &self.layout;
-        let heads = tokens * l.n_kv_heads;
+        for l in (0..self.k.len()).filter(|&l| !self.ringed[l]) {
+            self.encode_copy(enc, l, &self.layout, src, dst, tokens);
+        }
+    }
+
+    /// Record copies of sequence slot `src`'s whole window ring into slot `dst`'s, in every
+    /// ringed layer's K and V (a forked sequence).
+    pub fn encode_ring_copy(&self, enc: &mut wgpu::CommandEncoder, src: usize, dst: usize) {
+        let Some(r) = self.ring_layout else { return };
+        for l in (0..self.k.len()).filter(|&l| self.ringed[l]) {
+            // Page by page where a ring straddles a shard edge, else the ring at once.
+            let (s0, _) = r.locate(src * r.ring, 0, 0);
+            let (s1, _) = r.locate(src * r.ring + r.ring - 1, 0, 0);
+            let (d0, _) = r.locate(dst * r.ring, 0, 0);
+            let (d1, _) = r.locate(dst * r.ring + r.ring - 1, 0, 0);
+            if s0 == s1 && d0 == d1 {
+                self.encode_copy(enc, l, &r, src * r.ring, dst * r.ring, r.ring * r.page_size);
+            } else {
+                for i in 0..r.ring {
+                    self.encode_copy(enc, l, &r, src * r.ring + i, dst * r.ring + i, r.page_size);
+                }
+            }
+        }
+    }
+
+    /// Slots `0..tokens` from page `src` on (`tokens` may run over consecutive pages of one
+    /// shard) to the same slots from page `dst` on, in layer `l`'s K and V.
+    fn encode_copy(&self, enc: &mut wgpu::CommandEncoder, l: usize, lay: &KvLayout, src: usize, dst: usize, tokens: usize) {
+        let heads = tokens * lay.n_kv_heads;
         let word_bytes = |th: usize| -> (u64, u64) {
             // (offset of the codes, their length) for `heads` token-heads starting at th.
-            match l.dtype {
-                KvDtype::F32 => ((th * l.head_dim * 4) as u64, (heads * l.head_dim * 4) as u64),
-                KvDtype::F16 | KvDtype::Bf16 => ((th * l.head_dim * 2) as u64, (heads * l.head_dim * 2) as u64),
-                KvDtype::Q8 => ((th * l.head_dim) as u64, (heads * l.head_dim) as u64),
+            match lay.dtype {
+                KvDtype::F32 => ((th * lay.head_dim * 4) as u64, (heads * lay.head_dim * 4) as u64),
+                KvDtype::F16 | KvDtype::Bf16 => ((th * lay.head_dim * 2) as u64, (heads * lay.head_dim * 2) as u64),
+                KvDtype::Q8 => ((th * lay.head_dim) as u64, (heads * lay.head_dim) as u64),
             }
         };
-        let (ss, sth) = l.locate(src, 0, 0);
-        let (ds, dth) = l.locate(dst, 0, 0);
+        let (ss, sth) = lay.locate(src, 0, 0);
+        let (ds, dth) = lay.locate(dst, 0, 0);
         let (so, len) = word_bytes(sth);
         let (dof, _) = word_bytes(dth);
-        for bufs in [&self.k, &self.v] {
-            for layer in bufs {
-                enc.copy_buffer_to_buffer(&layer[ss], so, &self.staging, 0, len);
-                enc.copy_buffer_to_buffer(&self.staging, 0, &layer[ds], dof, len);
-                if l.dtype == KvDtype::Q8 {
-                    let base = (l.scale_base() * 4) as u64;
-                    let n = heads as u64 * 4;
-                    enc.copy_buffer_to_buffer(&layer[ss], base + sth as u64 * 4, &self.staging, 0, n);
-                    enc.copy_buffer_to_buffer(&self.staging, 0, &layer[ds], base + dth as u64 * 4, n);
-                }
+        for layer in [&self.k[l], &self.v[l]] {
+            enc.copy_buffer_to_buffer(&layer[ss], so, &self.staging, 0, len);
+            enc.copy_buffer_to_buffer(&self.staging, 0, &layer[ds], dof, len);
+            if lay.dtype == KvDtype::Q8 {
+                let base = (lay.scale_base() * 4) as u64;
+                let n = heads as u64 * 4;
+                enc.copy_buffer_to_buffer(&layer[ss], base + sth as u64 * 4, &self.staging, 0, n);
+                enc.copy_buffer_to_buffer(&self.staging, 0, &layer[ds], base + dth as u64 * 4, n);
             }
         }
     }

@@ -10,6 +10,7 @@
 pub mod alloc;
 pub mod cache;
 pub mod plan;
+pub mod ring;
 
 pub use self::alloc::*;
 
@@ -32,6 +33,12 @@ pub enum KvError {
     NotEmpty(usize),
     #[error("{tokens} tokens given for sequence {seq}, which holds {len}")]
     BeyondLength { seq: usize, tokens: usize, len: usize },
+    #[error(
+        "sequence {seq} cannot go back to {len} tokens: its sliding-window layers keep a ring of {ring_tokens} tokens, and positions up to {written} have overwritten keys of that window (roll back at most {ring_tokens} tokens minus the window, or start the sequence again)"
+    )]
+    RollbackBeyondRing { seq: usize, len: usize, written: usize, ring_tokens: usize },
+    #[error("sequence {seq} lost keys of its sliding window (a failed step after the ring had wrapped); release it and start again")]
+    WindowLost { seq: usize },
 }
 
 /// Sizes of the cache.

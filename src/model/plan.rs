@@ -100,36 +100,51 @@ pub struct Plan {
     pub max_sequences_at_context: u64,
     /// Whether `batch` sequences of `context` tokens fit.
     pub fits: bool,
-    /// Models with sliding-window layers: what a cache keeping only their windows would take
+    /// Models with sliding-window layers: what keeping only their windows' pages saves
     /// (for one-token steps; [`window_saving`] takes a step size).
     pub window: Option<WindowSaving>,
+    /// When the sliding layers keep window rings ([`Plan::with_ring`]): their size. The
+    /// pages (`pages`) then hold only the other layers.
+    pub ring: Option<RingPlan>,
 }
 
-/// What sliding-window layers could save. A sliding layer never reads keys older than its
-/// window, so a cache that kept only those (a ring of pages per sequence) would hold
-/// `min(window + step - 1, context)` tokens for it instead of `context`. Lantern's paged
-/// cache shares one block table across layers, so today every layer keeps every token: this
-/// is the saving not yet taken.
+/// The sliding layers' window rings in a plan.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct RingPlan {
+    pub ring: crate::kv::ring::WindowRing,
+    pub sliding_layers: usize,
+    /// KV bytes of one sequence's rings (every sliding layer's K and V).
+    pub bytes_per_sequence: u64,
+    /// KV bytes per token of the layers that keep the pool's pages.
+    pub pool_bytes_per_token: u64,
+}
+
+/// What sliding-window layers save. A sliding layer never reads keys older than its window,
+/// so a ring of pages per sequence ([`crate::kv::ring`]) holds `window + step - 1` tokens
+/// (rounded up to whole pages, at most `context`) for it instead of `context`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct WindowSaving {
     pub sliding_layers: usize,
     pub layers: usize,
     pub window: usize,
-    /// KV bytes of one sequence of `context` tokens as the cache holds it.
+    /// KV bytes of one sequence of `context` tokens with every layer keeping every token.
     pub bytes_per_sequence: u64,
-    /// The same if sliding layers kept only their window (plus one step of tokens).
+    /// The same with sliding layers keeping only their ring.
     pub bytes_per_sequence_windowed: u64,
+    /// Whether the plan takes the saving (`KvWindow`: rings where smaller than the context).
+    pub taken: bool,
 }
 
-/// [`WindowSaving`] for sequences of `context` tokens written in steps of up to `step` tokens.
-pub fn window_saving(c: &ModelConfig, kv_dtype: KvDtype, context: usize, step: usize) -> Option<WindowSaving> {
+/// [`WindowSaving`] for sequences of `context` tokens written in steps of up to `step` tokens
+/// in pages of `page_size`.
+pub fn window_saving(c: &ModelConfig, kv_dtype: KvDtype, context: usize, step: usize, page_size: usize) -> Option<WindowSaving> {
     let window = c.block.sliding_window?;
     let sliding = (0..c.num_layers).filter(|&l| c.block.window(l).is_some()).count();
     if sliding == 0 {
         return None;
     }
     let per_layer_token = kv_bytes_per_token(1, c.num_kv_heads, c.head_dim, kv_dtype);
-    let kept = window.saturating_add(step.max(1) - 1).min(context) as u64;
+    let kept = crate::kv::ring::WindowRing::new(window, step, page_size).tokens().min(context) as u64;
     let full = mul(&[(c.num_layers - sliding) as u64, context as u64]);
     Some(WindowSaving {
         sliding_layers: sliding,
@@ -137,7 +152,51 @@ pub fn window_saving(c: &ModelConfig, kv_dtype: KvDtype, context: usize, step: u
         window,
         bytes_per_sequence: mul(&[per_layer_token, c.num_layers as u64, context as u64]),
         bytes_per_sequence_windowed: mul(&[per_layer_token, sum(&[full, mul(&[sliding as u64, kept])])]),
+        taken: false,
     })
+}
+
+impl Plan {
+    /// This plan with the sliding layers keeping `ring` per sequence (what
+    /// `KvWindow::ring` gives for the load's context, step size and page size): the rings
+    /// of `batch` sequences come out of the KV budget first, and the pages that are left
+    /// hold only the other layers. `None` leaves the plan as it is.
+    pub fn with_ring(mut self, c: &ModelConfig, ring: Option<crate::kv::ring::WindowRing>, step: usize) -> Plan {
+        let Some(r) = ring else { return self };
+        let sliding = (0..c.num_layers).filter(|&l| c.block.window(l).is_some()).count();
+        let per_layer_token = kv_bytes_per_token(1, c.num_kv_heads, c.head_dim, self.kv_dtype);
+        let ring_seq = mul(&[per_layer_token, sliding as u64, r.tokens() as u64]);
+        let pool_token = mul(&[per_layer_token, (c.num_layers - sliding) as u64]);
+        let per_seq = sum(&[ring_seq, mul(&[pool_token, self.context as u64])]);
+        let room = self.kv_budget_bytes.saturating_sub(mul(&[ring_seq, self.batch as u64]));
+        let pages_per_seq = self.context.max(1).div_ceil(self.page_size) as u64;
+        self.pages = match mul(&[pool_token, self.page_size as u64]) {
+            0 => mul(&[pages_per_seq, self.batch as u64]),
+            page_bytes => room / page_bytes,
+        };
+        self.kv_bytes_requested = mul(&[per_seq, self.batch as u64]);
+        self.max_context_one_sequence = if self.kv_budget_bytes >= ring_seq { mul(&[self.pages, self.page_size as u64]) } else { 0 }
+            .min(c.max_position_embeddings as u64);
+        self.max_sequences_at_context = self.kv_budget_bytes.checked_div(per_seq).unwrap_or(0);
+        self.fits = self.max_sequences_at_context >= self.batch as u64;
+        self.window = window_saving(c, self.kv_dtype, self.context, step, self.page_size).map(|w| WindowSaving { taken: true, ..w });
+        self.ring = Some(RingPlan { ring: r, sliding_layers: sliding, bytes_per_sequence: ring_seq, pool_bytes_per_token: pool_token });
+        self
+    }
+
+    /// KV bytes the plan allocates: its pages (of the layers that keep them) and any rings of
+    /// `batch` sequences; without a budget, what `batch` sequences of `context` tokens take.
+    pub fn kv_bytes(&self) -> u64 {
+        if self.budget_bytes == 0 {
+            return self.kv_bytes_requested;
+        }
+        match &self.ring {
+            Some(r) => {
+                sum(&[mul(&[self.pages, self.page_size as u64, r.pool_bytes_per_token]), mul(&[r.bytes_per_sequence, self.batch as u64])])
+            }
+            None => mul(&[self.pages, self.page_size as u64, self.kv_bytes_per_token]),
+        }
+    }
 }
 
 /// Size the KV cache for a budget.
@@ -179,6 +238,7 @@ pub fn plan(
         max_context_one_sequence: mul(&[pages, page_size as u64]).min(c.max_position_embeddings as u64),
         max_sequences_at_context: max_seqs,
         fits: max_seqs >= batch as u64,
-        window: window_saving(c, kv_dtype, context, 1),
+        window: window_saving(c, kv_dtype, context, 1, page_size),
+        ring: None,
     }
 }

@@ -41,6 +41,11 @@ pub struct PlanArgs {
     /// Largest step (prefill chunk) the workspace is sized for.
     #[arg(long, default_value_t = 128)]
     max_batch_tokens: usize,
+    /// Sliding-window layers: keep only a ring of their window's pages per sequence (`ring`),
+    /// every token (`full`), or a ring where it is smaller than the context (`auto`, what
+    /// `lantern run` does).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "ring", "full"])]
+    kv_window: String,
     /// Take the budget from a GPU adapter's memory (the best adapter, or one by INDEX or NAME
     /// substring as `lantern devices` lists them); with --memory-budget, the smaller of both.
     #[arg(long, value_name = "INDEX|NAME")]
@@ -80,13 +85,9 @@ fn resolve_budget(user: Option<u64>, adapter: Option<&AdapterMemory>) -> (u64, S
     }
 }
 
-/// KV bytes of the plan's pages, or of the request when there is no budget.
+/// KV bytes of the plan's pages and rings, or of the request when there is no budget.
 fn planned_kv_bytes(p: &Plan) -> u64 {
-    if p.budget_bytes > 0 {
-        p.pages * p.page_size as u64 * p.kv_bytes_per_token
-    } else {
-        p.kv_bytes_requested
-    }
+    p.kv_bytes()
 }
 
 /// Storage buffers one layer's K (or V) needs at the binding limit.
@@ -162,8 +163,16 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let mem = ctx.as_deref().map(adapter_memory);
     let (budget, source) = resolve_budget(user_budget, mem.as_ref());
     let reserve = if budget > 0 { lantern::kv::plan::reserve_bytes(budget) } else { 0 };
-    let mut p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, budget, source);
-    p.window = lantern::model::plan::window_saving(&config, kv_dtype, context, a.max_batch_tokens);
+    let kv_window: lantern::kv::ring::KvWindow = a.kv_window.parse().map_err(anyhow::Error::msg)?;
+    let ring = kv_window.ring(config.block.sliding_window, context, a.max_batch_tokens, a.page_size);
+    let windowed = |p: Plan| {
+        let mut p = p.with_ring(&config, ring, a.max_batch_tokens);
+        if p.ring.is_none() {
+            p.window = lantern::model::plan::window_saving(&config, kv_dtype, context, a.max_batch_tokens, a.page_size);
+        }
+        p
+    };
+    let mut p = windowed(plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, budget, source));
     let mut probed: Option<Probe> = None;
     if let (true, Some(ctx)) = (a.probe, &ctx) {
         let want = planned_kv_bytes(&p);
@@ -172,13 +181,15 @@ pub fn run(a: PlanArgs) -> Result<()> {
         if !r.complete() && budget > 0 {
             let src = format!("{}; lowered to the {:.3} GB the probe allocated", p.budget_source, r.allocated_bytes as f64 / 1e9);
             let b = weight_bytes + ws + reserve + r.allocated_bytes;
-            p = plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, b, src);
-            p.window = lantern::model::plan::window_saving(&config, kv_dtype, context, a.max_batch_tokens);
+            p = windowed(plan(&config, weight_bytes, kv_dtype, a.batch, context, a.page_size, ws, reserve, b, src));
         }
         probed = Some(r);
     }
     let kv_buffers = ctx.as_deref().map(|ctx| {
-        let per_layer_k_bytes = planned_kv_bytes(&p) / (2 * config.num_layers.max(1) as u64);
+        // The pool layers' K (rings are small and sized per sequence).
+        let pool_layers = config.num_layers - p.ring.as_ref().map_or(0, |r| r.sliding_layers);
+        let pool_bytes = planned_kv_bytes(&p) - p.ring.as_ref().map_or(0, |r| r.bytes_per_sequence * p.batch as u64);
+        let per_layer_k_bytes = pool_bytes / (2 * pool_layers.max(1) as u64);
         let binding_limit = ctx.limits.max_storage_buffer_binding_size;
         KvBuffers {
             count: per_layer_k_bytes.div_ceil(binding_limit.max(1)),
@@ -222,8 +233,17 @@ pub fn run(a: PlanArgs) -> Result<()> {
     );
     println!("  KV for {} x {} tokens {:10.3} GB", a.batch, context, gb(p.kv_bytes_requested));
     if let Some(w) = &p.window {
+        let how = match &p.ring {
+            Some(r) => format!(
+                "kept: each sequence's sliding layers hold a ring of {} tokens ({} pages), {:.3} GB per sequence; no prefix cache",
+                r.ring.tokens(),
+                r.ring.pages,
+                gb(r.bytes_per_sequence)
+            ),
+            None => "not taken (--kv-window full, or a ring would not be smaller than the context)".to_string(),
+        };
         println!(
-            "  sliding window   {} of {} layers see only the last {} keys: a cache keeping just those would hold {:.3} GB per sequence instead of {:.3} GB ({:.1}x less; not done yet: the paged cache shares one block table across layers)",
+            "  sliding window   {} of {} layers see only the last {} keys: {:.3} GB per sequence instead of {:.3} GB ({:.1}x less); {how}",
             w.sliding_layers,
             w.layers,
             w.window,

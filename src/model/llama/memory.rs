@@ -58,6 +58,10 @@ pub struct MemoryReport {
     /// How the cache is stored: dtype, and the buffers per layer for K (and V).
     pub kv_dtype: KvDtype,
     pub kv_buffers_per_layer: usize,
+    /// The sliding layers' window ring per sequence, when they keep one (`kv::ring`), and
+    /// the bytes of every slot's rings (part of `kv_cache`).
+    pub kv_window_ring: Option<crate::kv::ring::WindowRing>,
+    pub kv_ring_bytes: u64,
 }
 
 impl MemoryReport {
@@ -141,7 +145,8 @@ impl GpuModel {
 
     /// Pages of KV cache for this load: `requested` (max_seqs full contexts), or fewer when
     /// the budget (the smaller of `memory_budget` and the adapter's figure) leaves less room
-    /// after weights, workspace and a reserve; an error when not even one full context fits.
+    /// after weights, workspace, a reserve and the sliding layers' rings (`ring`: then the
+    /// pages hold only the other layers); an error when not even one full context fits.
     pub(super) fn size_kv(
         ctx: &GpuContext,
         c: &ModelConfig,
@@ -149,6 +154,7 @@ impl GpuModel {
         context: usize,
         requested: usize,
         weights: u64,
+        ring: Option<&crate::kv::ring::WindowRing>,
     ) -> Result<(usize, Option<(u64, String)>)> {
         let adapter = crate::gpu::memory::default_budget(&crate::gpu::memory::adapter_memory(ctx));
         let budget = match (options.memory_budget, adapter) {
@@ -165,9 +171,27 @@ impl GpuModel {
         let t = options.max_batch_tokens.max(1);
         let workspace = crate::model::plan::workspace_bytes(c, t, options.max_logit_rows.max(1).min(t), context);
         let reserve = crate::kv::plan::reserve_bytes(b);
-        let kv_room = b.saturating_sub(weights + workspace + reserve);
-        let per_page = crate::kv::plan::kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, options.kv_dtype) * page_size as u64;
-        let fit = (kv_room / per_page.max(1)) as usize;
+        let sliding = ring.map_or(0, |_| (0..c.num_layers).filter(|&l| c.block.window(l).is_some()).count());
+        let ring_bytes = ring.map_or(0, |r| {
+            crate::kv::plan::kv_bytes_per_token(sliding, c.num_kv_heads, c.head_dim, options.kv_dtype)
+                * (r.tokens() * options.max_seqs.max(1)) as u64
+        });
+        let kv_room = b.saturating_sub(weights + workspace + reserve + ring_bytes);
+        let per_page =
+            crate::kv::plan::kv_bytes_per_token(c.num_layers - sliding, c.num_kv_heads, c.head_dim, options.kv_dtype) * page_size as u64;
+        let fit = kv_room.checked_div(per_page).map_or(usize::MAX, |f| f as usize);
+        if weights + workspace + reserve + ring_bytes > b {
+            return Err(LanternError::MemoryBudget {
+                budget: b,
+                source_of_budget: src,
+                weights,
+                workspace,
+                reserve,
+                kv_room,
+                what: format!("the sliding layers' window rings of {} sequences ({:?} KV)", options.max_seqs.max(1), options.kv_dtype),
+                needed: ring_bytes,
+            });
+        }
         let one_context = context.div_ceil(page_size);
         if fit < one_context {
             return Err(LanternError::MemoryBudget {

@@ -39,7 +39,7 @@ mod step;
 mod upload;
 
 pub use memory::{DtypeBytes, MemoryReport};
-pub use options::{ModelOptions, StepOutput, Want, WeightPrecision};
+pub use options::{KvWindow, ModelOptions, StepOutput, Want, WeightPrecision};
 pub use step::{LogitOps, MaskFn, PendingStep, DISPATCHES_PER_SUBMIT};
 
 /// What a streamed load ([`GpuModel::load_streamed`]) asks its source for next.
@@ -177,14 +177,29 @@ impl GpuModel {
         let max_seqs = options.max_seqs.max(1);
         let requested_pages = options.kv_pages.unwrap_or(max_seqs * context.div_ceil(page_size)).max(1);
         let weights_bytes: u64 = ctx.ledger.since(mark).iter().map(|a| a.bytes).sum();
-        let (num_pages, budget) = Self::size_kv(&ctx, &c, &options, context, requested_pages, weights_bytes)?;
+        // Sliding layers keep a ring of their window's pages per sequence where that saves
+        // memory (`kv::ring`); the other layers keep the pool's pages.
+        let ringed: Vec<bool> = (0..c.num_layers).map(|l| c.block.window(l).is_some()).collect();
+        let ring = options.kv_window.ring(
+            c.block.sliding_window.filter(|_| ringed.contains(&true)),
+            context,
+            options.max_batch_tokens.max(1),
+            page_size,
+        );
+        let ringed: Vec<bool> = ringed.into_iter().map(|r| r && ring.is_some()).collect();
+        let (num_pages, budget) = Self::size_kv(&ctx, &c, &options, context, requested_pages, weights_bytes, ring.as_ref())?;
         let kv_cfg = KvConfig { page_size, num_pages, max_seqs, context };
         let layout =
             KvLayout::new(options.kv_dtype, kv_cfg.page_size, c.num_kv_heads, hd, kv_cfg.num_pages, ctx.max_binding()).map_err(gpu_err)?;
+        let ring_layout = ring
+            .as_ref()
+            .map(|r| KvLayout::rings(options.kv_dtype, r, max_seqs, c.num_kv_heads, hd, ctx.max_binding()))
+            .transpose()
+            .map_err(gpu_err)?;
         // The cache is the big allocation: one the driver cannot honour is found here, at
         // load, not mid-generation.
         let oom = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let store = KvStore::new(&ctx, layout, c.num_layers).map_err(gpu_err)?;
+        let store = KvStore::with_rings(&ctx, layout, ring_layout, &ringed).map_err(gpu_err)?;
         if let Some(e) = oom.pop().await {
             return Err(LanternError::Gpu(GpuError::Allocation {
                 what: format!("the KV cache ({} pages of {} tokens)", kv_cfg.num_pages, page_size),
@@ -192,15 +207,24 @@ impl GpuModel {
                 reason: e.to_string(),
             }));
         }
-        let kv = KvCache { alloc: PageAllocator::new(kv_cfg), store };
+        let alloc = PageAllocator::new(kv_cfg);
+        let kv = KvCache {
+            alloc: match ring {
+                Some(r) => alloc.with_ring(r),
+                None => alloc,
+            },
+            store,
+        };
         // Batch invariance: a token's key splits must not depend on the step it is in.
         let attention_splits =
             if options.batch_invariant { 1 } else { options.attention_splits.unwrap_or(if ctx.caps.cpu_like { 1 } else { 16 }).max(1) };
         let attn_p = Self::attention_params(&c, kv_cfg, 0);
         let t_max = options.max_batch_tokens.max(1);
-        let partials_bytes = kernels::attention::partials_bytes(&attn_p, &layout, t_max, 1).max(kernels::attention::partials_bytes(
+        // The partial results of the layout with the most shards (pool or ring).
+        let widest = ring_layout.filter(|r| r.n_shards > layout.n_shards).unwrap_or(layout);
+        let partials_bytes = kernels::attention::partials_bytes(&attn_p, &widest, t_max, 1).max(kernels::attention::partials_bytes(
             &attn_p,
-            &layout,
+            &widest,
             t_max.min(SPLIT_MAX_TOKENS),
             attention_splits,
         ));
@@ -231,6 +255,8 @@ impl GpuModel {
         memory.kv_page_size = page_size;
         memory.kv_dtype = options.kv_dtype;
         memory.kv_buffers_per_layer = layout.n_shards;
+        memory.kv_window_ring = ring;
+        memory.kv_ring_bytes = kv.store.ring_bytes();
         let allocs = ctx.ledger.since(mark);
         let usage_bytes = |u: crate::gpu::AllocUsage| allocs.iter().filter(|a| a.usage == u).map(|a| a.bytes).sum::<u64>();
         memory.uniforms = usage_bytes(crate::gpu::AllocUsage::Uniform);

@@ -2,6 +2,7 @@
 //! ([`Want`], [`StepOutput`]).
 
 use crate::kv::plan::KvDtype;
+pub use crate::kv::ring::KvWindow;
 
 /// Load-time choices.
 #[derive(Debug, Clone)]
@@ -53,6 +54,10 @@ pub struct ModelOptions {
     /// the embedding table and the head a slice of rows at a time, each slice at most this
     /// many bytes once converted (counted as f32, the widest kernel format). Default 16 MiB.
     pub stream_slice_bytes: usize,
+    /// Whether sliding-window layers (Gemma 3's local layers) keep only a ring of their
+    /// window's pages per sequence instead of every token (`kv::ring`). Default: where the
+    /// ring is smaller than the context; the prefix cache is then off.
+    pub kv_window: KvWindow,
 }
 
 impl Default for ModelOptions {
@@ -75,6 +80,7 @@ impl Default for ModelOptions {
             memory_budget: None,
             weight_textures: None,
             stream_slice_bytes: 16 << 20,
+            kv_window: KvWindow::Auto,
         }
     }
 }

@@ -312,7 +312,7 @@ impl GpuModel {
         let local = c.block.attention(l) == crate::model::LayerAttention::Sliding;
         let rope = ws.rope_local.as_ref().filter(|_| local).unwrap_or(&ws.rope);
         let max_pages = kv_cfg.max_pages_per_seq() as u32;
-        let kvb = KvBinding { layout: &kv.layout, k: &kv.k[l], v: &kv.v[l] };
+        let kvb = KvBinding { layout: kv.layout_of(l), k: &kv.k[l], v: &kv.v[l] };
         v.extend(
             kernels::rope_kv::build(
                 ctx,

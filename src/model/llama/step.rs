@@ -135,6 +135,9 @@ impl GpuModel {
         for c in self.kv.alloc.take_copies() {
             self.kv.store.encode_page_copy(enc, c.src as usize, c.dst as usize, c.tokens);
         }
+        for (src, dst) in self.kv.alloc.take_ring_copies() {
+            self.kv.store.encode_ring_copy(enc, src, dst);
+        }
     }
 
     /// Tokens stored for a sequence.
@@ -186,8 +189,14 @@ impl GpuModel {
     }
 
     /// Keep only the first `len` tokens of `seq` (rejected speculative tokens): pages past
-    /// the new end are freed and the block table shrinks with them.
+    /// the new end are freed and the block table shrinks with them. With window rings
+    /// (`kv::ring`), going back further than a ring allows is refused and changes nothing.
     pub fn truncate_sequence(&mut self, seq: usize, len: usize) -> Result<()> {
+        if !self.kv.alloc.can_truncate(seq, len).map_err(LanternError::Kv)? {
+            let r = self.kv.alloc.ring().copied().expect("only a ring refuses a rollback");
+            let written = self.kv.alloc.written(seq).map_err(LanternError::Kv)?;
+            return Err(LanternError::Kv(crate::kv::KvError::RollbackBeyondRing { seq, len, written, ring_tokens: r.tokens() }));
+        }
         self.kv.alloc.truncate(seq, len).map_err(LanternError::Kv)
     }
 

@@ -98,6 +98,11 @@ pub struct ServeArgs {
     /// event in a stream); 0 = never.
     #[arg(long, default_value_t = 600)]
     request_timeout: u64,
+    /// Sliding-window layers (Gemma 3's local layers): keep only a ring of their window's
+    /// pages per sequence (`ring`), every token (`full`, which keeps the prefix cache), or a
+    /// ring where it is smaller than the context (`auto`).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "ring", "full"])]
+    kv_window: String,
     /// Do not reuse the KV pages of an earlier prompt with the same beginning.
     #[arg(long)]
     no_prefix_cache: bool,
@@ -132,6 +137,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         kv_dtype: a.kv_dtype.dtype(),
         memory_budget: a.memory_budget.as_deref().map(plan_cmd::parse_bytes).transpose()?,
         prefix_cache: !a.no_prefix_cache,
+        kv_window: a.kv_window.parse().map_err(anyhow::Error::msg)?,
         batch_invariant: a.batch_invariant,
         ..Default::default()
     };
