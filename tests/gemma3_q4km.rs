@@ -5,6 +5,9 @@
 //! The long case (529 tokens) crosses the 512-key window of the local layers: without the
 //! window its last logits move by 0.445 (the fixture's ablation), far beyond the bound.
 //!
+//! The same long case runs again with the local layers keeping only a ring of their window
+//! (`KvWindow::Ring`), small enough that the prompt wraps it.
+//!
 //! The model comes from the catalogue (`lantern fetch gemma3-270m`, as the test command
 //! does); `LANTERN_GEMMA3_GGUF` points elsewhere.
 
@@ -45,4 +48,29 @@ fn gemma3_270m_q4km_matches_transformers() {
     let (ppl, want, rel) = common::real::check_perplexity(&mut m, tok, &text, &json(dir, "perplexity.json"));
     eprintln!("gemma3 270m: worst top-20 |diff| {worst:e}; perplexity {ppl:.4} vs {want:.4} ({rel:.2e})");
     assert!(rel <= 0.005, "perplexity {ppl} vs transformers {want}");
+    drop(m);
+
+    // The local layers keeping only a ring of their window: steps of up to 16 tokens in pages
+    // of 16 make rings of 528 tokens, which the long case's 529-token prompt and its
+    // continuation wrap. Same logits and greedy tokens, and the memory the rings save.
+    let opts = ModelOptions {
+        context: Some(640),
+        max_batch_tokens: 16,
+        max_logit_rows: 16,
+        kv_window: lantern::model::llama::KvWindow::Ring,
+        ..Default::default()
+    };
+    let mut m = pollster::block_on(GpuModel::load(common::gpu_with(&Default::default()), &l.weights, opts)).expect("upload");
+    let mem = m.memory().clone();
+    assert_eq!(mem.kv_window_ring.map(|r| r.tokens()), Some(528));
+    // 15 local layers hold 528 tokens each instead of 640: about 15 x 112 / (18 x 640) less.
+    let per_layer_token = 2 * (c.num_kv_heads * c.head_dim * 4) as u64;
+    assert_eq!(mem.kv_ring_bytes, 15 * 528 * per_layer_token);
+    let long: Vec<_> = cases.iter().filter(|c| c["n_prompt_tokens"].as_u64().unwrap() > 528).cloned().collect();
+    assert_eq!(long.len(), 1);
+    let r = common::real::check_cases(&mut m, tok, &long, Some(8)).unwrap_or_else(|e| panic!("window rings: {e}"));
+    eprintln!(
+        "gemma3 270m with window rings: {} B of KV cache, rings {} B; long case top-20 |diff| {:e}",
+        mem.kv_cache, mem.kv_ring_bytes, r[0].top20_diff
+    );
 }

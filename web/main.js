@@ -29,7 +29,8 @@ function showPlan(plan, info) {
     ['from', plan.source === 'cache' ? 'the browser cache (no download)' : plan.source],
     ['adapter', `${info.name || '(unnamed)'} · ${info.backend} · shader-f16 ${info.capabilities.shader_f16 ? 'yes' : 'no'} · subgroups ${info.capabilities.subgroups ? 'yes' : 'no'}`],
     ['weights', `${mb(plan.weightBytes)} (${weights})`],
-    ['KV cache', `${mb(plan.kvCacheBytes)} · ${m.kv_dtype} · ${m.kv_pages} pages of ${m.kv_page_size} tokens`],
+    ['KV cache', `${mb(plan.kvCacheBytes)} · ${m.kv_dtype} · ${m.kv_pages} pages of ${m.kv_page_size} tokens` +
+      (m.kv_window_ring ? ` · sliding layers keep a ${m.kv_window_ring.pages * m.kv_window_ring.page_size}-token ring (${mb(m.kv_ring_bytes)})` : '')],
     ['workspace', mb(m.workspace)],
     ['context', `${plan.context} tokens`],
     ['budget', m.budget ? `${mb(m.budget)} (${m.budget_source})` : 'browsers do not report GPU memory: the KV cache holds one full context'],
