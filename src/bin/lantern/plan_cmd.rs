@@ -271,7 +271,17 @@ pub fn run(a: PlanArgs) -> Result<()> {
     } else {
         println!("  reserve          {:10.3} GB", gb(p.reserve_bytes));
         println!("  budget           {:10.3} GB  ({})", gb(p.budget_bytes), p.budget_source);
-        println!("  KV pages         {:10}     ({} tokens each) = {:.3} GB", p.pages, p.page_size, gb(planned_kv_bytes(&p)));
+        match &p.ring {
+            Some(r) => println!(
+                "  KV pages         {:10}     ({} tokens each, of the {} full-attention layers) + {} sequences' rings = {:.3} GB",
+                p.pages,
+                p.page_size,
+                config.num_layers - r.sliding_layers,
+                p.batch,
+                gb(planned_kv_bytes(&p))
+            ),
+            None => println!("  KV pages         {:10}     ({} tokens each) = {:.3} GB", p.pages, p.page_size, gb(planned_kv_bytes(&p))),
+        }
     }
     if let Some(k) = &kv_buffers {
         println!(
