@@ -258,3 +258,46 @@ fn window_rings_fork_with_their_sequence_and_refuse_a_rollback_past_the_ring() {
     let other = m.new_sequence().unwrap();
     assert_eq!(m.attach_cached_prefix(other, &prompt).unwrap(), 0);
 }
+
+#[test]
+fn window_rings_split_over_bindings_fork_page_by_page() {
+    // 8 KiB bindings and 1.5 KiB pages (3 tokens x 2 KV heads x 64 dims x f32): 5 pages per
+    // shard; one-token steps (the attention partials must fit a binding too) make rings of 2
+    // pages, so slot 2's ring (pages 4 and 5) straddles two shards and its fork is copied page
+    // by page. Both sequences then continue and match the reference.
+    use lantern::model::llama::KvWindow;
+    let s = Spec { seed: 10, vocab: 60, hidden: 64, ffn: 64, layers: 2, heads: 4, kv_heads: 2, head_dim: 64, gemma: true, ..BASE };
+    let w = random_model(s);
+    let reference = ReferenceModel::new(&w).unwrap();
+    let ctx = common::gpu_with(&lantern::gpu::DeviceOptions { max_binding_size: Some(8192), ..Default::default() });
+    let opts = ModelOptions {
+        // The RoPE table (context x 64 dims x f32) must fit a binding too.
+        context: Some(32),
+        max_seqs: 3,
+        page_size: 3,
+        max_batch_tokens: 1,
+        max_logit_rows: 1,
+        kv_window: KvWindow::Ring,
+        ..Default::default()
+    };
+    let mut m = pollster::block_on(GpuModel::load(ctx, &w, opts)).expect("load");
+    let rl = m.kv.store.ring_layout.expect("ring layout");
+    assert_eq!((rl.ring, rl.pages_per_shard), (2, 5));
+    assert!(rl.n_shards > 1);
+    let mut rng = Rng(4);
+    let prompt: Vec<u32> = (0..17).map(|_| rng.below(s.vocab) as u32).collect();
+    // Slots 0 and 1 are taken first so that the prompt's sequence owns slot 2's ring.
+    let pads = [m.new_sequence().unwrap(), m.new_sequence().unwrap()];
+    let seq = m.new_sequence().unwrap();
+    pads.map(|p| m.release_sequence(p));
+    rows_in_steps(&mut m, seq, &prompt, &[1]);
+    let fork = m.fork_sequence(seq).unwrap();
+    assert_eq!((seq, fork), (2, 0));
+    for (sq, tail) in [(seq, [1u32, 2, 3, 4, 5]), (fork, [7, 6, 5, 4, 3])] {
+        let got = rows_in_steps(&mut m, sq, &tail, &[1]);
+        let all: Vec<u32> = prompt.iter().chain(tail.iter()).copied().collect();
+        let want = reference.forward(&all);
+        let worst = got.iter().zip(&want[prompt.len() * s.vocab..]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst <= TOL * 10.0, "sequence {sq} after the fork: {worst:e}");
+    }
+}
