@@ -175,6 +175,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let api_key = a.api_key.clone().or_else(|| std::env::var("LANTERN_API_KEY").ok()).filter(|k| !k.is_empty());
     let adapter = ctx.info.name.clone();
     let kv_dtype = format!("{:?}", model.options.kv_dtype).to_lowercase();
+    if let Some(r) = model.memory().kv_window_ring {
+        eprintln!(
+            "lantern serve: the sliding-window layers keep a {}-token ring per sequence ({:.1} MB for {} sequences); no prefix cache with rings (--kv-window full keeps every token and the prefix cache)",
+            r.tokens(),
+            model.memory().kv_ring_bytes as f64 / 1e6,
+            a.max_seqs
+        );
+    }
     let mut engine = Engine::new(model, Arc::new(tokenizer), EngineOptions { max_waiting: a.max_waiting, ..EngineOptions::default() });
     if let Some((d, dtok)) = draft {
         engine.set_draft(d, &dtok)?;
