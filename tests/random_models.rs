@@ -289,7 +289,9 @@ fn window_rings_split_over_bindings_fork_page_by_page() {
     // Slots 0 and 1 are taken first so that the prompt's sequence owns slot 2's ring.
     let pads = [m.new_sequence().unwrap(), m.new_sequence().unwrap()];
     let seq = m.new_sequence().unwrap();
-    pads.map(|p| m.release_sequence(p));
+    for p in pads {
+        m.release_sequence(p);
+    }
     rows_in_steps(&mut m, seq, &prompt, &[1]);
     let fork = m.fork_sequence(seq).unwrap();
     assert_eq!((seq, fork), (2, 0));

@@ -636,6 +636,14 @@ impl Engine {
                 sp.draft_slot = draft.new_sequence().ok();
             }
         }
+        // New sequences' prompts first, untimed: a prefill is not what draft tokens cost.
+        let lagging: Vec<(usize, &[u32])> = picks
+            .iter()
+            .filter_map(|&(i, _)| {
+                self.running[i].spec.as_ref().and_then(|sp| sp.draft_slot).map(|slot| (slot, &self.running[i].tokens[..]))
+            })
+            .collect();
+        let caught = speculative::catch_up(draft, &lagging).await;
         let t0 = Instant::now();
         let mut jobs: Vec<DraftJob<'_>> = Vec::new();
         let mut owners: Vec<usize> = Vec::new();
@@ -645,7 +653,10 @@ impl Engine {
             jobs.push(DraftJob { slot, history: &s.tokens, k, sampler: &mut s.sampler, tokens: Vec::new(), q: Vec::new() });
             owners.push(i);
         }
-        let r = speculative::draft_tokens(draft, &mut jobs).await;
+        let r = match caught {
+            Ok(()) => speculative::draft_tokens(draft, &mut jobs).await,
+            Err(e) => Err(e),
+        };
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let results: Vec<(Vec<u32>, Vec<Dist>)> = jobs.into_iter().map(|j| (j.tokens, j.q)).collect();
         for (i, (tokens, q)) in owners.into_iter().zip(results) {

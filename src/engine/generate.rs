@@ -245,6 +245,9 @@ async fn next_tokens(
     // Room: every drafted token may be emitted, plus the target's own next one; the verify
     // step stays within the context.
     let k = len_ctl.next(speculative::draft_limit(req.max_tokens, out_len, history.len(), context, model.logit_rows));
+    if let (Drafter::Model, Some((d, ds)), true) = (req.speculation.drafter, drafting.as_mut(), k > 0) {
+        speculative::catch_up(d, &[(*ds, history)]).await?;
+    }
     let t0 = Instant::now();
     let (drafts, q) = match (req.speculation.drafter, drafting.as_mut()) {
         (Drafter::Model, Some((d, ds))) if k > 0 => {

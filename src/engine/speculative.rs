@@ -421,6 +421,20 @@ pub struct DraftJob<'a> {
 /// then one token per job per step. A job whose draft cache is full stops drafting (it
 /// keeps what it has). Drafts follow each job's sampler: the argmax when greedy, else a draw
 /// from the sampler's distribution over the draft's logits, which is recorded as `q`.
+/// Bring each draft sequence up to its history but the last token where it lags by more
+/// than a step's catch-up (a new request's prompt): the draft model's prefill, which callers
+/// run before timing [`draft_tokens`] so it does not count as the cost of draft tokens (it
+/// once made the adaptive k see a draft token at twice its cost and stay at k = 1).
+pub async fn catch_up(draft: &mut GpuModel, jobs: &[(usize, &[u32])]) -> Result<()> {
+    for &(slot, history) in jobs {
+        let len = draft.sequence_len(slot)?;
+        if len + 2 < history.len() {
+            draft.forward(slot, &history[len..history.len() - 1], Want::Argmax).await?;
+        }
+    }
+    Ok(())
+}
+
 pub async fn draft_tokens(draft: &mut GpuModel, jobs: &mut [DraftJob<'_>]) -> Result<()> {
     let vocab = draft.config.vocab_size;
     let max_step = draft.options.max_batch_tokens.max(1);

@@ -93,6 +93,11 @@ pub struct BenchArgs {
     /// With --draft or --lookup: also run each of these fixed draft lengths.
     #[arg(long, value_delimiter = ',')]
     pub k_sweep: Vec<usize>,
+    /// With --draft or --lookup: rounds per prompt, each running plain and then every
+    /// speculative setting once; tok/s and speedups are the medians over the rounds (a
+    /// shared machine's speed drifts between runs seconds apart).
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     /// Constrained decoding's cost per token: the same prompt greedily, plain and constrained
     /// to the JSON schema in this file (`--output-len` tokens at most, `--requests` runs of
     /// each, at most 8; `--prompt` replaces the prompt).

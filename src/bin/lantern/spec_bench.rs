@@ -116,7 +116,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let widths: Vec<usize> =
         [1usize, 2, 3, 4, 5, 8, 9, 16].into_iter().filter(|&w| w <= target.options.max_batch_tokens.min(target.logit_rows)).collect();
     let prefix = 64;
-    let reps = 3;
+    let reps = std::env::var("LANTERN_BENCH_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
     let bar = indicatif::ProgressBar::new(widths.len() as u64);
     bar.set_message("step cost by width");
     let mut cost = Vec::new();
@@ -141,7 +141,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         type Profile = Vec<(String, f64, usize)>;
         let mut cols: Vec<(usize, Profile)> = Vec::new();
         let most = target.options.max_batch_tokens;
-        for w in [1usize, 2, 4, 5, 8].into_iter().filter(|&w| w <= most) {
+        for w in [1usize, 2, 3, 4, 5, 8].into_iter().filter(|&w| w <= most) {
             let step: Vec<u32> = (0..w as u32).map(|i| 200 + i).collect();
             let _ = target.profile_step(seq, &step)?;
             target.truncate_sequence(seq, prefix)?;
@@ -200,44 +200,75 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         Some(k) => settings.push((format!("k={k}"), spec)),
         None => settings.push(("adaptive".to_string(), Speculation { draft_tokens: None, ..spec })),
     }
-    println!("\ngreedy generations, plain against speculative (decode tokens/s = 1 / TPOT):");
+    let rounds = a.rounds.max(1);
+    println!(
+        "\ngreedy generations, plain against speculative (decode tokens/s = 1 / TPOT{}):",
+        if rounds > 1 { format!("; medians of {rounds} rounds, each running plain then every setting") } else { String::new() }
+    );
     println!(
         "  {:<34} {:>9} {:>9} {:>8} {:>8} {:>11} {:>9} {:>10}",
         "prompt", "setting", "tok/s", "speedup", "accept", "tok/step", "mean k", "identical"
     );
-    let mut totals: Vec<(f64, f64)> = vec![(0.0, 0.0); settings.len()];
+    // Per setting, each prompt's median speedup (the mean over prompts is reported last).
+    let mut speedups: Vec<Vec<f64>> = vec![Vec::new(); settings.len()];
     for (label, ids) in &prompts {
-        let plain = generate_once(&mut target, None, &tokenizer, ids, max_tokens, Speculation::default())?;
-        let plain_tps = plain.timings.metrics().tokens_per_s.unwrap_or(0.0);
+        let mut plain_tps = Vec::with_capacity(rounds);
+        // Per setting: (tok/s, speedup against the same round's plain run, stats) per round.
+        let mut runs: Vec<Vec<(f64, f64, lantern::engine::SpecStats)>> = vec![Vec::new(); settings.len()];
+        for _ in 0..rounds {
+            let plain = generate_once(&mut target, None, &tokenizer, ids, max_tokens, Speculation::default())?;
+            let p_tps = plain.timings.metrics().tokens_per_s.unwrap_or(0.0);
+            plain_tps.push(p_tps);
+            for (si, (name, s)) in settings.iter().enumerate() {
+                let g = generate_once(&mut target, draft.as_mut(), &tokenizer, ids, max_tokens, *s)?;
+                if g.output_ids != plain.output_ids {
+                    bail!("speculative greedy output differs from plain decoding for {label:?} ({name}): a bug");
+                }
+                let tps = g.timings.metrics().tokens_per_s.unwrap_or(0.0);
+                runs[si].push((tps, tps / p_tps.max(1e-9), g.speculative.clone().unwrap_or_default()));
+            }
+        }
         let short: String = label.chars().take(34).collect();
-        println!("  {:<34} {:>9} {:>9.2} {:>8} {:>8} {:>11} {:>9} {:>10}", short, "plain", plain_tps, "1.00", "-", "1.00", "-", "-");
-        for (si, (name, s)) in settings.iter().enumerate() {
-            let g = generate_once(&mut target, draft.as_mut(), &tokenizer, ids, max_tokens, *s)?;
-            let tps = g.timings.metrics().tokens_per_s.unwrap_or(0.0);
-            let sp = g.speculative.clone().unwrap_or_default();
+        println!(
+            "  {:<34} {:>9} {:>9.2} {:>8} {:>8} {:>11} {:>9} {:>10}",
+            short,
+            "plain",
+            median(plain_tps),
+            "1.00",
+            "-",
+            "1.00",
+            "-",
+            "-"
+        );
+        for (si, (name, _)) in settings.iter().enumerate() {
+            let r = &runs[si];
+            let sp = &r[r.len() / 2].2;
             let mean_k = if sp.steps > 0 { sp.proposed as f64 / sp.steps as f64 } else { 0.0 };
-            let same = g.output_ids == plain.output_ids;
-            totals[si].0 += plain_tps;
-            totals[si].1 += tps;
+            let speedup = median(r.iter().map(|x| x.1).collect());
+            speedups[si].push(speedup);
+            let spread = if rounds > 1 {
+                let lo = r.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
+                let hi = r.iter().map(|x| x.1).fold(0.0, f64::max);
+                format!(" (rounds {lo:.2}-{hi:.2})")
+            } else {
+                String::new()
+            };
             println!(
-                "  {:<34} {:>9} {:>9.2} {:>8.2} {:>7.0}% {:>11.2} {:>9.1} {:>10}",
+                "  {:<34} {:>9} {:>9.2} {:>8.2} {:>7.0}% {:>11.2} {:>9.1} {:>10}{spread}",
                 "",
                 name,
-                tps,
-                tps / plain_tps.max(1e-9),
+                median(r.iter().map(|x| x.0).collect()),
+                speedup,
                 sp.acceptance_rate * 100.0,
                 sp.tokens_per_step,
                 mean_k,
-                if same { "yes" } else { "NO" }
+                "yes"
             );
-            if !same {
-                bail!("speculative greedy output differs from plain decoding for {label:?} ({name}): a bug");
-            }
         }
     }
-    println!("\nmean speedup over the prompts:");
-    for ((name, _), (p, s)) in settings.iter().zip(&totals) {
-        println!("  {name:>9}: {:.2}x", s / p.max(1e-9));
+    println!("\nmean speedup over the prompts (each prompt's median):");
+    for ((name, _), s) in settings.iter().zip(&speedups) {
+        println!("  {name:>9}: {:.2}x", s.iter().sum::<f64>() / s.len().max(1) as f64);
     }
     Ok(())
 }
