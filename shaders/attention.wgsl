@@ -90,12 +90,7 @@ fn part_base(t: u32, h: u32, split: u32) -> u32 {
 // The cache slot of key j of sequence `seq`: its token-head index in this shard, or
 // 0xffffffff when the key's page is in another shard.
 fn key_th(seq: u32, j: u32, kvh: u32) -> u32 {
-    var page = 0u;
-    if (p.ring != 0u) {
-        page = seq * p.ring + (j / p.page_size) % p.ring;
-    } else {
-        page = block_table[seq * p.max_pages + j / p.page_size];
-    }
+    let page = kv_page(seq, j);
     if (page / p.pages_per_shard != p.shard) {
         return 0xffffffffu;
     }

@@ -84,12 +84,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
     let kvh = i_flat - q_pairs;
-    var page = 0u;
-    if (p.ring != 0u) {
-        page = token_seq[t] * p.ring + (positions[t] / p.page_size) % p.ring;
-    } else {
-        page = block_table[token_seq[t] * p.max_pages + positions[t] / p.page_size];
-    }
+    let page = kv_page(token_seq[t], positions[t]);
     if (page / p.pages_per_shard != p.shard) {
         return;
     }

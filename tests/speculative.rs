@@ -44,6 +44,16 @@ fn load(w: &ModelWeights, context: usize, page_size: usize) -> GpuModel {
     pollster::block_on(GpuModel::load(common::gpu(), w, opts)).expect("upload")
 }
 
+/// `w` on the GPU with `o`.
+fn up(w: &ModelWeights, o: ModelOptions) -> GpuModel {
+    pollster::block_on(GpuModel::load(common::gpu(), w, o)).unwrap()
+}
+
+/// `drafter` with a fixed draft length of `k` (n-grams of 2 for lookup).
+fn fixed(drafter: Drafter, k: usize) -> Speculation {
+    Speculation { drafter, draft_tokens: Some(k), lookup_ngram: 2, ..Default::default() }
+}
+
 fn request(prompt: &[u32], max_tokens: usize, sampling: SamplingParams, speculation: Speculation) -> GenerateRequest {
     GenerateRequest {
         prompt_ids: prompt.to_vec(),
@@ -352,12 +362,10 @@ fn engine_batches_speculative_and_plain_requests_and_each_gets_its_solo_output()
         prefix_cache: false,
         ..Default::default()
     };
-    let up = |w: &ModelWeights, o: ModelOptions| pollster::block_on(GpuModel::load(common::gpu(), w, o)).unwrap();
     let tok = tokenizer();
     let greedy = SamplingParams::default();
     let hot = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 5 };
     let warm = SamplingParams { temperature: 0.9, top_k: 8, top_p: 0.95, seed: 9 };
-    let fixed = |d: Drafter, k: usize| Speculation { drafter: d, draft_tokens: Some(k), lookup_ngram: 2, ..Default::default() };
     let reqs: Vec<GenerateRequest> = vec![
         request(&[5, 6, 7, 8, 5, 6, 7], 30, greedy, Speculation::default()),
         request(&[9, 3, 9, 3, 9, 3, 1], 30, greedy, Speculation::lookup()),
@@ -427,11 +435,9 @@ fn window_rings_batch_speculative_plain_and_parallel_requests_like_full_pages() 
         prefix_cache: false,
         ..Default::default()
     };
-    let up = |w: &ModelWeights, o: ModelOptions| pollster::block_on(GpuModel::load(common::gpu(), w, o)).unwrap();
     let tok = tokenizer();
     let greedy = SamplingParams::default();
     let hot = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 5 };
-    let fixed = |d: Drafter, k: usize| Speculation { drafter: d, draft_tokens: Some(k), lookup_ngram: 2, ..Default::default() };
     let reqs: Vec<GenerateRequest> = vec![
         request(&[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], 40, greedy, Speculation::default()),
         request(&[9, 3, 9, 3, 9, 3, 1], 40, greedy, fixed(Drafter::Lookup, 4)),

@@ -9,9 +9,20 @@
 //   KV_Q8:  four int8 codes per word (element e in byte e % 4 of word e / 4), and after the
 //           codes, from word p.scale_base, one f32 per token-head: amax, the largest |x| of
 //           the head; x = unpack4x8snorm(code) * amax, code = round(x / amax * 127).
-// The including shader declares `k_cache` and `v_cache` as array<KvWord> and has
-// `p.scale_base`. K and V get a function each: WebGPU's WGSL cannot pass a storage buffer
+// A sequence's position lives in the page the block table names, or for a sliding layer's
+// window ring (p.ring pages per sequence slot, kv/ring.rs) in page
+// seq * p.ring + (pos / p.page_size) % p.ring (`kv_page`).
+// The including shader declares `k_cache` and `v_cache` as array<KvWord> and `block_table`,
+// and has `p.scale_base`, `p.page_size`, `p.max_pages` and `p.ring`. K and V get a function each: WebGPU's WGSL cannot pass a storage buffer
 // to a function (no pointer parameters in the storage address space).
+// The pool page of position `pos` of sequence slot `seq`.
+fn kv_page(seq: u32, pos: u32) -> u32 {
+    if (p.ring != 0u) {
+        return seq * p.ring + (pos / p.page_size) % p.ring;
+    }
+    return block_table[seq * p.max_pages + pos / p.page_size];
+}
+
 #if KV_F32
 alias KvWord = f32;
 #else

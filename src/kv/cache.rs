@@ -191,9 +191,9 @@ impl KvStore {
             k.push(ks);
             v.push(vs);
         }
-        let ring_bytes = ring_layout.filter(|_| ringed.contains(&true)).map_or(0, |r| r.page_bytes() * r.ring as u64);
-        let staging = create_zeroed(ctx, "kv.page_staging", layout.page_bytes().max(ring_bytes).next_multiple_of(4))?;
         let ring_layout = ring_layout.filter(|_| ringed.contains(&true));
+        let ring_bytes = ring_layout.map_or(0, |r| r.page_bytes() * r.ring as u64);
+        let staging = create_zeroed(ctx, "kv.page_staging", layout.page_bytes().max(ring_bytes).next_multiple_of(4))?;
         Ok(KvStore { layout, ring_layout, ringed: ringed.to_vec(), k, v, staging })
     }
 
@@ -205,15 +205,20 @@ impl KvStore {
         }
     }
 
+    /// Bytes of layer `l`'s K and V buffers.
+    fn layer_bytes(&self, l: usize) -> u64 {
+        let lay = self.layout_of(l);
+        lay.shard_bytes() * 2 * lay.n_shards as u64
+    }
+
     /// Total bytes of the cache (the staging buffer included).
     pub fn bytes(&self) -> u64 {
-        let layers: u64 = (0..self.k.len()).map(|l| self.layout_of(l).shard_bytes() * 2 * self.layout_of(l).n_shards as u64).sum();
-        layers + self.staging.size()
+        (0..self.k.len()).map(|l| self.layer_bytes(l)).sum::<u64>() + self.staging.size()
     }
 
     /// Bytes of the sliding layers' rings (0 without).
     pub fn ring_bytes(&self) -> u64 {
-        (0..self.k.len()).filter(|&l| self.ringed[l]).map(|l| self.layout_of(l).shard_bytes() * 2 * self.layout_of(l).n_shards as u64).sum()
+        (0..self.k.len()).filter(|&l| self.ringed[l]).map(|l| self.layer_bytes(l)).sum()
     }
 
     /// Record copies of slots `0..tokens` of page `src` into page `dst` in every pool layer's

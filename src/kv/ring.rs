@@ -76,6 +76,11 @@ impl WindowRing {
         WindowRing { pages: (w + s - 1).div_ceil(ps), page_size: ps, window: w, max_step: s }
     }
 
+    /// KV bytes of one sequence's rings in `layers` sliding layers (K and V).
+    pub fn bytes_per_sequence(&self, layers: usize, n_kv_heads: usize, head_dim: usize, dtype: super::plan::KvDtype) -> u64 {
+        super::plan::kv_bytes_per_token(layers, n_kv_heads, head_dim, dtype) * self.tokens() as u64
+    }
+
     /// Tokens one ring holds.
     pub fn tokens(&self) -> usize {
         self.pages * self.page_size

@@ -268,6 +268,11 @@ impl ModelConfig {
         }
     }
 
+    /// Layers behind a sliding window (they see only the last `sliding_window` keys).
+    pub fn sliding_layers(&self) -> usize {
+        (0..self.num_layers).filter(|&l| self.block.window(l).is_some()).count()
+    }
+
     /// Whether any layer uses a RoPE table other than the global one.
     pub fn has_local_rope(&self) -> bool {
         self.block.rope_local_theta.is_some() && self.block.layer_attention.contains(&LayerAttention::Sliding)

@@ -139,7 +139,7 @@ pub struct WindowSaving {
 /// in pages of `page_size`.
 pub fn window_saving(c: &ModelConfig, kv_dtype: KvDtype, context: usize, step: usize, page_size: usize) -> Option<WindowSaving> {
     let window = c.block.sliding_window?;
-    let sliding = (0..c.num_layers).filter(|&l| c.block.window(l).is_some()).count();
+    let sliding = c.sliding_layers();
     if sliding == 0 {
         return None;
     }
@@ -163,9 +163,9 @@ impl Plan {
     /// hold only the other layers. `None` leaves the plan as it is.
     pub fn with_ring(mut self, c: &ModelConfig, ring: Option<crate::kv::ring::WindowRing>, step: usize) -> Plan {
         let Some(r) = ring else { return self };
-        let sliding = (0..c.num_layers).filter(|&l| c.block.window(l).is_some()).count();
+        let sliding = c.sliding_layers();
         let per_layer_token = kv_bytes_per_token(1, c.num_kv_heads, c.head_dim, self.kv_dtype);
-        let ring_seq = mul(&[per_layer_token, sliding as u64, r.tokens() as u64]);
+        let ring_seq = r.bytes_per_sequence(sliding, c.num_kv_heads, c.head_dim, self.kv_dtype);
         let pool_token = mul(&[per_layer_token, (c.num_layers - sliding) as u64]);
         let per_seq = sum(&[ring_seq, mul(&[pool_token, self.context as u64])]);
         let room = self.kv_budget_bytes.saturating_sub(mul(&[ring_seq, self.batch as u64]));

@@ -112,7 +112,7 @@ pub fn info(a: InfoArgs) -> Result<()> {
             parts.push(format!("embedding x {s}"));
         }
         if let Some(w) = b.sliding_window {
-            let n = (0..c.num_layers).filter(|&l| b.window(l).is_some()).count();
+            let n = c.sliding_layers();
             let local = b.rope_local_theta.map(|t| format!(", RoPE base {t} there")).unwrap_or_default();
             parts.push(format!("{w}-key sliding window on {n} of {} layers{local}", c.num_layers));
         }

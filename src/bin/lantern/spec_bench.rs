@@ -116,6 +116,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let widths: Vec<usize> =
         [1usize, 2, 3, 4, 5, 8, 9, 16].into_iter().filter(|&w| w <= target.options.max_batch_tokens.min(target.logit_rows)).collect();
     let prefix = 64;
+    // Repetitions per width (LANTERN_BENCH_REPS; 3 by default, the table is noisy on shared
+    // machines: 9 gives a steadier one).
     let reps = std::env::var("LANTERN_BENCH_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
     let bar = indicatif::ProgressBar::new(widths.len() as u64);
     bar.set_message("step cost by width");

@@ -171,39 +171,30 @@ impl GpuModel {
         let t = options.max_batch_tokens.max(1);
         let workspace = crate::model::plan::workspace_bytes(c, t, options.max_logit_rows.max(1).min(t), context);
         let reserve = crate::kv::plan::reserve_bytes(b);
-        let sliding = ring.map_or(0, |_| (0..c.num_layers).filter(|&l| c.block.window(l).is_some()).count());
-        let ring_bytes = ring.map_or(0, |r| {
-            crate::kv::plan::kv_bytes_per_token(sliding, c.num_kv_heads, c.head_dim, options.kv_dtype)
-                * (r.tokens() * options.max_seqs.max(1)) as u64
-        });
+        let sliding = ring.map_or(0, |_| c.sliding_layers());
+        let ring_bytes = ring
+            .map_or(0, |r| r.bytes_per_sequence(sliding, c.num_kv_heads, c.head_dim, options.kv_dtype) * options.max_seqs.max(1) as u64);
         let kv_room = b.saturating_sub(weights + workspace + reserve + ring_bytes);
         let per_page =
             crate::kv::plan::kv_bytes_per_token(c.num_layers - sliding, c.num_kv_heads, c.head_dim, options.kv_dtype) * page_size as u64;
         let fit = kv_room.checked_div(per_page).map_or(usize::MAX, |f| f as usize);
+        let over = |what: String, needed: u64| LanternError::MemoryBudget {
+            budget: b,
+            source_of_budget: src.clone(),
+            weights,
+            workspace,
+            reserve,
+            kv_room,
+            what,
+            needed,
+        };
         if weights + workspace + reserve + ring_bytes > b {
-            return Err(LanternError::MemoryBudget {
-                budget: b,
-                source_of_budget: src,
-                weights,
-                workspace,
-                reserve,
-                kv_room,
-                what: format!("the sliding layers' window rings of {} sequences ({:?} KV)", options.max_seqs.max(1), options.kv_dtype),
-                needed: ring_bytes,
-            });
+            let what = format!("the sliding layers' window rings of {} sequences ({:?} KV)", options.max_seqs.max(1), options.kv_dtype);
+            return Err(over(what, ring_bytes));
         }
         let one_context = context.div_ceil(page_size);
         if fit < one_context {
-            return Err(LanternError::MemoryBudget {
-                budget: b,
-                source_of_budget: src,
-                weights,
-                workspace,
-                reserve,
-                kv_room,
-                what: format!("one sequence of {context} tokens ({:?} KV)", options.kv_dtype),
-                needed: one_context as u64 * per_page,
-            });
+            return Err(over(format!("one sequence of {context} tokens ({:?} KV)", options.kv_dtype), one_context as u64 * per_page));
         }
         if fit < requested {
             log::warn!(

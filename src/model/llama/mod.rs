@@ -179,14 +179,13 @@ impl GpuModel {
         let weights_bytes: u64 = ctx.ledger.since(mark).iter().map(|a| a.bytes).sum();
         // Sliding layers keep a ring of their window's pages per sequence where that saves
         // memory (`kv::ring`); the other layers keep the pool's pages.
-        let ringed: Vec<bool> = (0..c.num_layers).map(|l| c.block.window(l).is_some()).collect();
         let ring = options.kv_window.ring(
-            c.block.sliding_window.filter(|_| ringed.contains(&true)),
+            c.block.sliding_window.filter(|_| c.sliding_layers() > 0),
             context,
             options.max_batch_tokens.max(1),
             page_size,
         );
-        let ringed: Vec<bool> = ringed.into_iter().map(|r| r && ring.is_some()).collect();
+        let ringed: Vec<bool> = (0..c.num_layers).map(|l| ring.is_some() && c.block.window(l).is_some()).collect();
         let (num_pages, budget) = Self::size_kv(&ctx, &c, &options, context, requested_pages, weights_bytes, ring.as_ref())?;
         let kv_cfg = KvConfig { page_size, num_pages, max_seqs, context };
         let layout =
