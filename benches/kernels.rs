@@ -83,6 +83,12 @@ const LAYOUTS: &[Layout] = &[
     Layout { name: "rows8 texture codes + x broadcast (packed)", flags: flags::ROWS4 | flags::XBCAST | flags::TEX, wg: 8, subgroups: true },
     Layout { name: "wg8 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 8, subgroups: true },
     Layout { name: "wg64 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 64, subgroups: true },
+    Layout {
+        name: "multirow (packed GPU default: 2 rows/wg64, 16-element units) + subgroups",
+        flags: flags::MULTI_ROW,
+        wg: 64,
+        subgroups: true,
+    },
 ];
 
 struct Case {
@@ -167,8 +173,11 @@ fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext) -> Option<PipelineKey> {
         return None;
     }
     let packed = fmt.is_packed();
-    if packed && l.flags & (flags::ROWS4 | flags::ROW_PER_WORKGROUP) == 0 {
-        return None; // the packed matvec has the two tuned layouts only
+    if packed && l.flags & (flags::ROWS4 | flags::ROW_PER_WORKGROUP | flags::MULTI_ROW) == 0 {
+        return None; // the packed matvec has its tuned layouts only
+    }
+    if l.flags & flags::MULTI_ROW != 0 && !packed {
+        return None;
     }
     if l.flags & flags::XBCAST != 0 && !(packed && lantern::kernels::linear::xbcast_fits(ctx)) {
         return None;

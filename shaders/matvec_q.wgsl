@@ -16,6 +16,9 @@
 // ROW_PER_WORKGROUP (GPUs): a workgroup per row, invocations striding over the row's steps
 // (coalesced code words), reduced with subgroups when SUBGROUPS is set. F16 dequantizes in
 // half precision.
+// MULTI_ROW (GPUs, the default there for groups of 16 or more): MR_ROWS rows per workgroup,
+// 16-element units per invocation sharing x' across the rows, minimum factored out (see
+// rows_multi).
 #include "common/linear.wgsl"
 #if GATHER
 @group(0) @binding(8) var<storage, read> rows: array<u32>;         // (n_out) rows of x
@@ -97,6 +100,13 @@ fn main(
 #if XBCAST
     rows4_bcast(t, xrow * p.x_stride, wid, lid);
 #else
+#if MULTI_ROW
+#if SUBGROUPS
+    rows_multi(t, xrow, wid, lid, sg_lane, sg_size);
+#else
+    rows_multi(t, xrow, wid, lid, 0u, 0u);
+#endif
+#else
     // Words of codes per row.
     let wpr = row_words();
     let xb4 = xrow * (p.x_stride / 4u);
@@ -174,7 +184,57 @@ fn main(
 #endif
 #endif
 #endif
+#endif
 }
+
+#if MULTI_ROW
+
+// One row's raw sum over the 16-element unit at k16 (one scale group's worth: groups are
+// multiples of 16), from x' of the unit held in registers (`xs`) and its sum `sx`: the
+// minimum is applied once per unit (d sum(c x') + m sum(x')), not per element. The unit's
+// high-plane word is read once for both steps.
+fn unit_dot(m: u32, row: u32, k16: u32, xs: array<vec4<f32>, 4>, sx: f32) -> f32 {
+    let rb = row * row_words();
+    let s = scale_at(m, row * scale_row_words(), k16 / p.group);
+    let hw = hi_word(m, rb, k16);
+    let c0 = codes8(step_words_hi(m, rb, k16, hw));
+    let c1 = codes8(step_words_hi(m, rb, k16 + 8u, hw));
+    let cx = dot(c0[0], xs[0]) + dot(c0[1], xs[1]) + dot(c1[0], xs[2]) + dot(c1[1], xs[3]);
+    return s.x * cx + s.y * sx;
+}
+
+// MULTI_ROW (GPUs): the workgroup computes MR_ROWS adjacent rows. Invocation i takes units
+// i, i + WG, ...: adjacent invocations read adjacent code words (coalesced), 16 of them
+// cover a 256-element super-block and share its scale words in cache. Each unit's x' is
+// loaded once (and its sum of squares taken once for NORM) for every row of the workgroup.
+// Rows past n_rows read the last row and are not stored, so every invocation reaches the
+// reduction's barriers.
+fn rows_multi(t: u32, xrow: u32, wid: vec3<u32>, lid: u32, sg_lane: u32, sg_size: u32) {
+    let row0 = (wid.y * p.grid_x + wid.x) * MR_ROWS;
+    if (row0 >= p.n_rows) {
+        return; // the whole workgroup: uniform
+    }
+    let xb4 = xrow * (p.x_stride / 4u);
+    var acc: array<vec2<f32>, MR_ROWS>;
+    var sum_sq = 0.0;
+    for (var un = lid; un < p.k / 16u; un += WG) {
+        let k16 = un * 16u;
+        var xs: array<vec4<f32>, 4>;
+        for (var i = 0u; i < 4u; i++) {
+            xs[i] = load_x4(xb4, k16 / 4u + i, &sum_sq);
+        }
+        let sx = dot(xs[0] + xs[1] + xs[2] + xs[3], vec4<f32>(1.0));
+        for (var r = 0u; r < MR_ROWS; r++) {
+            let row = min(row0 + r, p.n_rows - 1u);
+            acc[r].x += unit_dot(0u, row, k16, xs, sx);
+#if GATED
+            acc[r].y += unit_dot(1u, row, k16, xs, sx);
+#endif
+        }
+    }
+    reduce_rows(t, row0, acc, sum_sq, lid, sg_lane, sg_size);
+}
+#endif
 
 #if XBCAST
 

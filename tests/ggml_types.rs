@@ -36,7 +36,7 @@ struct Layout {
 
 const OVERRIDES: [&str; 4] = ["LANTERN_MATVEC", "LANTERN_MATMUL", "LANTERN_XBCAST", "LANTERN_TEX"];
 
-const LAYOUTS: [Layout; 6] = [
+const LAYOUTS: [Layout; 7] = [
     // CPU adapters' defaults: texture matvec (TEX, TOK4 for chunks), blocked matmul with x
     // broadcast.
     Layout { name: "default", env: &[], binding: None },
@@ -45,13 +45,15 @@ const LAYOUTS: [Layout; 6] = [
     Layout { name: "rows4 xbcast", env: &[("LANTERN_TEX", "0")], binding: None },
     // No subgroups: plain ROWS4 matvec and blocked matmul (SwiftShader's kernels).
     Layout { name: "rows4, blocked", env: &[("LANTERN_XBCAST", "0")], binding: None },
-    // The GPU kernels: a workgroup per row and the tiled matmul.
-    Layout { name: "wg64, tiled", env: &[("LANTERN_MATVEC", "wg64"), ("LANTERN_MATMUL", "tiled")], binding: None },
+    // The GPU kernels: two rows per workgroup in 16-element units (MULTI_ROW, the GPU
+    // default), a workgroup per row, and the tiled matmul.
+    Layout { name: "multirow, tiled", env: &[("LANTERN_MATVEC", "multirow"), ("LANTERN_MATMUL", "tiled")], binding: None },
     Layout {
-        name: "wg64, tiled, 16 KiB bindings",
-        env: &[("LANTERN_MATVEC", "wg64"), ("LANTERN_MATMUL", "tiled")],
+        name: "multirow, tiled, 16 KiB bindings",
+        env: &[("LANTERN_MATVEC", "multirow"), ("LANTERN_MATMUL", "tiled")],
         binding: Some(16 * 1024),
     },
+    Layout { name: "wg64, tiled", env: &[("LANTERN_MATVEC", "wg64"), ("LANTERN_MATMUL", "tiled")], binding: None },
 ];
 
 fn set_layout(l: &Layout) {

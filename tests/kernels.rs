@@ -228,6 +228,11 @@ enum Layout {
     RowWg64F16,
     /// Packed weights: tiled matmul with f16 weight tiles.
     MatmulF16,
+    /// Packed weights, the GPU default: two rows per 64-wide workgroup sharing x, 16-element
+    /// units, reduced in workgroup memory.
+    MultiRow,
+    /// MultiRow reduced with subgroups.
+    MultiRowSubgroups,
     /// Whatever `linear::build` picks for a matvec on this adapter.
     Auto,
     /// Whatever `linear::build` picks for a matmul (prefill) on this adapter.
@@ -248,7 +253,9 @@ impl Layout {
     ];
 
     /// The layouts of the packed-weight kernels.
-    const PACKED: [Layout; 17] = [
+    const PACKED: [Layout; 19] = [
+        Layout::MultiRow,
+        Layout::MultiRowSubgroups,
         Layout::Rows4,
         Layout::Rows4Bcast,
         Layout::Rows4BcastTok4,
@@ -284,7 +291,7 @@ impl Layout {
     }
 
     fn needs_subgroups(self) -> bool {
-        matches!(self, Layout::RowWg64Subgroups | Layout::RowWg8Subgroups | Layout::RowWg64F16)
+        matches!(self, Layout::RowWg64Subgroups | Layout::RowWg8Subgroups | Layout::RowWg64F16 | Layout::MultiRowSubgroups)
     }
 
     fn needs_f16(self) -> bool {
@@ -317,6 +324,8 @@ impl Layout {
                 Layout::RowWg64Subgroups => PipelineKey::new(mv, 64).with_flags(fl | rpw).with_features(sg),
                 Layout::RowWg8Subgroups => PipelineKey::new(mv, 8).with_flags(fl | rpw).with_features(sg),
                 Layout::RowWg64F16 => PipelineKey::new(mv, 64).with_flags(fl | rpw).with_features(Features { f16: true, subgroups: true }),
+                Layout::MultiRow => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW),
+                Layout::MultiRowSubgroups => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW).with_features(sg),
                 Layout::Matmul => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl),
                 Layout::MatmulF16 => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl).with_features(f16),
                 Layout::Blocked44 => PipelineKey::new(bq, 8).with_flags(fl),
@@ -341,6 +350,8 @@ impl Layout {
             Layout::Rows4 => PipelineKey::new(ShaderOp::Matvec, 8).with_flags(fl | flags::ROWS4),
             Layout::RowWg64F16
             | Layout::MatmulF16
+            | Layout::MultiRow
+            | Layout::MultiRowSubgroups
             | Layout::Rows4Bcast
             | Layout::Rows4BcastTok4
             | Layout::Rows8Tex
@@ -423,6 +434,7 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
     if matches!(c.layout, Layout::Rows8Tex | Layout::Rows8TexTok4) && lin.tex.is_none() {
         return; // groups smaller than a texel keep the storage layouts
     }
+
     let what = format!(
         "{} rows {rows} k {k} tokens {tokens}{} ({} chunks)",
         key.map_or_else(|| format!("{:?} {:?}", c.weights, c.layout), |k| k.label()),
@@ -446,6 +458,12 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
         residual: has(flags::RESIDUAL),
         rows: has(flags::GATHER).then_some(&rb),
     };
+    if matches!(c.layout, Layout::MultiRow | Layout::MultiRowSubgroups) && !linear::multi_row_fits(&lin) {
+        // Groups of 8 take the row-per-workgroup layout (`build`); the explicit key is refused.
+        let r = block_on(linear::build_with_key(ctx, &lin, &io, key.unwrap()));
+        assert!(r.is_err_and(|e| e.to_string().contains("multiples of 16")), "{what}: MULTI_ROW with group {} must be refused", c.group);
+        return;
+    }
     let d = match key {
         Some(key) => block_on(linear::build_with_key(ctx, &lin, &io, key)),
         None if c.layout == Layout::AutoMatmul => block_on(linear::build(ctx, &lin, &io, linear::Shape::Matmul)),
@@ -702,7 +720,9 @@ const GGML_SHAPES: [(usize, usize, usize); 3] = [(7, 256, 3), (65, 768, 9), (333
 /// The packed layouts the GGUF-only formats are checked in: every kernel and shape the
 /// runtime picks (the blocked matmul's other tile sizes differ from 8x8 only in the
 /// format-independent accumulation).
-const GGML_LAYOUTS: [Layout; 11] = [
+const GGML_LAYOUTS: [Layout; 13] = [
+    Layout::MultiRow,
+    Layout::MultiRowSubgroups,
     Layout::Rows4,
     Layout::Rows4Bcast,
     Layout::Rows4BcastTok4,

@@ -2,7 +2,7 @@
 // row's raw sums; with ROW_PER_WORKGROUP every invocation of the workgroup holds partial sums
 // (w.x, u.x, sum of squares) of one output row, which `reduce_row` adds (subgroupAdd then one
 // partial per subgroup with SUBGROUPS, else a tree in workgroup memory) before invocation 0
-// finishes the row.
+// finishes the row; with MULTI_ROW `reduce_rows` does the same for the workgroup's rows.
 
 // Apply the epilogue to the raw sums (w.x, u.x, sum of squares) and store.
 fn finish(t: u32, row: u32, acc: vec3<f32>) {
@@ -43,6 +43,54 @@ fn reduce_row(t: u32, row: u32, acc_in: vec3<f32>, lid: u32, sg_lane: u32, sg_si
     }
     if (lid == 0u) {
         finish(t, row, red[0]);
+    }
+#endif
+}
+#endif
+
+#if MULTI_ROW
+// Rows per workgroup of the MULTI_ROW matvec (llama.cpp's K-quant matvec takes 2 on most
+// GPUs): each x' load serves this many rows.
+const MR_ROWS: u32 = 2u;
+var<workgroup> red_rows: array<vec3<f32>, MR_ROWS * WG>;
+
+// Add the MULTI_ROW partial sums of rows row0 .. row0 + MR_ROWS (`acc`: (w.x, u.x) per row;
+// `sum_sq` is the row-independent sum of squares) over the workgroup and finish the rows
+// that exist. With SUBGROUPS: subgroupAdd, then one partial per subgroup and row in
+// workgroup memory; else a tree in workgroup memory.
+fn reduce_rows(t: u32, row0: u32, acc: array<vec2<f32>, MR_ROWS>, sum_sq: f32, lid: u32, sg_lane: u32, sg_size: u32) {
+#if SUBGROUPS
+    // Subgroups per workgroup (a subgroup wider than the workgroup gives one).
+    let n_sg = (WG + sg_size - 1u) / sg_size;
+    for (var r = 0u; r < MR_ROWS; r++) {
+        let v = subgroupAdd(vec3<f32>(acc[r], sum_sq));
+        if (sg_lane == 0u) {
+            red_rows[r * n_sg + lid / sg_size] = v;
+        }
+    }
+    workgroupBarrier();
+    if (lid < MR_ROWS && row0 + lid < p.n_rows) {
+        var total = vec3<f32>(0.0);
+        for (var i = 0u; i < n_sg; i++) {
+            total += red_rows[lid * n_sg + i];
+        }
+        finish(t, row0 + lid, total);
+    }
+#else
+    for (var r = 0u; r < MR_ROWS; r++) {
+        red_rows[r * WG + lid] = vec3<f32>(acc[r], sum_sq);
+    }
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
+        if (lid < stride) {
+            for (var r = 0u; r < MR_ROWS; r++) {
+                red_rows[r * WG + lid] += red_rows[r * WG + lid + stride];
+            }
+        }
+        workgroupBarrier();
+    }
+    if (lid < MR_ROWS && row0 + lid < p.n_rows) {
+        finish(t, row0 + lid, red_rows[lid * WG]);
     }
 #endif
 }

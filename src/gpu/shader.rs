@@ -264,6 +264,12 @@ pub mod flags {
     pub const GELU: u32 = 4096;
     /// RMSNorm rows normalized in place (q/k heads inside the fused q|k|v rows).
     pub const IN_PLACE: u32 = 8192;
+    /// Packed matvec on GPUs (llama.cpp's K-quant layout): `MR_ROWS` rows per workgroup
+    /// share every x load; each invocation takes 16-element units (16 invocations per
+    /// 256-element super-block, one scale group per unit) with x' held in registers for all
+    /// the rows, and the group minimum factored out of the inner loop (d sum(c x) + m sum(x)).
+    /// Reduced with subgroups when SUBGROUPS is set, else in workgroup memory.
+    pub const MULTI_ROW: u32 = 16384;
     /// Every flag with its define name, in a stable order.
     pub const ALL: &[(u32, &str)] = &[
         (NORM, "NORM"),
@@ -280,6 +286,7 @@ pub mod flags {
         (TOK4, "TOK4"),
         (GELU, "GELU"),
         (IN_PLACE, "IN_PLACE"),
+        (MULTI_ROW, "MULTI_ROW"),
     ];
 }
 

@@ -445,9 +445,12 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
     let packed = lin.format.is_packed();
     let (op, wg) = match shape {
         Shape::Matvec | Shape::MatvecBatch => {
-            let (f, w) = if packed { packed_matvec_layout(ctx) } else { matvec_layout(ctx) };
+            let (mut f, w) = if packed { packed_matvec_layout(ctx) } else { matvec_layout(ctx) };
+            if f & flags::MULTI_ROW != 0 && !multi_row_fits(lin) {
+                f = (f & !flags::MULTI_ROW) | flags::ROW_PER_WORKGROUP;
+            }
             fl |= f;
-            features.subgroups = fl & flags::ROW_PER_WORKGROUP != 0 && ctx.caps.subgroups;
+            features.subgroups = fl & (flags::ROW_PER_WORKGROUP | flags::MULTI_ROW) != 0 && ctx.caps.subgroups;
             if fl & flags::XBCAST != 0 {
                 features.subgroups = true;
                 // Batched steps take four tokens per pass over the weights: from the texture
@@ -502,7 +505,9 @@ pub fn matvec_layout(ctx: &GpuContext) -> (u32, u32) {
     match forced.as_deref() {
         Some("thread") => return (0, 64),
         Some("rows4") => return (flags::ROWS4, 8),
-        Some("wg64") => return (flags::ROW_PER_WORKGROUP, 64),
+        // `multirow` is a packed-weight layout (packed_matvec_layout); float weights take
+        // the GPU layout they have.
+        Some("wg64") | Some("multirow") => return (flags::ROW_PER_WORKGROUP, 64),
         Some("wg8") => return (flags::ROW_PER_WORKGROUP, 8),
         _ => {}
     }
@@ -519,10 +524,17 @@ pub fn tok4_from_textures() -> bool {
     std::env::var("LANTERN_TOK4").as_deref() == Ok("tex")
 }
 
-/// The packed matvec's layout here: `matvec_layout`, restricted to the two tuned packed
-/// layouts (ROWS4 or ROW_PER_WORKGROUP), with XBCAST where the workgroup of 8 is one
-/// subgroup. The four-token batched form (TOK4) exists exactly where XBCAST does.
+/// The packed matvec's layout here: `matvec_layout`, restricted to the tuned packed layouts
+/// (ROWS4 on CPU adapters, with XBCAST where the workgroup of 8 is one subgroup; on GPUs
+/// MULTI_ROW, llama.cpp's K-quant layout, for rows whose groups hold 16 elements or more:
+/// `build` takes ROW_PER_WORKGROUP for the rest). `LANTERN_MATVEC=wg64` forces the
+/// row-per-workgroup layout, `multirow` the multi-row one (on any adapter: tests). The
+/// four-token batched form (TOK4) exists exactly where XBCAST does.
 pub fn packed_matvec_layout(ctx: &GpuContext) -> (u32, u32) {
+    let forced = std::env::var("LANTERN_MATVEC").ok();
+    if forced.as_deref() == Some("multirow") || (forced.is_none() && !ctx.caps.cpu_like) {
+        return (flags::MULTI_ROW, 64);
+    }
     let (f, w) = matvec_layout(ctx);
     let (f, w) = if f & flags::ROWS4 == 0 && f & flags::ROW_PER_WORKGROUP == 0 { (flags::ROWS4, 8) } else { (f, w) };
     if f & flags::ROWS4 != 0 && w == 8 && xbcast_fits(ctx) {
@@ -530,6 +542,15 @@ pub fn packed_matvec_layout(ctx: &GpuContext) -> (u32, u32) {
     } else {
         (f, w)
     }
+}
+
+/// Rows per workgroup of the MULTI_ROW matvec (`MR_ROWS` in shaders/common/matvec_end.wgsl).
+pub const MULTI_ROW_ROWS: u32 = 2;
+
+/// Whether the MULTI_ROW matvec reads this weight: packed, with rows and scale groups of
+/// whole 16-element units (every GGUF format; `lantern quantize` packs may use groups of 8).
+pub fn multi_row_fits(lin: &GpuLinear) -> bool {
+    lin.quant.is_some_and(|q| q.group.is_multiple_of(16)) && lin.k.is_multiple_of(16)
 }
 
 /// Whether the XBCAST layouts run here: the workgroup of 8 must be exactly one subgroup
@@ -615,6 +636,17 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
             message: format!("packed kernels read x as vec4: x stride {} and k {} must be multiples of 4", io.x_stride, lin.k),
         });
     }
+    if key.flags & flags::MULTI_ROW != 0 && (key.op != ShaderOp::MatvecQ || !multi_row_fits(lin)) {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!(
+                "{} reads packed weights in 16-element units: k = {} and the group ({}) must be multiples of 16",
+                key.label(),
+                lin.k,
+                lin.quant.map_or(0, |q| q.group)
+            ),
+        });
+    }
     let pipe = pipeline(ctx, key).await?;
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension.max(1);
     let mut out = Vec::new();
@@ -629,6 +661,8 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
             _ => {
                 let groups = if key.flags & flags::ROW_PER_WORKGROUP != 0 {
                     rows
+                } else if key.flags & flags::MULTI_ROW != 0 {
+                    rows.div_ceil(MULTI_ROW_ROWS)
                 } else if key.flags & flags::TEX != 0 {
                     rows.div_ceil(8 * key.workgroup)
                 } else if key.flags & flags::ROWS4 != 0 {

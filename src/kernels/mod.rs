@@ -242,6 +242,11 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
             for feat in [sg, f16_sg] {
                 v.push(PipelineKey::new(ShaderOp::MatvecQ, 64).with_flags(c | ROW_PER_WORKGROUP).with_weights(w).with_features(feat));
             }
+            // The GPU default (MULTI_ROW), with subgroups and with the workgroup-memory
+            // reduction adapters without them take.
+            for feat in [Features::default(), sg] {
+                v.push(PipelineKey::new(ShaderOp::MatvecQ, 64).with_flags(c | MULTI_ROW).with_weights(w).with_features(feat));
+            }
             if c & GATHER == 0 {
                 for feat in [Features::default(), f16] {
                     v.push(PipelineKey::new(ShaderOp::Matmul, 64).with_flags(c).with_weights(w).with_features(feat));
