@@ -82,6 +82,13 @@ fn main(
 #else
     let n_tok = step.n_tokens;
 #endif
+#if MULTI_ROW
+#if SUBGROUPS
+    rows_multi(wid.z * MR_TT, n_tok, wid, lid, sg_lane, sg_size);
+#else
+    rows_multi(wid.z * MR_TT, n_tok, wid, lid, 0u, 0u);
+#endif
+#else
 #if TEX
     rows8_tex(wid.z * TT, n_tok, wid, lid);
 #else
@@ -99,13 +106,6 @@ fn main(
 #endif
 #if XBCAST
     rows4_bcast(t, xrow * p.x_stride, wid, lid);
-#else
-#if MULTI_ROW
-#if SUBGROUPS
-    rows_multi(t, xrow, wid, lid, sg_lane, sg_size);
-#else
-    rows_multi(t, xrow, wid, lid, 0u, 0u);
-#endif
 #else
     // Words of codes per row.
     let wpr = row_words();
@@ -189,50 +189,81 @@ fn main(
 
 #if MULTI_ROW
 
-// One row's raw sum over the 16-element unit at k16 (one scale group's worth: groups are
-// multiples of 16), from x' of the unit held in registers (`xs`) and its sum `sx`: the
-// minimum is applied once per unit (d sum(c x') + m sum(x')), not per element. The unit's
-// high-plane word is read once for both steps.
-fn unit_dot(m: u32, row: u32, k16: u32, xs: array<vec4<f32>, 4>, sx: f32) -> f32 {
-    let rb = row * row_words();
-    let s = scale_at(m, row * scale_row_words(), k16 / p.group);
-    let hw = hi_word(m, rb, k16);
-    let c0 = codes8(step_words_hi(m, rb, k16, hw));
-    let c1 = codes8(step_words_hi(m, rb, k16 + 8u, hw));
-    let cx = dot(c0[0], xs[0]) + dot(c0[1], xs[1]) + dot(c1[0], xs[2]) + dot(c1[1], xs[3]);
-    return s.x * cx + s.y * sx;
+// One row's 16-element unit at k16 (one scale group's worth: groups are multiples of 16):
+// its group's (d, m) and its sixteen codes, decoded once for every token of the step. The
+// unit's high-plane word is read once for both of its steps.
+struct Unit16 {
+    s: vec2<f32>,
+    c0: array<vec4<f32>, 2>,
+    c1: array<vec4<f32>, 2>,
 }
 
-// MULTI_ROW (GPUs): the workgroup computes MR_ROWS adjacent rows. Invocation i takes units
-// i, i + WG, ...: adjacent invocations read adjacent code words (coalesced), 16 of them
-// cover a 256-element super-block and share its scale words in cache. Each unit's x' is
-// loaded once (and its sum of squares taken once for NORM) for every row of the workgroup.
-// Rows past n_rows read the last row and are not stored, so every invocation reaches the
-// reduction's barriers.
-fn rows_multi(t: u32, xrow: u32, wid: vec3<u32>, lid: u32, sg_lane: u32, sg_size: u32) {
+fn unit16(m: u32, row: u32, k16: u32) -> Unit16 {
+    let rb = row * row_words();
+    let hw = hi_word(m, rb, k16);
+    return Unit16(scale_at(m, row * scale_row_words(), k16 / p.group), codes8(step_words_hi(m, rb, k16, hw)),
+                  codes8(step_words_hi(m, rb, k16 + 8u, hw)));
+}
+
+// The unit's raw sum against x' of the unit (`xs`) with its sum `sx`: the minimum is applied
+// once per unit (d sum(c x') + m sum(x')), not per element.
+fn unit_dot(w: Unit16, xs: array<vec4<f32>, 4>, sx: f32) -> f32 {
+    let cx = dot(w.c0[0], xs[0]) + dot(w.c0[1], xs[1]) + dot(w.c1[0], xs[2]) + dot(w.c1[1], xs[3]);
+    return w.s.x * cx + w.s.y * sx;
+}
+
+// MULTI_ROW (GPUs): the workgroup computes MR_ROWS adjacent rows for MR_TT tokens (TOK4: 4,
+// batched steps; else 1). Invocation i takes units i, i + WG, ...: adjacent invocations
+// read adjacent code words (coalesced), 16 of them cover a 256-element super-block and
+// share its scale words in cache. Each unit's x' is loaded once per token (its sum of
+// squares taken once for NORM) for every row, and each row's codes are decoded once for
+// every token. Rows past n_rows and tokens past n_tok are read clamped and not stored, so
+// every invocation reaches the reduction's barriers.
+fn rows_multi(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32, sg_lane: u32, sg_size: u32) {
     let row0 = (wid.y * p.grid_x + wid.x) * MR_ROWS;
-    if (row0 >= p.n_rows) {
+    if (row0 >= p.n_rows || t0 >= n_tok) {
         return; // the whole workgroup: uniform
     }
-    let xb4 = xrow * (p.x_stride / 4u);
-    var acc: array<vec2<f32>, MR_ROWS>;
-    var sum_sq = 0.0;
+    var xb4: array<u32, MR_TT>;
+    for (var j = 0u; j < MR_TT; j++) {
+        let t = min(t0 + j, n_tok - 1u);
+#if GATHER
+        xb4[j] = rows[t] * (p.x_stride / 4u);
+#else
+        xb4[j] = t * (p.x_stride / 4u);
+#endif
+    }
+    // acc[r * MR_TT + j]: (w.x, u.x) of row row0 + r, token t0 + j.
+    var acc: array<vec2<f32>, MR_N>;
+    var sum_sq: array<f32, MR_TT>;
     for (var un = lid; un < p.k / 16u; un += WG) {
         let k16 = un * 16u;
-        var xs: array<vec4<f32>, 4>;
-        for (var i = 0u; i < 4u; i++) {
-            xs[i] = load_x4(xb4, k16 / 4u + i, &sum_sq);
+        var xs: array<array<vec4<f32>, 4>, MR_TT>;
+        var sx: array<f32, MR_TT>;
+        for (var j = 0u; j < MR_TT; j++) {
+            // (A pointer to a whole variable: naga's SPIR-V writer fails on one to an element.)
+            var ss = 0.0;
+            for (var i = 0u; i < 4u; i++) {
+                xs[j][i] = load_x4(xb4[j], k16 / 4u + i, &ss);
+            }
+            sum_sq[j] += ss;
+            sx[j] = dot(xs[j][0] + xs[j][1] + xs[j][2] + xs[j][3], vec4<f32>(1.0));
         }
-        let sx = dot(xs[0] + xs[1] + xs[2] + xs[3], vec4<f32>(1.0));
         for (var r = 0u; r < MR_ROWS; r++) {
             let row = min(row0 + r, p.n_rows - 1u);
-            acc[r].x += unit_dot(0u, row, k16, xs, sx);
+            let wu = unit16(0u, row, k16);
 #if GATED
-            acc[r].y += unit_dot(1u, row, k16, xs, sx);
+            let uu = unit16(1u, row, k16);
 #endif
+            for (var j = 0u; j < MR_TT; j++) {
+                acc[r * MR_TT + j].x += unit_dot(wu, xs[j], sx[j]);
+#if GATED
+                acc[r * MR_TT + j].y += unit_dot(uu, xs[j], sx[j]);
+#endif
+            }
         }
     }
-    reduce_rows(t, row0, acc, sum_sq, lid, sg_lane, sg_size);
+    reduce_rows(t0, n_tok, row0, acc, sum_sq, lid, sg_lane, sg_size);
 }
 #endif
 

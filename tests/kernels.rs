@@ -233,6 +233,11 @@ enum Layout {
     MultiRow,
     /// MultiRow reduced with subgroups.
     MultiRowSubgroups,
+    /// MultiRow with four tokens per workgroup (GPUs' batched steps), workgroup-memory
+    /// reduction.
+    MultiRowTok4,
+    /// MultiRowTok4 reduced with subgroups.
+    MultiRowTok4Subgroups,
     /// Whatever `linear::build` picks for a matvec on this adapter.
     Auto,
     /// Whatever `linear::build` picks for a matmul (prefill) on this adapter.
@@ -253,9 +258,11 @@ impl Layout {
     ];
 
     /// The layouts of the packed-weight kernels.
-    const PACKED: [Layout; 19] = [
+    const PACKED: [Layout; 21] = [
         Layout::MultiRow,
         Layout::MultiRowSubgroups,
+        Layout::MultiRowTok4,
+        Layout::MultiRowTok4Subgroups,
         Layout::Rows4,
         Layout::Rows4Bcast,
         Layout::Rows4BcastTok4,
@@ -291,7 +298,14 @@ impl Layout {
     }
 
     fn needs_subgroups(self) -> bool {
-        matches!(self, Layout::RowWg64Subgroups | Layout::RowWg8Subgroups | Layout::RowWg64F16 | Layout::MultiRowSubgroups)
+        matches!(
+            self,
+            Layout::RowWg64Subgroups
+                | Layout::RowWg8Subgroups
+                | Layout::RowWg64F16
+                | Layout::MultiRowSubgroups
+                | Layout::MultiRowTok4Subgroups
+        )
     }
 
     fn needs_f16(self) -> bool {
@@ -326,6 +340,8 @@ impl Layout {
                 Layout::RowWg64F16 => PipelineKey::new(mv, 64).with_flags(fl | rpw).with_features(Features { f16: true, subgroups: true }),
                 Layout::MultiRow => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW),
                 Layout::MultiRowSubgroups => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW).with_features(sg),
+                Layout::MultiRowTok4 => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW | flags::TOK4),
+                Layout::MultiRowTok4Subgroups => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW | flags::TOK4).with_features(sg),
                 Layout::Matmul => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl),
                 Layout::MatmulF16 => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl).with_features(f16),
                 Layout::Blocked44 => PipelineKey::new(bq, 8).with_flags(fl),
@@ -352,6 +368,8 @@ impl Layout {
             | Layout::MatmulF16
             | Layout::MultiRow
             | Layout::MultiRowSubgroups
+            | Layout::MultiRowTok4
+            | Layout::MultiRowTok4Subgroups
             | Layout::Rows4Bcast
             | Layout::Rows4BcastTok4
             | Layout::Rows8Tex
@@ -458,7 +476,8 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
         residual: has(flags::RESIDUAL),
         rows: has(flags::GATHER).then_some(&rb),
     };
-    if matches!(c.layout, Layout::MultiRow | Layout::MultiRowSubgroups) && !linear::multi_row_fits(&lin) {
+    let multi_row = matches!(c.layout, Layout::MultiRow | Layout::MultiRowSubgroups | Layout::MultiRowTok4 | Layout::MultiRowTok4Subgroups);
+    if multi_row && !linear::multi_row_fits(&lin) {
         // Groups of 8 take the row-per-workgroup layout (`build`); the explicit key is refused.
         let r = block_on(linear::build_with_key(ctx, &lin, &io, key.unwrap()));
         assert!(r.is_err_and(|e| e.to_string().contains("multiples of 16")), "{what}: MULTI_ROW with group {} must be refused", c.group);
@@ -720,9 +739,11 @@ const GGML_SHAPES: [(usize, usize, usize); 3] = [(7, 256, 3), (65, 768, 9), (333
 /// The packed layouts the GGUF-only formats are checked in: every kernel and shape the
 /// runtime picks (the blocked matmul's other tile sizes differ from 8x8 only in the
 /// format-independent accumulation).
-const GGML_LAYOUTS: [Layout; 13] = [
+const GGML_LAYOUTS: [Layout; 15] = [
     Layout::MultiRow,
     Layout::MultiRowSubgroups,
+    Layout::MultiRowTok4,
+    Layout::MultiRowTok4Subgroups,
     Layout::Rows4,
     Layout::Rows4Bcast,
     Layout::Rows4BcastTok4,

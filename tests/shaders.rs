@@ -122,7 +122,7 @@ fn snapshot_files_are_the_snapshotted_variants() {
     let stale: Vec<&String> = have.difference(&want).collect();
     let missing: Vec<&String> = want.difference(&have).collect();
     assert!(stale.is_empty() && missing.is_empty(), "stale snapshot files: {stale:?}\nmissing: {missing:?}");
-    assert!(want.len() < 250, "{} snapshots: more than one per op, format, layout and feature set?", want.len());
+    assert!(want.len() < 300, "{} snapshots: more than one per op, format, layout and feature set?", want.len());
 }
 
 #[test]

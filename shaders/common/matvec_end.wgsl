@@ -50,48 +50,62 @@ fn reduce_row(t: u32, row: u32, acc_in: vec3<f32>, lid: u32, sg_lane: u32, sg_si
 
 #if MULTI_ROW
 // Rows per workgroup of the MULTI_ROW matvec (llama.cpp's K-quant matvec takes 2 on most
-// GPUs): each x' load serves this many rows.
+// GPUs): each x' load serves this many rows. Tokens per workgroup: 4 with TOK4 (batched
+// steps: each code decoded once for four tokens), else 1.
 const MR_ROWS: u32 = 2u;
-var<workgroup> red_rows: array<vec3<f32>, MR_ROWS * WG>;
+#if TOK4
+const MR_TT: u32 = 4u;
+#else
+const MR_TT: u32 = 1u;
+#endif
+// (row, token) outputs per workgroup.
+const MR_N: u32 = MR_ROWS * MR_TT;
+var<workgroup> red_rows: array<vec3<f32>, MR_N * WG>;
 
-// Add the MULTI_ROW partial sums of rows row0 .. row0 + MR_ROWS (`acc`: (w.x, u.x) per row;
-// `sum_sq` is the row-independent sum of squares) over the workgroup and finish the rows
-// that exist. With SUBGROUPS: subgroupAdd, then one partial per subgroup and row in
-// workgroup memory; else a tree in workgroup memory.
-fn reduce_rows(t: u32, row0: u32, acc: array<vec2<f32>, MR_ROWS>, sum_sq: f32, lid: u32, sg_lane: u32, sg_size: u32) {
+// Add the MULTI_ROW partial sums of rows row0 .. row0 + MR_ROWS for tokens t0 .. t0 + MR_TT
+// (`acc[r * MR_TT + j]`: (w.x, u.x); `sum_sq[j]`: token j's row-independent sum of squares)
+// over the workgroup, and finish the outputs that exist, one per invocation. With
+// SUBGROUPS: subgroupAdd, then one partial per subgroup and output in workgroup memory;
+// else a tree in workgroup memory.
+fn reduce_rows(t0: u32, n_tok: u32, row0: u32, acc: array<vec2<f32>, MR_N>, sum_sq: array<f32, MR_TT>, lid: u32, sg_lane: u32, sg_size: u32) {
 #if SUBGROUPS
     // Subgroups per workgroup (a subgroup wider than the workgroup gives one).
     let n_sg = (WG + sg_size - 1u) / sg_size;
-    for (var r = 0u; r < MR_ROWS; r++) {
-        let v = subgroupAdd(vec3<f32>(acc[r], sum_sq));
+    for (var i = 0u; i < MR_N; i++) {
+        let v = subgroupAdd(vec3<f32>(acc[i], sum_sq[i % MR_TT]));
         if (sg_lane == 0u) {
-            red_rows[r * n_sg + lid / sg_size] = v;
+            red_rows[i * n_sg + lid / sg_size] = v;
         }
     }
     workgroupBarrier();
-    if (lid < MR_ROWS && row0 + lid < p.n_rows) {
-        var total = vec3<f32>(0.0);
+    var total = vec3<f32>(0.0);
+    if (lid < MR_N) {
         for (var i = 0u; i < n_sg; i++) {
             total += red_rows[lid * n_sg + i];
         }
-        finish(t, row0 + lid, total);
     }
 #else
-    for (var r = 0u; r < MR_ROWS; r++) {
-        red_rows[r * WG + lid] = vec3<f32>(acc[r], sum_sq);
+    for (var i = 0u; i < MR_N; i++) {
+        red_rows[i * WG + lid] = vec3<f32>(acc[i], sum_sq[i % MR_TT]);
     }
     workgroupBarrier();
     for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
         if (lid < stride) {
-            for (var r = 0u; r < MR_ROWS; r++) {
-                red_rows[r * WG + lid] += red_rows[r * WG + lid + stride];
+            for (var i = 0u; i < MR_N; i++) {
+                red_rows[i * WG + lid] += red_rows[i * WG + lid + stride];
             }
         }
         workgroupBarrier();
     }
-    if (lid < MR_ROWS && row0 + lid < p.n_rows) {
-        finish(t, row0 + lid, red_rows[lid * WG]);
+    var total = vec3<f32>(0.0);
+    if (lid < MR_N) {
+        total = red_rows[lid * WG];
     }
 #endif
+    let r = lid / MR_TT;
+    let j = lid % MR_TT;
+    if (lid < MR_N && row0 + r < p.n_rows && t0 + j < n_tok) {
+        finish(t0 + j, row0 + r, total);
+    }
 }
 #endif

@@ -388,8 +388,9 @@ impl GpuLinear {
 pub enum Shape {
     /// One or a few rows: matvec.
     Matvec,
-    /// A few rows sharing each pass over the weights: on CPU adapters with texture-held
-    /// packed weights the four-token texture matvec (`flags::TOK4`); elsewhere the matvec.
+    /// A few rows sharing each pass over the weights: the four-token packed matvec
+    /// (`flags::TOK4`) of the adapter's layout (CPU adapters: ROWS4 | XBCAST from storage or
+    /// texture copies; GPUs: MULTI_ROW); elsewhere the matvec.
     MatvecBatch,
     /// Many rows: tiled matmul.
     Matmul,
@@ -451,6 +452,10 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
             }
             fl |= f;
             features.subgroups = fl & (flags::ROW_PER_WORKGROUP | flags::MULTI_ROW) != 0 && ctx.caps.subgroups;
+            // GPUs' batched steps: four tokens per pass over the weights.
+            if fl & flags::MULTI_ROW != 0 && shape == Shape::MatvecBatch {
+                fl |= flags::TOK4;
+            }
             if fl & flags::XBCAST != 0 {
                 features.subgroups = true;
                 // Batched steps take four tokens per pass over the weights: from the texture
@@ -529,7 +534,7 @@ pub fn tok4_from_textures() -> bool {
 /// MULTI_ROW, llama.cpp's K-quant layout, for rows whose groups hold 16 elements or more:
 /// `build` takes ROW_PER_WORKGROUP for the rest). `LANTERN_MATVEC=wg64` forces the
 /// row-per-workgroup layout, `multirow` the multi-row one (on any adapter: tests). The
-/// four-token batched form (TOK4) exists exactly where XBCAST does.
+/// four-token batched form (TOK4) exists where XBCAST or MULTI_ROW does.
 pub fn packed_matvec_layout(ctx: &GpuContext) -> (u32, u32) {
     let forced = std::env::var("LANTERN_MATVEC").ok();
     if forced.as_deref() == Some("multirow") || (forced.is_none() && !ctx.caps.cpu_like) {

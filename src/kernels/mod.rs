@@ -245,7 +245,9 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
             // The GPU default (MULTI_ROW), with subgroups and with the workgroup-memory
             // reduction adapters without them take.
             for feat in [Features::default(), sg] {
-                v.push(PipelineKey::new(ShaderOp::MatvecQ, 64).with_flags(c | MULTI_ROW).with_weights(w).with_features(feat));
+                for tok in [0, TOK4] {
+                    v.push(PipelineKey::new(ShaderOp::MatvecQ, 64).with_flags(c | MULTI_ROW | tok).with_weights(w).with_features(feat));
+                }
             }
             if c & GATHER == 0 {
                 for feat in [Features::default(), f16] {

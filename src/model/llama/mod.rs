@@ -91,8 +91,8 @@ pub struct GpuModel {
     submit_ms_per_dispatch: Option<f64>,
     /// Steps where the matvec path runs (n_tokens at or below this).
     pub matvec_max_tokens: usize,
-    /// Steps above `matvec_max_tokens` and up to this use the four-token texture matvec
-    /// (CPU adapters; 0 where there is none).
+    /// Steps above `matvec_max_tokens` and up to this use the four-token packed matvec
+    /// (CPU adapters: 16; GPUs: 4; 0 where there is none).
     pub batch_max_tokens: usize,
     /// Most key splits per token in a decode step's attention.
     pub attention_splits: usize,
@@ -233,11 +233,13 @@ impl GpuModel {
         let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size.max(kernels::topk::TOPK_ROW_WORDS) * 4) as u64);
         // CPU adapters: the blocked matmul already beats one matvec per token at 2 tokens
         // (SmolLM2-135M on lavapipe, layer linears: 1.67 s blocked vs 2 x 1.04 s matvec).
+        // Where batched plans exist (the four-token packed matvec) they take every step
+        // above one token; float weights on GPUs keep one matvec pass per token up to 4.
         let matvec_max_tokens = if options.batch_invariant {
             0
         } else if let Some(n) = options.matvec_max_tokens {
             n
-        } else if ctx.caps.cpu_like {
+        } else if ctx.caps.cpu_like || batch_max_tokens > 0 {
             1
         } else {
             4

@@ -3,6 +3,7 @@
 //! and of the head, with their bind groups, built once at load.
 
 use crate::gpu::buffer::{create_storage, create_zeroed};
+use crate::gpu::shader::flags;
 use crate::gpu::GpuContext;
 use crate::kernels::attention::{AttentionIo, AttentionParams, KvBinding};
 use crate::kernels::linear::{LinearIo, Shape};
@@ -182,11 +183,11 @@ pub(super) async fn build_plans(
         .map_err(gpu_err)?;
     let mut layers_matvec = Vec::new();
     let mut layers_matmul = Vec::new();
-    // The four-token packed matvec (TOK4: from storage, or from texture copies) exists where
-    // the packed matvec takes the XBCAST layout (CPU adapters whose workgroup of 8 is one
-    // subgroup).
+    // The four-token packed matvec (TOK4) exists where the packed matvec takes the XBCAST
+    // layout (CPU adapters whose workgroup of 8 is one subgroup: from storage, or from
+    // texture copies) or the MULTI_ROW one (GPUs).
     let packed = layers.iter().any(|l| l.qkv.iter().any(|(q, _)| q.format.is_packed()));
-    let tok4 = packed && kernels::linear::packed_matvec_layout(ctx).0 & crate::gpu::shader::flags::XBCAST != 0;
+    let tok4 = packed && kernels::linear::packed_matvec_layout(ctx).0 & (flags::XBCAST | flags::MULTI_ROW) != 0;
     let batch_plans = !options.batch_invariant && tok4;
     let mut layers_batch = Vec::new();
     for (l, layer) in layers.iter().enumerate() {
@@ -202,7 +203,11 @@ pub(super) async fn build_plans(
             }
         }
     }
-    let batch_max_tokens = if batch_plans { options.batch_max_tokens.unwrap_or(16) } else { 0 };
+    // CPU adapters: up to 16 tokens (4 passes of the four-token matvec beat the blocked
+    // matmul there); GPUs: 4 (one pass over the weights; beyond it the tiled matmul, which
+    // also reads them once).
+    let batch_default = if ctx.caps.cpu_like { 16 } else { 4 };
+    let batch_max_tokens = if batch_plans { options.batch_max_tokens.unwrap_or(batch_default) } else { 0 };
     let head_gather_batch = if batch_plans {
         Some(
             kernels::linear::build(
