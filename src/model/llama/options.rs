@@ -31,10 +31,12 @@ pub struct ModelOptions {
     /// the same way (until their memory is needed).
     pub prefix_cache: bool,
     /// Steps of at most this many tokens use the matvec kernels (one pass over the weights
-    /// per token), larger ones the matmul. Default: 4 on GPUs, 1 on CPU adapters.
+    /// per token), larger ones the batched matvec or the matmul. Default: 1 where batched
+    /// plans exist (packed weights) or on CPU adapters, else 4.
     pub matvec_max_tokens: Option<usize>,
-    /// CPU adapters: larger steps up to this many tokens use the four-token texture matvec
-    /// (one pass over the weights per four tokens) before the matmul takes over. Default 16.
+    /// Packed weights: larger steps up to this many tokens use the four-token matvec (one
+    /// pass over the weights per four tokens; CPU adapters' ROWS4 | XBCAST, GPUs'
+    /// MULTI_ROW) before the matmul takes over. Default: 16 on CPU adapters, 4 on GPUs.
     pub batch_max_tokens: Option<usize>,
     /// Pages in the KV pool; default `max_seqs` full contexts (capped by the budget).
     pub kv_pages: Option<usize>,
