@@ -36,12 +36,13 @@
 @group(0) @binding(14) var ustex: texture_2d<u32>;
 #endif
 const TEXW: u32 = 8192u;
+#endif
 #if TOK4
-// Tokens per invocation: every texel fetch and dequantization serves four tokens.
+// Tokens per invocation (TEX) or workgroup (MULTI_ROW): every weight read and
+// dequantization serves four tokens.
 const TT: u32 = 4u;
 #else
 const TT: u32 = 1u;
-#endif
 #endif
 
 #include "common/matvec_end.wgsl"
@@ -84,9 +85,9 @@ fn main(
 #endif
 #if MULTI_ROW
 #if SUBGROUPS
-    rows_multi(wid.z * MR_TT, n_tok, wid, lid, sg_lane, sg_size);
+    rows_multi(wid.z * TT, n_tok, wid, lid, sg_lane, sg_size);
 #else
-    rows_multi(wid.z * MR_TT, n_tok, wid, lid, 0u, 0u);
+    rows_multi(wid.z * TT, n_tok, wid, lid, 0u, 0u);
 #endif
 #else
 #if TEX
@@ -212,7 +213,7 @@ fn unit_dot(w: Unit16, xs: array<vec4<f32>, 4>, sx: f32) -> f32 {
     return w.s.x * cx + w.s.y * sx;
 }
 
-// MULTI_ROW (GPUs): the workgroup computes MR_ROWS adjacent rows for MR_TT tokens (TOK4: 4,
+// MULTI_ROW (GPUs): the workgroup computes MR_ROWS adjacent rows for TT tokens (TOK4: 4,
 // batched steps; else 1). Invocation i takes units i, i + WG, ...: adjacent invocations
 // read adjacent code words (coalesced), 16 of them cover a 256-element super-block and
 // share its scale words in cache. Each unit's x' is loaded once per token (its sum of
@@ -224,8 +225,8 @@ fn rows_multi(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32, sg_lane: u32, sg_si
     if (row0 >= p.n_rows || t0 >= n_tok) {
         return; // the whole workgroup: uniform
     }
-    var xb4: array<u32, MR_TT>;
-    for (var j = 0u; j < MR_TT; j++) {
+    var xb4: array<u32, TT>;
+    for (var j = 0u; j < TT; j++) {
         let t = min(t0 + j, n_tok - 1u);
 #if GATHER
         xb4[j] = rows[t] * (p.x_stride / 4u);
@@ -233,14 +234,14 @@ fn rows_multi(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32, sg_lane: u32, sg_si
         xb4[j] = t * (p.x_stride / 4u);
 #endif
     }
-    // acc[r * MR_TT + j]: (w.x, u.x) of row row0 + r, token t0 + j.
+    // acc[r * TT + j]: (w.x, u.x) of row row0 + r, token t0 + j.
     var acc: array<vec2<f32>, MR_N>;
-    var sum_sq: array<f32, MR_TT>;
+    var sum_sq: array<f32, TT>;
     for (var un = lid; un < p.k / 16u; un += WG) {
         let k16 = un * 16u;
-        var xs: array<array<vec4<f32>, 4>, MR_TT>;
-        var sx: array<f32, MR_TT>;
-        for (var j = 0u; j < MR_TT; j++) {
+        var xs: array<array<vec4<f32>, 4>, TT>;
+        var sx: array<f32, TT>;
+        for (var j = 0u; j < TT; j++) {
             // (A pointer to a whole variable: naga's SPIR-V writer fails on one to an element.)
             var ss = 0.0;
             for (var i = 0u; i < 4u; i++) {
@@ -255,10 +256,10 @@ fn rows_multi(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32, sg_lane: u32, sg_si
 #if GATED
             let uu = unit16(1u, row, k16);
 #endif
-            for (var j = 0u; j < MR_TT; j++) {
-                acc[r * MR_TT + j].x += unit_dot(wu, xs[j], sx[j]);
+            for (var j = 0u; j < TT; j++) {
+                acc[r * TT + j].x += unit_dot(wu, xs[j], sx[j]);
 #if GATED
-                acc[r * MR_TT + j].y += unit_dot(uu, xs[j], sx[j]);
+                acc[r * TT + j].y += unit_dot(uu, xs[j], sx[j]);
 #endif
             }
         }

@@ -50,29 +50,24 @@ fn reduce_row(t: u32, row: u32, acc_in: vec3<f32>, lid: u32, sg_lane: u32, sg_si
 
 #if MULTI_ROW
 // Rows per workgroup of the MULTI_ROW matvec (llama.cpp's K-quant matvec takes 2 on most
-// GPUs): each x' load serves this many rows. Tokens per workgroup: 4 with TOK4 (batched
-// steps: each code decoded once for four tokens), else 1.
+// GPUs): each x' load serves this many rows. Tokens per workgroup: matvec_q.wgsl's TT (4
+// with TOK4, else 1).
 const MR_ROWS: u32 = 2u;
-#if TOK4
-const MR_TT: u32 = 4u;
-#else
-const MR_TT: u32 = 1u;
-#endif
 // (row, token) outputs per workgroup.
-const MR_N: u32 = MR_ROWS * MR_TT;
+const MR_N: u32 = MR_ROWS * TT;
 var<workgroup> red_rows: array<vec3<f32>, MR_N * WG>;
 
-// Add the MULTI_ROW partial sums of rows row0 .. row0 + MR_ROWS for tokens t0 .. t0 + MR_TT
-// (`acc[r * MR_TT + j]`: (w.x, u.x); `sum_sq[j]`: token j's row-independent sum of squares)
+// Add the MULTI_ROW partial sums of rows row0 .. row0 + MR_ROWS for tokens t0 .. t0 + TT
+// (`acc[r * TT + j]`: (w.x, u.x); `sum_sq[j]`: token j's row-independent sum of squares)
 // over the workgroup, and finish the outputs that exist, one per invocation. With
 // SUBGROUPS: subgroupAdd, then one partial per subgroup and output in workgroup memory;
 // else a tree in workgroup memory.
-fn reduce_rows(t0: u32, n_tok: u32, row0: u32, acc: array<vec2<f32>, MR_N>, sum_sq: array<f32, MR_TT>, lid: u32, sg_lane: u32, sg_size: u32) {
+fn reduce_rows(t0: u32, n_tok: u32, row0: u32, acc: array<vec2<f32>, MR_N>, sum_sq: array<f32, TT>, lid: u32, sg_lane: u32, sg_size: u32) {
 #if SUBGROUPS
     // Subgroups per workgroup (a subgroup wider than the workgroup gives one).
     let n_sg = (WG + sg_size - 1u) / sg_size;
     for (var i = 0u; i < MR_N; i++) {
-        let v = subgroupAdd(vec3<f32>(acc[i], sum_sq[i % MR_TT]));
+        let v = subgroupAdd(vec3<f32>(acc[i], sum_sq[i % TT]));
         if (sg_lane == 0u) {
             red_rows[i * n_sg + lid / sg_size] = v;
         }
@@ -86,7 +81,7 @@ fn reduce_rows(t0: u32, n_tok: u32, row0: u32, acc: array<vec2<f32>, MR_N>, sum_
     }
 #else
     for (var i = 0u; i < MR_N; i++) {
-        red_rows[i * WG + lid] = vec3<f32>(acc[i], sum_sq[i % MR_TT]);
+        red_rows[i * WG + lid] = vec3<f32>(acc[i], sum_sq[i % TT]);
     }
     workgroupBarrier();
     for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
@@ -102,8 +97,8 @@ fn reduce_rows(t0: u32, n_tok: u32, row0: u32, acc: array<vec2<f32>, MR_N>, sum_
         total = red_rows[lid * WG];
     }
 #endif
-    let r = lid / MR_TT;
-    let j = lid % MR_TT;
+    let r = lid / TT;
+    let j = lid % TT;
     if (lid < MR_N && row0 + r < p.n_rows && t0 + j < n_tok) {
         finish(t0 + j, row0 + r, total);
     }
