@@ -16,6 +16,8 @@ use lantern::engine::SamplingParams;
 use lantern::model::llama::{GpuModel, ModelOptions, Want};
 use lantern::model::tokenizer::Tokenizer;
 use lantern::model::ModelWeights;
+use lantern::quant::quantize::{EmbeddingPolicy, QuantizeOptions};
+use lantern::quant::QuantKind;
 use lantern::reference::forward::ReferenceModel;
 use lantern::LanternError;
 
@@ -306,27 +308,42 @@ fn qwen_1_5b_with_the_0_5b_drafting_gives_the_fixture_greedy_ids() {
     let target_path = common::real::model("LANTERN_QWEN15_GGUF", "qwen2.5-coder-1.5b");
     let draft_path = common::real::model("LANTERN_QWEN05_GGUF", "qwen2.5-coder-0.5b");
     let ctx = common::gpu();
-    let opts = ModelOptions { context: Some(128), max_seqs: 1, ..Default::default() };
+    // The short cases (the long one's 566-token prompt takes minutes here; set
+    // LANTERN_SPEC_LONG=1 to run it too).
+    let long = std::env::var_os("LANTERN_SPEC_LONG").is_some();
+    let opts = ModelOptions { context: Some(if long { 1024 } else { 128 }), max_seqs: 1, ..Default::default() };
     let (mut target, tok) =
         pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &target_path, opts.clone(), &mut |_, _| {})).unwrap();
     let tok = tok.unwrap();
-    let (mut draft, dtok) = pollster::block_on(lantern::model::load::load_to_gpu(ctx, &draft_path, opts, &mut |_, _| {})).unwrap();
+    let (mut draft, dtok) = pollster::block_on(lantern::model::load::load_to_gpu(ctx, &draft_path, opts.clone(), &mut |_, _| {})).unwrap();
     check_pair(("1.5b", &target.config, &tok), ("0.5b", &draft.config, dtok.as_ref().unwrap())).expect("one tokenizer");
-    // The short cases (the long one's 566-token prompt takes minutes here).
     let cases: Vec<_> = common::real::json("qwen2.5-coder-1.5b-q4km", "cases.json")
         .as_array()
         .unwrap()
         .iter()
-        .filter(|c| c["n_prompt_tokens"].as_u64().unwrap() <= 48)
+        .filter(|c| long || c["n_prompt_tokens"].as_u64().unwrap() <= 48)
         .cloned()
         .collect();
-    assert_eq!(cases.len(), 3);
+    assert_eq!(cases.len(), if long { 4 } else { 3 });
     // A fixed draft length (the adaptive one may stop drafting on a loaded machine).
     let spec = Speculation { draft_tokens: Some(4), ..Speculation::draft_model() };
     let stats = common::real::check_speculative_cases(&mut target, Some(&mut draft), &tok, &cases, spec).unwrap_or_else(|e| panic!("{e}"));
     let (p, a) = stats.iter().fold((0, 0), |(p, a), (_, s)| (p + s.proposed, a + s.accepted));
     eprintln!("0.5B drafting for 1.5B: {a}/{p} accepted");
     assert!(a * 2 > p, "the 0.5B should agree with the 1.5B on most tokens: {a}/{p}");
+    // The draft requantized to 4 bits at load (`--draft-quant q4`): other drafts, the same
+    // output (the first case, to keep CI short; every case with LANTERN_SPEC_LONG).
+    drop(draft);
+    let q4 = QuantizeOptions { embeddings: EmbeddingPolicy::Same, ..QuantizeOptions::new(QuantKind::Q4) };
+    let (mut draft, _) =
+        pollster::block_on(lantern::model::load::load_to_gpu_requantized(common::gpu(), &draft_path, opts, &q4, &mut |_, _| {})).unwrap();
+    assert!(draft.memory().weights.keys().all(|k| k == "f32" || k.starts_with("q4g32")), "{:?}", draft.memory().weights.keys());
+    let stats =
+        common::real::check_speculative_cases(&mut target, Some(&mut draft), &tok, &cases[..if long { cases.len() } else { 1 }], spec)
+            .unwrap_or_else(|e| panic!("{e}"));
+    let (p, a) = stats.iter().fold((0, 0), |(p, a), (_, s)| (p + s.proposed, a + s.accepted));
+    eprintln!("0.5B requantized to q4 drafting for 1.5B: {a}/{p} accepted");
+    assert!(a * 2 > p, "the q4 0.5B should still agree with the 1.5B on most tokens: {a}/{p}");
     // SmolLM2 cannot draft for Qwen: another vocabulary.
     let s = lantern::model::load::load_path(&common::smollm2_gguf()).unwrap();
     let err = check_pair(("qwen", &target.config, &tok), ("smollm2", &s.weights.config, s.tokenizer.as_ref().unwrap())).unwrap_err();

@@ -469,7 +469,12 @@ impl Engine {
             guide,
             bias: BiasState::new(&req.bias),
             spec: speculate.then(|| SeqSpec {
-                len: DraftLength::new(&req.speculation).with_costs(self.model.step_costs(), self.draft.as_ref().map(|d| d.step_costs())),
+                len: DraftLength::new(&req.speculation)
+                    .with_costs(self.model.step_costs(), self.draft.as_ref().map(|d| d.step_costs()))
+                    .with_memory(match (req.speculation.drafter, self.draft.as_ref()) {
+                        (Drafter::Model, Some(d)) => &d.draft_memory,
+                        _ => &self.model.draft_memory,
+                    }),
                 stats: SpecStats::new(req.speculation.drafter),
                 draft_slot: None,
                 drafts: Vec::new(),
@@ -1001,6 +1006,9 @@ impl Engine {
                 if let Some(sp) = s.spec.as_mut().filter(|_| !prefill) {
                     sp.len.observe_lookup(&s.req.speculation, &s.tokens, token);
                     sp.len.record(0, 0, 0.0, step_ms);
+                    if s.req.speculation.drafter == Drafter::Lookup {
+                        sp.len.remember(&mut self.model.draft_memory);
+                    }
                     sp.stats.record(0, 0, 0.0, step_ms);
                 }
                 vec![(token, lp)]
@@ -1022,6 +1030,10 @@ impl Engine {
                     d.truncate_sequence(ds, keep)?;
                 }
                 sp.len.record(drafts.len(), v.accepted, draft_ms, step_ms);
+                match (s.req.speculation.drafter, self.draft.as_mut()) {
+                    (Drafter::Model, Some(d)) => sp.len.remember(&mut d.draft_memory),
+                    _ => sp.len.remember(&mut self.model.draft_memory),
+                }
                 sp.stats.record(drafts.len(), v.accepted, draft_ms, step_ms);
                 v.tokens.into_iter().map(|t| (t, None)).collect()
             };

@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 
 use super::sampler::{Dist, Sampler};
-use crate::model::llama::{GpuModel, StepOutput, Want};
+use crate::model::llama::{DraftMemory, GpuModel, StepOutput, Want};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelConfig;
 use crate::{LanternError, Result};
@@ -146,11 +146,15 @@ impl SpecStats {
 }
 
 /// Chooses k per step: the k in 1..=max that maximises expected tokens per millisecond,
-/// E(k) / (k * draft_ms + verify_ms(k + 1)), where E(k) = 1 + a + ... + a^k for the
-/// per-token acceptance probability a (decayed counts of accepts and rejects), draft_ms is
-/// the measured cost of one draft token and verify_ms(w) the measured cost of a target step
-/// of w tokens (interpolated between measured widths; a width above every measured one is
-/// assumed to cost what the widest measured did, so larger k gets tried and measured).
+/// E(k) / (draft_ms(k) + verify_ms(k + 1)), where E(k) = 1 + a + ... + a^k for the
+/// per-token acceptance probability a (decayed counts of accepts and rejects),
+/// draft_ms(k) the measured cost of drafting k tokens and verify_ms(w) the measured cost
+/// of a target step of w tokens. Drafting is a fixed cost (its first draft step also takes
+/// the tokens the last verify accepted) plus one draft step per further token, so
+/// draft_ms(k) is measured per k and extended linearly to k not yet measured (through the
+/// two nearest measured k, or with one of them at a draft token's cost). verify_ms is
+/// interpolated between measured widths; a width above every measured one is assumed to
+/// cost what the widest measured did, so larger k gets tried and measured.
 #[derive(Debug, Clone)]
 pub struct DraftLength {
     fixed: Option<usize>,
@@ -161,7 +165,10 @@ pub struct DraftLength {
     allow_zero: bool,
     accepts: f64,
     trials: f64,
-    draft_ms: Option<f64>,
+    /// Index: k; EMA of the measured milliseconds of drafting k tokens.
+    draft_ms: Vec<Option<f64>>,
+    /// A draft token's cost (the slope of draft_ms(k)) as earlier requests measured it.
+    draft_token_ms: Option<f64>,
     /// Index: step width (tokens); EMA of measured milliseconds.
     verify_ms: Vec<Option<f64>>,
 }
@@ -178,7 +185,8 @@ impl DraftLength {
             allow_zero: s.drafter == Drafter::Lookup,
             accepts: 0.0,
             trials: 0.0,
-            draft_ms: None,
+            draft_ms: vec![None; max + 1],
+            draft_token_ms: None,
             verify_ms: vec![None; max + 2],
         }
     }
@@ -209,9 +217,67 @@ impl DraftLength {
             }
         }
         if let Some(d) = draft.and_then(|d| d.get(1).copied().flatten()) {
-            self.draft_ms = Some(d);
+            self.draft_token_ms = Some(d);
         }
         self
+    }
+
+    /// Most trials a remembered acceptance counts for at a request's start: enough to start
+    /// near the k earlier requests settled on, few enough that this request's own steps
+    /// outweigh it within a step or two.
+    const PRIOR_TRIALS: f64 = 6.0;
+
+    /// Start from what earlier requests learned ([`DraftMemory`]): the cost of drafting each
+    /// k, and the acceptance estimate, its weight capped at [`Self::PRIOR_TRIALS`] trials.
+    pub fn with_memory(mut self, m: &DraftMemory) -> Self {
+        for (k, v) in m.draft_ms.iter().enumerate().take(self.draft_ms.len()) {
+            if v.is_some() {
+                self.draft_ms[k] = *v;
+            }
+        }
+        if m.trials > 0.0 {
+            let scale = (Self::PRIOR_TRIALS / m.trials).min(1.0);
+            self.accepts = m.accepts * scale;
+            self.trials = m.trials * scale;
+        }
+        self
+    }
+
+    /// Write what this request learned into `m`, for the requests after it.
+    pub fn remember(&self, m: &mut DraftMemory) {
+        if m.draft_ms.len() < self.draft_ms.len() {
+            m.draft_ms.resize(self.draft_ms.len(), None);
+        }
+        for (k, v) in self.draft_ms.iter().enumerate() {
+            if v.is_some() {
+                m.draft_ms[k] = *v;
+            }
+        }
+        if self.trials > 0.0 {
+            m.accepts = self.accepts;
+            m.trials = self.trials;
+        }
+    }
+
+    /// Milliseconds of drafting `k` tokens: measured, else linear through the two nearest
+    /// measured k (slope at least 0), else from the one measured k at a draft token's cost
+    /// per further token, else `k` draft tokens (0 where nothing is known: lookup).
+    fn draft_estimate(&self, k: usize) -> f64 {
+        if k == 0 {
+            return 0.0;
+        }
+        let measured: Vec<(usize, f64)> = self.draft_ms.iter().enumerate().filter_map(|(j, v)| v.map(|v| (j, v))).collect();
+        if let Some(&(_, v)) = measured.iter().find(|m| m.0 == k) {
+            return v;
+        }
+        let mut near = measured.clone();
+        near.sort_by_key(|m| m.0.abs_diff(k));
+        let line = |(j, v): (usize, f64), slope: f64| (v + (k as f64 - j as f64) * slope).max(0.0);
+        match near.as_slice() {
+            [] => k as f64 * self.draft_token_ms.unwrap_or(0.0),
+            [one] => line(*one, self.draft_token_ms.unwrap_or(one.1 / one.0 as f64)),
+            [a, b, ..] => line(*a, ((b.1 - a.1) / (b.0 as f64 - a.0 as f64)).max(0.0)),
+        }
     }
 
     /// The per-token acceptance probability now estimated (a prior of 1 in 2 at the start).
@@ -230,14 +296,13 @@ impl DraftLength {
             return 0;
         }
         let a = self.acceptance();
-        let d = self.draft_ms.unwrap_or(0.0);
         let mut best = (1, f64::MIN);
         if self.allow_zero {
             best = (0, 1.0 / self.verify_estimate(1).max(1e-6));
         }
         for k in 1..=top {
             let expected: f64 = (0..=k).map(|i| a.powi(i as i32)).sum();
-            let cost = (k as f64 * d + self.verify_estimate(k + 1)).max(1e-6);
+            let cost = (self.draft_estimate(k) + self.verify_estimate(k + 1)).max(1e-6);
             let rate = expected / cost;
             if rate > best.1 * (1.0 + 1e-9) {
                 best = (k, rate);
@@ -269,7 +334,9 @@ impl DraftLength {
             *slot = ema(*slot, step_ms);
         }
         if k > 0 {
-            self.draft_ms = ema(self.draft_ms, draft_ms / k as f64);
+            if let Some(slot) = self.draft_ms.get_mut(k) {
+                *slot = ema(*slot, draft_ms);
+            }
             let rejected = usize::from(accepted < k);
             self.accepts = Self::DECAY * self.accepts + accepted as f64;
             self.trials = Self::DECAY * self.trials + (accepted + rejected) as f64;
@@ -614,6 +681,40 @@ mod tests {
         }
         assert!(b.acceptance() < 0.1);
         assert_eq!(b.next(100), 1);
+        // Drafting is a fixed 60 ms plus 5 ms a token (k = 2 and 4 measured): the estimate
+        // for other k follows the line, and k maximises tokens per millisecond against a
+        // flat 100 ms verify at a measured acceptance of 0.7.
+        let mut f = DraftLength::new(&Speculation { max_draft: 8, ..Speculation::draft_model() });
+        for _ in 0..60 {
+            f.record(2, 1, 70.0, 100.0);
+            f.record(4, 3, 80.0, 100.0);
+        }
+        assert!((f.draft_estimate(3) - 75.0).abs() < 1e-9 && (f.draft_estimate(8) - 100.0).abs() < 1e-9);
+        assert!((f.draft_estimate(1) - 65.0).abs() < 1e-9);
+        let a = f.acceptance();
+        let rate = |k: usize| (0..=k).map(|i| a.powi(i as i32)).sum::<f64>() / (60.0 + 5.0 * k as f64 + 100.0);
+        let best = (1..=8).max_by(|&x, &y| rate(x).total_cmp(&rate(y))).unwrap();
+        assert_eq!(f.next(100), best);
+        // A new request starts from what `f` learned: its draft costs, and its acceptance
+        // at the weight of a few trials. It picks `f`'s k where a blind start picks fewer,
+        // and its own rejections pull k back down within a few steps.
+        let mut memory = DraftMemory::default();
+        f.remember(&mut memory);
+        let costs = [None, Some(100.0), Some(100.0), Some(100.0), Some(100.0), Some(100.0)];
+        let blind =
+            DraftLength::new(&Speculation { max_draft: 8, ..Speculation::draft_model() }).with_costs(&costs, Some(&[None, Some(65.0)]));
+        let mut warm = blind.clone().with_memory(&memory);
+        assert!((warm.acceptance() - f.acceptance()).abs() < 0.05 && warm.trials <= DraftLength::PRIOR_TRIALS);
+        assert!((warm.draft_estimate(3) - 75.0).abs() < 1e-9);
+        let aw = warm.acceptance();
+        let rate = |k: usize| (0..=k).map(|i| aw.powi(i as i32)).sum::<f64>() / (60.0 + 5.0 * k as f64 + 100.0);
+        let best = (1..=8).max_by(|&x, &y| rate(x).total_cmp(&rate(y))).unwrap();
+        assert_eq!(warm.next(100), best);
+        assert!(blind.next(100) < best, "{} {best}", blind.next(100));
+        for _ in 0..3 {
+            warm.record(best, 0, 60.0 + 5.0 * best as f64, 100.0);
+        }
+        assert!(warm.next(100) < best);
         // Lookup may stop drafting (k = 0) and starts again when its unverified drafts turn
         // out right.
         let mut c = DraftLength::new(&Speculation::lookup());

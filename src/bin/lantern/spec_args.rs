@@ -11,6 +11,8 @@ use lantern::engine::speculative::{self, Drafter, Speculation};
 use lantern::gpu::GpuContext;
 use lantern::model::llama::{GpuModel, ModelOptions};
 use lantern::model::tokenizer::Tokenizer;
+use lantern::quant::quantize::{EmbeddingPolicy, QuantizeOptions};
+use lantern::quant::QuantKind;
 
 #[derive(Args, Clone, Debug, Default)]
 pub struct SpecArgs {
@@ -34,6 +36,24 @@ pub struct SpecArgs {
     /// Longest n-gram --lookup matches (shorter ones are tried after it).
     #[arg(long, default_value_t = 3)]
     pub lookup_ngram: usize,
+    /// Requantize the draft model at load, round to nearest with group 32, LM head included:
+    /// q4 (4-bit, scale and minimum) or q8; `native` keeps its file's formats. Drafts are
+    /// only proposals the target checks, so output is unchanged; a smaller draft drafts
+    /// faster (README: measured speedups).
+    #[arg(long, value_enum, default_value_t = DraftQuant::Native, requires = "draft")]
+    pub draft_quant: DraftQuant,
+}
+
+/// How the draft model's weights are stored on the GPU.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DraftQuant {
+    /// As in the draft's file.
+    #[default]
+    Native,
+    /// 4-bit with a scale and a minimum per 32 weights (`lantern quantize --to q4`).
+    Q4,
+    /// 8-bit symmetric per 32 weights.
+    Q8,
 }
 
 impl SpecArgs {
@@ -71,9 +91,19 @@ impl SpecArgs {
                 path.display()
             );
         }
-        let (model, tokenizer) = lantern::model::load::load_to_gpu(ctx, &path, options, &mut |_, _| {})
-            .await
-            .with_context(|| format!("loading the draft model {}", path.display()))?;
+        let quant = match self.draft_quant {
+            DraftQuant::Native => None,
+            DraftQuant::Q4 => Some(QuantKind::Q4),
+            DraftQuant::Q8 => Some(QuantKind::Q8),
+        };
+        let loaded = match quant {
+            None => lantern::model::load::load_to_gpu(ctx, &path, options, &mut |_, _| {}).await,
+            Some(kind) => {
+                let q = QuantizeOptions { embeddings: EmbeddingPolicy::Same, ..QuantizeOptions::new(kind) };
+                lantern::model::load::load_to_gpu_requantized(ctx, &path, options, &q, &mut |_, _| {}).await
+            }
+        };
+        let (model, tokenizer) = loaded.with_context(|| format!("loading the draft model {}", path.display()))?;
         let tokenizer = tokenizer.with_context(|| format!("the draft model {} has no tokenizer", path.display()))?;
         speculative::check_pair(
             (&target_path.display().to_string(), &target.config, target_tokenizer),

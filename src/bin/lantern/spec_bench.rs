@@ -105,7 +105,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         model_path.display(),
         ctx.info.name,
         match (&a.spec.draft, spec.drafter) {
-            (Some(d), _) => format!("draft model {}", d.display()),
+            (Some(d), _) => match a.spec.draft_quant {
+                super::spec_args::DraftQuant::Native => format!("draft model {}", d.display()),
+                q => format!("draft model {} (requantized to {q:?} at load)", d.display()),
+            },
             (None, Drafter::Lookup) => format!("prompt lookup (n-grams up to {})", spec.lookup_ngram),
             _ => bail!("bench with speculation needs --draft or --lookup"),
         },

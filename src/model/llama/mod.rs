@@ -101,6 +101,20 @@ pub struct GpuModel {
     /// Measured milliseconds of one sequence's steps by width (tokens), averaged: what a
     /// speculative verify step of each width costs here, learned across requests.
     step_ms: Vec<Option<f64>>,
+    /// What speculative decoding learned here across requests (see [`DraftMemory`]).
+    pub draft_memory: DraftMemory,
+}
+
+/// What speculative decoding learned on a model across requests, so a new request starts
+/// from it instead of from a blind prior: on a draft model, the measured milliseconds of
+/// drafting k tokens (index k) and the decayed counts of its accepted drafts and of trials;
+/// on a target, the same counts for prompt lookup's drafts (whose cost is nil). The engine's
+/// `DraftLength` reads it at a request's start and writes it back after each step.
+#[derive(Debug, Clone, Default)]
+pub struct DraftMemory {
+    pub draft_ms: Vec<Option<f64>>,
+    pub accepts: f64,
+    pub trials: f64,
 }
 
 fn gpu_err(e: GpuError) -> LanternError {
@@ -284,6 +298,7 @@ impl GpuModel {
             logit_rows: r,
             submit_ms_per_dispatch: None,
             step_ms: Vec::new(),
+            draft_memory: DraftMemory::default(),
         })
     }
 
