@@ -245,4 +245,40 @@ fn draft_pointing_at_the_target_itself_is_refused() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["speculative"].is_null());
     assert_eq!(v["output_ids"].as_array().unwrap().len(), 3);
+    // --draft-quant needs a draft model.
+    let out = lantern().args(["run", "Hi", "--lookup", "--draft-quant", "q4", "--model"]).arg(&model).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--draft <DRAFT>"), "{err}");
+}
+
+#[test]
+fn a_draft_requantized_at_load_leaves_greedy_output_unchanged() {
+    // SmolLM2 drafting for itself (a second name for the file, so it is not refused as the
+    // target), requantized to 4 bits: its drafts may differ from the target's choices, and
+    // the output must still be plain greedy decoding's.
+    let model = common::smollm2_gguf();
+    let dir = std::env::temp_dir().join(format!("lantern-draft-quant-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let draft = dir.join("draft.gguf");
+    if std::fs::hard_link(&model, &draft).is_err() {
+        std::fs::copy(&model, &draft).unwrap();
+    }
+    let run = |extra: &[&str]| {
+        let out = lantern()
+            .args(["run", "The capital of France is", "--max-tokens", "12", "--json", "--model"])
+            .arg(&model)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let plain = run(&[]);
+    let spec = run(&["--draft", draft.to_str().unwrap(), "--draft-quant", "q4", "--draft-tokens", "3"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(plain["output_ids"], spec["output_ids"]);
+    let sp = &spec["speculative"];
+    assert_eq!(sp["drafter"], "model", "{spec}");
+    assert!(sp["proposed"].as_u64().unwrap() > 0 && sp["accepted"].as_u64().unwrap() > 0, "{sp}");
 }

@@ -39,9 +39,9 @@ pub struct SpecArgs {
     /// Requantize the draft model at load, round to nearest with group 32, LM head included:
     /// q4 (4-bit, scale and minimum) or q8; `native` keeps its file's formats. Drafts are
     /// only proposals the target checks, so output is unchanged; a smaller draft drafts
-    /// faster (README: measured speedups).
-    #[arg(long, value_enum, default_value_t = DraftQuant::Native, requires = "draft")]
-    pub draft_quant: DraftQuant,
+    /// faster (README: measured speedups). Default: native.
+    #[arg(long, value_enum)]
+    pub draft_quant: Option<DraftQuant>,
 }
 
 /// How the draft model's weights are stored on the GPU.
@@ -79,7 +79,15 @@ impl SpecArgs {
         target_tokenizer: &Tokenizer,
         options: ModelOptions,
     ) -> Result<Option<(GpuModel, Tokenizer)>> {
-        let Some(name) = &self.draft else { return Ok(None) };
+        let Some(name) = &self.draft else {
+            if let Some(q) = self.draft_quant {
+                bail!(
+                    "--draft-quant {} needs --draft <DRAFT>: it requantizes the draft model, and there is none",
+                    format!("{q:?}").to_lowercase()
+                );
+            }
+            return Ok(None);
+        };
         let path = lantern::fetch::resolve_model(Some(name.as_path()), true)?;
         let same = match (path.canonicalize(), target_path.canonicalize()) {
             (Ok(a), Ok(b)) => a == b,
@@ -91,7 +99,7 @@ impl SpecArgs {
                 path.display()
             );
         }
-        let quant = match self.draft_quant {
+        let quant = match self.draft_quant.unwrap_or_default() {
             DraftQuant::Native => None,
             DraftQuant::Q4 => Some(QuantKind::Q4),
             DraftQuant::Q8 => Some(QuantKind::Q8),

@@ -105,7 +105,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         model_path.display(),
         ctx.info.name,
         match (&a.spec.draft, spec.drafter) {
-            (Some(d), _) => match a.spec.draft_quant {
+            (Some(d), _) => match a.spec.draft_quant.unwrap_or_default() {
                 super::spec_args::DraftQuant::Native => format!("draft model {}", d.display()),
                 q => format!("draft model {} (requantized to {q:?} at load)", d.display()),
             },
