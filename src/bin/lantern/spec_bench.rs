@@ -2,7 +2,10 @@
 //!
 //! 1. The cost of a target step by width (1 token, then 1 + k tokens as a verify step
 //!    carries), median of several, against the single-token step measured in the same run:
-//!    where the batched kernels keep their advantage, and so which k can pay.
+//!    where the batched kernels keep their advantage, and so which k can pay. The models
+//!    keep these costs (`GpuModel::record_step_ms`), so the adaptive k starts from them as
+//!    it would on a server that has already served requests, instead of trying wider steps
+//!    in the first prompt to learn what they cost.
 //! 2. Greedy generations of real prompts (code completion for a draft model, a code rewrite
 //!    for lookup; or `--prompt`), plain and speculative, in the same run: decode tokens/s,
 //!    speedup, acceptance rate, and whether the ids are identical (they must be).
@@ -135,6 +138,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     println!("  {:>5} {:>9} {:>9} {:>12}", "width", "ms", "x 1-tok", "ms / token");
     for &(w, ms) in &cost {
         println!("  {:>5} {:>9.1} {:>9.2} {:>12.1}", w, ms, ms / base, ms / w as f64);
+        target.record_step_ms(w, ms);
     }
     if a.profile {
         // Where a verify step's time goes: each dispatch kind's milliseconds (one submission
@@ -182,6 +186,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     if let Some(d) = draft.as_mut() {
         let dm = step_ms(d, prefix, 1, reps)?;
         println!("  draft model 1-token step: {dm:.1} ms ({:.2}x the target's)", dm / base);
+        d.record_step_ms(1, dm);
     }
 
     // 2. Prompts, plain against speculative.
