@@ -471,10 +471,7 @@ impl Engine {
             spec: speculate.then(|| SeqSpec {
                 len: DraftLength::new(&req.speculation)
                     .with_costs(self.model.step_costs(), self.draft.as_ref().map(|d| d.step_costs()))
-                    .with_memory(match (req.speculation.drafter, self.draft.as_ref()) {
-                        (Drafter::Model, Some(d)) => &d.draft_memory,
-                        _ => &self.model.draft_memory,
-                    }),
+                    .with_memory(speculative::memory(req.speculation.drafter, &self.model, self.draft.as_ref())),
                 stats: SpecStats::new(req.speculation.drafter),
                 draft_slot: None,
                 drafts: Vec::new(),
@@ -1006,9 +1003,7 @@ impl Engine {
                 if let Some(sp) = s.spec.as_mut().filter(|_| !prefill) {
                     sp.len.observe_lookup(&s.req.speculation, &s.tokens, token);
                     sp.len.record(0, 0, 0.0, step_ms);
-                    if s.req.speculation.drafter == Drafter::Lookup {
-                        sp.len.remember(&mut self.model.draft_memory);
-                    }
+                    sp.len.remember(speculative::memory_mut(s.req.speculation.drafter, &mut self.model, self.draft.as_mut()));
                     sp.stats.record(0, 0, 0.0, step_ms);
                 }
                 vec![(token, lp)]
@@ -1030,10 +1025,7 @@ impl Engine {
                     d.truncate_sequence(ds, keep)?;
                 }
                 sp.len.record(drafts.len(), v.accepted, draft_ms, step_ms);
-                match (s.req.speculation.drafter, self.draft.as_mut()) {
-                    (Drafter::Model, Some(d)) => sp.len.remember(&mut d.draft_memory),
-                    _ => sp.len.remember(&mut self.model.draft_memory),
-                }
+                sp.len.remember(speculative::memory_mut(s.req.speculation.drafter, &mut self.model, self.draft.as_mut()));
                 sp.stats.record(drafts.len(), v.accepted, draft_ms, step_ms);
                 v.tokens.into_iter().map(|t| (t, None)).collect()
             };

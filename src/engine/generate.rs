@@ -294,10 +294,7 @@ async fn next_tokens(
         d.truncate_sequence(*ds, keep)?;
     }
     len_ctl.record(drafts.len(), verdict.accepted, draft_ms, verify_ms);
-    match (req.speculation.drafter, drafting.as_mut()) {
-        (Drafter::Model, Some((d, _))) => len_ctl.remember(&mut d.draft_memory),
-        _ => len_ctl.remember(&mut model.draft_memory),
-    }
+    len_ctl.remember(speculative::memory_mut(req.speculation.drafter, model, drafting.as_mut().map(|(d, _)| &mut **d)));
     // What later requests start from: this step's cost at its width, and a draft token's.
     model.record_step_ms(drafts.len() + 1, verify_ms);
     if let (Some((d, _)), false) = (drafting.as_mut(), drafts.is_empty()) {
@@ -345,10 +342,7 @@ async fn run(
     // (512 bytes); anything else: the logits row.
     let want = speculative::want_for(&sampler);
     let mut spec = req.speculation.enabled().then(|| {
-        let memory = match (req.speculation.drafter, drafting.as_ref()) {
-            (Drafter::Model, Some((d, _))) => &d.draft_memory,
-            _ => &model.draft_memory,
-        };
+        let memory = speculative::memory(req.speculation.drafter, model, drafting.as_ref().map(|(d, _)| &**d));
         let costs = DraftLength::new(&req.speculation)
             .with_costs(model.step_costs(), drafting.as_ref().map(|(d, _)| d.step_costs()))
             .with_memory(memory);

@@ -270,7 +270,7 @@ impl DraftLength {
         if let Some(&(_, v)) = measured.iter().find(|m| m.0 == k) {
             return v;
         }
-        let mut near = measured.clone();
+        let mut near = measured;
         near.sort_by_key(|m| m.0.abs_diff(k));
         let line = |(j, v): (usize, f64), slope: f64| (v + (k as f64 - j as f64) * slope).max(0.0);
         match near.as_slice() {
@@ -341,6 +341,23 @@ impl DraftLength {
             self.accepts = Self::DECAY * self.accepts + accepted as f64;
             self.trials = Self::DECAY * self.trials + (accepted + rejected) as f64;
         }
+    }
+}
+
+/// Where a request with `drafter` keeps what it learns ([`DraftMemory`]): on the draft
+/// model for its drafts, on the target otherwise (prompt lookup).
+pub fn memory<'a>(drafter: Drafter, target: &'a GpuModel, draft: Option<&'a GpuModel>) -> &'a DraftMemory {
+    match (drafter, draft) {
+        (Drafter::Model, Some(d)) => &d.draft_memory,
+        _ => &target.draft_memory,
+    }
+}
+
+/// [`memory`], to write.
+pub fn memory_mut<'a>(drafter: Drafter, target: &'a mut GpuModel, draft: Option<&'a mut GpuModel>) -> &'a mut DraftMemory {
+    match (drafter, draft) {
+        (Drafter::Model, Some(d)) => &mut d.draft_memory,
+        _ => &mut target.draft_memory,
     }
 }
 

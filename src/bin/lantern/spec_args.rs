@@ -56,6 +56,22 @@ pub enum DraftQuant {
     Q8,
 }
 
+impl DraftQuant {
+    /// The option's value as typed (`native`, `q4`, `q8`): clap's name for it.
+    pub fn name(self) -> String {
+        clap::ValueEnum::to_possible_value(&self).map(|v| v.get_name().to_string()).unwrap_or_default()
+    }
+
+    /// The packed format the draft is requantized to (`None`: as loaded).
+    pub fn kind(self) -> Option<QuantKind> {
+        match self {
+            DraftQuant::Native => None,
+            DraftQuant::Q4 => Some(QuantKind::Q4),
+            DraftQuant::Q8 => Some(QuantKind::Q8),
+        }
+    }
+}
+
 impl SpecArgs {
     /// The requests' speculation settings.
     pub fn speculation(&self) -> Speculation {
@@ -81,10 +97,7 @@ impl SpecArgs {
     ) -> Result<Option<(GpuModel, Tokenizer)>> {
         let Some(name) = &self.draft else {
             if let Some(q) = self.draft_quant {
-                bail!(
-                    "--draft-quant {} needs --draft <DRAFT>: it requantizes the draft model, and there is none",
-                    format!("{q:?}").to_lowercase()
-                );
+                bail!("--draft-quant {} needs --draft <DRAFT>: it requantizes the draft model, and there is none", q.name());
             }
             return Ok(None);
         };
@@ -99,12 +112,7 @@ impl SpecArgs {
                 path.display()
             );
         }
-        let quant = match self.draft_quant.unwrap_or_default() {
-            DraftQuant::Native => None,
-            DraftQuant::Q4 => Some(QuantKind::Q4),
-            DraftQuant::Q8 => Some(QuantKind::Q8),
-        };
-        let loaded = match quant {
+        let loaded = match self.draft_quant.unwrap_or_default().kind() {
             None => lantern::model::load::load_to_gpu(ctx, &path, options, &mut |_, _| {}).await,
             Some(kind) => {
                 let q = QuantizeOptions { embeddings: EmbeddingPolicy::Same, ..QuantizeOptions::new(kind) };

@@ -110,7 +110,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         match (&a.spec.draft, spec.drafter) {
             (Some(d), _) => match a.spec.draft_quant.unwrap_or_default() {
                 super::spec_args::DraftQuant::Native => format!("draft model {}", d.display()),
-                q => format!("draft model {} (requantized to {q:?} at load)", d.display()),
+                q => format!("draft model {} (requantized to {} at load)", d.display(), q.name()),
             },
             (None, Drafter::Lookup) => format!("prompt lookup (n-grams up to {})", spec.lookup_ngram),
             _ => bail!("bench with speculation needs --draft or --lookup"),
