@@ -80,7 +80,8 @@ const LAYOUTS: &[Layout] = &[
     Layout { name: "thread (row/invocation, wg64)", flags: 0, wg: 64, subgroups: false },
     Layout { name: "rows4 (4 rows/invocation, wg8)", flags: flags::ROWS4, wg: 8, subgroups: false },
     Layout { name: "rows4 + x broadcast (packed, wg8 = subgroup)", flags: flags::ROWS4 | flags::XBCAST, wg: 8, subgroups: true },
-    Layout { name: "rows8 texture codes + x broadcast (packed)", flags: flags::ROWS4 | flags::XBCAST | flags::TEX, wg: 8, subgroups: true },
+    Layout { name: "tiled textures (packed, 32-row tile/wg8), x storage", flags: flags::TEX, wg: 8, subgroups: true },
+    Layout { name: "tiled textures (packed), x uniform window (default)", flags: flags::TEX | flags::XU, wg: 8, subgroups: true },
     Layout { name: "wg8 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 8, subgroups: true },
     Layout { name: "wg64 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 64, subgroups: true },
     Layout {
@@ -124,8 +125,9 @@ fn ggml_blocks(kind: QuantKind, n: usize, k: usize) -> PackedMatrix {
     PackedMatrix::from_gguf_blocks("w", kind, &b, n, k).expect("repack")
 }
 
-/// A weight in `fmt` and the f32 values it holds (rounded or dequantized).
-fn case(ctx: &Arc<GpuContext>, n: usize, k: usize, fmt: WeightFormat, tokens: usize) -> (Case, Vec<f32>, Vec<f32>) {
+/// A weight in `fmt` and the f32 values it holds (rounded or dequantized); packed weights
+/// as tiled textures (`tiled`, where the adapter holds them so) or in storage buffers.
+fn case(ctx: &Arc<GpuContext>, n: usize, k: usize, fmt: WeightFormat, tokens: usize, tiled: bool) -> (Case, Vec<f32>, Vec<f32>) {
     let mut w = data(n * k, 1);
     let lin = match fmt {
         WeightFormat::F32 => GpuLinear::upload(ctx, "w", HostMatrix::F32(&w), None, None, n, k),
@@ -142,12 +144,14 @@ fn case(ctx: &Arc<GpuContext>, n: usize, k: usize, fmt: WeightFormat, tokens: us
                 ggml_blocks(kind, n, k)
             };
             w = p.dequantize();
-            GpuLinear::upload(ctx, "w", HostMatrix::Packed(&p), None, None, n, k)
+            GpuLinear::upload_with(ctx, "w", HostMatrix::Packed(&p), None, None, n, k, tiled)
         }
     }
     .expect("upload");
     let xv = data(tokens * k, 2);
-    let x = storage(ctx, bytemuck::cast_slice(&xv));
+    // As the runtime makes its activations: uniform-capable where the tiled matvec reads them so.
+    let x = lantern::gpu::buffer::create_storage_window(ctx, "x", bytemuck::cast_slice(&xv), lantern::kernels::linear::x_window(ctx))
+        .expect("x");
     let y = storage(ctx, &vec![0u8; tokens * n * 4]);
     (Case { lin, x, y, step: step_buffer(ctx), k }, w, xv)
 }
@@ -168,21 +172,24 @@ fn dispatches(ctx: &Arc<GpuContext>, c: &Case, key: PipelineKey) -> Vec<lantern:
     pollster::block_on(build_with_key(ctx, &c.lin, &io, key)).expect("pipeline")
 }
 
-fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext) -> Option<PipelineKey> {
+fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext, c: &Case) -> Option<PipelineKey> {
     if l.subgroups && !ctx.caps.subgroups {
         return None;
     }
     let packed = fmt.is_packed();
-    if packed && l.flags & (flags::ROWS4 | flags::ROW_PER_WORKGROUP | flags::MULTI_ROW) == 0 {
+    if (l.flags & flags::TEX != 0) != c.lin.is_tiled() {
+        return None; // the case's weights live elsewhere
+    }
+    if l.flags & flags::XU != 0 && lantern::kernels::linear::x_window(ctx) == 0 {
+        return None;
+    }
+    if packed && l.flags & (flags::ROWS4 | flags::ROW_PER_WORKGROUP | flags::MULTI_ROW | flags::TEX) == 0 {
         return None; // the packed matvec has its tuned layouts only
     }
     if l.flags & flags::MULTI_ROW != 0 && !packed {
         return None;
     }
     if l.flags & flags::XBCAST != 0 && !(packed && lantern::kernels::linear::xbcast_fits(ctx)) {
-        return None;
-    }
-    if l.flags & flags::TEX != 0 && !lantern::kernels::linear::tex_fits(ctx, 4096) {
         return None;
     }
     Some(
@@ -199,14 +206,16 @@ fn check(ctx: &Arc<GpuContext>) {
     let mut cases = vec![(WeightFormat::F32, 101, 77), (WeightFormat::F16, 37, 130)];
     cases.extend(WeightFormat::packed().map(|f| (f, 37, 512)));
     for (fmt, n, k) in cases {
-        let (c, w, x) = case(ctx, n, k, fmt, 1);
-        for l in LAYOUTS {
-            let Some(key) = key(l, fmt, ctx) else { continue };
-            submit(ctx, &c.step, 1, 1, &dispatches(ctx, &c, key));
-            let got = pollster::block_on(lantern::gpu::buffer::read_f32(ctx, &c.y, n)).unwrap();
-            for r in 0..n {
-                let want: f32 = (0..k).map(|i| w[r * k + i] * x[i]).sum();
-                assert!((got[r] - want).abs() < 1e-3 * (1.0 + want.abs()), "{} {fmt:?} row {r}: {} vs {want}", l.name, got[r]);
+        for tiled in [false, true] {
+            let (c, w, x) = case(ctx, n, k, fmt, 1, tiled);
+            for l in LAYOUTS {
+                let Some(key) = key(l, fmt, ctx, &c) else { continue };
+                submit(ctx, &c.step, 1, 1, &dispatches(ctx, &c, key));
+                let got = pollster::block_on(lantern::gpu::buffer::read_f32(ctx, &c.y, n)).unwrap();
+                for r in 0..n {
+                    let want: f32 = (0..k).map(|i| w[r * k + i] * x[i]).sum();
+                    assert!((got[r] - want).abs() < 1e-3 * (1.0 + want.abs()), "{} {fmt:?} row {r}: {} vs {want}", l.name, got[r]);
+                }
             }
         }
     }
@@ -283,13 +292,18 @@ fn main() {
         formats().into_iter().filter(|f| only_fmt.as_deref().is_none_or(|o| o.split(',').any(|x| x == f.name()))).collect();
     for (n, k) in [(4096usize, 4096usize), (1536, 8960), (576, 1536)] {
         for &fmt in &formats {
-            let (c, _, _) = case(&ctx, n, k, fmt, 1);
-            let wbytes = c.lin.bytes() as f64;
-            for l in LAYOUTS {
-                let Some(key) = key(l, fmt, &ctx) else { continue };
-                let d = dispatches(&ctx, &c, key);
-                let t = time(&ctx, reps, || submit(&ctx, &c.step, 1, 1, &d));
-                line(&format!("matvec {n}x{k} {} {}", fmt.name(), l.name), t, wbytes);
+            for tiled in [false, true] {
+                if tiled && !fmt.is_packed() {
+                    continue;
+                }
+                let (c, _, _) = case(&ctx, n, k, fmt, 1, tiled);
+                let wbytes = c.lin.bytes() as f64;
+                for l in LAYOUTS {
+                    let Some(key) = key(l, fmt, &ctx, &c) else { continue };
+                    let d = dispatches(&ctx, &c, key);
+                    let t = time(&ctx, reps, || submit(&ctx, &c.step, 1, 1, &d));
+                    line(&format!("matvec {n}x{k} {} {}", fmt.name(), l.name), t, wbytes);
+                }
             }
         }
     }
@@ -316,32 +330,42 @@ fn main() {
                 continue; // rows of whole 256-element super-blocks only
             }
             let tokens = 64;
-            let (c, _, _) = case(&ctx, n, k, fmt, tokens);
-            for m in MATMULS {
-                if only.as_deref().is_some_and(|o| !o.split(',').any(|x| x == m.name)) {
+            for tiled in [false, true] {
+                if tiled && !fmt.is_packed() {
                     continue;
                 }
-                let op = match (m.op, fmt.is_packed()) {
-                    (ShaderOp::MatmulBlocked, true) => ShaderOp::MatmulBlockedQ,
-                    (op, _) => op,
-                };
-                let xb = m.flags & flags::XBCAST != 0;
-                if xb && !(fmt.is_packed() && lantern::kernels::linear::xbcast_fits(&ctx)) {
-                    continue;
+                let (c, _, _) = case(&ctx, n, k, fmt, tokens, tiled);
+                for m in MATMULS {
+                    if only.as_deref().is_some_and(|o| !o.split(',').any(|x| x == m.name)) {
+                        continue;
+                    }
+                    if (m.flags & flags::TEX != 0) != c.lin.is_tiled() {
+                        continue;
+                    }
+                    let op = match (m.op, fmt.is_packed()) {
+                        (ShaderOp::MatmulBlocked, true) => ShaderOp::MatmulBlockedQ,
+                        (op, _) => op,
+                    };
+                    let xb = m.flags & flags::XBCAST != 0;
+                    if xb && !(fmt.is_packed() && lantern::kernels::linear::xbcast_fits(&ctx)) {
+                        continue;
+                    }
+                    let key = PipelineKey::new(op, m.wg)
+                        .with_flags(m.flags)
+                        .with_weights(fmt)
+                        .with_features(Features { f16: false, subgroups: xb });
+                    let d = dispatches(&ctx, &c, key);
+                    let t = time(&ctx, reps, || submit(&ctx, &c.step, tokens as u32, tokens as u32, &d));
+                    let flops = 2.0 * (tokens * n * k) as f64;
+                    println!(
+                        "{:<44} {:9.2} ms {:7.2} GFLOP/s {:7.2} GB/s of weights ({:.1}% of copy)",
+                        format!("matmul {} {tokens} tok x {n}x{k} {}", m.name, fmt.name()),
+                        t * 1e3,
+                        flops / t / 1e9,
+                        c.lin.bytes() as f64 / t / 1e9,
+                        100.0 * c.lin.bytes() as f64 / t / 1e9 / copy
+                    );
                 }
-                let key =
-                    PipelineKey::new(op, m.wg).with_flags(m.flags).with_weights(fmt).with_features(Features { f16: false, subgroups: xb });
-                let d = dispatches(&ctx, &c, key);
-                let t = time(&ctx, reps, || submit(&ctx, &c.step, tokens as u32, tokens as u32, &d));
-                let flops = 2.0 * (tokens * n * k) as f64;
-                println!(
-                    "{:<44} {:9.2} ms {:7.2} GFLOP/s {:7.2} GB/s of weights ({:.1}% of copy)",
-                    format!("matmul {} {tokens} tok x {n}x{k} {}", m.name, fmt.name()),
-                    t * 1e3,
-                    flops / t / 1e9,
-                    c.lin.bytes() as f64 / t / 1e9,
-                    100.0 * c.lin.bytes() as f64 / t / 1e9 / copy
-                );
             }
         }
     }
@@ -515,4 +539,10 @@ const MATMULS: &[MatmulVariant] = &[
     MatmulVariant { name: "b88", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::BLOCK_N8, wg: 8 },
     MatmulVariant { name: "b84x", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::XBCAST, wg: 8 },
     MatmulVariant { name: "b88x", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST, wg: 8 },
+    MatmulVariant {
+        name: "b88t",
+        op: ShaderOp::MatmulBlocked,
+        flags: flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST | flags::TEX,
+        wg: 8,
+    },
 ];

@@ -32,13 +32,15 @@ fn run_json_reports_ids_text_and_metrics() {
     let q4 = &m["weights"]["q4g32"];
     assert_eq!(q4["bytes"].as_u64().unwrap() + q4["scale_bytes"].as_u64().unwrap(), 66_355_200);
     assert_eq!(m["weights"]["q8g32"]["scale_bytes"].as_u64().unwrap(), 49152 * 18 * 2);
+    // Tiled textures' padding (CPU adapters with 8-lane subgroups) is reported beside them.
+    assert!(q4["padding"].as_u64().unwrap() < 66_355_200 / 100 * 3, "q4 padding {}", q4["padding"]);
     let total: u64 =
-        ["weight_textures", "kv_cache", "workspace", "uniforms", "readback"].iter().map(|k| m[k].as_u64().unwrap()).sum::<u64>()
+        ["window_padding", "kv_cache", "workspace", "uniforms", "readback"].iter().map(|k| m[k].as_u64().unwrap()).sum::<u64>()
             + m["weights"]
                 .as_object()
                 .unwrap()
                 .values()
-                .map(|d| d["bytes"].as_u64().unwrap() + d["scale_bytes"].as_u64().unwrap())
+                .map(|d| d["bytes"].as_u64().unwrap() + d["scale_bytes"].as_u64().unwrap() + d["padding"].as_u64().unwrap())
                 .sum::<u64>();
     assert_eq!(m["ledger_bytes"].as_u64().unwrap(), total);
 }

@@ -10,7 +10,7 @@ use common::random::Rng;
 use std::sync::{Arc, OnceLock};
 
 use half::f16;
-use lantern::gpu::buffer::{create_storage, create_zeroed, read_buffer, read_f32};
+use lantern::gpu::buffer::{create_storage, create_storage_window, create_zeroed, read_buffer, read_f32};
 use lantern::gpu::shader::{flags, Features, WeightFormat};
 use lantern::gpu::{DeviceOptions, GpuContext, GpuError, PipelineKey, ShaderOp};
 use lantern::kernels::attention::{AttentionIo, AttentionParams, KvBinding};
@@ -216,10 +216,17 @@ enum Layout {
     /// Rows4Bcast with four tokens per invocation from storage (batched decode on CPU
     /// adapters).
     Rows4BcastTok4,
-    /// Packed weights: eight rows per invocation from texture copies, x by broadcast.
-    Rows8Tex,
-    /// Rows8Tex with four tokens per invocation (batched decode on CPU adapters).
-    Rows8TexTok4,
+    /// Packed weights held as tiled textures: a 32-row tile per 8-lane workgroup, x from
+    /// storage (CPU adapters with 8-lane subgroups).
+    Tiled,
+    /// Tiled with four tokens per invocation (batched decode).
+    TiledTok4,
+    /// Tiled with x and the norm weight from 64 KiB uniform windows (the runtime's choice).
+    TiledXu,
+    /// TiledXu with four tokens per invocation.
+    TiledXuTok4,
+    /// Tiled weights in the blocked matmul (8 tokens x 8 rows, x by broadcast).
+    Blocked88Tiled,
     /// Packed weights: blocked matmul 8 tokens x 8 rows with x shared by subgroup broadcast.
     Blocked88Bcast,
     /// Packed weights: blocked matmul 4 tokens x 4 rows with x shared by subgroup broadcast.
@@ -258,7 +265,7 @@ impl Layout {
     ];
 
     /// The layouts of the packed-weight kernels.
-    const PACKED: [Layout; 21] = [
+    const PACKED: [Layout; 24] = [
         Layout::MultiRow,
         Layout::MultiRowSubgroups,
         Layout::MultiRowTok4,
@@ -266,8 +273,11 @@ impl Layout {
         Layout::Rows4,
         Layout::Rows4Bcast,
         Layout::Rows4BcastTok4,
-        Layout::Rows8Tex,
-        Layout::Rows8TexTok4,
+        Layout::Tiled,
+        Layout::TiledTok4,
+        Layout::TiledXu,
+        Layout::TiledXuTok4,
+        Layout::Blocked88Tiled,
         Layout::Blocked88Bcast,
         Layout::Blocked44Bcast,
         Layout::RowWg64,
@@ -294,7 +304,18 @@ impl Layout {
                 | Layout::Blocked88
                 | Layout::Blocked88Bcast
                 | Layout::Blocked44Bcast
+                | Layout::Blocked88Tiled
         )
+    }
+
+    /// Layouts reading tiled texture-held weights.
+    fn is_tiled(self) -> bool {
+        matches!(self, Layout::Tiled | Layout::TiledTok4 | Layout::TiledXu | Layout::TiledXuTok4 | Layout::Blocked88Tiled)
+    }
+
+    /// Layouts reading x and the norm weight through uniform windows.
+    fn is_xu(self) -> bool {
+        matches!(self, Layout::TiledXu | Layout::TiledXuTok4)
     }
 
     fn needs_subgroups(self) -> bool {
@@ -326,10 +347,13 @@ impl Layout {
                 Layout::Rows4BcastTok4 => {
                     PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TOK4).with_features(sg)
                 }
-                Layout::Rows8Tex => PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TEX).with_features(sg),
-                Layout::Rows8TexTok4 => {
-                    PipelineKey::new(mv, 8).with_flags(fl | flags::ROWS4 | flags::XBCAST | flags::TEX | flags::TOK4).with_features(sg)
-                }
+                Layout::Tiled => PipelineKey::new(mv, 8).with_flags(fl | flags::TEX).with_features(sg),
+                Layout::TiledTok4 => PipelineKey::new(mv, 8).with_flags(fl | flags::TEX | flags::TOK4).with_features(sg),
+                Layout::TiledXu => PipelineKey::new(mv, 8).with_flags(fl | flags::TEX | flags::XU).with_features(sg),
+                Layout::TiledXuTok4 => PipelineKey::new(mv, 8).with_flags(fl | flags::TEX | flags::XU | flags::TOK4).with_features(sg),
+                Layout::Blocked88Tiled => PipelineKey::new(bq, 8)
+                    .with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST | flags::TEX)
+                    .with_features(sg),
                 Layout::Blocked88Bcast => {
                     PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST).with_features(sg)
                 }
@@ -372,8 +396,11 @@ impl Layout {
             | Layout::MultiRowTok4Subgroups
             | Layout::Rows4Bcast
             | Layout::Rows4BcastTok4
-            | Layout::Rows8Tex
-            | Layout::Rows8TexTok4
+            | Layout::Tiled
+            | Layout::TiledTok4
+            | Layout::TiledXu
+            | Layout::TiledXuTok4
+            | Layout::Blocked88Tiled
             | Layout::Blocked88Bcast
             | Layout::Blocked44Bcast => {
                 panic!("{self:?} is a packed-weight layout")
@@ -393,7 +420,8 @@ impl Layout {
         let runs = |l: &Layout| match l {
             Layout::RowWg8Subgroups => ctx.caps.subgroups && ctx.caps.subgroup_max_size <= 8,
             Layout::Rows4Bcast | Layout::Rows4BcastTok4 | Layout::Blocked88Bcast | Layout::Blocked44Bcast => linear::xbcast_fits(ctx),
-            Layout::Rows8Tex | Layout::Rows8TexTok4 => linear::tex_fits(ctx, 32),
+            Layout::Tiled | Layout::TiledTok4 | Layout::Blocked88Tiled => ctx.caps.cpu_like && linear::xbcast_fits(ctx),
+            Layout::TiledXu | Layout::TiledXuTok4 => linear::x_window(ctx) > 0,
             l => (!l.needs_subgroups() || ctx.caps.subgroups) && (!l.needs_f16() || ctx.caps.shader_f16),
         };
         let (yes, no): (Vec<Layout>, Vec<Layout>) = set.iter().copied().partition(runs);
@@ -446,22 +474,27 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
     let n_out = gather.len();
     let y0 = rng.vec(n_out * out_stride);
 
-    let lin =
-        GpuLinear::upload(ctx, "test.linear", w.matrix(), u.as_ref().map(|u| u.matrix()), bias.as_deref(), rows, k).expect("upload linear");
+    // Explicit layouts get the storage they read; the automatic ones what the runtime picks.
+    let auto = matches!(c.layout, Layout::Auto | Layout::AutoMatmul);
+    let tiled = auto || c.layout.is_tiled();
+    let lin = GpuLinear::upload_with(ctx, "test.linear", w.matrix(), u.as_ref().map(|u| u.matrix()), bias.as_deref(), rows, k, tiled)
+        .expect("upload linear");
     let key = c.layout.key(fl, c.weights);
-    if matches!(c.layout, Layout::Rows8Tex | Layout::Rows8TexTok4) && lin.tex.is_none() {
-        return; // groups smaller than a texel keep the storage layouts
+    if c.layout.is_tiled() && !lin.is_tiled() {
+        return; // groups of 8 or 16 (`lantern quantize`), or a tile past the binding limit, keep storage buffers
     }
 
     let what = format!(
         "{} rows {rows} k {k} tokens {tokens}{} ({} chunks)",
         key.map_or_else(|| format!("{:?} {:?}", c.weights, c.layout), |k| k.label()),
         if c.wide { " wide" } else { "" },
-        lin.w.chunks.len()
+        lin.chunks().len()
     );
     let step = step_buffer(ctx);
-    let xb = buf_f32(ctx, "x", &x);
-    let gb = buf_f32(ctx, "g", &g);
+    // Inputs the tiled matvec may read as uniform windows, as the runtime makes them.
+    let window = if auto || c.layout.is_xu() { linear::x_window(ctx) } else { 0 };
+    let xb = create_storage_window(ctx, "x", bytemuck::cast_slice(&x), window).unwrap();
+    let gb = create_storage_window(ctx, "g", bytemuck::cast_slice(&g), window).unwrap();
     let yb = buf_f32(ctx, "y", &y0);
     let rb = buf_u32(ctx, "rows", &gather);
     let io = LinearIo {
@@ -708,6 +741,17 @@ fn packed_linear_split_across_bindings_and_auto_layout_match_reference() {
         }
     }
     let ctx = gpu();
+    // x rows past the 64 KiB uniform window (20 tokens of 1024 floats: tokens 16.. and the
+    // gathered rows among them fall back to storage loads inside the XU kernel).
+    for weights in PACKED_FORMATS {
+        for (layout, fl) in [(Layout::TiledXu, NORM_GATHER), (Layout::TiledXuTok4, NORM_GATED), (Layout::TiledXu, RESIDUAL)] {
+            if Layout::available_of(&ctx, &[layout]).is_empty() {
+                continue;
+            }
+            let c = LinearCase { fl, layout, weights, rows: 70, k: 1024, tokens: 20, wide: false, seed: 995, group: 32 };
+            check_linear(&ctx, c);
+        }
+    }
     for weights in PACKED_FORMATS {
         for (i, &(rows, k, tokens, group)) in PACKED_SHAPES.iter().enumerate() {
             for (layout, fl) in [(Layout::Auto, NORM_GATHER), (Layout::AutoMatmul, NORM_GATED), (Layout::Auto, NORM_GATED)] {
@@ -739,7 +783,7 @@ const GGML_SHAPES: [(usize, usize, usize); 3] = [(7, 256, 3), (65, 768, 9), (333
 /// The packed layouts the GGUF-only formats are checked in: every kernel and shape the
 /// runtime picks (the blocked matmul's other tile sizes differ from 8x8 only in the
 /// format-independent accumulation).
-const GGML_LAYOUTS: [Layout; 15] = [
+const GGML_LAYOUTS: [Layout; 18] = [
     Layout::MultiRow,
     Layout::MultiRowSubgroups,
     Layout::MultiRowTok4,
@@ -747,8 +791,11 @@ const GGML_LAYOUTS: [Layout; 15] = [
     Layout::Rows4,
     Layout::Rows4Bcast,
     Layout::Rows4BcastTok4,
-    Layout::Rows8Tex,
-    Layout::Rows8TexTok4,
+    Layout::Tiled,
+    Layout::TiledTok4,
+    Layout::TiledXu,
+    Layout::TiledXuTok4,
+    Layout::Blocked88Tiled,
     Layout::Blocked88Bcast,
     Layout::RowWg64Subgroups,
     Layout::RowWg64F16,
@@ -862,22 +909,26 @@ fn packed_linear_rejects_mismatched_shapes() {
 
 /// Gather `tokens` random ids (always including 0, vocab - 1 and both sides of every chunk
 /// boundary) from a random table and compare with `ops::embedding`; returns the chunk count.
-fn check_embedding(ctx: &Arc<GpuContext>, format: WeightFormat, vocab: usize, dim: usize, tokens: usize, seed: u64) -> usize {
+fn check_embedding(ctx: &Arc<GpuContext>, format: WeightFormat, vocab: usize, dim: usize, tokens: usize, seed: u64, tiled: bool) -> usize {
     let mut rng = Rng::new(seed);
     let group = if dim.is_multiple_of(32) { 32 } else { 8 };
     let w = HostWeight::random(&mut rng, vocab, dim, format, group);
-    let lin = GpuLinear::upload(ctx, "embed", w.matrix(), None, None, vocab, dim).expect("upload table");
-    let table = &lin.w;
+    let lin = GpuLinear::upload_with(ctx, "embed", w.matrix(), None, None, vocab, dim, tiled).expect("upload table");
+    let chunks = lin.chunks();
     let mut ids: Vec<u32> = vec![0, vocab as u32 - 1];
-    for c in table.chunks.iter().skip(1) {
-        ids.extend([c.row_offset as u32 - 1, c.row_offset as u32]);
+    for &(r, _) in chunks.iter().skip(1) {
+        ids.extend([r as u32 - 1, r as u32]);
     }
     while ids.len() < tokens {
         ids.push(rng.below(vocab) as u32);
     }
     rng.shuffle(&mut ids);
     let t = ids.len();
-    let what = format!("embedding {format:?} vocab {vocab} dim {dim} tokens {t} ({} chunks)", table.chunks.len());
+    let what = format!(
+        "embedding {format:?} vocab {vocab} dim {dim} tokens {t} ({} chunks{})",
+        chunks.len(),
+        if lin.is_tiled() { ", tiled textures" } else { "" }
+    );
     let step = step_buffer(ctx);
     let idb = buf_u32(ctx, "ids", &ids);
     let y = create_zeroed(ctx, "y", (t * dim * 4) as u64).unwrap();
@@ -885,23 +936,26 @@ fn check_embedding(ctx: &Arc<GpuContext>, format: WeightFormat, vocab: usize, di
     submit(ctx, &step, t as u32, t as u32, &d);
     let got = read_f32s(ctx, &y, t * dim);
     assert_close(&what, &got, &ops::embedding(&w.values, vocab, dim, &ids), EXACT);
-    table.chunks.len()
+    chunks.len()
 }
 
 #[test]
 fn embedding_matches_reference() {
     let ctx = gpu();
-    check_embedding(&ctx, WeightFormat::F32, 50, 58, 33, 11);
-    check_embedding(&ctx, WeightFormat::F32, 20, 578, 3, 12);
-    check_embedding(&ctx, WeightFormat::F32, 9, 7, 1, 13);
-    check_embedding(&ctx, WeightFormat::F16, 50, 6, 33, 14);
-    check_embedding(&ctx, WeightFormat::F16, 20, 130, 3, 15);
-    for (i, f) in PACKED_FORMATS.into_iter().enumerate() {
-        check_embedding(&ctx, f, 50, 64, 33, 16 + i as u64);
-        check_embedding(&ctx, f, 9, 40, 3, 19 + i as u64);
-    }
-    for (i, f) in GGML_FORMATS.into_iter().enumerate() {
-        check_embedding(&ctx, f, 37, 512, 9, 60 + i as u64);
+    check_embedding(&ctx, WeightFormat::F32, 50, 58, 33, 11, false);
+    check_embedding(&ctx, WeightFormat::F32, 20, 578, 3, 12, false);
+    check_embedding(&ctx, WeightFormat::F32, 9, 7, 1, 13, false);
+    check_embedding(&ctx, WeightFormat::F16, 50, 6, 33, 14, false);
+    check_embedding(&ctx, WeightFormat::F16, 20, 130, 3, 15, false);
+    // Packed tables in storage buffers and (where the adapter holds them so) tiled textures.
+    for tiled in [false, true] {
+        for (i, f) in PACKED_FORMATS.into_iter().enumerate() {
+            check_embedding(&ctx, f, 50, 64, 33, 16 + i as u64, tiled);
+            check_embedding(&ctx, f, 9, 40, 3, 19 + i as u64, tiled);
+        }
+        for (i, f) in GGML_FORMATS.into_iter().enumerate() {
+            check_embedding(&ctx, f, 37, 512, 9, 60 + i as u64, tiled);
+        }
     }
 }
 
@@ -918,8 +972,12 @@ fn embedding_table_split_across_bindings_matches_reference() {
         (WeightFormat::Q4, 300, 64, 25),
         (WeightFormat::Q4Sym, 600, 32, 26),
     ] {
-        let chunks = check_embedding(&ctx, format, vocab, dim, 15, seed);
-        assert!(chunks >= 3, "{format:?} {vocab}x{dim}: only {chunks} chunks");
+        for tiled in [false, true] {
+            // Tiled tables split at whole tiles of 32 rows: fewer, larger chunks.
+            let chunks = check_embedding(&ctx, format, vocab, dim, 15, seed, tiled);
+            let want = if tiled && format.is_packed() && linear::xbcast_fits(&ctx) { 2 } else { 3 };
+            assert!(chunks >= want, "{format:?} {vocab}x{dim}: only {chunks} chunks");
+        }
     }
 }
 

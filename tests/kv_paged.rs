@@ -186,12 +186,11 @@ fn budget_sizes_the_cache_and_a_full_cache_refuses_with_a_message() {
     use lantern::model::plan::workspace_bytes;
     let l = load_path(&common::smollm2_gguf()).expect("load SmolLM2 GGUF");
     let c = l.weights.config.clone();
-    // Texture copies either way (the default decides by the budget, which this test varies).
-    let opts = ModelOptions { context: Some(64), max_seqs: 3, weight_textures: Some(true), ..Default::default() };
+    let opts = ModelOptions { context: Some(64), max_seqs: 3, ..Default::default() };
     // Weight bytes as the load counts them, from a load without a budget.
     let ctx = common::gpu_with(&Default::default());
     let probe = pollster::block_on(GpuModel::load(ctx.clone(), &l.weights, opts.clone())).expect("upload");
-    let weights = probe.memory().weight_bytes() + probe.memory().weight_textures;
+    let weights = probe.memory().weight_bytes() + probe.memory().window_padding;
     drop(probe);
     let ws = workspace_bytes(&c, opts.max_batch_tokens, opts.max_logit_rows.min(opts.max_batch_tokens), 64);
     let per_page = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, KvDtype::F32) * 16;

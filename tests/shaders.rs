@@ -95,12 +95,18 @@ fn every_variant_translates_to_spirv_msl_and_hlsl() {
 /// validated and translated above. The linear ops keep their fullest common fusion
 /// (`NORM | GATED`: the norm prologue and the gated epilogue); the other fusions (bias,
 /// residual, the gathered LM-head rows, GELU, plain) are shown once, on the f32 matvec.
+/// The tiled matvec keeps its XU form.
 fn snapshotted(key: &PipelineKey) -> bool {
     use lantern::gpu::shader::{flags, ShaderOp, WeightFormat};
     let linear =
         matches!(key.op, ShaderOp::Matvec | ShaderOp::Matmul | ShaderOp::MatmulBlocked | ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ);
     if !linear {
         return true;
+    }
+    // The tiled matvec without XU differs from the XU one (the runtime's choice) only in
+    // reading x from storage.
+    if key.op == ShaderOp::MatvecQ && key.flags & flags::TEX != 0 && key.flags & flags::XU == 0 {
+        return false;
     }
     let fused = flags::NORM | flags::GATED | flags::BIAS | flags::RESIDUAL | flags::GATHER | flags::GELU;
     let f32_matvec = key.op == ShaderOp::Matvec && key.weights == WeightFormat::F32 && key.flags & !fused == 0;
@@ -163,6 +169,8 @@ fn uniform_structs_match_their_wgsl_mirrors() {
             let want = match (b.group, b.binding) {
                 (0, 0) => step,
                 (0, 1) => lantern::kernels::params_size(key.op) as u32,
+                // XU: the 64 KiB windows of x and the norm weight the Rust side binds.
+                (0, 15) | (0, 16) => lantern::kernels::linear::XU_WINDOW,
                 other => panic!("{}: unexpected uniform at {other:?}", key.label()),
             };
             assert_eq!(size, want, "{}: uniform at binding {} is {size} bytes in WGSL, {want} in Rust", key.label(), b.binding);

@@ -13,9 +13,7 @@
 
 use std::collections::HashMap;
 
-use lantern::model::gguf::{
-    config_from_gguf, convert_tensor, packed_bytes, part_tensors, weights_from_gguf, weights_part, GgufFile, GgufTensorInfo,
-};
+use lantern::model::gguf::{config_from_gguf, convert_tensor, part_tensors, weights_from_gguf, weights_part, GgufFile, GgufTensorInfo};
 use lantern::model::tokenizer::{ChatMessage, Tokenizer};
 use lantern::model::{HostTensor, ModelConfig};
 
@@ -91,7 +89,6 @@ fn exercise_gguf(g: &GgufFile<'_>, data: &[u8]) {
             exercise_host_tensor(&h);
         }
     }
-    let _ = packed_bytes(g);
     if let Ok(config) = config_from_gguf(g) {
         exercise_config(&config);
         if let Ok(w) = weights_from_gguf(g, GGUF_NAME) {

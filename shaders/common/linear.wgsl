@@ -30,20 +30,26 @@ struct Params {
 #if W_F32
 @group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
 #else
-@group(0) @binding(3) var<storage, read> w: array<u32>;            // (n_rows, k) f16 pairs
+#ifndef TEX
+@group(0) @binding(3) var<storage, read> w: array<u32>;            // (n_rows, k) f16 pairs or codes
+#endif
 #endif
 #if GATED
 #if W_F32
 @group(0) @binding(4) var<storage, read> u: array<f32>;            // (n_rows, k) up
 #else
+#ifndef TEX
 @group(0) @binding(4) var<storage, read> u: array<u32>;
 #endif
 #endif
+#endif
 #if NORM
+#ifndef XU
 #if X_VEC4
 @group(0) @binding(5) var<storage, read> g: array<vec4<f32>>;      // (k / 4) norm weight
 #else
 @group(0) @binding(5) var<storage, read> g: array<f32>;            // (k) norm weight
+#endif
 #endif
 #endif
 #if BIAS
@@ -51,9 +57,28 @@ struct Params {
 #endif
 @group(0) @binding(7) var<storage, read_write> y: array<f32>;      // (n_tok, out_stride)
 #if W_PACKED
+#if TEX
+// Codes and scales as tiled rgba32uint textures (common/weights.wgsl, TEX).
+@group(0) @binding(11) var wtex: texture_2d<u32>;
+@group(0) @binding(12) var wstex: texture_2d<u32>;
+#if GATED
+@group(0) @binding(13) var utex: texture_2d<u32>;
+@group(0) @binding(14) var ustex: texture_2d<u32>;
+#endif
+#else
 @group(0) @binding(9) var<storage, read> wsc: array<u32>;          // group scales of w
 #if GATED
 @group(0) @binding(10) var<storage, read> usc: array<u32>;         // group scales of u
+#endif
+#endif
+#endif
+#if XU
+// The first 64 KiB of x (and of the norm weight, whose buffer is at least that long) as
+// uniforms: CPU adapters gather a uniform vector in a few instructions, where a divergent
+// storage load is a per-lane loop. Rows of x past the window are read from `x`.
+@group(0) @binding(15) var<uniform> xu: array<vec4<f32>, 4096>;
+#if NORM
+@group(0) @binding(16) var<uniform> gu: array<vec4<f32>, 4096>;
 #endif
 #endif
 
@@ -73,6 +98,7 @@ fn gelu_tanh(v: f32) -> f32 {
 #endif
 
 #if X_VEC4
+#ifndef XU
 // x'[4 i .. 4 i + 4] of the input row starting at vec4 `xb4`: with NORM scaled by the norm
 // weight, their squares added to `*sum_sq` (which is left alone otherwise).
 fn load_x4(xb4: u32, i: u32, sum_sq: ptr<function, f32>) -> vec4<f32> {
@@ -83,6 +109,7 @@ fn load_x4(xb4: u32, i: u32, sum_sq: ptr<function, f32>) -> vec4<f32> {
 #endif
     return v;
 }
+#endif
 #else
 // x'[k], x'[k + 1] of the input row starting at element `xb`: with NORM scaled by the norm
 // weight, their squares added to `*sum_sq` (which is left alone otherwise).

@@ -11,6 +11,15 @@
 // its IQ4 table value), `w_scale` gives the group's (d, m) and `deq` computes c d + m. The
 // pure pieces (codes8, the scale decoders) are what the texture kernel shares; only loads
 // differ per binding (w / u / textures).
+//
+// With TEX (CPU adapters with 8-lane subgroups) packed weights live in rgba32uint textures
+// instead of storage buffers: `wtex` / `wstex` (and `utex` / `ustex`), declared by the
+// including shader, in tiles of TILE rows (src/gpu/buffer.rs `TiledTensor`): texel i of row
+// r at linear index (r / TILE) * TILE * tpr + i * TILE + r % TILE (tpr: the row's texels, its
+// words padded to whole texels), linear index l at (l % TEXW, l / TEXW). A workgroup of the
+// tiled matvec computes one tile (8 lanes x 4 rows), so each of its texel fetches reads one
+// contiguous run of the texture. `code_word` / `scale_word` read through the same
+// addressing, so every kernel walking words serves texture-held weights unchanged.
 #if W_F32
 fn w_load(i: u32) -> f32 {
     return w[i];
@@ -188,6 +197,56 @@ fn code4(q: vec4<u32>) -> vec4<f32> {
 #endif
 }
 
+// The offset `code4` adds to a raw code: c = raw + CODE_OFF (0 where codes are used as they
+// are: table values, signed Q8 bytes, unsigned 4-bit codes whose offset is the minimum).
+#if W_Q5S
+const CODE_OFF: f32 = -16.0;
+#else
+#if W_Q6K
+const CODE_OFF: f32 = -32.0;
+#else
+#if W_Q3K
+const CODE_OFF: f32 = -4.0;
+#else
+const CODE_OFF: f32 = 0.0;
+#endif
+#endif
+#endif
+
+// The eight codes of one step without CODE_OFF (kernels that factor the group's scale out
+// of the sum fold the offset into the minimum: sum((q + o) d + m) x = d sum(q x) + (m + o d)
+// sum(x)); table formats give their table values, Q8 its signed bytes.
+fn raw8(b: vec2<u32>) -> array<vec4<f32>, 2> {
+#if W_Q8
+    return codes8(b);
+#else
+#if W_TABLE
+    return codes8(b);
+#else
+#if W_LO2
+    var lo = (vec4<u32>(b.x) >> vec4<u32>(0u, 2u, 4u, 6u)) & vec4<u32>(3u);
+    var hi = (vec4<u32>(b.x) >> vec4<u32>(8u, 10u, 12u, 14u)) & vec4<u32>(3u);
+#if W_HI1
+    lo |= ((vec4<u32>(b.y) >> vec4<u32>(0u, 1u, 2u, 3u)) & vec4<u32>(1u)) << vec4<u32>(2u);
+    hi |= ((vec4<u32>(b.y) >> vec4<u32>(4u, 5u, 6u, 7u)) & vec4<u32>(1u)) << vec4<u32>(2u);
+#endif
+#else
+    var lo = (vec4<u32>(b.x) >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(15u);
+    var hi = (vec4<u32>(b.x) >> vec4<u32>(16u, 20u, 24u, 28u)) & vec4<u32>(15u);
+#if W_HI1
+    lo |= ((vec4<u32>(b.y) >> vec4<u32>(0u, 1u, 2u, 3u)) & vec4<u32>(1u)) << vec4<u32>(4u);
+    hi |= ((vec4<u32>(b.y) >> vec4<u32>(4u, 5u, 6u, 7u)) & vec4<u32>(1u)) << vec4<u32>(4u);
+#endif
+#if W_HI2
+    lo |= ((vec4<u32>(b.y) >> vec4<u32>(0u, 2u, 4u, 6u)) & vec4<u32>(3u)) << vec4<u32>(4u);
+    hi |= ((vec4<u32>(b.y) >> vec4<u32>(8u, 10u, 12u, 14u)) & vec4<u32>(3u)) << vec4<u32>(4u);
+#endif
+#endif
+    return array<vec4<f32>, 2>(vec4<f32>(bitcast<vec4<i32>>(lo)), vec4<f32>(bitcast<vec4<i32>>(hi)));
+#endif
+#endif
+}
+
 // The eight codes c of one step from its bits (see step_bits): elements 0-3 and 4-7.
 fn codes8(b: vec2<u32>) -> array<vec4<f32>, 2> {
 #if W_Q8
@@ -239,8 +298,22 @@ fn scale_of(word: u32, hi: u32) -> vec2<f32> {
 
 #if W_SUPER
 // Sub-blocks (groups) per 256-element super-block.
+// The group size of a super-block format is fixed (src/quant QuantKind::ggml_group: 16 for
+// Q6_K, Q3_K and Q2_K, 32 for the others), so this is a constant, not a per-lane division.
 fn groups_per_sb() -> u32 {
-    return 256u / p.group;
+#if W_Q6K
+    return 16u;
+#else
+#if W_Q3K
+    return 16u;
+#else
+#if W_Q2K
+    return 16u;
+#else
+    return 8u;
+#endif
+#endif
+#endif
 }
 
 // Byte i of four words.
@@ -316,6 +389,59 @@ fn sb_extra_index(sb: u32) -> vec2<u32> {
 }
 #endif
 
+#if TEX
+// Rows per tile (src/gpu/buffer.rs TILE_ROWS) and texels per texture row (TEX_WIDTH).
+const TILE: u32 = 32u;
+const TEXW: u32 = 512u;
+
+// Texel i of row `row` of a tiled texture whose rows hold `tpr` texels each.
+fn tile_texel(t: texture_2d<u32>, row: u32, i: u32, tpr: u32) -> vec4<u32> {
+    let l = (row / TILE) * TILE * tpr + i * TILE + row % TILE;
+    return textureLoad(t, vec2<u32>(l % TEXW, l / TEXW), 0);
+}
+
+// Texels per row of the codes and of the scales.
+fn code_texels() -> u32 {
+    return (row_words() + 3u) / 4u;
+}
+
+fn scale_texels() -> u32 {
+    return (scale_row_words() + 3u) / 4u;
+}
+
+// Texel i of row `row` of the codes / scales of matrix `m` (0: w, 1: u with GATED).
+fn code_texel(m: u32, row: u32, i: u32) -> vec4<u32> {
+#if GATED
+    if (m == 1u) {
+        return tile_texel(utex, row, i, code_texels());
+    }
+#endif
+    return tile_texel(wtex, row, i, code_texels());
+}
+
+fn scale_texel(m: u32, row: u32, i: u32) -> vec4<u32> {
+#if GATED
+    if (m == 1u) {
+        return tile_texel(ustex, row, i, scale_texels());
+    }
+#endif
+    return tile_texel(wstex, row, i, scale_texels());
+}
+
+// Word i of the scales and of the codes of matrix `m`, i counted as in the storage layout
+// (row * words per row + word): one texel fetch per word, for kernels that walk words.
+fn scale_word(m: u32, i: u32) -> u32 {
+    let n = scale_row_words();
+    let wi = i % n;
+    return pick4(scale_texel(m, i / n, wi / 4u), wi % 4u);
+}
+
+fn code_word(m: u32, i: u32) -> u32 {
+    let n = row_words();
+    let wi = i % n;
+    return pick4(code_texel(m, i / n, wi / 4u), wi % 4u);
+}
+#else
 // Word i of the scales and of the codes of matrix `m` (0: w, 1: u with GATED): WGSL cannot
 // pass storage arrays to functions, and `m` is a constant at every call, so the branch
 // folds away.
@@ -336,6 +462,7 @@ fn code_word(m: u32, i: u32) -> u32 {
 #endif
     return w[i];
 }
+#endif
 
 // A super-block's scale words as `sb_scale` reads them (header, extra word and its half).
 struct SbHead {

@@ -444,17 +444,19 @@ fn run(a: RunArgs) -> Result<()> {
             .iter()
             .map(|(k, d)| {
                 if d.scale_bytes > 0 {
-                    format!("{k} {:.1} MB ({} tensors, {:.1} MB of it scales)", mb(d.bytes + d.scale_bytes), d.tensors, mb(d.scale_bytes))
+                    let pad = if d.padding > 0 { format!(", + {:.1} MB texture padding", mb(d.padding)) } else { String::new() };
+                    format!(
+                        "{k} {:.1} MB ({} tensors, {:.1} MB of it scales{pad})",
+                        mb(d.bytes + d.scale_bytes),
+                        d.tensors,
+                        mb(d.scale_bytes)
+                    )
                 } else {
                     format!("{k} {:.1} MB ({} tensors)", mb(d.bytes), d.tensors)
                 }
             })
             .collect();
-        let tex = if mem.weight_textures > 0 {
-            format!(" | texture copies for the CPU-adapter matvec {:.1} MB", mb(mem.weight_textures))
-        } else {
-            String::new()
-        };
+        let tex = if mem.tiled_weights > 0 { format!(" ({:.1} MB of it as tiled textures)", mb(mem.tiled_weights)) } else { String::new() };
         let rings = match &mem.kv_window_ring {
             Some(r) => format!("; sliding layers keep a {}-token ring per sequence, {:.1} MB of it", r.tokens(), mb(mem.kv_ring_bytes)),
             None => String::new(),

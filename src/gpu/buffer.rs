@@ -164,26 +164,35 @@ impl GpuTensor {
 /// Create a storage buffer holding `bytes` (padded to 4 bytes, at least 4), checking the
 /// binding limit and capturing allocation failure.
 pub fn create_storage(ctx: &GpuContext, label: &str, bytes: &[u8]) -> Result<wgpu::Buffer, GpuError> {
+    create_storage_window(ctx, label, bytes, 0)
+}
+
+/// [`create_storage`] for a buffer kernels may also bind as a uniform window of `window`
+/// bytes from its start (0: none): then it is uniform-capable and zero-padded to at least
+/// `window` bytes (the tiled matvec's norm weights).
+pub fn create_storage_window(ctx: &GpuContext, label: &str, bytes: &[u8], window: u64) -> Result<wgpu::Buffer, GpuError> {
     let limit = ctx.max_binding();
     if bytes.len() as u64 > limit {
         return Err(GpuError::BindingTooLarge { tensor: label.into(), bytes: bytes.len() as u64, limit });
     }
+    let size = (bytes.len() as u64).max(window);
+    let size = (size.div_ceil(4) * 4).max(4);
     let padded;
-    let contents = if !bytes.len().is_multiple_of(4) || bytes.is_empty() {
+    let contents = if bytes.len() as u64 != size {
         let mut v = bytes.to_vec();
-        v.resize(bytes.len().div_ceil(4) * 4 + if bytes.is_empty() { 4 } else { 0 }, 0);
+        v.resize(size as usize, 0);
         padded = v;
         &padded[..]
     } else {
         bytes
     };
-    ctx.ledger.record(label, contents.len() as u64, AllocUsage::Storage);
+    ctx.ledger.record(label, size, AllocUsage::Storage);
     // Not mapped at creation: the bytes go through the queue in chunks, so no buffer-sized
     // mapping (or, in a browser, no buffer-sized JS copy) exists at any time.
     let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some(label),
-        size: contents.len() as u64,
-        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+        size,
+        usage: storage_usage(window),
         mapped_at_creation: false,
     });
     for (i, chunk) in contents.chunks(UPLOAD_CHUNK).enumerate() {
@@ -192,21 +201,37 @@ pub fn create_storage(ctx: &GpuContext, label: &str, bytes: &[u8]) -> Result<wgp
     Ok(buffer)
 }
 
+fn storage_usage(window: u64) -> wgpu::BufferUsages {
+    let u = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC;
+    if window > 0 {
+        u | wgpu::BufferUsages::UNIFORM
+    } else {
+        u
+    }
+}
+
 /// Bytes per `write_buffer` when uploading weights (a multiple of 4).
 pub const UPLOAD_CHUNK: usize = 8 << 20;
 
 /// A zeroed storage buffer of `size` bytes (rounded up to 4, at least 4).
 pub fn create_zeroed(ctx: &GpuContext, label: &str, size: u64) -> Result<wgpu::Buffer, GpuError> {
+    create_zeroed_window(ctx, label, size, 0)
+}
+
+/// [`create_zeroed`] for a buffer kernels may also bind as a uniform window of `window`
+/// bytes from its start (0: none): uniform-capable and at least `window` long (the tiled
+/// matvec's inputs).
+pub fn create_zeroed_window(ctx: &GpuContext, label: &str, size: u64, window: u64) -> Result<wgpu::Buffer, GpuError> {
     let limit = ctx.max_binding();
     if size > limit {
         return Err(GpuError::BindingTooLarge { tensor: label.into(), bytes: size, limit });
     }
-    let size = (size.div_ceil(4) * 4).max(4);
+    let size = (size.max(window).div_ceil(4) * 4).max(4);
     ctx.ledger.record(label, size, AllocUsage::Storage);
     Ok(ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some(label),
         size,
-        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+        usage: storage_usage(window),
         mapped_at_creation: false,
     }))
 }
@@ -315,40 +340,201 @@ pub async fn read_f32(ctx: &Arc<GpuContext>, src: &wgpu::Buffer, n: usize) -> Re
 }
 
 /// Texels per row of the rgba32uint textures that hold packed weights (`TEXW` in
-/// matvec_q.wgsl): a linear texel index i lives at (i % TEX_WIDTH, i / TEX_WIDTH).
-pub const TEX_WIDTH: u32 = 8192;
+/// shaders/common/weights.wgsl): a linear texel index i lives at (i % TEX_WIDTH, i / TEX_WIDTH).
+/// Narrow, because each texture's last row is padded to the full width (8192 cost SmolLM2's
+/// 300 weight textures 15 MB, 22% of its weights); 512 x lavapipe's 16384 rows still hold
+/// 128 MiB, one storage binding.
+pub const TEX_WIDTH: u32 = 512;
 
-/// An rgba32uint texture holding `words` (padded with zeros to whole rows of TEX_WIDTH
-/// texels, or one row exactly as wide as needed), or `None` when the adapter's texture
-/// limits cannot hold it.
-pub fn create_u32_texture(ctx: &GpuContext, label: &str, words: &[u32]) -> Option<(wgpu::Texture, wgpu::TextureView)> {
-    use wgpu::util::DeviceExt;
-    let max = ctx.limits.max_texture_dimension_2d;
-    let texels = words.len().div_ceil(4).max(1) as u64;
-    let height = texels.div_ceil(TEX_WIDTH as u64);
-    if TEX_WIDTH > max || height > max as u64 {
-        return None;
+/// Rows per tile of a [`TiledTensor`] (`TILE` in shaders/common/weights.wgsl): the rows one
+/// 8-lane workgroup of the tiled matvec computes (4 per lane).
+pub const TILE_ROWS: usize = 32;
+
+/// A 2-D tensor of u32 words (`rows` x `row_words`) held in rgba32uint textures, split by
+/// whole tiles of [`TILE_ROWS`] rows into chunks that each fit one texture. Each row is
+/// padded to whole texels (`texels_per_row`); texel i of row r of a chunk is at linear index
+/// `(r / TILE_ROWS) * TILE_ROWS * texels_per_row + i * TILE_ROWS + r % TILE_ROWS` (the last
+/// tile padded with zero rows), linear index l at (l % TEX_WIDTH, l / TEX_WIDTH). A
+/// workgroup reading texel i of a tile's rows reads one contiguous run of texels.
+#[derive(Debug)]
+pub struct TiledTensor {
+    pub name: String,
+    pub rows: usize,
+    pub row_words: usize,
+    pub chunks: Vec<TiledChunk>,
+}
+
+/// One texture of a [`TiledTensor`].
+#[derive(Debug)]
+pub struct TiledChunk {
+    pub texture: wgpu::Texture,
+    pub view: wgpu::TextureView,
+    /// First row of the tensor held here (a multiple of [`TILE_ROWS`]).
+    pub row_offset: usize,
+    /// Rows held here.
+    pub rows: usize,
+}
+
+impl TiledTensor {
+    /// Texels per row: the row's words padded to whole texels.
+    pub fn texels_per_row(row_words: usize) -> usize {
+        row_words.div_ceil(4)
     }
-    // A single row can be narrower: index i < width still maps to (i % TEX_WIDTH, 0).
-    let width = if height == 1 { texels as u32 } else { TEX_WIDTH };
-    let mut data = words.to_vec();
-    data.resize((height * width as u64 * 4) as usize, 0);
-    ctx.ledger.record(label, data.len() as u64 * 4, AllocUsage::Texture);
-    let tex = ctx.device.create_texture_with_data(
-        &ctx.queue,
-        &wgpu::TextureDescriptor {
-            label: Some(label),
-            size: wgpu::Extent3d { width, height: height as u32, depth_or_array_layers: 1 },
-            mip_level_count: 1,
-            sample_count: 1,
-            dimension: wgpu::TextureDimension::D2,
-            format: wgpu::TextureFormat::Rgba32Uint,
-            usage: wgpu::TextureUsages::TEXTURE_BINDING,
-            view_formats: &[],
-        },
-        wgpu::util::TextureDataOrder::LayerMajor,
-        bytemuck::cast_slice(&data),
-    );
-    let view = tex.create_view(&Default::default());
-    Some((tex, view))
+
+    /// The row ranges `(first row, rows)` of chunks for tensors of `rows` rows whose rows
+    /// take `texels` texels each (the widest of the tensors split alike: codes and scales):
+    /// as many whole tiles as one texture holds, and no more bytes than one storage binding
+    /// (a tensor splits where its buffers would, so a small binding limit tests the splits
+    /// of both); `None` when not even one tile fits.
+    pub fn split(ctx: &GpuContext, rows: usize, texels: &[usize]) -> Option<Vec<(usize, usize)>> {
+        let max = ctx.limits.max_texture_dimension_2d as usize;
+        if (TEX_WIDTH as usize) > max {
+            return None;
+        }
+        let cap = (TEX_WIDTH as usize * max).min(ctx.max_binding() as usize / 16);
+        let widest = texels.iter().copied().max().unwrap_or(1).max(1);
+        let tiles = cap / (widest * TILE_ROWS);
+        if tiles == 0 {
+            return None;
+        }
+        let per = tiles * TILE_ROWS;
+        let mut out = Vec::new();
+        let mut r = 0;
+        while r < rows || out.is_empty() {
+            let n = per.min(rows - r);
+            out.push((r, n));
+            r += n;
+            if rows == 0 {
+                break;
+            }
+        }
+        Some(out)
+    }
+
+    /// Textures for `rows` x `row_words` words split at `split` (from [`Self::split`]), zeroed;
+    /// the words come later through [`Self::write_rows`].
+    pub fn allocate(ctx: &GpuContext, name: &str, rows: usize, row_words: usize, split: &[(usize, usize)]) -> TiledTensor {
+        let tpr = Self::texels_per_row(row_words).max(1) as u64;
+        let mut chunks = Vec::new();
+        for &(r, n) in split {
+            let texels = (n.div_ceil(TILE_ROWS) * TILE_ROWS) as u64 * tpr;
+            let height = texels.div_ceil(TEX_WIDTH as u64).max(1);
+            // A single row can be narrower: index l < width still maps to (l % TEX_WIDTH, 0).
+            let width = if height == 1 { texels.max(1) as u32 } else { TEX_WIDTH };
+            let label = format!("{name}[{r}..{}]", r + n);
+            ctx.ledger.record(&label, height * width as u64 * 16, AllocUsage::Texture);
+            let texture = ctx.device.create_texture(&wgpu::TextureDescriptor {
+                label: Some(&label),
+                size: wgpu::Extent3d { width, height: height as u32, depth_or_array_layers: 1 },
+                mip_level_count: 1,
+                sample_count: 1,
+                dimension: wgpu::TextureDimension::D2,
+                format: wgpu::TextureFormat::Rgba32Uint,
+                usage: wgpu::TextureUsages::TEXTURE_BINDING | wgpu::TextureUsages::COPY_DST,
+                view_formats: &[],
+            });
+            let view = texture.create_view(&Default::default());
+            chunks.push(TiledChunk { texture, view, row_offset: r, rows: n });
+        }
+        TiledTensor { name: name.into(), rows, row_words, chunks }
+    }
+
+    /// [`Self::allocate`] and write every row of `words` (`rows` x `row_words`, row-major).
+    pub fn upload(
+        ctx: &GpuContext,
+        name: &str,
+        words: &[u32],
+        rows: usize,
+        row_words: usize,
+        split: &[(usize, usize)],
+    ) -> Result<TiledTensor, GpuError> {
+        let t = Self::allocate(ctx, name, rows, row_words, split);
+        t.write_rows(ctx, 0, words)?;
+        Ok(t)
+    }
+
+    /// Write rows `r0 ..` (as many as `words` holds, row-major): whole tiles of a chunk, or
+    /// the chunk's last rows. A streamed load writes slices of rows; its upload holds
+    /// back a slice's partial tile until the rest arrives (`kernels::linear::RowUpload`).
+    pub fn write_rows(&self, ctx: &GpuContext, r0: usize, words: &[u32]) -> Result<(), GpuError> {
+        let bad = |message: String| GpuError::Validation { context: self.name.clone(), message };
+        if self.row_words == 0 || !words.len().is_multiple_of(self.row_words) {
+            return Err(bad(format!("{} words are not whole rows of {}", words.len(), self.row_words)));
+        }
+        let n = words.len() / self.row_words;
+        if r0 + n > self.rows {
+            return Err(bad(format!("rows {r0}..{} written, the tensor has {}", r0 + n, self.rows)));
+        }
+        let tpr = Self::texels_per_row(self.row_words);
+        for c in &self.chunks {
+            let (a, b) = (r0.max(c.row_offset), (r0 + n).min(c.row_offset + c.rows));
+            if a >= b {
+                continue;
+            }
+            let (la, lb) = (a - c.row_offset, b - c.row_offset);
+            // Whole tiles only, or a run ending at the chunk's last row.
+            if !la.is_multiple_of(TILE_ROWS) || (!lb.is_multiple_of(TILE_ROWS) && lb != c.rows) {
+                return Err(bad(format!("rows {a}..{b} do not cover whole tiles of {TILE_ROWS} rows")));
+            }
+            let tiles = (lb - la).div_ceil(TILE_ROWS);
+            let mut texels = vec![0u32; tiles * TILE_ROWS * tpr * 4];
+            for r in la..lb {
+                let (tile, q) = ((r - la) / TILE_ROWS, (r - la) % TILE_ROWS);
+                let src = &words[(r + c.row_offset - r0) * self.row_words..][..self.row_words];
+                for (w, &v) in src.iter().enumerate() {
+                    texels[((tile * TILE_ROWS * tpr) + (w / 4) * TILE_ROWS + q) * 4 + w % 4] = v;
+                }
+            }
+            write_texels(ctx, &c.texture, (la / TILE_ROWS * TILE_ROWS * tpr) as u64, &texels);
+        }
+        Ok(())
+    }
+
+    /// Bytes of the words held (`rows` x `row_words` x 4), padding aside.
+    pub fn bytes(&self) -> u64 {
+        (self.rows * self.row_words * 4) as u64
+    }
+
+    /// Bytes of the textures: [`Self::bytes`] plus the padding of rows to whole texels, of
+    /// chunks to whole tiles and of each texture to whole texture rows.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.chunks.iter().map(|c| c.texture.width() as u64 * c.texture.height() as u64 * 16).sum()
+    }
+}
+
+/// Write `words` (whole texels) at linear texel index `at` of a TEX_WIDTH-wide texture: a
+/// partial first row, whole rows, a partial last row.
+fn write_texels(ctx: &GpuContext, texture: &wgpu::Texture, at: u64, words: &[u32]) {
+    let w = TEX_WIDTH as u64;
+    let mut i = at;
+    let end = at + words.len() as u64 / 4;
+    let put = |x: u64, y: u64, width: u64, height: u64, src: &[u32]| {
+        ctx.queue.write_texture(
+            wgpu::TexelCopyTextureInfo {
+                texture,
+                mip_level: 0,
+                origin: wgpu::Origin3d { x: x as u32, y: y as u32, z: 0 },
+                aspect: wgpu::TextureAspect::All,
+            },
+            bytemuck::cast_slice(src),
+            wgpu::TexelCopyBufferLayout { offset: 0, bytes_per_row: Some((width * 16) as u32), rows_per_image: None },
+            wgpu::Extent3d { width: width as u32, height: height as u32, depth_or_array_layers: 1 },
+        );
+    };
+    let word = |l: u64| ((l - at) * 4) as usize;
+    if !i.is_multiple_of(w) {
+        let n = (w - i % w).min(end - i);
+        put(i % w, i / w, n, 1, &words[word(i)..word(i + n)]);
+        i += n;
+    }
+    // Whole rows, a few MiB per write so no single staging copy is large.
+    let rows_per_write = ((UPLOAD_CHUNK as u64) / (w * 16)).max(1);
+    while end - i >= w {
+        let rows = ((end - i) / w).min(rows_per_write);
+        put(0, i / w, w, rows, &words[word(i)..word(i + rows * w)]);
+        i += rows * w;
+    }
+    if i < end {
+        put(0, i / w, end - i, 1, &words[word(i)..]);
+    }
 }

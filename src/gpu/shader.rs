@@ -211,16 +211,16 @@ impl WeightFormat {
             WeightFormat::Q4 => &["W_PACKED", "W_Q4"],
             WeightFormat::Q4Sym => &["W_PACKED", "W_Q4S"],
             // Every other GGUF format: its own define, plus the plane and scale shape the
-            // shared code paths key on (W_HI1 / W_HI2: a high plane of 1 or 2 bits; W_LO2:
+            // shared code paths key on (W_HI: a high plane, W_HI1 / W_HI2: of 1 or 2 bits; W_LO2:
             // a 2-bit low plane; W_SUPER: 256-element super-blocks; W_TABLE: IQ4 codes).
-            WeightFormat::Q5Sym => &["W_PACKED", "W_Q5S", "W_HI1"],
-            WeightFormat::Q5 => &["W_PACKED", "W_Q5", "W_HI1"],
+            WeightFormat::Q5Sym => &["W_PACKED", "W_Q5S", "W_HI", "W_HI1"],
+            WeightFormat::Q5 => &["W_PACKED", "W_Q5", "W_HI", "W_HI1"],
             WeightFormat::Iq4Nl => &["W_PACKED", "W_IQ4NL", "W_TABLE"],
             WeightFormat::Q2K => &["W_PACKED", "W_Q2K", "W_LO2", "W_SUPER"],
-            WeightFormat::Q3K => &["W_PACKED", "W_Q3K", "W_LO2", "W_HI1", "W_SUPER"],
+            WeightFormat::Q3K => &["W_PACKED", "W_Q3K", "W_LO2", "W_HI", "W_HI1", "W_SUPER"],
             WeightFormat::Q4K => &["W_PACKED", "W_Q4K", "W_SUPER"],
-            WeightFormat::Q5K => &["W_PACKED", "W_Q5K", "W_HI1", "W_SUPER"],
-            WeightFormat::Q6K => &["W_PACKED", "W_Q6K", "W_HI2", "W_SUPER"],
+            WeightFormat::Q5K => &["W_PACKED", "W_Q5K", "W_HI", "W_HI1", "W_SUPER"],
+            WeightFormat::Q6K => &["W_PACKED", "W_Q6K", "W_HI", "W_HI2", "W_SUPER"],
             WeightFormat::Iq4Xs => &["W_PACKED", "W_IQ4XS", "W_TABLE", "W_SUPER"],
         }
     }
@@ -253,12 +253,14 @@ pub mod flags {
     /// costs one load per 8 elements instead of one per element per lane (lavapipe runs
     /// every divergent load as a per-lane scalar loop). Needs SUBGROUPS.
     pub const XBCAST: u32 = 512;
-    /// Packed matvec on CPU adapters (with XBCAST): codes and scales read from rgba32uint
-    /// textures, eight rows per invocation (lavapipe fetches a 16-byte texel for a fraction
-    /// of the cost of a 4-byte storage load).
+    /// Packed weights held as tiled rgba32uint textures (CPU adapters with 8-lane
+    /// subgroups: lavapipe fetches a 16-byte texel for a fraction of the cost of one divergent
+    /// 4-byte storage load): the matvec computes a 32-row tile per workgroup from texel
+    /// fetches; the blocked matmul and the embedding gather read words through them.
     pub const TEX: u32 = 1024;
-    /// Texture matvec for a few tokens (CPU adapters' batched decode): four tokens per
-    /// invocation share every texel fetch and dequantization.
+    /// Packed matvec for a few tokens (batched decode, speculative verify): four tokens per
+    /// invocation (TEX, XBCAST) or workgroup (MULTI_ROW) share every weight read and
+    /// dequantization.
     pub const TOK4: u32 = 2048;
     /// GATED with GELU-tanh instead of SiLU: `gelu_tanh(gate x) * (up x)` (Gemma).
     pub const GELU: u32 = 4096;
@@ -270,6 +272,10 @@ pub mod flags {
     /// the rows, and the group minimum factored out of the inner loop (d sum(c x) + m sum(x)).
     /// Reduced with subgroups when SUBGROUPS is set, else in workgroup memory.
     pub const MULTI_ROW: u32 = 16384;
+    /// TEX matvec: x (and the norm weight) read from 64 KiB uniform windows, which CPU
+    /// adapters gather in a few instructions (a divergent storage load is a per-lane loop);
+    /// rows of x past the window fall back to storage loads.
+    pub const XU: u32 = 32768;
     /// Every flag with its define name, in a stable order.
     pub const ALL: &[(u32, &str)] = &[
         (NORM, "NORM"),
@@ -287,6 +293,7 @@ pub mod flags {
         (GELU, "GELU"),
         (IN_PLACE, "IN_PLACE"),
         (MULTI_ROW, "MULTI_ROW"),
+        (XU, "XU"),
     ];
 }
 

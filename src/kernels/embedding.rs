@@ -3,9 +3,10 @@
 use crate::gpu::buffer::create_uniform;
 use crate::gpu::{GpuContext, GpuError, PipelineKey, ShaderOp};
 
-use super::linear::GpuLinear;
+use super::linear::{GpuLinear, Store};
 
-use super::{bind, pipeline, Dim, Dispatch};
+use super::{pipeline, Dim, Dispatch};
+use crate::gpu::shader::flags;
 
 /// Mirrors `struct Params` in embedding.wgsl.
 #[repr(C)]
@@ -33,24 +34,43 @@ pub async fn build(
     scale: f32,
 ) -> Result<Vec<Dispatch>, GpuError> {
     let k = table.k;
-    let key = PipelineKey::new(ShaderOp::Embedding, 64).with_weights(table.format);
+    let tiled = table.is_tiled();
+    let key = PipelineKey::new(ShaderOp::Embedding, 64).with_flags(if tiled { flags::TEX } else { 0 }).with_weights(table.format);
     let pipe = pipeline(ctx, key).await?;
     let mut out = Vec::new();
-    for (ci, c) in table.w.chunks.iter().enumerate() {
+    for (ci, (row_offset, rows)) in table.chunks().into_iter().enumerate() {
         let params = EmbeddingParams {
             k: k as u32,
-            row_offset: c.row_offset as u32,
-            n_rows: c.rows as u32,
+            row_offset: row_offset as u32,
+            n_rows: rows as u32,
             group: table.quant.map_or(0, |q| q.group),
             scale,
             _pad: [0; 3],
         };
         let ubuf = create_uniform(ctx, "embedding.params", &params);
-        let mut entries = vec![(0, step), (1, &ubuf), (2, ids), (3, &c.buffer), (4, y)];
-        if let Some(s) = &table.w_scales {
-            entries.push((5, &s.chunks[ci].buffer));
+        let mut entries = vec![
+            wgpu::BindGroupEntry { binding: 0, resource: step.as_entire_binding() },
+            wgpu::BindGroupEntry { binding: 1, resource: ubuf.as_entire_binding() },
+            wgpu::BindGroupEntry { binding: 2, resource: ids.as_entire_binding() },
+            wgpu::BindGroupEntry { binding: 4, resource: y.as_entire_binding() },
+        ];
+        match &table.store {
+            Store::Buffers { w, w_scales, .. } => {
+                entries.push(wgpu::BindGroupEntry { binding: 3, resource: w.chunks[ci].buffer.as_entire_binding() });
+                if let Some(s) = w_scales {
+                    entries.push(wgpu::BindGroupEntry { binding: 5, resource: s.chunks[ci].buffer.as_entire_binding() });
+                }
+            }
+            Store::Tiled { w, ws, .. } => {
+                entries.push(wgpu::BindGroupEntry { binding: 11, resource: wgpu::BindingResource::TextureView(&w.chunks[ci].view) });
+                entries.push(wgpu::BindGroupEntry { binding: 12, resource: wgpu::BindingResource::TextureView(&ws.chunks[ci].view) });
+            }
         }
-        let bg = bind(ctx, "embedding", &pipe, &entries);
+        let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("embedding"),
+            layout: &pipe.get_bind_group_layout(0),
+            entries: &entries,
+        });
         out.push(Dispatch {
             label: format!("embedding [{}]", key.label()),
             pipeline: pipe.clone(),

@@ -4,12 +4,12 @@
 //! prologue/epilogues of all of them (`shaders/common/linear.wgsl`: RMSNorm folded in, bias,
 //! SiLU or GELU gate, residual add, gathered rows).
 
-use crate::gpu::buffer::{create_storage, create_uniform};
+use crate::gpu::buffer::{create_storage, create_uniform, TiledTensor, TILE_ROWS};
 use crate::gpu::shader::{flags, WeightFormat};
 use crate::gpu::{GpuContext, GpuError, GpuTensor, PipelineKey, ShaderOp};
 use crate::quant::{PackedMatrix, QuantFormat};
 
-use super::{bind, pipeline, Dim, Dispatch};
+use super::{pipeline, Dim, Dispatch};
 
 /// Mirrors `struct Params` in matvec.wgsl and matmul.wgsl.
 #[repr(C)]
@@ -36,94 +36,71 @@ pub enum HostMatrix<'a> {
 }
 
 /// A linear layer on the GPU: weight (n_rows x k), optional second weight for the gated
-/// product, optional bias, all split by rows into binding-sized chunks with the same row
-/// boundaries.
+/// product, optional bias, all split by rows into chunks (binding-sized buffers, or
+/// texture-sized tiled textures) with the same row boundaries.
 pub struct GpuLinear {
     pub name: String,
     pub n_rows: usize,
     pub k: usize,
     pub format: WeightFormat,
-    pub w: GpuTensor,
-    pub u: Option<GpuTensor>,
-    /// Packed formats: the group size, and the scales of `w` (and `u`), chunked like them.
+    pub store: Store,
+    /// Packed formats: the group size.
     pub quant: Option<QuantFormat>,
-    pub w_scales: Option<GpuTensor>,
-    pub u_scales: Option<GpuTensor>,
     /// One bias buffer per chunk.
     pub bias: Option<Vec<wgpu::Buffer>>,
-    /// CPU adapters: the packed codes and scales again as textures for the TEX matvec.
-    pub tex: Option<TexCopy>,
     /// Gated layers: GELU-tanh instead of SiLU on the gate (`flags::GELU`).
     pub gelu: bool,
 }
 
-/// The textures of one weight chunk (codes and scales of w, and of u when gated), each row
-/// padded to whole texels.
-pub struct TexChunk {
-    pub w: wgpu::TextureView,
-    pub ws: wgpu::TextureView,
-    pub u: Option<wgpu::TextureView>,
-    pub us: Option<wgpu::TextureView>,
-    _textures: Vec<wgpu::Texture>,
+/// Where a linear layer's weights live.
+pub enum Store {
+    /// Storage buffers: the weights (codes for packed formats), the up weight of gated
+    /// layers, and packed formats' scales, chunked alike.
+    Buffers { w: GpuTensor, u: Option<GpuTensor>, w_scales: Option<GpuTensor>, u_scales: Option<GpuTensor> },
+    /// Packed weights on CPU adapters with 8-lane subgroups ([`tiled_fits`]): codes and
+    /// scales (and the up weight's) as tiled rgba32uint textures, read by the `flags::TEX`
+    /// kernels.
+    Tiled { w: TiledTensor, ws: TiledTensor, u: Option<TiledTensor>, us: Option<TiledTensor> },
 }
 
-/// Texture copies of a packed weight (see `flags::TEX`).
-pub struct TexCopy {
-    pub chunks: Vec<TexChunk>,
-    /// Bytes of all the textures.
-    pub bytes: u64,
-}
-
-/// Whether packed weights with rows of `k` also get texture copies here: CPU adapters with
-/// 8-lane subgroups, rows of whole 32-element units (the texture kernel's step; every GGUF
-/// format's rows are). `LANTERN_TEX=0` turns it off.
-pub fn tex_fits(ctx: &GpuContext, k: usize) -> bool {
+/// Whether a packed weight with rows of `k` in `format` is held as tiled textures here: CPU
+/// adapters whose workgroup of 8 is one subgroup, rows of whole 32-element units, and scale
+/// groups of a power-of-two number of units (the kernel shifts instead of dividing) or a
+/// K-quant's fixed 16 (two per unit). `LANTERN_TEX=0` keeps
+/// storage buffers (benchmarks). Measured on lavapipe, Q4_K 16384 x 4096: 4.3-5.1 GB/s
+/// against 0.72 GB/s for the storage layout (`examples/texlab.rs`).
+pub fn tiled_fits(ctx: &GpuContext, format: QuantFormat, k: usize) -> bool {
+    let texels = [TiledTensor::texels_per_row(format.qs_words(k)), TiledTensor::texels_per_row(format.scale_words(k))];
     ctx.caps.cpu_like
         && xbcast_fits(ctx)
         && k.is_multiple_of(32)
-        && ctx.limits.max_texture_dimension_2d >= crate::gpu::buffer::TEX_WIDTH
+        && (format.kind.is_super() || format.group >= 32 && format.group.is_power_of_two())
+        && TiledTensor::split(ctx, 1, &texels).is_some()
         && std::env::var("LANTERN_TEX").as_deref() != Ok("0")
 }
 
-/// Rows `r0..r0 + n` of `words` (`per_row` words each), each padded to a multiple of 4.
-fn padded_rows(words: &[u32], per_row: usize, r0: usize, n: usize) -> Vec<u32> {
-    let padded = per_row.div_ceil(4) * 4;
-    let mut v = Vec::with_capacity(n * padded);
-    for r in r0..r0 + n {
-        v.extend_from_slice(&words[r * per_row..(r + 1) * per_row]);
-        v.resize(v.len() + padded - per_row, 0);
-    }
-    v
+/// Whether the tiled matvec reads x and the norm weight through 64 KiB uniform windows
+/// here (`flags::XU`): the adapter binds uniforms that large. Activation and norm buffers are
+/// then made uniform-capable and at least that long ([`crate::gpu::buffer::create_x_buffer`]).
+pub fn xu_fits(ctx: &GpuContext) -> bool {
+    // The padded buffers are also bound whole as storage.
+    ctx.limits.max_uniform_buffer_binding_size >= XU_WINDOW as u64
+        && ctx.max_binding() >= XU_WINDOW as u64
+        && std::env::var("LANTERN_XU").as_deref() != Ok("0")
 }
 
-fn texture_copy(
-    ctx: &GpuContext,
-    name: &str,
-    w: &PackedMatrix,
-    u: Option<&PackedMatrix>,
-    chunks: &[crate::gpu::buffer::Chunk],
-) -> Option<TexCopy> {
-    use crate::gpu::buffer::create_u32_texture;
-    let (qw, sw) = (w.format.qs_words(w.k), w.format.scale_words(w.k));
-    let mut out = Vec::new();
-    let mut bytes = 0u64;
-    for c in chunks {
-        let mut keep = Vec::new();
-        let mut mk = |label: String, words: &[u32], per_row: usize| -> Option<wgpu::TextureView> {
-            let (t, v) = create_u32_texture(ctx, &label, &padded_rows(words, per_row, c.row_offset, c.rows))?;
-            bytes += (t.width() * t.height()) as u64 * 16;
-            keep.push(t);
-            Some(v)
-        };
-        let wv = mk(format!("{name}.tex"), &w.qs, qw)?;
-        let wsv = mk(format!("{name}.scales.tex"), &w.scales, sw)?;
-        let (uv, usv) = match u {
-            Some(u) => (Some(mk(format!("{name}.up.tex"), &u.qs, qw)?), Some(mk(format!("{name}.up.scales.tex"), &u.scales, sw)?)),
-            None => (None, None),
-        };
-        out.push(TexChunk { w: wv, ws: wsv, u: uv, us: usv, _textures: keep });
+/// Bytes of the uniform window of x (`xu` in shaders/common/linear.wgsl: 4096 vec4).
+pub const XU_WINDOW: u32 = 65536;
+
+/// The uniform window the linear layers' inputs and norm weights are made for here: the
+/// tiled matvec's [`XU_WINDOW`] where it can read them so (CPU adapters with 8-lane subgroups
+/// and 64 KiB uniforms), else 0 (plain storage buffers).
+pub fn x_window(ctx: &GpuContext) -> u64 {
+    if ctx.caps.cpu_like && xbcast_fits(ctx) && xu_fits(ctx) {
+        XU_WINDOW as u64
+    } else {
+        0
     }
-    Some(TexCopy { chunks: out, bytes })
 }
 
 /// Upload one matrix: the weights (codes for packed formats) and, for packed formats, the
@@ -132,10 +109,7 @@ fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usiz
     let bad = |message: String| GpuError::Validation { context: name.into(), message };
     match m {
         HostMatrix::Packed(p) => {
-            if p.rows != n || p.k != k {
-                return Err(bad(format!("packed weight is {} x {}, expected {n} x {k}", p.rows, p.k)));
-            }
-            p.format.check(name, k).map_err(|e| bad(e.to_string()))?;
+            check_packed(name, p, n, k)?;
             let qs = GpuTensor::upload_rows(ctx, name, bytemuck::cast_slice(&p.qs), n, p.format.qs_words(k) * 4)?;
             let sc = GpuTensor::upload_rows_like(
                 ctx,
@@ -162,6 +136,32 @@ fn upload_matrix(ctx: &GpuContext, name: &str, m: &HostMatrix, n: usize, k: usiz
     }
 }
 
+fn check_packed(name: &str, p: &PackedMatrix, n: usize, k: usize) -> Result<(), GpuError> {
+    let bad = |message: String| GpuError::Validation { context: name.into(), message };
+    if p.rows != n || p.k != k {
+        return Err(bad(format!("packed weight is {} x {}, expected {n} x {k}", p.rows, p.k)));
+    }
+    p.format.check(name, k).map_err(|e| bad(e.to_string()))
+}
+
+/// The row split of a tiled matrix in `format` with rows of `k`: codes and scales alike.
+fn tiled_split(ctx: &GpuContext, name: &str, format: QuantFormat, n: usize, k: usize) -> Result<Vec<(usize, usize)>, GpuError> {
+    let texels = [TiledTensor::texels_per_row(format.qs_words(k)), TiledTensor::texels_per_row(format.scale_words(k))];
+    TiledTensor::split(ctx, n, &texels).ok_or_else(|| GpuError::BindingTooLarge {
+        tensor: name.into(),
+        bytes: (texels[0] * 16 * crate::gpu::buffer::TILE_ROWS) as u64,
+        limit: crate::gpu::buffer::TEX_WIDTH as u64 * ctx.limits.max_texture_dimension_2d as u64 * 16,
+    })
+}
+
+/// Upload a packed matrix as tiled textures (codes, scales) split at `split`.
+fn upload_tiled(ctx: &GpuContext, name: &str, p: &PackedMatrix, split: &[(usize, usize)]) -> Result<(TiledTensor, TiledTensor), GpuError> {
+    let (qw, sw) = (p.format.qs_words(p.k), p.format.scale_words(p.k));
+    let w = TiledTensor::upload(ctx, name, &p.qs, p.rows, qw, split)?;
+    let s = TiledTensor::upload(ctx, &format!("{name}.scales"), &p.scales, p.rows, sw, split)?;
+    Ok((w, s))
+}
+
 /// A single (ungated, unbiased) matrix uploaded a slice of rows at a time: a streamed load
 /// writes an LM head or embedding table (a model's largest matrix) without holding it whole
 /// on the host. Rows must be written in order; [`RowUpload::finish`] checks they all were.
@@ -171,9 +171,24 @@ pub struct RowUpload {
     k: usize,
     format: WeightFormat,
     quant: Option<QuantFormat>,
-    w: GpuTensor,
-    scales: Option<GpuTensor>,
+    dest: RowDest,
     next: usize,
+}
+
+/// Where a [`RowUpload`] writes.
+enum RowDest {
+    Buffers {
+        w: GpuTensor,
+        scales: Option<GpuTensor>,
+    },
+    /// Tiled textures take whole tiles: the rows of a slice past its last whole tile wait
+    /// here (codes, scales; starting at `RowUpload::next` minus their count) for the next.
+    Tiled {
+        w: TiledTensor,
+        ws: TiledTensor,
+        qs: Vec<u32>,
+        sc: Vec<u32>,
+    },
 }
 
 impl HostMatrix<'_> {
@@ -205,9 +220,10 @@ impl RowUpload {
         w.is_multiple_of(4) && s.is_multiple_of(4)
     }
 
-    /// GPU buffers for an `n_rows` x `k` matrix stored like `first` (a slice of its rows, in
-    /// the format every slice will have); nothing is written yet.
-    pub fn begin(ctx: &GpuContext, name: &str, first: &HostMatrix, n_rows: usize, k: usize) -> Result<RowUpload, GpuError> {
+    /// GPU storage for an `n_rows` x `k` matrix stored like `first` (a slice of its rows, in
+    /// the format every slice will have), tiled textures where [`tiled_fits`] and `tiled`;
+    /// nothing is written yet.
+    pub fn begin(ctx: &GpuContext, name: &str, first: &HostMatrix, n_rows: usize, k: usize, tiled: bool) -> Result<RowUpload, GpuError> {
         let (format, quant) = match first {
             HostMatrix::F32(_) => (WeightFormat::F32, None),
             HostMatrix::F16(_) => (WeightFormat::F16, None),
@@ -216,13 +232,27 @@ impl RowUpload {
                 (WeightFormat::from_quant(p.format.kind), Some(p.format))
             }
         };
-        let (wb, sb) = first.row_bytes(k);
-        let w = GpuTensor::allocate_rows(ctx, name, n_rows, wb)?;
-        let scales = match quant {
-            Some(_) => Some(GpuTensor::allocate_rows_like(ctx, &format!("{name}.scales"), sb, &w)?),
-            None => None,
+        let dest = match quant {
+            Some(q) if tiled && tiled_fits(ctx, q, k) => {
+                let split = tiled_split(ctx, name, q, n_rows, k)?;
+                RowDest::Tiled {
+                    w: TiledTensor::allocate(ctx, name, n_rows, q.qs_words(k), &split),
+                    ws: TiledTensor::allocate(ctx, &format!("{name}.scales"), n_rows, q.scale_words(k), &split),
+                    qs: Vec::new(),
+                    sc: Vec::new(),
+                }
+            }
+            _ => {
+                let (wb, sb) = first.row_bytes(k);
+                let w = GpuTensor::allocate_rows(ctx, name, n_rows, wb)?;
+                let scales = match quant {
+                    Some(_) => Some(GpuTensor::allocate_rows_like(ctx, &format!("{name}.scales"), sb, &w)?),
+                    None => None,
+                };
+                RowDest::Buffers { w, scales }
+            }
         };
-        Ok(RowUpload { name: name.into(), n_rows, k, format, quant, w, scales, next: 0 })
+        Ok(RowUpload { name: name.into(), n_rows, k, format, quant, dest, next: 0 })
     }
 
     /// Write the next rows (as many as `m` holds), which must be stored like the first.
@@ -241,15 +271,29 @@ impl RowUpload {
         if self.next + n > self.n_rows {
             return Err(bad(format!("rows {}..{} written, the matrix has {}", self.next, self.next + n, self.n_rows)));
         }
-        match m {
-            HostMatrix::F32(v) => self.w.write_rows(ctx, self.next, bytemuck::cast_slice(v))?,
-            HostMatrix::F16(v) => self.w.write_rows(ctx, self.next, bytemuck::cast_slice(v))?,
-            HostMatrix::Packed(p) => {
-                self.w.write_rows(ctx, self.next, bytemuck::cast_slice(&p.qs))?;
-                if let Some(s) = &self.scales {
+        match (&mut self.dest, m) {
+            (RowDest::Buffers { w, .. }, HostMatrix::F32(v)) => w.write_rows(ctx, self.next, bytemuck::cast_slice(v))?,
+            (RowDest::Buffers { w, .. }, HostMatrix::F16(v)) => w.write_rows(ctx, self.next, bytemuck::cast_slice(v))?,
+            (RowDest::Buffers { w, scales }, HostMatrix::Packed(p)) => {
+                w.write_rows(ctx, self.next, bytemuck::cast_slice(&p.qs))?;
+                if let Some(s) = scales {
                     s.write_rows(ctx, self.next, bytemuck::cast_slice(&p.scales))?;
                 }
             }
+            (RowDest::Tiled { w, ws, qs, sc }, HostMatrix::Packed(p)) => {
+                qs.extend_from_slice(&p.qs);
+                sc.extend_from_slice(&p.scales);
+                let (qw, sw) = (w.row_words, ws.row_words);
+                let held = qs.len() / qw;
+                let start = self.next + n - held;
+                // Whole tiles now; the rest waits (all of it at the matrix's end).
+                let whole = if self.next + n == self.n_rows { held } else { held / TILE_ROWS * TILE_ROWS };
+                w.write_rows(ctx, start, &qs[..whole * qw])?;
+                ws.write_rows(ctx, start, &sc[..whole * sw])?;
+                qs.drain(..whole * qw);
+                sc.drain(..whole * sw);
+            }
+            (RowDest::Tiled { .. }, _) => return Err(bad("tiled textures hold packed weights only".into())),
         }
         self.next += n;
         Ok(())
@@ -263,26 +307,26 @@ impl RowUpload {
                 message: format!("{} of {} rows were written", self.next, self.n_rows),
             });
         }
+        let store = match self.dest {
+            RowDest::Buffers { w, scales } => Store::Buffers { w, u: None, w_scales: scales, u_scales: None },
+            RowDest::Tiled { w, ws, .. } => Store::Tiled { w, ws, u: None, us: None },
+        };
         Ok(GpuLinear {
             name: self.name,
             n_rows: self.n_rows,
             k: self.k,
             format: self.format,
-            w: self.w,
-            u: None,
+            store,
             quant: self.quant,
-            w_scales: self.scales,
-            u_scales: None,
             bias: None,
-            tex: None,
             gelu: false,
         })
     }
 }
 
 impl GpuLinear {
-    /// Upload a weight (and, for gated layers, the up weight) plus an optional bias, with
-    /// texture copies of packed weights where [`tex_fits`].
+    /// Upload a weight (and, for gated layers, the up weight) plus an optional bias; packed
+    /// weights as tiled textures where [`tiled_fits`].
     pub fn upload(
         ctx: &GpuContext,
         name: &str,
@@ -295,8 +339,8 @@ impl GpuLinear {
         Self::upload_with(ctx, name, w, u, bias, n_rows, k, true)
     }
 
-    /// [`upload`](Self::upload), with `textures: false` never making texture copies (a model
-    /// too large for its weights to be held twice).
+    /// [`upload`](Self::upload), with `tiled: false` keeping packed weights in storage
+    /// buffers where tiled textures would fit (benchmarks and tests of both).
     #[allow(clippy::too_many_arguments)]
     pub fn upload_with(
         ctx: &GpuContext,
@@ -306,7 +350,7 @@ impl GpuLinear {
         bias: Option<&[f32]>,
         n_rows: usize,
         k: usize,
-        textures: bool,
+        tiled: bool,
     ) -> Result<GpuLinear, GpuError> {
         let (format, quant) = match w {
             HostMatrix::F32(_) => (WeightFormat::F32, None),
@@ -328,14 +372,34 @@ impl GpuLinear {
         if !same {
             return Err(GpuError::Validation { context: name.into(), message: "gate and up weights must share one storage format".into() });
         }
-        let (wt, w_scales) = upload_matrix(ctx, name, &w, n_rows, k)?;
-        let (ut, u_scales) = match &u {
-            Some(m) => {
-                let (t, s) = upload_matrix(ctx, &format!("{name}.up"), m, n_rows, k)?;
-                (Some(t), s)
+        let store = match (&w, quant) {
+            (HostMatrix::Packed(pw), Some(q)) if tiled && tiled_fits(ctx, q, k) => {
+                check_packed(name, pw, n_rows, k)?;
+                let split = tiled_split(ctx, name, q, n_rows, k)?;
+                let (tw, ts) = upload_tiled(ctx, name, pw, &split)?;
+                let (tu, tus) = match &u {
+                    Some(HostMatrix::Packed(pu)) => {
+                        check_packed(&format!("{name}.up"), pu, n_rows, k)?;
+                        let (a, b) = upload_tiled(ctx, &format!("{name}.up"), pu, &split)?;
+                        (Some(a), Some(b))
+                    }
+                    _ => (None, None),
+                };
+                Store::Tiled { w: tw, ws: ts, u: tu, us: tus }
             }
-            None => (None, None),
+            _ => {
+                let (wt, w_scales) = upload_matrix(ctx, name, &w, n_rows, k)?;
+                let (ut, u_scales) = match &u {
+                    Some(m) => {
+                        let (t, s) = upload_matrix(ctx, &format!("{name}.up"), m, n_rows, k)?;
+                        (Some(t), s)
+                    }
+                    None => (None, None),
+                };
+                Store::Buffers { w: wt, u: ut, w_scales, u_scales }
+            }
         };
+        let chunks = store.chunks();
         let bias = match bias {
             Some(b) => {
                 if b.len() != n_rows {
@@ -345,41 +409,83 @@ impl GpuLinear {
                     });
                 }
                 let mut v = Vec::new();
-                for c in &wt.chunks {
-                    v.push(create_storage(ctx, &format!("{name}.bias"), bytemuck::cast_slice(&b[c.row_offset..c.row_offset + c.rows]))?);
+                for &(r, n) in &chunks {
+                    v.push(create_storage(ctx, &format!("{name}.bias"), bytemuck::cast_slice(&b[r..r + n]))?);
                 }
                 Some(v)
             }
             None => None,
         };
-        let tex = match (&w, &u, quant) {
-            (HostMatrix::Packed(pw), u, Some(_)) if textures && tex_fits(ctx, k) => {
-                let pu = match u {
-                    Some(HostMatrix::Packed(p)) => Some(*p),
-                    _ => None,
-                };
-                texture_copy(ctx, name, pw, pu, &wt.chunks)
-            }
-            _ => None,
-        };
-        Ok(GpuLinear { name: name.into(), n_rows, k, format, w: wt, u: ut, quant, w_scales, u_scales, bias, tex, gelu: false })
+        Ok(GpuLinear { name: name.into(), n_rows, k, format, store, quant, bias, gelu: false })
     }
 
-    /// Bytes of weights held on the GPU (codes and scales).
+    /// The row ranges `(first row, rows)` of the chunks: one dispatch each.
+    pub fn chunks(&self) -> Vec<(usize, usize)> {
+        self.store.chunks()
+    }
+
+    /// Whether this is a gated layer (gate and up weights).
+    pub fn is_gated(&self) -> bool {
+        match &self.store {
+            Store::Buffers { u, .. } => u.is_some(),
+            Store::Tiled { u, .. } => u.is_some(),
+        }
+    }
+
+    /// Whether the weights are tiled textures (read by the `flags::TEX` kernels only).
+    pub fn is_tiled(&self) -> bool {
+        matches!(self.store, Store::Tiled { .. })
+    }
+
+    /// Bytes of the weights (codes and scales) as packed, padding aside.
     pub fn bytes(&self) -> u64 {
-        let t = |x: &Option<GpuTensor>| x.as_ref().map_or(0, |t| t.bytes());
-        self.w.bytes() + t(&self.u) + t(&self.w_scales) + t(&self.u_scales)
+        match &self.store {
+            Store::Buffers { w, u, w_scales, u_scales } => {
+                let t = |x: &Option<GpuTensor>| x.as_ref().map_or(0, |t| t.bytes());
+                w.bytes() + t(u) + t(w_scales) + t(u_scales)
+            }
+            Store::Tiled { w, ws, u, us } => {
+                let t = |x: &Option<TiledTensor>| x.as_ref().map_or(0, |t| t.bytes());
+                w.bytes() + ws.bytes() + t(u) + t(us)
+            }
+        }
+    }
+
+    /// Bytes of tiled textures' padding (rows to whole texels, chunks to whole tiles,
+    /// textures to whole texture rows); 0 for storage buffers.
+    pub fn padding_bytes(&self) -> u64 {
+        match &self.store {
+            Store::Buffers { .. } => 0,
+            Store::Tiled { w, ws, u, us } => {
+                [Some(w), Some(ws), u.as_ref(), us.as_ref()].into_iter().flatten().map(|t| t.allocated_bytes() - t.bytes()).sum()
+            }
+        }
     }
 
     /// Bytes of scale metadata alone (packed formats).
     pub fn scale_bytes(&self) -> u64 {
-        let t = |x: &Option<GpuTensor>| x.as_ref().map_or(0, |t| t.bytes());
-        t(&self.w_scales) + t(&self.u_scales)
+        match &self.store {
+            Store::Buffers { w_scales, u_scales, .. } => {
+                let t = |x: &Option<GpuTensor>| x.as_ref().map_or(0, |t| t.bytes());
+                t(w_scales) + t(u_scales)
+            }
+            Store::Tiled { ws, us, .. } => ws.bytes() + us.as_ref().map_or(0, |t| t.bytes()),
+        }
     }
 
     /// Bytes of bias held on the GPU.
     pub fn bias_bytes(&self) -> u64 {
         self.bias.as_ref().map_or(0, |_| self.n_rows as u64 * 4)
+    }
+}
+
+impl Store {
+    /// The row ranges `(first row, rows)` of the chunks.
+    pub fn chunks(&self) -> Vec<(usize, usize)> {
+        match self {
+            Store::Buffers { w, .. } => w.chunks.iter().map(|c| (c.row_offset, c.rows)).collect(),
+            Store::Tiled { w, .. } => w.chunks.iter().map(|c| (c.row_offset, c.rows)).collect(),
+        }
     }
 }
 
@@ -427,7 +533,7 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
     if io.residual {
         fl |= flags::RESIDUAL;
     }
-    if lin.u.is_some() {
+    if lin.is_gated() {
         fl |= flags::GATED;
         if lin.gelu {
             fl |= flags::GELU;
@@ -441,6 +547,9 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
             });
         }
         fl |= flags::GATHER;
+    }
+    if lin.is_tiled() {
+        return build_with_key(ctx, lin, io, tiled_key(ctx, lin, io, shape, fl)).await;
     }
     let mut features = crate::gpu::Features::default();
     let packed = lin.format.is_packed();
@@ -458,16 +567,9 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
             }
             if fl & flags::XBCAST != 0 {
                 features.subgroups = true;
-                // Batched steps take four tokens per pass over the weights: from the texture
-                // copies when the model has them (`LANTERN_TOK4=tex` or
-                // `ModelOptions::weight_textures`), else from storage; one token reads
-                // storage (measured on lavapipe, SmolLM2 Q4_1 decode: 57 ms per token from
-                // storage, 85 ms from textures).
+                // Batched steps take four tokens per pass over the weights.
                 if shape == Shape::MatvecBatch {
                     fl |= flags::TOK4;
-                    if lin.tex.is_some() {
-                        fl |= flags::TEX;
-                    }
                 }
             }
             features.f16 = packed && fl & flags::ROW_PER_WORKGROUP != 0 && packed_f16(ctx);
@@ -496,6 +598,40 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
     build_with_key(ctx, lin, io, key).await
 }
 
+/// The `flags::TEX` variant reading a tiled linear in `shape` (epilogue flags `fl`): the
+/// tiled matvec (TOK4 for batched steps; XU where x and the norm weight can be bound as
+/// uniform windows), or the blocked matmul reading words through the textures.
+pub fn tiled_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: Shape, fl: u32) -> PipelineKey {
+    let sg = crate::gpu::Features { f16: false, subgroups: true };
+    match shape {
+        Shape::Matmul => {
+            let (_, f, w) = BLOCKED_DEFAULT;
+            PipelineKey::new(ShaderOp::MatmulBlockedQ, w)
+                .with_flags(fl | f | flags::XBCAST | flags::TEX)
+                .with_weights(lin.format)
+                .with_features(sg)
+        }
+        Shape::Matvec | Shape::MatvecBatch => {
+            let mut f = fl | flags::TEX;
+            if shape == Shape::MatvecBatch {
+                f |= flags::TOK4;
+            }
+            if xu_usable(ctx, lin, io) {
+                f |= flags::XU;
+            }
+            PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(f).with_weights(lin.format).with_features(sg)
+        }
+    }
+}
+
+/// Whether the tiled matvec can read `io`'s x and norm weight through 64 KiB uniform windows:
+/// the adapter allows them ([`xu_fits`]), a row of x fits one, and the buffers are
+/// uniform-capable and at least that long.
+fn xu_usable(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>) -> bool {
+    let window = |b: &wgpu::Buffer| b.usage().contains(wgpu::BufferUsages::UNIFORM) && b.size() >= XU_WINDOW as u64;
+    xu_fits(ctx) && lin.k * 4 <= XU_WINDOW as usize && window(io.x) && io.norm.is_none_or(window)
+}
+
 /// Matvec layout by adapter: `(flags, workgroup size)`.
 ///
 /// On CPU adapters (lavapipe, SwiftShader) every storage-buffer load is emulated per lane
@@ -521,12 +657,6 @@ pub fn matvec_layout(ctx: &GpuContext) -> (u32, u32) {
     } else {
         (flags::ROW_PER_WORKGROUP, 64)
     }
-}
-
-/// Whether models get texture copies of packed weights by default, for the texture form of
-/// the batched (TOK4) packed matvec (`LANTERN_TOK4=tex`; the storage form is the default).
-pub fn tok4_from_textures() -> bool {
-    std::env::var("LANTERN_TOK4").as_deref() == Ok("tex")
 }
 
 /// The packed matvec's layout here: `matvec_layout`, restricted to the tuned packed layouts
@@ -629,10 +759,33 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
             message: format!("{} needs workgroups of exactly one 8-lane subgroup", key.label()),
         });
     }
-    if key.flags & flags::TOK4 != 0 && key.flags & flags::TEX != 0 && lin.tex.is_none() {
+    let tex = key.flags & flags::TEX != 0;
+    if tex != lin.is_tiled() || tex && !matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) {
         return Err(GpuError::Validation {
             context: lin.name.clone(),
-            message: format!("{} reads texture-held weights, which {} has not", key.label(), lin.name),
+            message: format!(
+                "{} reads {} weights, but {} holds them in {}",
+                key.label(),
+                if tex { "texture-held" } else { "buffer-held" },
+                lin.name,
+                if lin.is_tiled() { "tiled textures" } else { "storage buffers" }
+            ),
+        });
+    }
+    if tex && (key.workgroup != 8 || !xbcast_fits(ctx)) {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!("{} needs workgroups of exactly one 8-lane subgroup", key.label()),
+        });
+    }
+    if key.flags & flags::XU != 0 && (key.op != ShaderOp::MatvecQ || !xu_usable(ctx, lin, io)) {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!(
+                "{} reads x and the norm weight as {XU_WINDOW}-byte uniform windows: k = {} must fit one, and the buffers must be uniform-capable and that long",
+                key.label(),
+                lin.k
+            ),
         });
     }
     if matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) && (!io.x_stride.is_multiple_of(4) || !lin.k.is_multiple_of(4)) {
@@ -655,8 +808,8 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
     let pipe = pipeline(ctx, key).await?;
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension.max(1);
     let mut out = Vec::new();
-    for (ci, chunk) in lin.w.chunks.iter().enumerate() {
-        let rows = chunk.rows as u32;
+    for (ci, (row_offset, rows)) in lin.chunks().into_iter().enumerate() {
+        let rows = rows as u32;
         let (grid, grid_x) = match key.op {
             ShaderOp::Matmul => ([Dim::Const(rows.div_ceil(32)), Dim::TokensDiv(32), Dim::Const(1)], 0),
             ShaderOp::MatmulBlocked | ShaderOp::MatmulBlockedQ => {
@@ -668,8 +821,8 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
                     rows
                 } else if key.flags & flags::MULTI_ROW != 0 {
                     rows.div_ceil(MULTI_ROW_ROWS)
-                } else if key.flags & flags::TEX != 0 {
-                    rows.div_ceil(8 * key.workgroup)
+                } else if tex {
+                    rows.div_ceil(TILE_ROWS as u32)
                 } else if key.flags & flags::ROWS4 != 0 {
                     rows.div_ceil(4 * key.workgroup)
                 } else {
@@ -685,7 +838,7 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
         let params = LinearParams {
             n_rows: rows,
             k: lin.k as u32,
-            row_offset: (io.out_offset + chunk.row_offset) as u32,
+            row_offset: (io.out_offset + row_offset) as u32,
             out_stride: io.out_stride as u32,
             x_stride: io.x_stride as u32,
             grid_x,
@@ -693,60 +846,72 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
             group: lin.quant.map_or(0, |q| q.group),
         };
         let ubuf = create_uniform(ctx, &format!("{}.params", lin.name), &params);
-        let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(0, io.step), (1, &ubuf), (2, io.x), (3, &chunk.buffer), (7, io.y)];
-        if key.flags & flags::GATED != 0 {
-            let u = lin
-                .u
-                .as_ref()
-                .ok_or_else(|| GpuError::Validation { context: lin.name.clone(), message: "gated kernel without up weight".into() })?;
-            entries.push((4, &u.chunks[ci].buffer));
-        }
-        if let Some(g) = io.norm {
-            entries.push((5, g));
-        }
-        if let Some(b) = &lin.bias {
-            entries.push((6, &b[ci]));
-        }
-        if let Some(r) = io.rows {
-            entries.push((8, r));
-        }
-        let tex = if key.flags & flags::TEX != 0 {
-            let t = lin.tex.as_ref().ok_or_else(|| GpuError::Validation {
-                context: lin.name.clone(),
-                message: format!("{} needs the texture copy of the weights", key.label()),
-            })?;
-            // The texture kernel reads no weight storage buffers.
-            entries.retain(|(b, _)| !matches!(b, 3 | 4));
-            Some(&t.chunks[ci])
-        } else {
-            None
-        };
-        if key.weights.is_packed() && tex.is_none() {
-            let missing = || GpuError::Validation { context: lin.name.clone(), message: "packed kernel without scales".into() };
-            entries.push((9, &lin.w_scales.as_ref().ok_or_else(missing)?.chunks[ci].buffer));
-            if key.flags & flags::GATED != 0 {
-                entries.push((10, &lin.u_scales.as_ref().ok_or_else(missing)?.chunks[ci].buffer));
-            }
-        }
-        let bg = match tex {
-            None => bind(ctx, &lin.name, &pipe, &entries),
-            Some(tc) => {
-                let mut all: Vec<wgpu::BindGroupEntry> =
-                    entries.iter().map(|(b, buf)| wgpu::BindGroupEntry { binding: *b, resource: buf.as_entire_binding() }).collect();
-                let views = [(11, Some(&tc.w)), (12, Some(&tc.ws)), (13, tc.u.as_ref()), (14, tc.us.as_ref())];
-                for (b, v) in views {
-                    if let Some(v) = v.filter(|_| b < 13 || key.flags & flags::GATED != 0) {
-                        all.push(wgpu::BindGroupEntry { binding: b, resource: wgpu::BindingResource::TextureView(v) });
+        let gated = key.flags & flags::GATED != 0;
+        let missing = |what: &str| GpuError::Validation { context: lin.name.clone(), message: format!("{} needs {what}", key.label()) };
+        let mut entries: Vec<(u32, Res)> = vec![(0, Res::Buf(io.step)), (1, Res::Buf(&ubuf)), (2, Res::Buf(io.x)), (7, Res::Buf(io.y))];
+        match &lin.store {
+            Store::Buffers { w, u, w_scales, u_scales } => {
+                entries.push((3, Res::Buf(&w.chunks[ci].buffer)));
+                if gated {
+                    entries.push((4, Res::Buf(&u.as_ref().ok_or_else(|| missing("the up weight"))?.chunks[ci].buffer)));
+                }
+                if key.weights.is_packed() {
+                    entries.push((9, Res::Buf(&w_scales.as_ref().ok_or_else(|| missing("scales"))?.chunks[ci].buffer)));
+                    if gated {
+                        entries.push((10, Res::Buf(&u_scales.as_ref().ok_or_else(|| missing("scales"))?.chunks[ci].buffer)));
                     }
                 }
-                ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                    label: Some(&lin.name),
-                    layout: &pipe.get_bind_group_layout(0),
-                    entries: &all,
-                })
             }
-        };
+            Store::Tiled { w, ws, u, us } => {
+                entries.push((11, Res::View(&w.chunks[ci].view)));
+                entries.push((12, Res::View(&ws.chunks[ci].view)));
+                if gated {
+                    entries.push((13, Res::View(&u.as_ref().ok_or_else(|| missing("the up weight"))?.chunks[ci].view)));
+                    entries.push((14, Res::View(&us.as_ref().ok_or_else(|| missing("the up weight"))?.chunks[ci].view)));
+                }
+            }
+        }
+        if let Some(g) = io.norm {
+            entries.push(if key.flags & flags::XU != 0 { (16, Res::Window(g)) } else { (5, Res::Buf(g)) });
+        }
+        if key.flags & flags::XU != 0 {
+            entries.push((15, Res::Window(io.x)));
+        }
+        if let Some(b) = &lin.bias {
+            entries.push((6, Res::Buf(&b[ci])));
+        }
+        if let Some(r) = io.rows {
+            entries.push((8, Res::Buf(r)));
+        }
+        let bg = bind_res(ctx, &lin.name, &pipe, &entries);
         out.push(Dispatch { label: format!("{} [{}]", lin.name, key.label()), pipeline: pipe.clone(), bind_group: bg, grid });
     }
     Ok(out)
+}
+
+/// A resource bound to a linear kernel.
+enum Res<'a> {
+    Buf(&'a wgpu::Buffer),
+    /// The first [`XU_WINDOW`] bytes of a buffer, as a uniform.
+    Window(&'a wgpu::Buffer),
+    View(&'a wgpu::TextureView),
+}
+
+fn bind_res(ctx: &GpuContext, label: &str, pipe: &wgpu::ComputePipeline, entries: &[(u32, Res)]) -> wgpu::BindGroup {
+    let all: Vec<wgpu::BindGroupEntry> = entries
+        .iter()
+        .map(|(b, r)| wgpu::BindGroupEntry {
+            binding: *b,
+            resource: match r {
+                Res::Buf(buf) => buf.as_entire_binding(),
+                Res::Window(buf) => wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: buf,
+                    offset: 0,
+                    size: std::num::NonZeroU64::new(XU_WINDOW as u64),
+                }),
+                Res::View(v) => wgpu::BindingResource::TextureView(v),
+            },
+        })
+        .collect();
+    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor { label: Some(label), layout: &pipe.get_bind_group_layout(0), entries: &all })
 }

@@ -228,15 +228,18 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
     let f16_sg = Features { f16: features.f16, subgroups: features.subgroups };
     for w in WeightFormat::packed() {
         v.push(PipelineKey::new(ShaderOp::Embedding, 64).with_weights(w));
+        v.push(PipelineKey::new(ShaderOp::Embedding, 64).with_flags(TEX).with_weights(w));
         for &c in &combos {
             v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4).with_weights(w));
             if features.subgroups {
                 v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST).with_weights(w).with_features(sg));
                 v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST | TOK4).with_weights(w).with_features(sg));
+                // Tiled texture-held weights (CPU adapters with 8-lane subgroups): x from
+                // storage, or from uniform windows (XU).
                 for tok in [0, TOK4] {
-                    v.push(
-                        PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST | TEX | tok).with_weights(w).with_features(sg),
-                    );
+                    for xu in [0, XU] {
+                        v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | TEX | tok | xu).with_weights(w).with_features(sg));
+                    }
                 }
             }
             for feat in [sg, f16_sg] {
@@ -255,12 +258,14 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
                 }
                 v.push(PipelineKey::new(ShaderOp::MatmulBlockedQ, 8).with_flags(c | BLOCK_M8 | BLOCK_N8).with_weights(w));
                 if features.subgroups {
-                    v.push(
-                        PipelineKey::new(ShaderOp::MatmulBlockedQ, 8)
-                            .with_flags(c | BLOCK_M8 | BLOCK_N8 | XBCAST)
-                            .with_weights(w)
-                            .with_features(sg),
-                    );
+                    for tex in [0, TEX] {
+                        v.push(
+                            PipelineKey::new(ShaderOp::MatmulBlockedQ, 8)
+                                .with_flags(c | BLOCK_M8 | BLOCK_N8 | XBCAST | tex)
+                                .with_weights(w)
+                                .with_features(sg),
+                        );
+                    }
                 }
             }
         }

@@ -109,8 +109,8 @@ pub async fn load_gguf_streamed(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(crate::model::llama::GpuModel, Tokenizer)> {
     use crate::model::gguf::{
-        check_streamed, config_from_gguf, convert_tensor, gguf_info_for, packed_bytes, part_tensors, row_range, weights_part_except,
-        GgufError, GgufFile, STREAMED_MATRICES,
+        check_streamed, config_from_gguf, convert_tensor, gguf_info_for, part_tensors, row_range, weights_part_except, GgufError, GgufFile,
+        STREAMED_MATRICES,
     };
     use crate::model::llama::Part;
     let mut n = 4u64 << 20;
@@ -157,7 +157,6 @@ pub async fn load_gguf_streamed(
         }
         weights_part_except(&config, layer, tensors, streamed, name)
     };
-    let model =
-        crate::model::llama::GpuModel::load_streamed(ctx, config.clone(), packed_bytes(&gguf), options, &mut fetch, progress).await?;
+    let model = crate::model::llama::GpuModel::load_streamed(ctx, config.clone(), options, &mut fetch, progress).await?;
     Ok((model, tokenizer))
 }

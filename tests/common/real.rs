@@ -44,6 +44,11 @@ pub fn check_memory(path: &Path, model: &GpuModel) {
         m.weights.keys()
     );
     assert!((ratio - 1.0).abs() <= 0.02, "GPU weight bytes {gpu_quant} vs file {file_quant}");
+    // With the padding of tiled textures (CPU adapters with 8-lane subgroups) too.
+    let padding: u64 = m.weights.values().map(|w| w.padding).sum();
+    let with_padding = (gpu_quant + padding) as f64 / file_quant as f64;
+    eprintln!("  tiled-texture padding {padding} bytes ({:+.3}% with it)", 100.0 * (with_padding - 1.0));
+    assert!(with_padding - 1.0 <= 0.02, "GPU weight bytes {gpu_quant} + padding {padding} vs file {file_quant}");
     // f32 norms and biases only: an f32 copy of any matrix would add its size here.
     assert!(
         m.weights.get("f32").map_or(0, |w| w.bytes) <= file_f32,
@@ -51,7 +56,7 @@ pub fn check_memory(path: &Path, model: &GpuModel) {
         m.weights.get("f32")
     );
     assert!(!m.weights.contains_key("f16"));
-    assert!(m.weight_textures == 0 || model.ctx.caps.cpu_like, "texture copies on CPU adapters only");
+    assert!(m.tiled_weights == 0 || model.ctx.caps.cpu_like, "tiled texture weights on CPU adapters only");
 }
 
 /// Last-position top-20 logits bound (the fixtures' "about 1e-3 absolute").

@@ -360,11 +360,6 @@ pub fn part_tensors<'g>(gguf: &'g GgufFile<'_>, layer: Option<usize>) -> Vec<&'g
     gguf.tensors().iter().filter(|t| gguf_layer(&t.name) == layer).collect()
 }
 
-/// Bytes of the file's quantized tensors (what a load keeps packed).
-pub fn packed_bytes(gguf: &GgufFile<'_>) -> u64 {
-    gguf.tensors().iter().filter(|t| gguf.loadable_dtype(t).ok().and_then(|d| d.quant_kind()).is_some()).map(|t| t.size).sum()
-}
-
 /// One GGUF tensor as Lantern holds it: its Hugging Face name, file dtype, and bytes (with
 /// llama.cpp's Q/K row permutation undone for llama/mistral), from its raw bytes `raw`;
 /// `None` for tensors with no counterpart (RoPE factor tensors are read into the config).

@@ -1,6 +1,6 @@
 //! Memory accounting: where a loaded model's GPU bytes went ([`MemoryReport`], checked
 //! against the allocation ledger), the budget the KV cache is sized against, and whether packed
-//! weights also get texture copies.
+//! weights may be held as tiled textures.
 
 use crate::gpu::GpuContext;
 use crate::kernels::linear::GpuLinear;
@@ -20,6 +20,9 @@ pub struct DtypeBytes {
     pub bytes: u64,
     /// Bytes of group scales (packed dtypes).
     pub scale_bytes: u64,
+    /// Bytes of tiled textures' padding (`kernels::linear::GpuLinear::padding_bytes`):
+    /// allocated beside `bytes` and `scale_bytes`, which are the packed weights themselves.
+    pub padding: u64,
 }
 
 /// Where a loaded model's GPU memory went. Built from the model's own buffers and checked
@@ -29,9 +32,12 @@ pub struct DtypeBytes {
 pub struct MemoryReport {
     /// Weights by dtype (`q4g32`, `q8g32`, `f16`, `f32`; norms and biases are `f32`).
     pub weights: std::collections::BTreeMap<String, DtypeBytes>,
-    /// CPU adapters: packed codes and scales held a second time as textures for the texel
-    /// matvec (`flags::TEX`).
-    pub weight_textures: u64,
+    /// The part of the weights held as tiled textures (CPU adapters with 8-lane subgroups:
+    /// `kernels::linear::tiled_fits`), padding included.
+    pub tiled_weights: u64,
+    /// Zeros that make norm weights as long as the uniform window the tiled matvec binds
+    /// them with (`kernels::linear::XU_WINDOW`).
+    pub window_padding: u64,
     pub kv_cache: u64,
     /// Activations, step inputs, logits and the RoPE table.
     pub workspace: u64,
@@ -65,13 +71,14 @@ pub struct MemoryReport {
 }
 
 impl MemoryReport {
+    /// Bytes the weights take on the GPU, padding included.
     pub fn weight_bytes(&self) -> u64 {
-        self.weights.values().map(|d| d.bytes + d.scale_bytes).sum()
+        self.weights.values().map(|d| d.bytes + d.scale_bytes + d.padding).sum()
     }
 
     /// Bytes the categories explain (equals `ledger_bytes` when every allocation is known).
     pub fn total(&self) -> u64 {
-        self.weight_bytes() + self.weight_textures + self.kv_cache + self.workspace + self.uniforms + self.readback
+        self.weight_bytes() + self.window_padding + self.kv_cache + self.workspace + self.uniforms + self.readback
     }
 
     fn add_linear(&mut self, lin: &GpuLinear) {
@@ -80,13 +87,16 @@ impl MemoryReport {
             None => lin.format.name().to_string(),
         };
         let e = self.weights.entry(key).or_default();
-        e.tensors += 1 + lin.u.is_some() as usize;
+        e.tensors += 1 + lin.is_gated() as usize;
         e.bytes += lin.bytes() - lin.scale_bytes();
         e.scale_bytes += lin.scale_bytes();
+        e.padding += lin.padding_bytes();
+        if lin.is_tiled() {
+            self.tiled_weights += lin.bytes() + lin.padding_bytes();
+        }
         if lin.bias.is_some() {
             self.add_f32_vector(lin.n_rows);
         }
-        self.weight_textures += lin.tex.as_ref().map_or(0, |t| t.bytes);
     }
 
     /// Every weight of a load: linear layers by dtype, norms and biases as f32.
@@ -98,9 +108,13 @@ impl MemoryReport {
             for lin in [&layer.o, &layer.gate_up, &layer.down] {
                 self.add_linear(lin);
             }
-            self.add_f32_vector(hidden);
-            self.add_f32_vector(hidden);
-            for b in [&layer.qk_norm, &layer.attn_out_norm, &layer.mlp_out_norm].into_iter().flatten() {
+            for b in [Some(&layer.in_norm), Some(&layer.post_norm), layer.attn_out_norm.as_ref(), layer.mlp_out_norm.as_ref()]
+                .into_iter()
+                .flatten()
+            {
+                self.add_norm(b, hidden);
+            }
+            if let Some(b) = &layer.qk_norm {
                 self.add_f32_vector(b.size() as usize / 4);
             }
         }
@@ -108,7 +122,14 @@ impl MemoryReport {
         if let Some(e) = &w.embed_own {
             self.add_linear(e);
         }
-        self.add_f32_vector(hidden);
+        self.add_norm(&w.final_norm, hidden);
+    }
+
+    /// A norm weight of `n` values; its buffer may be padded to a uniform window (the tiled
+    /// matvec reads fused norm weights so), which counts as `window_padding`.
+    fn add_norm(&mut self, b: &wgpu::Buffer, n: usize) {
+        self.add_f32_vector(n);
+        self.window_padding += b.size().saturating_sub(n as u64 * 4);
     }
 
     fn add_f32_vector(&mut self, n: usize) {
@@ -119,28 +140,10 @@ impl MemoryReport {
 }
 
 impl GpuModel {
-    /// Whether packed weights get texture copies (CPU adapters' batched matvec, `TOK4 | TEX`,
-    /// with `LANTERN_TOK4=tex`): as `options.weight_textures` says, by default only with
-    /// `LANTERN_TOK4=tex` and while holding the weights twice takes
-    /// at most 60% of the memory budget, so that a
-    /// large model keeps its room for the KV cache (Qwen2.5-1.5B Q4_K_M on lavapipe's 2 GiB
-    /// heap: 1.1 GB of weights, no copies).
-    /// `packed`: bytes of the file's quantized tensors.
-    pub(super) fn weight_textures(ctx: &GpuContext, packed: u64, options: &ModelOptions) -> bool {
-        if let Some(t) = options.weight_textures {
-            return t;
-        }
-        // Only the texture form of the four-token matvec reads them, and it is opt-in: the
-        // storage form measured faster on lavapipe (SmolLM2 Q4_1, a 4-token step's gate/up
-        // projection: 35 ms from storage, 47-56 ms from textures).
-        if !crate::kernels::linear::tok4_from_textures() {
-            return false;
-        }
-        let adapter = crate::gpu::memory::default_budget(&crate::gpu::memory::adapter_memory(ctx)).map(|(b, _)| b);
-        match options.memory_budget.into_iter().chain(adapter).min() {
-            Some(budget) => 2 * packed <= budget / 5 * 3,
-            None => true,
-        }
+    /// Whether packed weights may be held as tiled textures (`kernels::linear::tiled_fits`:
+    /// CPU adapters with 8-lane subgroups): as `options.weight_textures` says, by default yes.
+    pub(super) fn weight_textures(options: &ModelOptions) -> bool {
+        options.weight_textures.unwrap_or(true)
     }
 
     /// Pages of KV cache for this load: `requested` (max_seqs full contexts), or fewer when

@@ -135,8 +135,7 @@ impl GpuModel {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<GpuModel> {
         let mark = ctx.ledger.mark();
-        let packed: u64 = weights.tensors.values().filter(|t| t.dtype.quant_kind().is_some()).map(|t| t.data.len() as u64).sum();
-        let textures = Self::weight_textures(&ctx, packed, &options);
+        let textures = Self::weight_textures(&options);
         let w = upload::upload_weights(&ctx, weights, options.weights, textures, progress)?;
         Self::finish_load(ctx, weights.config.clone(), options, mark, w).await
     }
@@ -146,18 +145,16 @@ impl GpuModel {
     /// table and head come a slice of rows at a time (`fetch(Part::Rows { .. })`,
     /// [`ModelOptions::stream_slice_bytes`] each), each a [`ModelWeights`] holding just those, under Hugging Face names. Each part
     /// is uploaded and dropped before the next is asked for, so host memory holds about one
-    /// layer or one slice. `packed_bytes` is the size of the model's quantized tensors (for
-    /// the texture-copy rule). Native GGUF files and browser `Blob`s load this way.
+    /// layer or one slice. Native GGUF files and browser `Blob`s load this way.
     pub async fn load_streamed(
         ctx: Arc<GpuContext>,
         config: ModelConfig,
-        packed_bytes: u64,
         options: ModelOptions,
         fetch: &mut impl AsyncFnMut(Part) -> Result<ModelWeights>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<GpuModel> {
         let mark = ctx.ledger.mark();
-        let textures = Self::weight_textures(&ctx, packed_bytes, &options);
+        let textures = Self::weight_textures(&options);
         let keep = options.weights;
         let mut layers = Vec::with_capacity(config.num_layers);
         for l in 0..config.num_layers {

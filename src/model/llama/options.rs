@@ -48,9 +48,10 @@ pub struct ModelOptions {
     /// The budget is the smaller of this and 90% of what the adapter reports
     /// (`gpu::memory`); the KV cache gets what is left, up to `max_seqs` full contexts.
     pub memory_budget: Option<u64>,
-    /// CPU adapters: hold packed weights a second time as textures for the batched matvec
-    /// (`Some(true)`), never (`Some(false)`), or only while holding them twice takes at most
-    /// 60% of the memory budget (`None`, the default).
+    /// CPU adapters with 8-lane subgroups (lavapipe): hold packed weights as tiled textures,
+    /// read through texel fetches (`None` or `Some(true)`, the default where they fit:
+    /// `kernels::linear::tiled_fits`), or in storage buffers (`Some(false)`: the slower
+    /// storage kernels, for comparisons).
     pub weight_textures: Option<bool>,
     /// A streamed load ([`GpuModel::load_streamed`](super::GpuModel::load_streamed)) reads
     /// the embedding table and the head a slice of rows at a time, each slice at most this

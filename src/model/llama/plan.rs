@@ -2,11 +2,11 @@
 //! (decode matvec, CPU adapters' batched matvec, prefill matmul) the dispatches of every layer
 //! and of the head, with their bind groups, built once at load.
 
-use crate::gpu::buffer::{create_storage, create_zeroed};
+use crate::gpu::buffer::{create_storage, create_zeroed, create_zeroed_window};
 use crate::gpu::shader::flags;
 use crate::gpu::GpuContext;
 use crate::kernels::attention::{AttentionIo, AttentionParams, KvBinding};
-use crate::kernels::linear::{LinearIo, Shape};
+use crate::kernels::linear::{x_window, LinearIo, Shape};
 use crate::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
 use crate::kernels::{self, Dispatch};
 use crate::kv::cache::{KvCache, KvStore};
@@ -97,6 +97,7 @@ impl Workspace {
         let t = options.max_batch_tokens.max(1);
         // Rows of logits per step: as asked, within one storage binding.
         let r = options.max_logit_rows.max(1).min(t).min((ctx.max_binding() / (c.vocab_size as u64 * 4)).max(1) as usize);
+        let xw = x_window(ctx);
         let ws = Workspace {
             step: kernels::step_buffer(ctx),
             ids: create_zeroed(ctx, "ids", (t * 4) as u64).map_err(gpu_err)?,
@@ -104,10 +105,11 @@ impl Workspace {
             token_seq: create_zeroed(ctx, "token_seq", (t * 4) as u64).map_err(gpu_err)?,
             block_table: create_zeroed(ctx, "block_table", (kv_cfg.max_seqs * kv_cfg.max_pages_per_seq() * 4) as u64).map_err(gpu_err)?,
             logit_rows: create_zeroed(ctx, "logit_rows", (r * 4) as u64).map_err(gpu_err)?,
-            hidden: create_zeroed(ctx, "hidden", (t * d * 4) as u64).map_err(gpu_err)?,
+            // The linear layers' inputs, which the tiled matvec may read as uniform windows.
+            hidden: create_zeroed_window(ctx, "hidden", (t * d * 4) as u64, xw).map_err(gpu_err)?,
             qkv: create_zeroed(ctx, "qkv", (t * qkv_dim * 4) as u64).map_err(gpu_err)?,
-            attn: create_zeroed(ctx, "attn", (t * q_dim * 4) as u64).map_err(gpu_err)?,
-            act: create_zeroed(ctx, "act", (t * f * 4) as u64).map_err(gpu_err)?,
+            attn: create_zeroed_window(ctx, "attn", (t * q_dim * 4) as u64, xw).map_err(gpu_err)?,
+            act: create_zeroed_window(ctx, "act", (t * f * 4) as u64, xw).map_err(gpu_err)?,
             logits: create_zeroed(ctx, "logits", (r * c.vocab_size * 4) as u64).map_err(gpu_err)?,
             argmax: create_zeroed(ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
             topk: create_zeroed(ctx, "topk", (r * kernels::topk::TOPK_ROW_WORDS * 4) as u64).map_err(gpu_err)?,

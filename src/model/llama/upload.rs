@@ -2,7 +2,7 @@
 //! [`WeightPrecision`] allow (packed GGUF blocks stay packed, bit for bit), q|k|v as runs of
 //! parts stored alike, gate and up as one gated layer, and the norms as f32 vectors.
 
-use crate::gpu::buffer::create_storage;
+use crate::gpu::buffer::{create_storage, create_storage_window};
 use crate::gpu::GpuContext;
 use crate::kernels::linear::{GpuLinear, HostMatrix, RowUpload};
 use crate::model::{DType, HostTensor, ModelWeights};
@@ -135,7 +135,8 @@ pub(super) fn upload_weights(
 /// An f32 norm (or other vector) weight.
 fn upload_norm(ctx: &GpuContext, weights: &ModelWeights, name: &str) -> Result<wgpu::Buffer> {
     let t = get(weights, name)?;
-    create_storage(ctx, name, bytemuck::cast_slice(&t.to_f32())).map_err(gpu_err)
+    // The tiled matvec reads a fused norm's weight as a uniform window.
+    create_storage_window(ctx, name, bytemuck::cast_slice(&t.to_f32()), crate::kernels::linear::x_window(ctx)).map_err(gpu_err)
 }
 
 /// Layer `l` from `weights` (which may hold only that layer's tensors).
@@ -276,8 +277,7 @@ pub(super) async fn upload_globals_streamed(
 }
 
 /// The `n` x `k` matrix `tensor` uploaded as `label` from slices of rows. Whole (one fetch of
-/// every row) where it cannot be written by slices: texture copies wanted, or f16 rows that
-/// are not whole words.
+/// every row) where it cannot be written by slices: f16 rows that are not whole words.
 #[allow(clippy::too_many_arguments)]
 async fn stream_matrix(
     ctx: &GpuContext,
@@ -294,8 +294,7 @@ async fn stream_matrix(
     let rows = |start: usize| Part::Rows { tensor: tensor.into(), start, end: (start + per).min(n) };
     let first_part = fetch(rows(0)).await?;
     let first = matrix(&[get(&first_part, tensor)?], keep)?;
-    let tex = textures && matches!(first, Owned::Packed(_)) && crate::kernels::linear::tex_fits(ctx, k);
-    if per >= n || tex || !RowUpload::fits(&first.as_matrix(), k) {
+    if per >= n || !RowUpload::fits(&first.as_matrix(), k) {
         let m = if per >= n {
             first
         } else {
@@ -305,7 +304,7 @@ async fn stream_matrix(
         };
         return GpuLinear::upload_with(ctx, label, m.as_matrix(), None, None, n, k, textures).map_err(gpu_err);
     }
-    let mut up = RowUpload::begin(ctx, label, &first.as_matrix(), n, k).map_err(gpu_err)?;
+    let mut up = RowUpload::begin(ctx, label, &first.as_matrix(), n, k, textures).map_err(gpu_err)?;
     up.write(ctx, &first.as_matrix()).map_err(gpu_err)?;
     drop((first, first_part));
     let mut start = per;
