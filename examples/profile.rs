@@ -1,5 +1,6 @@
 //! Per-kernel wall-clock profile of one prefill and one decode step:
-//! `cargo run --release --example profile -- MODEL.gguf [PROMPT_TOKENS]`.
+//! `cargo run --release --example profile -- MODEL.gguf [PROMPT_TOKENS [BATCH_MAX_TOKENS]]`
+//! (the last: steps up to this many tokens take the batched matvec instead of the matmul).
 
 use lantern::gpu::{DeviceOptions, GpuContext};
 use lantern::model::llama::{GpuModel, ModelOptions};
@@ -9,7 +10,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n: usize = std::env::args().nth(2).map(|s| s.parse()).transpose()?.unwrap_or(16);
     let loaded = lantern::model::load::load_path(std::path::Path::new(&path))?;
     let ctx = pollster::block_on(GpuContext::new(&DeviceOptions::default()))?;
-    let mut m = pollster::block_on(GpuModel::load(ctx.clone(), &loaded.weights, ModelOptions::default()))?;
+    let batch_max_tokens = std::env::args().nth(3).map(|s| s.parse()).transpose()?;
+    let opts = ModelOptions { batch_max_tokens, ..Default::default() };
+    let mut m = pollster::block_on(GpuModel::load(ctx.clone(), &loaded.weights, opts))?;
     let seq = m.new_sequence()?;
     let prompt: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
     for (name, tokens) in [

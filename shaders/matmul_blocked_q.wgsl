@@ -196,7 +196,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let n_tok = step.n_tokens;
     let m0 = wid.y * TM;
     let n0 = (wid.x * WG + lid) * TN;
-    let wpr = row_words();
     let last = p.n_rows - 1u;
     // Rows of the block (rows past the end read the last row) and their word bases.
     let ra = min(vec4<u32>(n0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
@@ -215,26 +214,29 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
 #endif
     let spg = p.group / 8u;
-    let wa = ra * wpr;
+    let wa = vec4<u32>(code_base(ra.x), code_base(ra.y), code_base(ra.z), code_base(ra.w));
 #if BLOCK_N8
-    let wb = rb * wpr;
+    let wb = vec4<u32>(code_base(rb.x), code_base(rb.y), code_base(rb.z), code_base(rb.w));
 #endif
     // Super-block scale words of the rows, read once per super-block.
-    let srw = scale_row_words();
+    let sa = vec4<u32>(scale_base(ra.x), scale_base(ra.y), scale_base(ra.z), scale_base(ra.w));
+#if BLOCK_N8
+    let sbb = vec4<u32>(scale_base(rb.x), scale_base(rb.y), scale_base(rb.z), scale_base(rb.w));
+#endif
     var ha: Heads4;
     var hb: Heads4;
     var hua: Heads4;
     var hub: Heads4;
     for (var gi = 0u; gi < p.k / p.group; gi++) {
         var s: Sk;
-        s.a = scales4(0u, ra * srw, gi, &ha);
+        s.a = scales4(0u, sa, gi, &ha);
 #if BLOCK_N8
-        s.b = scales4(0u, rb * srw, gi, &hb);
+        s.b = scales4(0u, sbb, gi, &hb);
 #endif
 #if GATED
-        s.ua = scales4(1u, ra * srw, gi, &hua);
+        s.ua = scales4(1u, sa, gi, &hua);
 #if BLOCK_N8
-        s.ub = scales4(1u, rb * srw, gi, &hub);
+        s.ub = scales4(1u, sbb, gi, &hub);
 #endif
 #endif
         for (var j = 0u; j < spg; j++) {

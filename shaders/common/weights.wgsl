@@ -428,20 +428,42 @@ fn scale_texel(m: u32, row: u32, i: u32) -> vec4<u32> {
     return tile_texel(wstex, row, i, scale_texels());
 }
 
-// Word i of the scales and of the codes of matrix `m`, i counted as in the storage layout
-// (row * words per row + word): one texel fetch per word, for kernels that walk words.
+// Word i of the scales and of the codes of matrix `m`, i = code_base(row) + word (or
+// scale_base): one texel fetch per word, for kernels that walk words.
 fn scale_word(m: u32, i: u32) -> u32 {
-    let n = scale_row_words();
-    let wi = i % n;
-    return pick4(scale_texel(m, i / n, wi / 4u), wi % 4u);
+    let wi = i & ROW_WORDS_MASK;
+    return pick4(scale_texel(m, i >> ROW_SHIFT, wi / 4u), wi % 4u);
 }
 
 fn code_word(m: u32, i: u32) -> u32 {
-    let n = row_words();
-    let wi = i % n;
-    return pick4(code_texel(m, i / n, wi / 4u), wi % 4u);
+    let wi = i & ROW_WORDS_MASK;
+    return pick4(code_texel(m, i >> ROW_SHIFT, wi / 4u), wi % 4u);
+}
+
+// Word indices of texture-held weights: row << ROW_SHIFT | word, so that code_word splits
+// them with a shift instead of a division by the row's words (a per-lane scalar loop on CPU
+// adapters). Rows of at most 32768 words, chunks of at most 131072 rows
+// (`kernels::linear::tiled_fits`, `TiledTensor::split`).
+const ROW_SHIFT: u32 = 15u;
+const ROW_WORDS_MASK: u32 = 32767u;
+
+fn code_base(row: u32) -> u32 {
+    return row << ROW_SHIFT;
+}
+
+fn scale_base(row: u32) -> u32 {
+    return row << ROW_SHIFT;
 }
 #else
+// The word index of row `row`'s first code word / scale word in `w` / `wsc` (and `u`, `usc`).
+fn code_base(row: u32) -> u32 {
+    return row * row_words();
+}
+
+fn scale_base(row: u32) -> u32 {
+    return row * scale_row_words();
+}
+
 // Word i of the scales and of the codes of matrix `m` (0: w, 1: u with GATED): WGSL cannot
 // pass storage arrays to functions, and `m` is a constant at every call, so the branch
 // folds away.
@@ -604,7 +626,7 @@ fn step_words(m: u32, rb: u32, k8: u32) -> vec2<u32> {
 }
 
 fn w_scale(row: u32, gi: u32) -> vec2<f32> {
-    return scale_at(0u, row * scale_row_words(), gi);
+    return scale_at(0u, scale_base(row), gi);
 }
 
 fn w_q8w(rb: u32, k8: u32) -> vec2<u32> {
@@ -613,7 +635,7 @@ fn w_q8w(rb: u32, k8: u32) -> vec2<u32> {
 
 #if GATED
 fn u_scale(row: u32, gi: u32) -> vec2<f32> {
-    return scale_at(1u, row * scale_row_words(), gi);
+    return scale_at(1u, scale_base(row), gi);
 }
 
 fn u_q8w(rb: u32, k8: u32) -> vec2<u32> {
@@ -634,8 +656,8 @@ fn deq(c: vec4<f32>, s: vec2<f32>) -> vec4<f32> {
 
 // The eight dequantized elements of step k8 of `row` of matrix `m`.
 fn deq8_of(m: u32, row: u32, k8: u32) -> array<vec4<f32>, 2> {
-    let s = scale_at(m, row * scale_row_words(), k8 / p.group);
-    let c = codes8(step_words(m, row * row_words(), k8));
+    let s = scale_at(m, scale_base(row), k8 / p.group);
+    let c = codes8(step_words(m, code_base(row), k8));
     return array<vec4<f32>, 2>(deq(c[0], s), deq(c[1], s));
 }
 
@@ -652,7 +674,7 @@ fn u_deq8(row: u32, k8: u32) -> array<vec4<f32>, 2> {
 fn w_elem(row: u32, c: u32) -> f32 {
     let k8 = c & ~7u;
     let s = w_scale(row, c / p.group);
-    let v = codes8(w_q8w(row * row_words(), k8));
+    let v = codes8(w_q8w(code_base(row), k8));
     return v[(c >> 2u) & 1u][c & 3u] * s.x + s.y;
 }
 #endif

@@ -350,6 +350,11 @@ pub const TEX_WIDTH: u32 = 512;
 /// 8-lane workgroup of the tiled matvec computes (4 per lane).
 pub const TILE_ROWS: usize = 32;
 
+/// Rows per [`TiledTensor`] chunk at most, and words per row at most: kernels index a word
+/// as `row << 15 | word` in 32 bits (`ROW_SHIFT` in shaders/common/weights.wgsl).
+pub const MAX_TILED_ROWS: usize = 1 << 17;
+pub const MAX_TILED_ROW_WORDS: usize = 1 << 15;
+
 /// A 2-D tensor of u32 words (`rows` x `row_words`) held in rgba32uint textures, split by
 /// whole tiles of [`TILE_ROWS`] rows into chunks that each fit one texture. Each row is
 /// padded to whole texels (`texels_per_row`); texel i of row r of a chunk is at linear index
@@ -397,7 +402,8 @@ impl TiledTensor {
         if tiles == 0 {
             return None;
         }
-        let per = tiles * TILE_ROWS;
+        // Kernels index words as row << 15 | word (shaders/common/weights.wgsl ROW_SHIFT).
+        let per = (tiles * TILE_ROWS).min(MAX_TILED_ROWS);
         let mut out = Vec::new();
         let mut r = 0;
         while r < rows || out.is_empty() {
