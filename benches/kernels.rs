@@ -168,6 +168,7 @@ fn dispatches(ctx: &Arc<GpuContext>, c: &Case, key: PipelineKey) -> Vec<lantern:
         out_offset: 0,
         residual: false,
         rows: None,
+        x_tex: None,
     };
     pollster::block_on(build_with_key(ctx, &c.lin, &io, key)).expect("pipeline")
 }
@@ -539,6 +540,9 @@ const MATMULS: &[MatmulVariant] = &[
     MatmulVariant { name: "b88", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::BLOCK_N8, wg: 8 },
     MatmulVariant { name: "b84x", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::XBCAST, wg: 8 },
     MatmulVariant { name: "b88x", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST, wg: 8 },
+    MatmulVariant { name: "b44t", op: ShaderOp::MatmulBlocked, flags: flags::XBCAST | flags::TEX, wg: 8 },
+    MatmulVariant { name: "b84t", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_M8 | flags::XBCAST | flags::TEX, wg: 8 },
+    MatmulVariant { name: "b48t", op: ShaderOp::MatmulBlocked, flags: flags::BLOCK_N8 | flags::XBCAST | flags::TEX, wg: 8 },
     MatmulVariant {
         name: "b88t",
         op: ShaderOp::MatmulBlocked,

@@ -1,7 +1,8 @@
 //! Time one packed matvec kernel variant in a loop (for profilers):
 //! `cargo run --release --example mvprof -- FORMAT N K REPS [TOKENS]` (FORMAT: q4k, q6k, q5s,
-//! q8, ...; the runtime's own layout for that format on this adapter). Prints GB/s of weight
-//! bytes per dispatch, median of REPS.
+//! q8, ...; the runtime's own layout for that format on this adapter: the matvec for one token,
+//! the batched matvec for 2-4, the prefill matmul above). Prints GB/s of weight bytes per
+//! dispatch, median of REPS.
 
 use std::time::Instant;
 
@@ -38,6 +39,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let x = lantern::gpu::buffer::create_storage_window(&ctx, "x", bytemuck::cast_slice(&xv), lantern::kernels::linear::x_window(&ctx))?;
     let y = lantern::gpu::buffer::create_zeroed(&ctx, "y", (tokens * n * 4) as u64)?;
     let step = step_buffer(&ctx);
+    // Prefill steps read x from a texture copy where the runtime makes one.
+    let xt = (tokens > 4 && lantern::kernels::x_texture::fits(&ctx, &[k], tokens))
+        .then(|| lantern::kernels::x_texture::create(&ctx, "x.tex", k, tokens))
+        .transpose()?;
     let io = LinearIo {
         step: &step,
         x: &x,
@@ -49,9 +54,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         out_offset: 0,
         residual: false,
         rows: None,
+        x_tex: xt.as_ref(),
     };
-    let shape = if tokens > 1 { Shape::MatvecBatch } else { Shape::Matvec };
-    let d = pollster::block_on(build(&ctx, &lin, &io, shape))?;
+    let shape = match tokens {
+        1 => Shape::Matvec,
+        2..=4 => Shape::MatvecBatch,
+        _ => Shape::Matmul,
+    };
+    let mut d = pollster::block_on(build(&ctx, &lin, &io, shape))?;
+    if let Some(t) = &xt {
+        d.insert(0, pollster::block_on(lantern::kernels::x_texture::build(&ctx, &step, &x, k, k, t))?);
+    }
     let mut t = Vec::new();
     for _ in 0..reps {
         let t0 = Instant::now();
@@ -61,6 +74,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     t.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let med = t[t.len() / 2];
-    println!("{} {n}x{k} x{tokens}: {:.3} ms, {:.2} GB/s [{}]", fmt, med * 1e3, lin.bytes() as f64 / med / 1e9, d[0].label);
+    println!(
+        "{} {n}x{k} x{tokens}: {:.3} ms, {:.2} GB/s [{}]",
+        fmt,
+        med * 1e3,
+        lin.bytes() as f64 / med / 1e9,
+        d.iter().map(|d| d.label.as_str()).collect::<Vec<_>>().join(" + ")
+    );
     Ok(())
 }

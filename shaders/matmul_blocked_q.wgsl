@@ -10,7 +10,10 @@
 // kernels: NORM, GATED, BIAS, RESIDUAL. Tokens and rows past the ends are read clamped and
 // never stored, so control flow stays uniform. XBCAST (the workgroup of 8 is one subgroup):
 // each lane loads one element of x per token and subgroupBroadcast hands it to the others,
-// one load per element instead of one per element per lane.
+// one load per element instead of one per element per lane. XTEX (instead): x comes from an
+// rgba32float copy of the step's rows (x_texture.wgsl), each lane fetching one texel of a
+// step and subgroupBroadcast sharing them, and the norm weight from its uniform window; no
+// per-lane storage loads of x at all, and every lane sums each token's squares itself.
 #include "common/linear.wgsl"
 
 #if BLOCK_M8
@@ -73,9 +76,16 @@ var<private> t5: Acc;
 var<private> t6: Acc;
 var<private> t7: Acc;
 #endif
+#if XTEX
+// This lane's rows of the x texture (tokens lane / 2 and 4 + lane / 2 of the block; tokens
+// past the end read the last token) and its texel of each step (lane & 1).
+var<private> xl_row: vec2<u32>;
+var<private> xl_dk: u32;
+#else
 // Token row bases in x (tokens past the end read the last token): vec4 index, or element
 // index with XBCAST.
 var<private> xb: array<u32, TM>;
+#endif
 #if XBCAST
 var<private> lane: u32;
 #endif
@@ -103,6 +113,7 @@ fn dot4(r: R4, xv: vec4<f32>) -> vec4<f32> {
 }
 
 #ifndef XBCAST
+#ifndef XTEX
 fn tok4(t: ptr<private, Acc>, xi4: u32, gv: vec4<f32>, wk: Wk) {
     var xv = x[xi4];
 #if NORM
@@ -140,7 +151,24 @@ fn step4(kx: u32, wk: Wk) {
 #endif
 }
 #endif
+#endif
 
+// One token, one 8-element step: x' elements 0-3 (xa) and 4-7 (xh) times the rows' values lo
+// and hi.
+fn acc8(t: ptr<private, Acc>, xa: vec4<f32>, xh: vec4<f32>, lo: Wk, hi: Wk) {
+    (*t).a0 += dot4(lo.a, xa) + dot4(hi.a, xh);
+#if BLOCK_N8
+    (*t).a1 += dot4(lo.b, xa) + dot4(hi.b, xh);
+#endif
+#if GATED
+    (*t).c0 += dot4(lo.ua, xa) + dot4(hi.ua, xh);
+#if BLOCK_N8
+    (*t).c1 += dot4(lo.ub, xa) + dot4(hi.ub, xh);
+#endif
+#endif
+}
+
+#ifndef XTEX
 #if XBCAST
 // x'[k] of token i for this lane's element k (its square added to the token's sum).
 fn x_lane(i: u32, k: u32, gl: f32, t: ptr<private, Acc>) -> f32 {
@@ -156,18 +184,7 @@ fn x_lane(i: u32, k: u32, gl: f32, t: ptr<private, Acc>) -> f32 {
 // (elements 0-3) and hi (4-7).
 fn tok8(t: ptr<private, Acc>, xl: f32, lo: Wk, hi: Wk) {
     let xv = bcast8(xl);
-    let xa = xv[0];
-    let xh = xv[1];
-    (*t).a0 += dot4(lo.a, xa) + dot4(hi.a, xh);
-#if BLOCK_N8
-    (*t).a1 += dot4(lo.b, xa) + dot4(hi.b, xh);
-#endif
-#if GATED
-    (*t).c0 += dot4(lo.ua, xa) + dot4(hi.ua, xh);
-#if BLOCK_N8
-    (*t).c1 += dot4(lo.ub, xa) + dot4(hi.ub, xh);
-#endif
-#endif
+    acc8(t, xv[0], xv[1], lo, hi);
 }
 
 // Elements k8 .. k8 + 8 for every token of the block.
@@ -190,6 +207,131 @@ fn step8(k8: u32, lo: Wk, hi: Wk) {
 #endif
 }
 #endif
+#endif
+
+#if XTEX
+// x' of a token from its two texels of the step (its squares added to the token's sum).
+fn tokx(t: ptr<private, Acc>, va: vec4<f32>, vh: vec4<f32>, ga: vec4<f32>, gh: vec4<f32>, lo: Wk, hi: Wk) {
+    var xa = va;
+    var xh = vh;
+#if NORM
+    (*t).s += dot(xa, xa) + dot(xh, xh);
+    xa = xa * ga;
+    xh = xh * gh;
+#endif
+    acc8(t, xa, xh, lo, hi);
+}
+
+// Elements k8 .. k8 + 8 for every token of the block: each lane fetches one texel (lane l:
+// texel l & 1 of the step, token l / 2, and with BLOCK_M8 token 4 + l / 2 too) and
+// subgroupBroadcast hands each token's two texels to every lane: two texel fetches per step
+// instead of two per token.
+fn step8(k8: u32, lo: Wk, hi: Wk) {
+    let kt = (k8 >> 2u) + xl_dk;
+    let fa = textureLoad(xt, vec2<u32>(kt, xl_row.x), 0);
+#if BLOCK_M8
+    let fb = textureLoad(xt, vec2<u32>(kt, xl_row.y), 0);
+#endif
+#if NORM
+    let gk = k8 >> 2u;
+    let ga = gu[gk];
+    let gh = gu[gk + 1u];
+#else
+    let ga = vec4<f32>(1.0);
+    let gh = ga;
+#endif
+    tokx(&t0, subgroupBroadcast(fa, 0u), subgroupBroadcast(fa, 1u), ga, gh, lo, hi);
+    tokx(&t1, subgroupBroadcast(fa, 2u), subgroupBroadcast(fa, 3u), ga, gh, lo, hi);
+    tokx(&t2, subgroupBroadcast(fa, 4u), subgroupBroadcast(fa, 5u), ga, gh, lo, hi);
+    tokx(&t3, subgroupBroadcast(fa, 6u), subgroupBroadcast(fa, 7u), ga, gh, lo, hi);
+#if BLOCK_M8
+    tokx(&t4, subgroupBroadcast(fb, 0u), subgroupBroadcast(fb, 1u), ga, gh, lo, hi);
+    tokx(&t5, subgroupBroadcast(fb, 2u), subgroupBroadcast(fb, 3u), ga, gh, lo, hi);
+    tokx(&t6, subgroupBroadcast(fb, 4u), subgroupBroadcast(fb, 5u), ga, gh, lo, hi);
+    tokx(&t7, subgroupBroadcast(fb, 6u), subgroupBroadcast(fb, 7u), ga, gh, lo, hi);
+#endif
+}
+#endif
+
+// Code word bases of rows 0-3 (wa) and 4-7 (wb) of the block.
+var<private> wa: vec4<u32>;
+var<private> wb: vec4<u32>;
+
+#if TEX
+// Four rows' code texels of the current chunk (common/weights.wgsl's ChunkTex).
+struct Tex4 {
+    c0: ChunkTex,
+    c1: ChunkTex,
+    c2: ChunkTex,
+    c3: ChunkTex,
+}
+
+var<private> ca: Tex4;
+var<private> cb: Tex4;
+#if GATED
+var<private> cua: Tex4;
+var<private> cub: Tex4;
+#endif
+
+fn tex4(m: u32, r: vec4<u32>, kc: u32) -> Tex4 {
+    return Tex4(chunk_tex(m, r.x, kc), chunk_tex(m, r.y, kc), chunk_tex(m, r.z, kc), chunk_tex(m, r.w, kc));
+}
+
+// Four rows' values of step k8 from their chunk texels.
+fn t_vals(t: Tex4, k8: u32, s: Scales4) -> array<R4, 2> {
+    return vals4(codes8(chunk_step(t.c0, k8)), codes8(chunk_step(t.c1, k8)), codes8(chunk_step(t.c2, k8)), codes8(chunk_step(t.c3, k8)), s);
+}
+#endif
+
+// One 8-element step: every row's values (elements 0-3: lo, 4-7: hi), then every token.
+fn step_k(k8: u32, s: Sk) {
+    var lo: Wk;
+    var hi: Wk;
+#if TEX
+    let va = t_vals(ca, k8, s.a);
+#else
+    let va = w_vals(wa, k8, s.a);
+#endif
+    lo.a = va[0];
+    hi.a = va[1];
+#if BLOCK_N8
+#if TEX
+    let vb = t_vals(cb, k8, s.b);
+#else
+    let vb = w_vals(wb, k8, s.b);
+#endif
+    lo.b = vb[0];
+    hi.b = vb[1];
+#endif
+#if GATED
+#if TEX
+    let vua = t_vals(cua, k8, s.ua);
+#else
+    let vua = u_vals(wa, k8, s.ua);
+#endif
+    lo.ua = vua[0];
+    hi.ua = vua[1];
+#if BLOCK_N8
+#if TEX
+    let vub = t_vals(cub, k8, s.ub);
+#else
+    let vub = u_vals(wb, k8, s.ub);
+#endif
+    lo.ub = vub[0];
+    hi.ub = vub[1];
+#endif
+#endif
+#if XTEX
+    step8(k8, lo, hi);
+#else
+#if XBCAST
+    step8(k8, lo, hi);
+#else
+    step4(k8 / 4u, lo);
+    step4(k8 / 4u + 1u, hi);
+#endif
+#endif
+}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -203,6 +345,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let rb = min(vec4<u32>(n0) + vec4<u32>(4u, 5u, 6u, 7u), vec4<u32>(last));
 #endif
     let lt = max(n_tok, 1u) - 1u;
+#if XTEX
+    xl_row = min(vec2<u32>(m0 + lid / 2u, m0 + 4u + lid / 2u), vec2<u32>(lt));
+    xl_dk = lid & 1u;
+#else
 #if XBCAST
     lane = lid;
     for (var i = 0u; i < TM; i++) {
@@ -213,10 +359,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         xb[i] = min(m0 + i, lt) * (p.x_stride / 4u);
     }
 #endif
+#endif
     let spg = p.group / 8u;
-    let wa = vec4<u32>(code_base(ra.x), code_base(ra.y), code_base(ra.z), code_base(ra.w));
+    wa = vec4<u32>(code_base(ra.x), code_base(ra.y), code_base(ra.z), code_base(ra.w));
 #if BLOCK_N8
-    let wb = vec4<u32>(code_base(rb.x), code_base(rb.y), code_base(rb.z), code_base(rb.w));
+    wb = vec4<u32>(code_base(rb.x), code_base(rb.y), code_base(rb.z), code_base(rb.w));
 #endif
     // Super-block scale words of the rows, read once per super-block.
     let sa = vec4<u32>(scale_base(ra.x), scale_base(ra.y), scale_base(ra.z), scale_base(ra.w));
@@ -239,37 +386,34 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         s.ub = scales4(1u, sbb, gi, &hub);
 #endif
 #endif
-        for (var j = 0u; j < spg; j++) {
-            let k8 = (gi * spg + j) * 8u;
-            // The step's weights: elements 0-3 (lo) and 4-7 (hi) of every row.
-            var lo: Wk;
-            var hi: Wk;
-            let va = w_vals(wa, k8, s.a);
-            lo.a = va[0];
-            hi.a = va[1];
+#if TEX
+        // Chunks of the group within one texel of each code plane: the rows' texels are
+        // fetched once per chunk (a texel fetch is a function call of ~100 instructions on
+        // lavapipe), and its words picked for each step.
+        let cs = min(p.group, CHUNK_SPAN) / 8u;
+        for (var j0 = 0u; j0 < spg; j0 += cs) {
+            let kc = (gi * spg + j0) * 8u;
+            ca = tex4(0u, wa, kc);
 #if BLOCK_N8
-            let vb = w_vals(wb, k8, s.b);
-            lo.b = vb[0];
-            hi.b = vb[1];
+            cb = tex4(0u, wb, kc);
 #endif
 #if GATED
-            let vua = u_vals(wa, k8, s.ua);
-            lo.ua = vua[0];
-            hi.ua = vua[1];
+            cua = tex4(1u, wa, kc);
 #if BLOCK_N8
-            let vub = u_vals(wb, k8, s.ub);
-            lo.ub = vub[0];
-            hi.ub = vub[1];
+            cub = tex4(1u, wb, kc);
 #endif
 #endif
-#if XBCAST
-            step8(k8, lo, hi);
-#else
-            step4(k8 / 4u, lo);
-            step4(k8 / 4u + 1u, hi);
-#endif
+            for (var j = j0; j < j0 + cs; j++) {
+                step_k((gi * spg + j) * 8u, s);
+            }
         }
+#else
+        for (var j = 0u; j < spg; j++) {
+            step_k((gi * spg + j) * 8u, s);
+        }
+#endif
     }
+#ifndef XTEX
 #if XBCAST
 #if NORM
     // Each lane summed the squares of its own elements of each token.
@@ -282,6 +426,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     t5.s = subgroupAdd(t5.s);
     t6.s = subgroupAdd(t6.s);
     t7.s = subgroupAdd(t7.s);
+#endif
 #endif
 #endif
 #endif

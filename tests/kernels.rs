@@ -16,7 +16,7 @@ use lantern::gpu::{DeviceOptions, GpuContext, GpuError, PipelineKey, ShaderOp};
 use lantern::kernels::attention::{AttentionIo, AttentionParams, KvBinding};
 use lantern::kernels::linear::{self, GpuLinear, HostMatrix, LinearIo};
 use lantern::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
-use lantern::kernels::{self, step_buffer, submit, submit_step, StepUniform};
+use lantern::kernels::{self, step_buffer, submit, submit_step, x_texture, StepUniform};
 use lantern::kv::cache::{quantize_head_q8, round_trip, KvLayout};
 use lantern::kv::plan::KvDtype;
 use lantern::kv::ring::WindowRing;
@@ -227,6 +227,9 @@ enum Layout {
     TiledXuTok4,
     /// Tiled weights in the blocked matmul (8 tokens x 8 rows, x by broadcast).
     Blocked88Tiled,
+    /// Blocked88Tiled with x from a texture copy and the norm weight from its uniform window
+    /// (the runtime's prefill on CPU adapters).
+    Blocked88TiledXtex,
     /// Packed weights: blocked matmul 8 tokens x 8 rows with x shared by subgroup broadcast.
     Blocked88Bcast,
     /// Packed weights: blocked matmul 4 tokens x 4 rows with x shared by subgroup broadcast.
@@ -265,7 +268,7 @@ impl Layout {
     ];
 
     /// The layouts of the packed-weight kernels.
-    const PACKED: [Layout; 24] = [
+    const PACKED: [Layout; 25] = [
         Layout::MultiRow,
         Layout::MultiRowSubgroups,
         Layout::MultiRowTok4,
@@ -278,6 +281,7 @@ impl Layout {
         Layout::TiledXu,
         Layout::TiledXuTok4,
         Layout::Blocked88Tiled,
+        Layout::Blocked88TiledXtex,
         Layout::Blocked88Bcast,
         Layout::Blocked44Bcast,
         Layout::RowWg64,
@@ -305,12 +309,16 @@ impl Layout {
                 | Layout::Blocked88Bcast
                 | Layout::Blocked44Bcast
                 | Layout::Blocked88Tiled
+                | Layout::Blocked88TiledXtex
         )
     }
 
     /// Layouts reading tiled texture-held weights.
     fn is_tiled(self) -> bool {
-        matches!(self, Layout::Tiled | Layout::TiledTok4 | Layout::TiledXu | Layout::TiledXuTok4 | Layout::Blocked88Tiled)
+        matches!(
+            self,
+            Layout::Tiled | Layout::TiledTok4 | Layout::TiledXu | Layout::TiledXuTok4 | Layout::Blocked88Tiled | Layout::Blocked88TiledXtex
+        )
     }
 
     /// Layouts reading x and the norm weight through uniform windows.
@@ -353,6 +361,9 @@ impl Layout {
                 Layout::TiledXuTok4 => PipelineKey::new(mv, 8).with_flags(fl | flags::TEX | flags::XU | flags::TOK4).with_features(sg),
                 Layout::Blocked88Tiled => PipelineKey::new(bq, 8)
                     .with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST | flags::TEX)
+                    .with_features(sg),
+                Layout::Blocked88TiledXtex => PipelineKey::new(bq, 8)
+                    .with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST | flags::TEX | flags::XTEX)
                     .with_features(sg),
                 Layout::Blocked88Bcast => {
                     PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST).with_features(sg)
@@ -401,6 +412,7 @@ impl Layout {
             | Layout::TiledXu
             | Layout::TiledXuTok4
             | Layout::Blocked88Tiled
+            | Layout::Blocked88TiledXtex
             | Layout::Blocked88Bcast
             | Layout::Blocked44Bcast => {
                 panic!("{self:?} is a packed-weight layout")
@@ -421,6 +433,7 @@ impl Layout {
             Layout::RowWg8Subgroups => ctx.caps.subgroups && ctx.caps.subgroup_max_size <= 8,
             Layout::Rows4Bcast | Layout::Rows4BcastTok4 | Layout::Blocked88Bcast | Layout::Blocked44Bcast => linear::xbcast_fits(ctx),
             Layout::Tiled | Layout::TiledTok4 | Layout::Blocked88Tiled => ctx.caps.cpu_like && linear::xbcast_fits(ctx),
+            Layout::Blocked88TiledXtex => lantern::kernels::x_texture::fits(ctx, &[], 1) && linear::x_window(ctx) > 0,
             Layout::TiledXu | Layout::TiledXuTok4 => linear::x_window(ctx) > 0,
             l => (!l.needs_subgroups() || ctx.caps.subgroups) && (!l.needs_f16() || ctx.caps.shader_f16),
         };
@@ -492,11 +505,15 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
     );
     let step = step_buffer(ctx);
     // Inputs the tiled matvec may read as uniform windows, as the runtime makes them.
-    let window = if auto || c.layout.is_xu() { linear::x_window(ctx) } else { 0 };
+    let xtex = c.layout == Layout::Blocked88TiledXtex || (c.layout == Layout::AutoMatmul && x_texture::fits(ctx, &[x_stride], tokens));
+    let window = if auto || c.layout.is_xu() || xtex { linear::x_window(ctx) } else { 0 };
     let xb = create_storage_window(ctx, "x", bytemuck::cast_slice(&x), window).unwrap();
     let gb = create_storage_window(ctx, "g", bytemuck::cast_slice(&g), window).unwrap();
     let yb = buf_f32(ctx, "y", &y0);
     let rb = buf_u32(ctx, "rows", &gather);
+    // x copied into a texture first, as the runtime's prefill does on CPU adapters.
+    let xt = xtex.then(|| x_texture::create(ctx, "x.tex", x_stride, tokens).unwrap());
+    let copy = xt.as_ref().map(|t| block_on(x_texture::build(ctx, &step, &xb, x_stride, k, t)).unwrap());
     let io = LinearIo {
         step: &step,
         x: &xb,
@@ -508,6 +525,7 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
         out_offset,
         residual: has(flags::RESIDUAL),
         rows: has(flags::GATHER).then_some(&rb),
+        x_tex: xt.as_ref(),
     };
     let multi_row = matches!(c.layout, Layout::MultiRow | Layout::MultiRowSubgroups | Layout::MultiRowTok4 | Layout::MultiRowTok4Subgroups);
     if multi_row && !linear::multi_row_fits(&lin) {
@@ -522,6 +540,7 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
         None => block_on(linear::build(ctx, &lin, &io, linear::Shape::Matvec)),
     }
     .unwrap_or_else(|e| panic!("{what}: build: {e}"));
+    let d: Vec<_> = copy.into_iter().chain(d).collect();
     submit(ctx, &step, tokens as u32, n_out as u32, &d);
     let got = read_f32s(ctx, &yb, y0.len());
 
@@ -783,7 +802,7 @@ const GGML_SHAPES: [(usize, usize, usize); 3] = [(7, 256, 3), (65, 768, 9), (333
 /// The packed layouts the GGUF-only formats are checked in: every kernel and shape the
 /// runtime picks (the blocked matmul's other tile sizes differ from 8x8 only in the
 /// format-independent accumulation).
-const GGML_LAYOUTS: [Layout; 18] = [
+const GGML_LAYOUTS: [Layout; 19] = [
     Layout::MultiRow,
     Layout::MultiRowSubgroups,
     Layout::MultiRowTok4,
@@ -796,6 +815,7 @@ const GGML_LAYOUTS: [Layout; 18] = [
     Layout::TiledXu,
     Layout::TiledXuTok4,
     Layout::Blocked88Tiled,
+    Layout::Blocked88TiledXtex,
     Layout::Blocked88Bcast,
     Layout::RowWg64Subgroups,
     Layout::RowWg64F16,
@@ -898,6 +918,7 @@ fn packed_linear_rejects_mismatched_shapes() {
         out_offset: 0,
         residual: false,
         rows: None,
+        x_tex: None,
     };
     let err = block_on(linear::build(&ctx, &lin, &io, linear::Shape::Matvec)).err().expect("odd stride");
     assert!(err.to_string().contains("multiples of 4"), "{err}");

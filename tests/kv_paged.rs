@@ -191,8 +191,10 @@ fn budget_sizes_the_cache_and_a_full_cache_refuses_with_a_message() {
     let ctx = common::gpu_with(&Default::default());
     let probe = pollster::block_on(GpuModel::load(ctx.clone(), &l.weights, opts.clone())).expect("upload");
     let weights = probe.memory().weight_bytes() + probe.memory().window_padding;
+    // The CPU adapters' x textures (prefill input copies) are workspace too.
+    let x_textures = probe.memory().x_textures;
     drop(probe);
-    let ws = workspace_bytes(&c, opts.max_batch_tokens, opts.max_logit_rows.min(opts.max_batch_tokens), 64);
+    let ws = workspace_bytes(&c, opts.max_batch_tokens, opts.max_logit_rows.min(opts.max_batch_tokens), 64) + x_textures;
     let per_page = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, KvDtype::F32) * 16;
     let budget_for = |pages: u64| {
         let rest = weights + ws + pages * per_page + per_page / 2;

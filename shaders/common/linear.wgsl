@@ -45,10 +45,12 @@ struct Params {
 #endif
 #if NORM
 #ifndef XU
+#ifndef XTEX
 #if X_VEC4
 @group(0) @binding(5) var<storage, read> g: array<vec4<f32>>;      // (k / 4) norm weight
 #else
 @group(0) @binding(5) var<storage, read> g: array<f32>;            // (k) norm weight
+#endif
 #endif
 #endif
 #endif
@@ -82,6 +84,15 @@ struct Params {
 #endif
 #endif
 
+#if XTEX
+// The step's rows of x as an rgba32float texture (x_texture.wgsl; texel i of row t holds
+// x[t, 4 i .. 4 i + 4]), and the norm weight's first 64 KiB as uniforms.
+@group(0) @binding(17) var xt: texture_2d<f32>;
+#if NORM
+@group(0) @binding(16) var<uniform> gu: array<vec4<f32>, 4096>;
+#endif
+#endif
+
 #include "common/weights.wgsl"
 
 fn silu(v: f32) -> f32 {
@@ -97,6 +108,7 @@ fn gelu_tanh(v: f32) -> f32 {
 }
 #endif
 
+#ifndef XTEX
 #if X_VEC4
 #ifndef XU
 // x'[4 i .. 4 i + 4] of the input row starting at vec4 `xb4`: with NORM scaled by the norm
@@ -131,6 +143,7 @@ fn load_x1(xb: u32, k: u32, sum_sq: ptr<function, f32>) -> f32 {
 #endif
     return v;
 }
+#endif
 #endif
 
 #if XBCAST

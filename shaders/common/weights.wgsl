@@ -440,6 +440,46 @@ fn code_word(m: u32, i: u32) -> u32 {
     return pick4(code_texel(m, i >> ROW_SHIFT, wi / 4u), wi % 4u);
 }
 
+// Elements of a row one texel of its low code plane holds (four words): kernels walking a
+// row in order fetch each row's texels once per chunk of at most this many elements and of
+// at most one scale group (`chunk_tex`), and pick the words of each step from them
+// (`chunk_step`). A chunk's high-plane bits are in one word (one bit: 32 elements, two
+// bits: 16, and a chunk of a Q6_K row is one group of 16).
+const CHUNK_SPAN: u32 = 4u * EPW;
+
+// The code texels of the chunk at element k0 of the row of matrix `m` whose code words
+// start at `rb`: its low plane's and, for formats with one, its high plane's.
+struct ChunkTex {
+    lo: vec4<u32>,
+#if W_HI
+    hi: vec4<u32>,
+#endif
+}
+
+fn chunk_tex(m: u32, rb: u32, k0: u32) -> ChunkTex {
+    let row = rb >> ROW_SHIFT;
+    var c: ChunkTex;
+    c.lo = code_texel(m, row, lo_index(k0) / 4u);
+#if W_HI
+    c.hi = code_texel(m, row, hi_index(k0) / 4u);
+#endif
+    return c;
+}
+
+// The code bits of step k8 of a chunk, as `step_words` reads them from words.
+fn chunk_step(c: ChunkTex, k8: u32) -> vec2<u32> {
+    let li = lo_index(k8) & 3u;
+#if W_Q8
+    return step_bits(pick4(c.lo, li), pick4(c.lo, li + 1u), 0u, k8);
+#else
+#if W_HI
+    return step_bits(pick4(c.lo, li), 0u, pick4(c.hi, hi_index(k8) & 3u), k8);
+#else
+    return step_bits(pick4(c.lo, li), 0u, 0u, k8);
+#endif
+#endif
+}
+
 // Word indices of texture-held weights: row << ROW_SHIFT | word, so that code_word splits
 // them with a shift instead of a division by the row's words (a per-lane scalar loop on CPU
 // adapters). Rows of at most 32768 words, chunks of at most 131072 rows
@@ -502,7 +542,12 @@ fn sb_head(m: u32, sb0: u32, sb: u32) -> SbHead {
 #if W_IQ4XS
     o.h = vec4<u32>(scale_word(m, hi), scale_word(m, hi + 1u), 0u, 0u);
 #else
+#if TEX
+    // The four header words are one texel (headers start at word 4 sb of the row).
+    o.h = scale_texel(m, hi >> ROW_SHIFT, (hi & ROW_WORDS_MASK) / 4u);
+#else
     o.h = vec4<u32>(scale_word(m, hi), scale_word(m, hi + 1u), scale_word(m, hi + 2u), scale_word(m, hi + 3u));
+#endif
 #endif
     let xi = sb_extra_index(sb);
     o.xh = xi.y;

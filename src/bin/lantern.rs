@@ -461,8 +461,9 @@ fn run(a: RunArgs) -> Result<()> {
             Some(r) => format!("; sliding layers keep a {}-token ring per sequence, {:.1} MB of it", r.tokens(), mb(mem.kv_ring_bytes)),
             None => String::new(),
         };
+        let xt = if mem.x_textures > 0 { format!(" ({:.1} MB of it prefill x textures)", mb(mem.x_textures)) } else { String::new() };
         eprintln!(
-            "[GPU memory {:.1} MB: weights {:.1} MB = {}{tex} | KV cache {:.1} MB ({:?}, {} pages of {} tokens in {} buffer(s) per layer for K and V{rings}) | workspace {:.1} MB | budget {}]",
+            "[GPU memory {:.1} MB: weights {:.1} MB = {}{tex} | KV cache {:.1} MB ({:?}, {} pages of {} tokens in {} buffer(s) per layer for K and V{rings}) | workspace {:.1} MB{xt} | budget {}]",
             mb(mem.ledger_bytes),
             mb(mem.weight_bytes()),
             by_dtype.join(", "),

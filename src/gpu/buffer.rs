@@ -246,6 +246,23 @@ pub fn create_uniform<T: bytemuck::Pod>(ctx: &GpuContext, label: &str, value: &T
     })
 }
 
+/// An rgba32float texture of `width` x `height` texels that kernels write as storage and
+/// read with texel fetches (the CPU adapters' x textures, `kernels::x_texture`), recorded in
+/// the ledger.
+pub fn create_float_texture(ctx: &GpuContext, label: &str, width: u32, height: u32) -> wgpu::Texture {
+    ctx.ledger.record(label, width as u64 * height as u64 * 16, AllocUsage::Texture);
+    ctx.device.create_texture(&wgpu::TextureDescriptor {
+        label: Some(label),
+        size: wgpu::Extent3d { width, height, depth_or_array_layers: 1 },
+        mip_level_count: 1,
+        sample_count: 1,
+        dimension: wgpu::TextureDimension::D2,
+        format: wgpu::TextureFormat::Rgba32Float,
+        usage: wgpu::TextureUsages::STORAGE_BINDING | wgpu::TextureUsages::TEXTURE_BINDING,
+        view_formats: &[],
+    })
+}
+
 /// A reusable staging buffer for reading results back to the host.
 pub struct Readback {
     buffer: wgpu::Buffer,

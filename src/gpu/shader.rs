@@ -29,6 +29,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("topk.wgsl", include_str!("../../shaders/topk.wgsl")),
     ("logit_mask.wgsl", include_str!("../../shaders/logit_mask.wgsl")),
     ("logit_bias.wgsl", include_str!("../../shaders/logit_bias.wgsl")),
+    ("x_texture.wgsl", include_str!("../../shaders/x_texture.wgsl")),
 ];
 
 /// Look up an embedded shader file.
@@ -69,6 +70,9 @@ pub enum ShaderOp {
     LogitMask,
     /// OpenAI's logit_bias and penalties: sparse (token, delta) pairs added to each row.
     LogitBias,
+    /// A step's linear-layer input rows copied into an rgba32float texture, which the CPU
+    /// adapters' blocked matmul reads (`flags::XTEX`) with texel fetches.
+    XTexture,
 }
 
 impl ShaderOp {
@@ -89,6 +93,7 @@ impl ShaderOp {
             ShaderOp::TopK => "topk.wgsl",
             ShaderOp::LogitMask => "logit_mask.wgsl",
             ShaderOp::LogitBias => "logit_bias.wgsl",
+            ShaderOp::XTexture => "x_texture.wgsl",
         }
     }
 
@@ -276,6 +281,11 @@ pub mod flags {
     /// adapters gather in a few instructions (a divergent storage load is a per-lane loop);
     /// rows of x past the window fall back to storage loads.
     pub const XU: u32 = 32768;
+    /// Blocked matmul over tiled weights (CPU adapters, with XBCAST): x read from an
+    /// rgba32float texture copy of the step's rows (`ShaderOp::XTexture`), one texel per lane
+    /// shared by subgroup broadcast, and the norm weight from its 64 KiB uniform window,
+    /// instead of per-lane storage loads.
+    pub const XTEX: u32 = 65536;
     /// Every flag with its define name, in a stable order.
     pub const ALL: &[(u32, &str)] = &[
         (NORM, "NORM"),
@@ -294,6 +304,7 @@ pub mod flags {
         (IN_PLACE, "IN_PLACE"),
         (MULTI_ROW, "MULTI_ROW"),
         (XU, "XU"),
+        (XTEX, "XTEX"),
     ];
 }
 

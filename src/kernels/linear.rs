@@ -520,6 +520,10 @@ pub struct LinearIo<'a> {
     pub residual: bool,
     /// Gather input rows through this index list (matvec only).
     pub rows: Option<&'a wgpu::Buffer>,
+    /// An rgba32float texture holding the step's rows of x (`kernels::x_texture`, filled by
+    /// a dispatch before this one): CPU adapters' blocked matmul over tiled weights reads it
+    /// (`flags::XTEX`) instead of x. None elsewhere.
+    pub x_tex: Option<&'a wgpu::Texture>,
 }
 
 /// Build the dispatches (one per weight chunk) of `y = epilogue(W x)`.
@@ -607,6 +611,12 @@ pub fn tiled_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: Sh
     match shape {
         Shape::Matmul => {
             let (_, f, w) = BLOCKED_DEFAULT;
+            if xtex_usable(lin, io) {
+                return PipelineKey::new(ShaderOp::MatmulBlockedQ, w)
+                    .with_flags(fl | f | flags::XBCAST | flags::TEX | flags::XTEX)
+                    .with_weights(lin.format)
+                    .with_features(sg);
+            }
             PipelineKey::new(ShaderOp::MatmulBlockedQ, w)
                 .with_flags(fl | f | flags::XBCAST | flags::TEX)
                 .with_weights(lin.format)
@@ -623,6 +633,15 @@ pub fn tiled_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: Sh
             PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(f).with_weights(lin.format).with_features(sg)
         }
     }
+}
+
+/// Whether the blocked matmul can read `io`'s x from its texture (`flags::XTEX`): there is
+/// one, a row of x fits it, and the norm weight (if any) can be bound as a uniform window.
+fn xtex_usable(lin: &GpuLinear, io: &LinearIo<'_>) -> bool {
+    let window = |b: &wgpu::Buffer| b.usage().contains(wgpu::BufferUsages::UNIFORM) && b.size() >= XU_WINDOW as u64;
+    io.x_tex.is_some_and(|t| t.width() as usize * 4 >= lin.k)
+        && io.norm.is_none_or(|g| window(g) && lin.k * 4 <= XU_WINDOW as usize)
+        && lin.is_tiled()
 }
 
 /// Whether the tiled matvec can read `io`'s x and norm weight through 64 KiB uniform windows:
@@ -789,6 +808,17 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
             ),
         });
     }
+    let xtex = key.flags & flags::XTEX != 0;
+    if xtex && (key.op != ShaderOp::MatmulBlockedQ || !xtex_usable(lin, io)) {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!(
+                "{} reads x from a texture and the norm weight as a {XU_WINDOW}-byte uniform window: it needs tiled weights, an x texture at least {} floats wide, and a uniform-capable norm buffer that long",
+                key.label(),
+                lin.k
+            ),
+        });
+    }
     if matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) && (!io.x_stride.is_multiple_of(4) || !lin.k.is_multiple_of(4)) {
         return Err(GpuError::Validation {
             context: lin.name.clone(),
@@ -807,6 +837,7 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
         });
     }
     let pipe = pipeline(ctx, key).await?;
+    let x_view = io.x_tex.filter(|_| xtex).map(|t| t.create_view(&Default::default()));
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension.max(1);
     let mut out = Vec::new();
     for (ci, (row_offset, rows)) in lin.chunks().into_iter().enumerate() {
@@ -849,7 +880,12 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
         let ubuf = create_uniform(ctx, &format!("{}.params", lin.name), &params);
         let gated = key.flags & flags::GATED != 0;
         let missing = |what: &str| GpuError::Validation { context: lin.name.clone(), message: format!("{} needs {what}", key.label()) };
-        let mut entries: Vec<(u32, Res)> = vec![(0, Res::Buf(io.step)), (1, Res::Buf(&ubuf)), (2, Res::Buf(io.x)), (7, Res::Buf(io.y))];
+        let mut entries: Vec<(u32, Res)> = vec![(0, Res::Buf(io.step)), (1, Res::Buf(&ubuf)), (7, Res::Buf(io.y))];
+        if let (true, Some(v)) = (xtex, &x_view) {
+            entries.push((17, Res::View(v)));
+        } else {
+            entries.push((2, Res::Buf(io.x)));
+        }
         match &lin.store {
             Store::Buffers { w, u, w_scales, u_scales } => {
                 entries.push((3, Res::Buf(&w.chunks[ci].buffer)));
@@ -873,7 +909,7 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
             }
         }
         if let Some(g) = io.norm {
-            entries.push(if key.flags & flags::XU != 0 { (16, Res::Window(g)) } else { (5, Res::Buf(g)) });
+            entries.push(if key.flags & (flags::XU | flags::XTEX) != 0 { (16, Res::Window(g)) } else { (5, Res::Buf(g)) });
         }
         if key.flags & flags::XU != 0 {
             entries.push((15, Res::Window(io.x)));

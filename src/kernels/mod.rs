@@ -19,6 +19,7 @@ pub mod logit_mask;
 pub mod rmsnorm;
 pub mod rope_kv;
 pub mod topk;
+pub mod x_texture;
 
 use std::sync::Arc;
 
@@ -161,6 +162,7 @@ pub fn params_fields(op: crate::gpu::ShaderOp) -> Vec<(&'static str, usize)> {
         O::TopK => topk::uniform_fields(),
         O::LogitMask => field_offsets!(logit_mask::LogitMaskParams; n, words, fill),
         O::LogitBias => field_offsets!(logit_bias::LogitBiasParams; n, base),
+        O::XTexture => field_offsets!(x_texture::XTextureParams; texels, x_stride4),
     }
 }
 
@@ -178,6 +180,7 @@ pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
         O::TopK => topk::UNIFORM_BYTES,
         O::LogitMask => std::mem::size_of::<logit_mask::LogitMaskParams>(),
         O::LogitBias => std::mem::size_of::<logit_bias::LogitBiasParams>(),
+        O::XTexture => std::mem::size_of::<x_texture::XTextureParams>(),
     }
 }
 
@@ -208,6 +211,7 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
     v.push(PipelineKey::new(ShaderOp::TopK, 64));
     v.push(PipelineKey::new(ShaderOp::LogitMask, logit_mask::WORKGROUP));
     v.push(PipelineKey::new(ShaderOp::LogitBias, logit_bias::WORKGROUP));
+    v.push(PipelineKey::new(ShaderOp::XTexture, x_texture::WORKGROUP));
     let combos = [NORM | BIAS, 0, RESIDUAL, NORM | GATED, NORM | GATED | GELU, NORM | GATHER, NORM, BIAS];
     for w in [WeightFormat::F32, WeightFormat::F16] {
         for &c in &combos {
@@ -258,7 +262,9 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
                 }
                 v.push(PipelineKey::new(ShaderOp::MatmulBlockedQ, 8).with_flags(c | BLOCK_M8 | BLOCK_N8).with_weights(w));
                 if features.subgroups {
-                    for tex in [0, TEX] {
+                    // Texture-held weights: x by broadcast from storage, or from a texture
+                    // copy (XTEX: CPU adapters' prefill).
+                    for tex in [0, TEX, TEX | XTEX] {
                         v.push(
                             PipelineKey::new(ShaderOp::MatmulBlockedQ, 8)
                                 .with_flags(c | BLOCK_M8 | BLOCK_N8 | XBCAST | tex)

@@ -160,6 +160,14 @@ pub fn run(a: PlanArgs) -> Result<()> {
     } else {
         None
     };
+    // On CPU adapters whose packed weights load as tiled textures the prefill matmul reads its
+    // inputs from x textures, which are workspace too.
+    let widths = [config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size];
+    let ws = ws
+        + ctx
+            .as_deref()
+            .filter(|c| lantern::kernels::x_texture::fits(c, &widths, a.max_batch_tokens))
+            .map_or(0, |_| lantern::kernels::x_texture::bytes(&widths, a.max_batch_tokens));
     let mem = ctx.as_deref().map(adapter_memory);
     let (budget, source) = resolve_budget(user_budget, mem.as_ref());
     let reserve = if budget > 0 { lantern::kv::plan::reserve_bytes(budget) } else { 0 };

@@ -39,8 +39,11 @@ pub struct MemoryReport {
     /// them with (`kernels::linear::XU_WINDOW`).
     pub window_padding: u64,
     pub kv_cache: u64,
-    /// Activations, step inputs, logits and the RoPE table.
+    /// Activations, step inputs, logits and the RoPE table (and the x textures).
     pub workspace: u64,
+    /// The part of the workspace held as x textures (CPU adapters with tiled weights: the
+    /// prefill matmul's input copies, `kernels::x_texture`).
+    pub x_textures: u64,
     /// Kernel parameter uniforms (one per dispatch).
     pub uniforms: u64,
     /// Host-mapped staging for logits readback.
@@ -148,8 +151,10 @@ impl GpuModel {
 
     /// Pages of KV cache for this load: `requested` (max_seqs full contexts), or fewer when
     /// the budget (the smaller of `memory_budget` and the adapter's figure) leaves less room
-    /// after weights, workspace, a reserve and the sliding layers' rings (`ring`: then the
-    /// pages hold only the other layers); an error when not even one full context fits.
+    /// after weights, workspace (`x_textures`: the bytes of the CPU adapters' x textures on
+    /// top of the buffers), a reserve and the sliding layers' rings (`ring`: then the pages
+    /// hold only the other layers); an error when not even one full context fits.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn size_kv(
         ctx: &GpuContext,
         c: &ModelConfig,
@@ -157,6 +162,7 @@ impl GpuModel {
         context: usize,
         requested: usize,
         weights: u64,
+        x_textures: u64,
         ring: Option<&crate::kv::ring::WindowRing>,
     ) -> Result<(usize, Option<(u64, String)>)> {
         let adapter = crate::gpu::memory::default_budget(&crate::gpu::memory::adapter_memory(ctx));
@@ -172,7 +178,7 @@ impl GpuModel {
         };
         let page_size = options.page_size.max(1);
         let t = options.max_batch_tokens.max(1);
-        let workspace = crate::model::plan::workspace_bytes(c, t, options.max_logit_rows.max(1).min(t), context);
+        let workspace = crate::model::plan::workspace_bytes(c, t, options.max_logit_rows.max(1).min(t), context) + x_textures;
         let reserve = crate::kv::plan::reserve_bytes(b);
         let sliding = ring.map_or(0, |_| c.sliding_layers());
         let ring_bytes = ring

@@ -197,7 +197,13 @@ impl GpuModel {
             page_size,
         );
         let ringed: Vec<bool> = (0..c.num_layers).map(|l| ring.is_some() && c.block.window(l).is_some()).collect();
-        let (num_pages, budget) = Self::size_kv(&ctx, &c, &options, context, requested_pages, weights_bytes, ring.as_ref())?;
+        // CPU adapters' prefill reads the linear inputs from texture copies when the weights
+        // are tiled textures (`kernels::x_texture`).
+        let tiled =
+            w.layers.iter().any(|l| l.gate_up.is_tiled() || l.down.is_tiled() || l.o.is_tiled() || l.qkv.iter().any(|q| q.0.is_tiled()));
+        let x_tex = tiled && plan::x_textures_fit(&ctx, &c, &options);
+        let x_tex_bytes = if x_tex { plan::x_texture_bytes(&c, &options) } else { 0 };
+        let (num_pages, budget) = Self::size_kv(&ctx, &c, &options, context, requested_pages, weights_bytes, x_tex_bytes, ring.as_ref())?;
         let kv_cfg = KvConfig { page_size, num_pages, max_seqs, context };
         let layout =
             KvLayout::new(options.kv_dtype, kv_cfg.page_size, c.num_kv_heads, hd, kv_cfg.num_pages, ctx.max_binding()).map_err(gpu_err)?;
@@ -239,7 +245,7 @@ impl GpuModel {
             attention_splits,
         ));
 
-        let (ws, r) = plan::Workspace::new(&ctx, &c, &options, kv_cfg, context, partials_bytes)?;
+        let (ws, r) = plan::Workspace::new(&ctx, &c, &options, kv_cfg, context, partials_bytes, x_tex)?;
         let (plans, batch_max_tokens) = plan::build_plans(&ctx, &c, &options, &ws, &kv, kv_cfg, &w).await?;
         let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size.max(kernels::topk::TOPK_ROW_WORDS) * 4) as u64);
         // CPU adapters: the blocked matmul already beats one matvec per token at 2 tokens
@@ -279,6 +285,7 @@ impl GpuModel {
             memory.largest = (a.label.clone(), a.bytes);
         }
         memory.workspace = ws.bytes();
+        memory.x_textures = x_tex_bytes;
         Ok(GpuModel {
             ctx,
             config: c,

@@ -45,6 +45,32 @@ pub(super) struct Workspace {
     pub branch: Option<wgpu::Buffer>,
     /// Attention's partial results when keys are split (a 4-byte stand-in otherwise).
     pub partials: wgpu::Buffer,
+    /// CPU adapters with tiled weights: texture copies of the linear inputs for the prefill
+    /// matmul (`kernels::x_texture`).
+    pub x_tex: Option<XTextures>,
+}
+
+/// The x textures of `hidden`, `attn` and `act`.
+pub(super) struct XTextures {
+    pub hidden: wgpu::Texture,
+    pub attn: wgpu::Texture,
+    pub act: wgpu::Texture,
+}
+
+/// Widths of the linear inputs that get x textures: hidden, attention output, activation.
+fn x_widths(c: &ModelConfig) -> [usize; 3] {
+    [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+}
+
+/// Whether this adapter's prefill reads the linear inputs from x textures (given tiled
+/// weights): `kernels::x_texture::fits`.
+pub(super) fn x_textures_fit(ctx: &GpuContext, c: &ModelConfig, options: &ModelOptions) -> bool {
+    kernels::x_texture::fits(ctx, &x_widths(c), options.max_batch_tokens.max(1))
+}
+
+/// Bytes of the x textures.
+pub(super) fn x_texture_bytes(c: &ModelConfig, options: &ModelOptions) -> u64 {
+    kernels::x_texture::bytes(&x_widths(c), options.max_batch_tokens.max(1))
 }
 
 pub(super) struct Plans {
@@ -77,7 +103,7 @@ fn lin_io<'a>(
     eps: f32,
     rows: Option<&'a wgpu::Buffer>,
 ) -> LinearIo<'a> {
-    LinearIo { step: &ws.step, x, x_stride, norm, eps, y, out_stride, out_offset: 0, residual, rows }
+    LinearIo { step: &ws.step, x, x_stride, norm, eps, y, out_stride, out_offset: 0, residual, rows, x_tex: None }
 }
 
 impl Workspace {
@@ -90,6 +116,7 @@ impl Workspace {
         kv_cfg: KvConfig,
         context: usize,
         partials_bytes: u64,
+        x_tex: bool,
     ) -> Result<(Workspace, usize)> {
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let qkv_dim = c.qkv_dim();
@@ -135,6 +162,12 @@ impl Workspace {
                 None
             },
             partials: create_zeroed(ctx, "attention.partials", partials_bytes.max(4)).map_err(gpu_err)?,
+            x_tex: if x_tex {
+                let make = |name: &str, width: usize| kernels::x_texture::create(ctx, name, width, t).map_err(gpu_err);
+                Some(XTextures { hidden: make("hidden.tex", d)?, attn: make("attn.tex", q_dim)?, act: make("act.tex", f)? })
+            } else {
+                None
+            },
         };
         Ok((ws, r))
     }
@@ -163,6 +196,10 @@ impl Workspace {
         .map(|b| b.size())
         .sum::<u64>()
             + [&self.rope_local, &self.branch].into_iter().flatten().map(|b| b.size()).sum::<u64>()
+            + self
+                .x_tex
+                .as_ref()
+                .map_or(0, |x| [&x.hidden, &x.attn, &x.act].iter().map(|t| t.width() as u64 * t.height() as u64 * 16).sum::<u64>())
     }
 }
 
@@ -294,8 +331,27 @@ impl GpuModel {
         let qkv_dim = c.qkv_dim();
         let q_dim = c.num_heads * hd;
         let eps = c.rms_norm_eps;
-        let io = |x, x_stride, norm, y, out_stride, residual| lin_io(ws, x, x_stride, norm, y, out_stride, residual, eps, None);
+        // Prefill on CPU adapters: each linear input copied into its texture first.
+        let xt = ws.x_tex.as_ref().filter(|_| shape == Shape::Matmul);
+        let io = |x: &'a wgpu::Buffer, x_stride, norm, y, out_stride, residual| {
+            let mut io = lin_io(ws, x, x_stride, norm, y, out_stride, residual, eps, None);
+            io.x_tex = xt.map(|t| {
+                if std::ptr::eq(x, &ws.hidden) {
+                    &t.hidden
+                } else if std::ptr::eq(x, &ws.attn) {
+                    &t.attn
+                } else {
+                    &t.act
+                }
+            });
+            io
+        };
+        let copy = async |x: &wgpu::Buffer, tex: Option<&wgpu::Texture>, width: usize| match tex {
+            Some(t) => kernels::x_texture::build(ctx, &ws.step, x, width, width, t).await.map(Some).map_err(gpu_err),
+            None => Ok(None),
+        };
         let mut v = Vec::new();
+        v.extend(copy(&ws.hidden, xt.map(|t| &t.hidden), d).await?);
         for (part, col) in &layer.qkv {
             let mut pio = io(&ws.hidden, d, Some(&layer.in_norm), &ws.qkv, qkv_dim, false);
             pio.out_offset = *col;
@@ -381,6 +437,7 @@ impl GpuModel {
             .await
             .map_err(gpu_err)
         };
+        v.extend(copy(&ws.attn, xt.map(|t| &t.attn), q_dim).await?);
         match post(&layer.attn_out_norm) {
             Some((g, b)) => {
                 v.extend(kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, b, d, false), shape).await.map_err(gpu_err)?);
@@ -390,6 +447,7 @@ impl GpuModel {
                 kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, &ws.hidden, d, true), shape).await.map_err(gpu_err)?,
             ),
         }
+        v.extend(copy(&ws.hidden, xt.map(|t| &t.hidden), d).await?);
         v.extend(
             kernels::linear::build(
                 ctx,
@@ -400,6 +458,7 @@ impl GpuModel {
             .await
             .map_err(gpu_err)?,
         );
+        v.extend(copy(&ws.act, xt.map(|t| &t.act), c.intermediate_size).await?);
         match post(&layer.mlp_out_norm) {
             Some((g, b)) => {
                 v.extend(
