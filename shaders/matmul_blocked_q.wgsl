@@ -90,17 +90,6 @@ var<private> xb: array<u32, TM>;
 var<private> lane: u32;
 #endif
 
-// Values of four rows (code word bases `r`) at step k8: elements 0-3 (lo) and 4-7 (hi).
-fn w_vals(r: vec4<u32>, k8: u32, s: Scales4) -> array<R4, 2> {
-    return vals4(codes8(w_q8w(r.x, k8)), codes8(w_q8w(r.y, k8)), codes8(w_q8w(r.z, k8)), codes8(w_q8w(r.w, k8)), s);
-}
-
-#if GATED
-fn u_vals(r: vec4<u32>, k8: u32, s: Scales4) -> array<R4, 2> {
-    return vals4(codes8(u_q8w(r.x, k8)), codes8(u_q8w(r.y, k8)), codes8(u_q8w(r.z, k8)), codes8(u_q8w(r.w, k8)), s);
-}
-#endif
-
 // Four rows' codes of one step dequantized with their scales.
 fn vals4(c0: array<vec4<f32>, 2>, c1: array<vec4<f32>, 2>, c2: array<vec4<f32>, 2>, c3: array<vec4<f32>, 2>, s: Scales4) -> array<R4, 2> {
     return array<R4, 2>(
@@ -276,47 +265,54 @@ var<private> cub: Tex4;
 fn tex4(m: u32, r: vec4<u32>, kc: u32) -> Tex4 {
     return Tex4(chunk_tex(m, r.x, kc), chunk_tex(m, r.y, kc), chunk_tex(m, r.z, kc), chunk_tex(m, r.w, kc));
 }
-
-// Four rows' values of step k8 from their chunk texels.
-fn t_vals(t: Tex4, k8: u32, s: Scales4) -> array<R4, 2> {
-    return vals4(codes8(chunk_step(t.c0, k8)), codes8(chunk_step(t.c1, k8)), codes8(chunk_step(t.c2, k8)), codes8(chunk_step(t.c3, k8)), s);
-}
 #endif
+
+// Step k8's values of row set `i` (0: rows 0-3 of w, 1: rows 4-7, 2 and 3: the same rows of
+// u; a constant at every call): from the chunk's texels (TEX) or from the code words.
+fn set_vals(i: u32, k8: u32, s: Scales4) -> array<R4, 2> {
+#if TEX
+    var t = ca;
+#if BLOCK_N8
+    if (i == 1u) {
+        t = cb;
+    }
+#endif
+#if GATED
+    if (i == 2u) {
+        t = cua;
+    }
+#if BLOCK_N8
+    if (i == 3u) {
+        t = cub;
+    }
+#endif
+#endif
+    return vals4(codes8(chunk_step(t.c0, k8)), codes8(chunk_step(t.c1, k8)), codes8(chunk_step(t.c2, k8)), codes8(chunk_step(t.c3, k8)), s);
+#else
+    let m = i >> 1u;
+    let r = select(wa, wb, (i & 1u) == 1u);
+    return vals4(codes8(step_words(m, r.x, k8)), codes8(step_words(m, r.y, k8)), codes8(step_words(m, r.z, k8)), codes8(step_words(m, r.w, k8)), s);
+#endif
+}
 
 // One 8-element step: every row's values (elements 0-3: lo, 4-7: hi), then every token.
 fn step_k(k8: u32, s: Sk) {
     var lo: Wk;
     var hi: Wk;
-#if TEX
-    let va = t_vals(ca, k8, s.a);
-#else
-    let va = w_vals(wa, k8, s.a);
-#endif
+    let va = set_vals(0u, k8, s.a);
     lo.a = va[0];
     hi.a = va[1];
 #if BLOCK_N8
-#if TEX
-    let vb = t_vals(cb, k8, s.b);
-#else
-    let vb = w_vals(wb, k8, s.b);
-#endif
+    let vb = set_vals(1u, k8, s.b);
     lo.b = vb[0];
     hi.b = vb[1];
 #endif
 #if GATED
-#if TEX
-    let vua = t_vals(cua, k8, s.ua);
-#else
-    let vua = u_vals(wa, k8, s.ua);
-#endif
+    let vua = set_vals(2u, k8, s.ua);
     lo.ua = vua[0];
     hi.ua = vua[1];
 #if BLOCK_N8
-#if TEX
-    let vub = t_vals(cub, k8, s.ub);
-#else
-    let vub = u_vals(wb, k8, s.ub);
-#endif
+    let vub = set_vals(3u, k8, s.ub);
     lo.ub = vub[0];
     hi.ub = vub[1];
 #endif

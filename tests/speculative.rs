@@ -292,6 +292,21 @@ fn smollm2_lookup_gives_the_fixture_greedy_ids() {
     assert!(stats.iter().any(|(_, s)| s.accepted > 0), "lookup never helped");
 }
 
+/// A Qwen fixture's cases: the three short ones, or all four with `LANTERN_SPEC_LONG=1` (the
+/// 566-token prompt takes minutes on lavapipe).
+fn qwen_cases(dir: &str) -> Vec<serde_json::Value> {
+    let long = std::env::var_os("LANTERN_SPEC_LONG").is_some();
+    let cases: Vec<_> = common::real::json(dir, "cases.json")
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| long || c["n_prompt_tokens"].as_u64().unwrap() <= 48)
+        .cloned()
+        .collect();
+    assert_eq!(cases.len(), if long { 4 } else { 3 });
+    cases
+}
+
 #[test]
 fn qwen_0_5b_lookup_gives_the_fixture_greedy_ids() {
     let path = common::real::model("LANTERN_QWEN05_GGUF", "qwen2.5-coder-0.5b");
@@ -300,16 +315,8 @@ fn qwen_0_5b_lookup_gives_the_fixture_greedy_ids() {
     let opts = ModelOptions { context: Some(640), ..Default::default() };
     let mut m = pollster::block_on(GpuModel::load(common::gpu(), &l.weights, opts)).unwrap();
     // The short cases: the long one's 566-token prompt is checked plainly in tests/qwen_q4km.rs
-    // and costs a minute here (LANTERN_SPEC_LONG=1 runs it with lookup too).
-    let long = std::env::var_os("LANTERN_SPEC_LONG").is_some();
-    let cases: Vec<_> = common::real::json("qwen2.5-coder-0.5b-q4km", "cases.json")
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|c| long || c["n_prompt_tokens"].as_u64().unwrap() <= 48)
-        .cloned()
-        .collect();
-    assert_eq!(cases.len(), if long { 4 } else { 3 });
+    // and costs a minute here.
+    let cases = qwen_cases("qwen2.5-coder-0.5b-q4km");
     common::real::check_speculative_cases(&mut m, None, tok, &cases, Speculation::lookup()).unwrap_or_else(|e| panic!("{e}"));
 }
 
@@ -327,14 +334,7 @@ fn qwen_1_5b_with_the_0_5b_drafting_gives_the_fixture_greedy_ids() {
     let tok = tok.unwrap();
     let (mut draft, dtok) = pollster::block_on(lantern::model::load::load_to_gpu(ctx, &draft_path, opts.clone(), &mut |_, _| {})).unwrap();
     check_pair(("1.5b", &target.config, &tok), ("0.5b", &draft.config, dtok.as_ref().unwrap())).expect("one tokenizer");
-    let cases: Vec<_> = common::real::json("qwen2.5-coder-1.5b-q4km", "cases.json")
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|c| long || c["n_prompt_tokens"].as_u64().unwrap() <= 48)
-        .cloned()
-        .collect();
-    assert_eq!(cases.len(), if long { 4 } else { 3 });
+    let cases = qwen_cases("qwen2.5-coder-1.5b-q4km");
     // A fixed draft length (the adaptive one may stop drafting on a loaded machine).
     let spec = Speculation { draft_tokens: Some(4), ..Speculation::draft_model() };
     let stats = common::real::check_speculative_cases(&mut target, Some(&mut draft), &tok, &cases, spec).unwrap_or_else(|e| panic!("{e}"));

@@ -213,14 +213,15 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
 
     let cases = serde_json::json!([
         { "model": "tiny-web.gguf", "prompt": "Hello, browser!", "maxTokens": 12, "expect": native_ids(&dir.join("tiny-web.gguf"), "Hello, browser!", 12) },
-        // Generated twice: plainly and with prompt-lookup speculation.
-        { "model": common::SMOLLM2_FILE, "prompt": "one two three four, one two three four, one two", "maxTokens": 12, "lookup": true,
-          "expect": native_ids(&smol, "one two three four, one two three four, one two", 12) },
+        { "model": gemma_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": native_ids(&gemma, "def reverse(s):", 3) },
         // A file over 1 GiB, streamed: its prefill and decode take minutes on SwiftShader, so
         // it is loaded and run once.
         { "model": qwen_file, "prompt": "def reverse(s):", "maxTokens": 2, "expect": native_ids(&qwen, "def reverse(s):", 2) },
-        // The last case is also reloaded (from Cache Storage) and chatted with.
-        { "model": gemma_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": native_ids(&gemma, "def reverse(s):", 3) },
+        // Generated twice: plainly and with prompt-lookup speculation. The last case is also
+        // reloaded (from Cache Storage) and chatted with (through SmolLM2's chat template;
+        // the Gemma 3 270M file is the base model, without one).
+        { "model": common::SMOLLM2_FILE, "prompt": "one two three four, one two three four, one two", "maxTokens": 12, "lookup": true,
+          "expect": native_ids(&smol, "one two three four, one two three four, one two", 12) },
     ]);
     let report = run_e2e(&root, &dir, &cases, &[]);
     let results = report["results"].as_array().unwrap();
@@ -229,15 +230,15 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
         assert_eq!(results[i]["model"], c["model"]);
         assert_eq!(results[i]["ids"], c["expect"], "{}", c["model"]);
     }
-    assert_eq!(results[1]["lookupIds"], cases[1]["expect"], "prompt lookup in the browser changed the tokens");
-    let lookup = results[1]["lookupMetrics"].as_str().unwrap_or_default();
+    assert_eq!(results[3]["lookupIds"], cases[3]["expect"], "prompt lookup in the browser changed the tokens");
+    let lookup = results[3]["lookupMetrics"].as_str().unwrap_or_default();
     eprintln!("SmolLM2 with prompt lookup in the browser: {lookup}");
     assert!(lookup.contains("speculative:"), "no speculative statistics on the page: {lookup}");
     assert_eq!(results[7]["chat"], true);
     assert_eq!(results[4]["badFile"], true);
     assert_eq!(results[5]["stop"], true);
     assert_eq!(results[6]["source"], "cache", "the reload read the model from Cache Storage");
-    assert_eq!(results[6]["model"], gemma_file);
+    assert_eq!(results[6]["model"], common::SMOLLM2_FILE);
     // Streamed: the wasm heap never held the file (the whole-file load needed more than twice
     // its size there). The renderer's and GPU process's peaks are logged for the report.
     let file_mb = std::fs::metadata(&qwen).unwrap().len() as f64 / 1e6;
