@@ -75,6 +75,13 @@ pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usi
     sum(&[act, logits, inputs, rope, branch])
 }
 
+/// Widths of the linear-layer inputs (hidden, attention output, MLP activation) that CPU
+/// adapters with tiled weights copy into x textures for the prefill matmul
+/// (`kernels::x_texture`): workspace on top of [`workspace_bytes`] there.
+pub fn x_texture_widths(c: &ModelConfig) -> [usize; 3] {
+    [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+}
+
 /// What fits: inputs and results of [`plan`].
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Plan {

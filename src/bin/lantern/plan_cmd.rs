@@ -162,7 +162,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     };
     // On CPU adapters whose packed weights load as tiled textures the prefill matmul reads its
     // inputs from x textures, which are workspace too.
-    let widths = [config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size];
+    let widths = lantern::model::plan::x_texture_widths(&config);
     let ws = ws
         + ctx
             .as_deref()

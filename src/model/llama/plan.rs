@@ -57,20 +57,15 @@ pub(super) struct XTextures {
     pub act: wgpu::Texture,
 }
 
-/// Widths of the linear inputs that get x textures: hidden, attention output, activation.
-fn x_widths(c: &ModelConfig) -> [usize; 3] {
-    [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
-}
-
 /// Whether this adapter's prefill reads the linear inputs from x textures (given tiled
 /// weights): `kernels::x_texture::fits`.
 pub(super) fn x_textures_fit(ctx: &GpuContext, c: &ModelConfig, options: &ModelOptions) -> bool {
-    kernels::x_texture::fits(ctx, &x_widths(c), options.max_batch_tokens.max(1))
+    kernels::x_texture::fits(ctx, &crate::model::plan::x_texture_widths(c), options.max_batch_tokens.max(1))
 }
 
 /// Bytes of the x textures.
 pub(super) fn x_texture_bytes(c: &ModelConfig, options: &ModelOptions) -> u64 {
-    kernels::x_texture::bytes(&x_widths(c), options.max_batch_tokens.max(1))
+    kernels::x_texture::bytes(&crate::model::plan::x_texture_widths(c), options.max_batch_tokens.max(1))
 }
 
 pub(super) struct Plans {
@@ -333,27 +328,19 @@ impl GpuModel {
         let eps = c.rms_norm_eps;
         // Prefill on CPU adapters: each linear input copied into its texture first.
         let xt = ws.x_tex.as_ref().filter(|_| shape == Shape::Matmul);
-        let io = |x: &'a wgpu::Buffer, x_stride, norm, y, out_stride, residual| {
-            let mut io = lin_io(ws, x, x_stride, norm, y, out_stride, residual, eps, None);
-            io.x_tex = xt.map(|t| {
-                if std::ptr::eq(x, &ws.hidden) {
-                    &t.hidden
-                } else if std::ptr::eq(x, &ws.attn) {
-                    &t.attn
-                } else {
-                    &t.act
-                }
-            });
-            io
+        let (t_hidden, t_attn, t_act) = (xt.map(|t| &t.hidden), xt.map(|t| &t.attn), xt.map(|t| &t.act));
+        let io = |x, x_tex: Option<&'a wgpu::Texture>, x_stride, norm, y, out_stride, residual| LinearIo {
+            x_tex,
+            ..lin_io(ws, x, x_stride, norm, y, out_stride, residual, eps, None)
         };
         let copy = async |x: &wgpu::Buffer, tex: Option<&wgpu::Texture>, width: usize| match tex {
             Some(t) => kernels::x_texture::build(ctx, &ws.step, x, width, width, t).await.map(Some).map_err(gpu_err),
             None => Ok(None),
         };
         let mut v = Vec::new();
-        v.extend(copy(&ws.hidden, xt.map(|t| &t.hidden), d).await?);
+        v.extend(copy(&ws.hidden, t_hidden, d).await?);
         for (part, col) in &layer.qkv {
-            let mut pio = io(&ws.hidden, d, Some(&layer.in_norm), &ws.qkv, qkv_dim, false);
+            let mut pio = io(&ws.hidden, t_hidden, d, Some(&layer.in_norm), &ws.qkv, qkv_dim, false);
             pio.out_offset = *col;
             v.extend(kernels::linear::build(ctx, part, &pio, shape).await.map_err(gpu_err)?);
         }
@@ -437,39 +424,43 @@ impl GpuModel {
             .await
             .map_err(gpu_err)
         };
-        v.extend(copy(&ws.attn, xt.map(|t| &t.attn), q_dim).await?);
+        v.extend(copy(&ws.attn, t_attn, q_dim).await?);
         match post(&layer.attn_out_norm) {
             Some((g, b)) => {
-                v.extend(kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, b, d, false), shape).await.map_err(gpu_err)?);
+                v.extend(
+                    kernels::linear::build(ctx, &layer.o, &io(&ws.attn, t_attn, q_dim, None, b, d, false), shape).await.map_err(gpu_err)?,
+                );
                 v.push(add_normed(g, b).await?);
             }
             None => v.extend(
-                kernels::linear::build(ctx, &layer.o, &io(&ws.attn, q_dim, None, &ws.hidden, d, true), shape).await.map_err(gpu_err)?,
+                kernels::linear::build(ctx, &layer.o, &io(&ws.attn, t_attn, q_dim, None, &ws.hidden, d, true), shape)
+                    .await
+                    .map_err(gpu_err)?,
             ),
         }
-        v.extend(copy(&ws.hidden, xt.map(|t| &t.hidden), d).await?);
+        v.extend(copy(&ws.hidden, t_hidden, d).await?);
         v.extend(
             kernels::linear::build(
                 ctx,
                 &layer.gate_up,
-                &io(&ws.hidden, d, Some(&layer.post_norm), &ws.act, c.intermediate_size, false),
+                &io(&ws.hidden, t_hidden, d, Some(&layer.post_norm), &ws.act, c.intermediate_size, false),
                 shape,
             )
             .await
             .map_err(gpu_err)?,
         );
-        v.extend(copy(&ws.act, xt.map(|t| &t.act), c.intermediate_size).await?);
+        v.extend(copy(&ws.act, t_act, c.intermediate_size).await?);
         match post(&layer.mlp_out_norm) {
             Some((g, b)) => {
                 v.extend(
-                    kernels::linear::build(ctx, &layer.down, &io(&ws.act, c.intermediate_size, None, b, d, false), shape)
+                    kernels::linear::build(ctx, &layer.down, &io(&ws.act, t_act, c.intermediate_size, None, b, d, false), shape)
                         .await
                         .map_err(gpu_err)?,
                 );
                 v.push(add_normed(g, b).await?);
             }
             None => v.extend(
-                kernels::linear::build(ctx, &layer.down, &io(&ws.act, c.intermediate_size, None, &ws.hidden, d, true), shape)
+                kernels::linear::build(ctx, &layer.down, &io(&ws.act, t_act, c.intermediate_size, None, &ws.hidden, d, true), shape)
                     .await
                     .map_err(gpu_err)?,
             ),
