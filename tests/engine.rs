@@ -437,3 +437,78 @@ fn logit_bias_and_penalties_equal_a_cpu_bias_of_the_logits() {
     let err = err.to_string();
     assert!(err.contains("token 512") && err.contains("512"), "{err}");
 }
+
+/// One greedy request through `generate` on a model loaded with `decode_ahead` steps in
+/// flight, then a second request on the same model (which must not see the first one's
+/// rolled-back steps).
+fn generate_pair(decode_ahead: usize, first: &GenerateRequest, second: &GenerateRequest) -> (Generation, Generation) {
+    let opts = ModelOptions { context: Some(48), page_size: 4, max_batch_tokens: 16, decode_ahead, ..Default::default() };
+    let mut m = pollster::block_on(GpuModel::load(common::gpu(), weights(), opts)).expect("upload tiny model");
+    assert_eq!(m.decode_ahead_depth(), if decode_ahead >= 2 { decode_ahead } else { 0 });
+    let tok = tokenizer();
+    let mut run = |r: &GenerateRequest| {
+        let mut streamed = String::new();
+        let g = pollster::block_on(lantern::engine::generate::generate(&mut m, &tok, r, |p| {
+            streamed.push_str(p);
+            true
+        }))
+        .expect("generate");
+        assert_eq!(streamed, g.text, "streamed text equals the final text");
+        g
+    };
+    let a = run(first);
+    let b = run(second);
+    (a, b)
+}
+
+#[test]
+fn decode_ahead_gives_the_step_at_a_time_tokens_and_rolls_back_past_stops() {
+    let base = GenerateRequest { prompt_ids: vec![5, 77, 301, 9, 18], max_tokens: 30, ..Default::default() };
+    let other = GenerateRequest { prompt_ids: vec![5, 77, 301, 9, 40, 41], max_tokens: 12, ..Default::default() };
+    let (plain, _) = generate_pair(0, &base, &other);
+    assert_eq!(plain.output_ids.len(), 30);
+    // Stops that land while later steps are in flight: an id, a string, the context's end.
+    let by_id = GenerateRequest { stop_ids: vec![plain.output_ids[9]], ..base.clone() };
+    let by_string =
+        GenerateRequest { stop_strings: vec![plain.text.chars().skip(plain.text.chars().count() / 2).take(3).collect()], ..base.clone() };
+    let to_context = GenerateRequest { prompt_ids: (0..40).map(|i| 3 + i * 7).collect(), max_tokens: 100, ..base.clone() };
+    let one = GenerateRequest { max_tokens: 1, ..base.clone() };
+    let two = GenerateRequest { max_tokens: 2, ..base.clone() };
+    for req in [&base, &by_id, &by_string, &to_context, &one, &two] {
+        let (want, want_next) = generate_pair(0, req, &other);
+        for depth in [2, 3, 5] {
+            let (got, got_next) = generate_pair(depth, req, &other);
+            assert_eq!(got.output_ids, want.output_ids, "depth {depth}: tokens");
+            assert_eq!(got.text, want.text, "depth {depth}: text");
+            assert_eq!(got.finish_reason, want.finish_reason, "depth {depth}: finish reason");
+            assert_eq!(got_next.output_ids, want_next.output_ids, "depth {depth}: the next request on the same model");
+        }
+    }
+    let (ctx_full, _) = generate_pair(3, &to_context, &other);
+    assert_eq!(ctx_full.finish_reason, FinishReason::ContextFull);
+    let (stopped, _) = generate_pair(3, &by_id, &other);
+    let at = plain.output_ids.iter().position(|&t| t == plain.output_ids[9]).expect("the stop id") + 1;
+    assert_eq!((stopped.finish_reason, stopped.output_ids.len()), (FinishReason::Stop, at));
+}
+
+#[test]
+fn noop_backend_decodes_with_no_objects_created_per_token() {
+    // wgpu's noop backend executes nothing (the tokens are zeros), so what a run costs there
+    // is the host's own work; it stands in for a discrete GPU (no CPU-adapter layouts).
+    let ctx = common::gpu_with(&lantern::gpu::DeviceOptions { backend: Some("noop".into()), ..Default::default() });
+    assert_eq!(ctx.info.backend, wgpu::Backend::Noop);
+    assert!(!ctx.caps.cpu_like && ctx.caps.subgroups);
+    let mut m =
+        pollster::block_on(GpuModel::load(ctx, weights(), ModelOptions { context: Some(256), ..Default::default() })).expect("load");
+    let req = GenerateRequest { prompt_ids: vec![1, 2, 3], max_tokens: 64, ..Default::default() };
+    let g = pollster::block_on(lantern::engine::generate::generate(&mut m, &tokenizer(), &req, |_| true)).expect("generate");
+    assert_eq!(g.output_ids, vec![0; 64], "noop reads back zeros");
+    let h = g.host.expect("host costs of the decode steps");
+    assert_eq!(h.tokens, 63);
+    assert_eq!((h.buffers_per_token, h.bind_groups_per_token), (0.0, 0.0), "{h:?}");
+    assert_eq!((h.submits_per_token, h.readbacks_per_token), (1.0, 1.0), "{h:?}");
+    assert_eq!(h.dispatches_per_token, m.dispatches_per_decode_step() as f64, "{h:?}");
+    // Steps run ahead: only the last wait finds nothing queued behind it.
+    assert!(h.stalls_per_token <= 1.0 / 63.0 + 1e-9, "{h:?}");
+    assert!(h.writes_per_token < 1.2, "a position per step, the block table per new page: {h:?}");
+}

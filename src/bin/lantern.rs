@@ -211,6 +211,11 @@ struct RunArgs {
     /// Do not reuse the KV pages of an earlier prompt with the same beginning.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Greedy decode steps kept in flight ahead of the host reading their tokens (each
+    /// step's GPU argmax feeds the next one on the GPU; stops are checked as tokens arrive
+    /// and the steps past one are rolled back). 0 or 1: one step at a time.
+    #[arg(long, default_value_t = 3)]
+    decode_ahead: usize,
     /// Print one JSON object instead of streaming.
     #[arg(long)]
     json: bool,
@@ -338,8 +343,13 @@ fn run(a: RunArgs) -> Result<()> {
         memory_budget: a.memory_budget.as_deref().map(plan_cmd::parse_bytes).transpose()?,
         prefix_cache: !a.no_prefix_cache,
         kv_window: a.kv_window.parse().map_err(anyhow::Error::msg)?,
+        decode_ahead: a.decode_ahead,
         ..Default::default()
     };
+    // wgpu's noop backend runs no kernel and reads back zeros: its tokens mean nothing, so
+    // a run there ignores EOS and stop strings and decodes exactly --max-tokens (its time
+    // per token is the host's own cost).
+    let noop = ctx.info.backend == wgpu::Backend::Noop;
     let (mut model, tokenizer) =
         pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &model_path, model_options.clone(), &mut |_, _| {}))
             .with_context(|| format!("loading {}", model_path.display()))?;
@@ -363,13 +373,13 @@ fn run(a: RunArgs) -> Result<()> {
         a.prompt.clone()
     };
     let prompt_ids = if a.chat { tokenizer.encode_chat(&prompt_text)? } else { tokenizer.encode(&prompt_text)? };
-    let stop_ids = lantern::engine::generate::default_stop_ids(&model.config.eos_token_ids, &tokenizer);
+    let stop_ids = if noop { Vec::new() } else { lantern::engine::generate::default_stop_ids(&model.config.eos_token_ids, &tokenizer) };
     let req = GenerateRequest {
         prompt_ids,
         max_tokens: a.max_tokens,
         sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
         stop_ids,
-        stop_strings: a.stop.clone(),
+        stop_strings: if noop { Vec::new() } else { a.stop.clone() },
         speculation: a.spec.speculation(),
         constraint: run_constraint(&a)?,
         logprobs: None,
@@ -407,6 +417,9 @@ fn run(a: RunArgs) -> Result<()> {
             "kv_dtype": model.options.kv_dtype,
             "load_ms": load_ms,
             "dispatches_per_decode_step": model.dispatches_per_decode_step(),
+            "decode_ahead": model.decode_ahead_depth(),
+            "host": gen.host,
+            "noop": noop,
             "dispatches_per_prefill_step": model.dispatches_per_prefill_step(),
             "weight_bytes": model.weight_bytes(),
             "weight_precision": model.options.weights,
@@ -479,6 +492,23 @@ fn run(a: RunArgs) -> Result<()> {
             }
         );
         eprintln!("[{}]", pipeline_line(&pipelines));
+        if let Some(h) = &gen.host {
+            eprintln!(
+                "[host per decode token: {:.3} ms ({:.3} ms busy), {:.0} dispatches, {:.2} submits, {:.2} writes, {:.2} readbacks, {:.2} waits ({:.2} leaving the device idle), {:.2} bind groups and {:.2} buffers created | {} steps in flight{}]",
+                h.ms_per_token,
+                h.busy_ms_per_token,
+                h.dispatches_per_token,
+                h.submits_per_token,
+                h.writes_per_token,
+                h.readbacks_per_token,
+                h.waits_per_token,
+                h.stalls_per_token,
+                h.bind_groups_per_token,
+                h.buffers_per_token,
+                model.decode_ahead_depth().max(1),
+                if noop { " | noop backend: no kernel ran, so the tokens are meaningless; EOS and stop strings were ignored and exactly --max-tokens decoded" } else { "" }
+            );
+        }
         if let Some(sp) = &gen.speculative {
             eprintln!(
                 "[speculative ({:?}): {} drafted, {} accepted ({:.0}%), {:.2} tokens per target step over {} verify + {} plain steps | draft {:.0} ms, verify {:.0} ms]",

@@ -392,6 +392,7 @@ impl Engine {
                 cached_prompt_tokens: 0,
                 speculative: None,
                 logprobs: Vec::new(),
+                host: None,
             };
             let _ = tx.unbounded_send(Event::Done(Box::new(g)));
             let id = self.next_id;
@@ -538,6 +539,9 @@ impl Engine {
             cached_prompt_tokens: s.cached_prompt_tokens,
             speculative: s.spec.as_ref().map(|sp| sp.stats.clone()),
             logprobs: std::mem::take(&mut s.logprobs),
+            // Engine steps serve many requests at once: their host costs are the engine's
+            // (`lantern bench`), not one request's.
+            host: None,
         };
         let _ = s.tx.unbounded_send(Event::Done(Box::new(g)));
     }

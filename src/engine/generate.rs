@@ -5,7 +5,7 @@ use web_time::Instant;
 
 use super::constraint::{Constraint, Guide};
 use super::logit_bias::{BiasState, LogitBias};
-use super::metrics::RequestTimings;
+use super::metrics::{HostCosts, RequestTimings};
 use super::sampler::{Sampler, SamplingParams, TokenLogprob};
 use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats, Speculation};
 use crate::model::llama::{GpuModel, LogitOps, StepOutput, Want};
@@ -98,6 +98,9 @@ pub struct Generation {
     pub speculative: Option<SpecStats>,
     /// Per output token, with `GenerateRequest::logprobs`.
     pub logprobs: Vec<TokenLogprob>,
+    /// The host's work per decode token (dispatches, submits, waits...), when the request
+    /// decoded at least two tokens.
+    pub host: Option<HostCosts>,
 }
 
 /// The tokens that end a generation unless the caller says otherwise: the model's
@@ -351,7 +354,6 @@ async fn run(
     let mut stream = TextStream::new(tokenizer, &req.stop_strings);
     let mut out_ids = Vec::new();
     let mut history = req.prompt_ids.clone();
-    let finish;
     if req.max_tokens == 0 {
         timings.finished = Some(Instant::now());
         return Ok(Generation {
@@ -363,6 +365,7 @@ async fn run(
             cached_prompt_tokens: 0,
             speculative: spec.map(|s| s.1),
             logprobs: Vec::new(),
+            host: None,
         });
     }
     let mut bias = BiasState::new(&req.bias);
@@ -371,42 +374,74 @@ async fn run(
         model.cache_prefix(seq, &req.prompt_ids)?;
     }
     let mut batch = vec![sampler.sample_step(&out, 0, model.config.vocab_size)];
-    'gen: loop {
-        let now = Instant::now();
-        for token in batch {
-            if let Some(g) = guide.as_mut() {
-                g.accept(token)?;
-            }
-            if let Some(b) = bias.as_mut() {
-                b.observe(token);
-            }
-            timings.tokens.push(now);
-            out_ids.push(token);
-            history.push(token);
-            let (piece, stop) = stream.push(tokenizer, token, &req.stop_ids, &req.stop_strings)?;
-            // A finished grammar ends the sequence (its text is complete).
-            let stop = stop.or_else(|| guide.as_ref().filter(|g| g.is_finished()).map(|_| FinishReason::Stop));
-            if let Some(p) = piece {
-                if !on_text(&p) {
-                    finish = FinishReason::Cancelled;
-                    break 'gen;
+    // Plain greedy decoding runs ahead of the host: the GPU feeds each step's argmax to the
+    // next step, and the tokens are checked here as they arrive (same tokens, see
+    // `GpuModel::begin_ahead`). Anything that needs the host between tokens (sampling,
+    // grammars, biases, drafts) steps one token at a time.
+    let ahead = spec.is_none() && guide.is_none() && bias.is_none() && want == Want::Argmax && model.decode_ahead_depth() >= 2;
+    let mut ahead_open = false;
+    let mut last_arrival = Instant::now();
+    let decode_start = (model.ctx.host_counts(), Instant::now());
+    let r = async {
+        let finish = 'gen: loop {
+            let now = Instant::now();
+            for token in batch {
+                if let Some(g) = guide.as_mut() {
+                    g.accept(token)?;
+                }
+                if let Some(b) = bias.as_mut() {
+                    b.observe(token);
+                }
+                timings.tokens.push(now);
+                out_ids.push(token);
+                history.push(token);
+                let (piece, stop) = stream.push(tokenizer, token, &req.stop_ids, &req.stop_strings)?;
+                // A finished grammar ends the sequence (its text is complete).
+                let stop = stop.or_else(|| guide.as_ref().filter(|g| g.is_finished()).map(|_| FinishReason::Stop));
+                if let Some(p) = piece {
+                    if !on_text(&p) {
+                        break 'gen FinishReason::Cancelled;
+                    }
+                }
+                if let Some(f) = stop {
+                    break 'gen f;
+                }
+                if out_ids.len() >= req.max_tokens {
+                    break 'gen FinishReason::Length;
+                }
+                if history.len() > context {
+                    break 'gen FinishReason::ContextFull;
                 }
             }
-            if let Some(f) = stop {
-                finish = f;
-                break 'gen;
-            }
-            if out_ids.len() >= req.max_tokens {
-                finish = FinishReason::Length;
-                break 'gen;
-            }
-            if history.len() > context {
-                finish = FinishReason::ContextFull;
-                break 'gen;
-            }
-        }
-        batch = next_tokens(model, drafting, req, seq, &history, out_ids.len(), &mut sampler, want, &mut spec, &mut guide, &bias).await?;
+            batch = if ahead {
+                if !ahead_open {
+                    // Steps left: every token still wanted, within the context (the cache holds
+                    // all of history but the last token).
+                    let limit = (req.max_tokens - out_ids.len()).min(context + 1 - history.len());
+                    model.begin_ahead(seq, *history.last().expect("a sampled token"), limit).await?;
+                    ahead_open = true;
+                }
+                let token = model.ahead_next().await?;
+                let now = Instant::now();
+                model.record_step_ms(1, (now - last_arrival).as_secs_f64() * 1e3);
+                last_arrival = now;
+                vec![token]
+            } else {
+                next_tokens(model, drafting, req, seq, &history, out_ids.len(), &mut sampler, want, &mut spec, &mut guide, &bias).await?
+            };
+        };
+        Ok::<_, LanternError>(finish)
     }
+    .await;
+    // Steps still in flight past a stop are drained and their KV rolled back.
+    let ended = if ahead_open { model.end_ahead().await } else { Ok(()) };
+    let finish = r?;
+    ended?;
+    let decoded = out_ids.len().saturating_sub(1);
+    let host = (decoded > 0).then(|| {
+        let wall = decode_start.1.elapsed().as_secs_f64() * 1e3;
+        HostCosts::new(&model.ctx.host_counts().since(&decode_start.0), decoded, wall)
+    });
     if let Some(rest) = stream.finish(tokenizer, finish)? {
         on_text(&rest);
     }
@@ -421,6 +456,7 @@ async fn run(
         cached_prompt_tokens: 0,
         speculative: spec.map(|s| s.1),
         logprobs: Vec::new(),
+        host,
     })
 }
 

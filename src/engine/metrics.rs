@@ -288,3 +288,49 @@ mod tests {
         assert!(t.itl_ms().is_empty());
     }
 }
+
+/// The host's work per decode token over a run's decode steps (everything after the first
+/// token), from the device's [`HostCounts`](crate::gpu::HostCounts): what `lantern run
+/// --json` reports as `host`. On wgpu's noop backend, which executes nothing, `ms_per_token`
+/// is the host's cost alone: the ceiling of an infinitely fast GPU.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct HostCosts {
+    /// Decode tokens the figures are per (output tokens after the first).
+    pub tokens: usize,
+    /// Wall milliseconds per token (the decode phase's TPOT, drained steps included).
+    pub ms_per_token: f64,
+    /// Of those, milliseconds the host was busy, not blocked waiting for the device.
+    pub busy_ms_per_token: f64,
+    pub dispatches_per_token: f64,
+    pub submits_per_token: f64,
+    /// `write_buffer` calls (each a staging copy inside wgpu).
+    pub writes_per_token: f64,
+    pub readbacks_per_token: f64,
+    /// Waits for the device, and those of them that left it idle (nothing queued behind).
+    pub waits_per_token: f64,
+    pub stalls_per_token: f64,
+    pub bind_groups_per_token: f64,
+    /// Buffers and textures created.
+    pub buffers_per_token: f64,
+}
+
+impl HostCosts {
+    /// Per-token figures from the counts of `tokens` decode steps that took `wall_ms`.
+    pub fn new(c: &crate::gpu::HostCounts, tokens: usize, wall_ms: f64) -> HostCosts {
+        let n = tokens.max(1) as f64;
+        let per = |v: u64| v as f64 / n;
+        HostCosts {
+            tokens,
+            ms_per_token: wall_ms / n,
+            busy_ms_per_token: (wall_ms - c.wait_ns as f64 / 1e6).max(0.0) / n,
+            dispatches_per_token: per(c.dispatches),
+            submits_per_token: per(c.submits),
+            writes_per_token: per(c.writes),
+            readbacks_per_token: per(c.readbacks),
+            waits_per_token: per(c.waits),
+            stalls_per_token: per(c.stalls),
+            bind_groups_per_token: per(c.bind_groups),
+            buffers_per_token: per(c.buffers),
+        }
+    }
+}

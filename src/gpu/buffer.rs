@@ -325,10 +325,9 @@ impl Readback {
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
+        ctx.counters.read_back();
         #[cfg(not(target_arch = "wasm32"))]
-        ctx.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Readback(e.to_string()))?;
-        #[cfg(target_arch = "wasm32")]
-        let _ = ctx;
+        ctx.wait(None)?;
         rx.await
             .map_err(|_| GpuError::Readback("map callback dropped (device lost?)".into()))?
             .map_err(|e| GpuError::Readback(e.to_string()))?;

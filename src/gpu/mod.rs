@@ -2,6 +2,7 @@
 //! limits and optional features, the shader registry and pipeline cache, buffers and readback.
 
 pub mod buffer;
+pub mod counters;
 pub mod memory;
 pub mod pipeline;
 pub mod preprocess;
@@ -12,6 +13,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 pub use buffer::{GpuTensor, Readback};
+pub use counters::{HostCounters, HostCounts};
 pub use pipeline::{DriverCacheState, PipelineCache, PipelineStats};
 pub use shader::{Features, PipelineKey, ShaderOp};
 
@@ -35,7 +37,7 @@ pub enum GpuError {
     Readback(String),
     #[error("GPU validation error in {context}: {message}")]
     Validation { context: String, message: String },
-    #[error("unknown backend `{0}` (expected vulkan, metal, dx12 or gl)")]
+    #[error("unknown backend `{0}` (expected vulkan, metal, dx12, gl or noop)")]
     UnknownBackend(String),
     #[error("the GPU device was lost ({0}); build a new engine on a new device")]
     DeviceLost(String),
@@ -116,14 +118,51 @@ fn parse_backend(name: &str) -> Result<wgpu::Backends, GpuError> {
         "dx12" | "d3d12" => Ok(wgpu::Backends::DX12),
         "gl" | "gles" | "opengl" => Ok(wgpu::Backends::GL),
         "webgpu" | "browser" => Ok(wgpu::Backends::BROWSER_WEBGPU),
+        "noop" => Ok(wgpu::Backends::NOOP),
         other => Err(GpuError::UnknownBackend(other.to_string())),
     }
+}
+
+/// The limits the noop adapter reports: those of a mid-range discrete GPU through Vulkan
+/// (wgpu-core panics on a device created with the noop adapter's own unbounded limits).
+pub fn noop_limits() -> wgpu::Limits {
+    wgpu::Limits {
+        max_buffer_size: 4 << 30,
+        max_storage_buffer_binding_size: (2 << 30) - 4,
+        max_storage_buffers_per_shader_stage: 16,
+        max_uniform_buffer_binding_size: 64 << 10,
+        max_compute_workgroup_storage_size: 48 << 10,
+        max_compute_invocations_per_workgroup: 1024,
+        max_compute_workgroup_size_x: 1024,
+        max_compute_workgroup_size_y: 1024,
+        max_compute_workgroups_per_dimension: 65535,
+        max_texture_dimension_2d: 16384,
+        ..wgpu::Limits::default()
+    }
+}
+
+/// Whether the noop backend was asked for, by `backend` or else by `WGPU_BACKEND`.
+fn wants_noop(backend: Option<&str>) -> bool {
+    let env = std::env::var("WGPU_BACKEND").ok();
+    backend.or(env.as_deref()).is_some_and(|b| b.eq_ignore_ascii_case("noop"))
 }
 
 fn make_instance(backend: Option<&str>) -> Result<wgpu::Instance, GpuError> {
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
     if let Some(b) = backend {
         desc.backends = parse_backend(b)?;
+    }
+    // The noop backend stands in for a GPU that takes no time: a discrete GPU's limits,
+    // subgroups of 32 and shader-f16, so the kernels choose the layouts a GPU gets.
+    if wants_noop(backend) {
+        desc.backend_options.noop = wgpu::NoopBackendOptions {
+            enable: true,
+            limits: Some(noop_limits()),
+            features: Some(wgpu::Features::SHADER_F16 | wgpu::Features::SUBGROUP),
+            device_type: Some(wgpu::DeviceType::DiscreteGpu),
+            subgroup_min_size: Some(32),
+            subgroup_max_size: Some(32),
+        };
     }
     Ok(wgpu::Instance::new(desc))
 }
@@ -224,6 +263,8 @@ pub struct GpuContext {
     pub ledger: Ledger,
     /// Set (with the driver's reason) when the device is lost or destroyed.
     pub lost: Arc<std::sync::Mutex<Option<String>>>,
+    /// What the host has done on this device (dispatches, submits, waits...).
+    pub counters: HostCounters,
 }
 
 /// What a buffer is for, as the allocation functions of `buffer.rs` know it.
@@ -426,6 +467,7 @@ impl GpuContext {
             pipelines: PipelineCache::default(),
             ledger: Ledger::default(),
             lost: self.lost.clone(),
+            counters: HostCounters::default(),
         }))
     }
 
@@ -443,7 +485,9 @@ impl GpuContext {
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             subgroup_min_size: info.subgroup_min_size,
             subgroup_max_size: info.subgroup_max_size,
-            cpu_like: info.device_type == wgpu::DeviceType::Cpu,
+            // The noop adapter calls itself a CPU (wgpu 30 ignores the device type asked of
+            // it) but stands in for a GPU here.
+            cpu_like: info.device_type == wgpu::DeviceType::Cpu && info.backend != wgpu::Backend::Noop,
         };
         let lost = Arc::new(std::sync::Mutex::new(None));
         let flag = lost.clone();
@@ -453,7 +497,17 @@ impl GpuContext {
             }
         });
         let pipelines = PipelineCache::for_device(&device, &info, pipeline_cache_dir);
-        Arc::new(GpuContext { device, queue, info, limits, caps, pipelines, ledger: Ledger::default(), lost })
+        Arc::new(GpuContext {
+            device,
+            queue,
+            info,
+            limits,
+            caps,
+            pipelines,
+            ledger: Ledger::default(),
+            lost,
+            counters: HostCounters::default(),
+        })
     }
 
     /// Persist the driver's pipeline cache if pipelines were compiled since the last save

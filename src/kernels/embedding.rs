@@ -66,7 +66,7 @@ pub async fn build(
                 entries.push(wgpu::BindGroupEntry { binding: 12, resource: wgpu::BindingResource::TextureView(&ws.chunks[ci].view) });
             }
         }
-        let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        let bg = ctx.bind_group(&wgpu::BindGroupDescriptor {
             label: Some("embedding"),
             layout: &pipe.get_bind_group_layout(0),
             entries: &entries,

@@ -950,5 +950,5 @@ fn bind_res(ctx: &GpuContext, label: &str, pipe: &wgpu::ComputePipeline, entries
             },
         })
         .collect();
-    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor { label: Some(label), layout: &pipe.get_bind_group_layout(0), entries: &all })
+    ctx.bind_group(&wgpu::BindGroupDescriptor { label: Some(label), layout: &pipe.get_bind_group_layout(0), entries: &all })
 }

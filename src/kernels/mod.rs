@@ -97,14 +97,30 @@ impl Dispatch {
 
     /// Record this dispatch into a compute pass for the step `s`.
     pub fn encode(&self, pass: &mut wgpu::ComputePass<'_>, s: &StepUniform) {
-        let [x, y, z] = self.grid.map(|d| d.eval(s));
-        if x == 0 || y == 0 || z == 0 {
-            return;
-        }
-        pass.set_pipeline(&self.pipeline);
-        pass.set_bind_group(0, &self.bind_group, &[]);
-        pass.dispatch_workgroups(x, y, z);
+        encode_all(pass, [self], s);
     }
+}
+
+/// Record `dispatches` into a compute pass for the step `s`, in order, skipping those the
+/// step does not run and setting a pipeline only when it changes; returns how many were
+/// recorded.
+pub fn encode_all<'d>(pass: &mut wgpu::ComputePass<'_>, dispatches: impl IntoIterator<Item = &'d Dispatch>, s: &StepUniform) -> usize {
+    let mut last: Option<&wgpu::ComputePipeline> = None;
+    let mut n = 0;
+    for d in dispatches {
+        let [x, y, z] = d.grid.map(|g| g.eval(s));
+        if x == 0 || y == 0 || z == 0 {
+            continue;
+        }
+        if !last.is_some_and(|p| std::ptr::eq(p, &*d.pipeline)) {
+            pass.set_pipeline(&d.pipeline);
+            last = Some(&d.pipeline);
+        }
+        pass.set_bind_group(0, &d.bind_group, &[]);
+        pass.dispatch_workgroups(x, y, z);
+        n += 1;
+    }
+    n
 }
 
 /// Build a bind group for `pipeline` from (binding, buffer) pairs.
@@ -112,7 +128,7 @@ pub fn bind(ctx: &GpuContext, label: &str, pipeline: &wgpu::ComputePipeline, ent
     let layout = pipeline.get_bind_group_layout(0);
     let entries: Vec<wgpu::BindGroupEntry> =
         entries.iter().map(|(b, buf)| wgpu::BindGroupEntry { binding: *b, resource: buf.as_entire_binding() }).collect();
-    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor { label: Some(label), layout: &layout, entries: &entries })
+    ctx.bind_group(&wgpu::BindGroupDescriptor { label: Some(label), layout: &layout, entries: &entries })
 }
 
 /// Fetch (compile or reuse) the pipeline of `key`.
@@ -128,15 +144,13 @@ pub fn submit(ctx: &GpuContext, step: &wgpu::Buffer, n_tokens: u32, n_out: u32, 
 
 /// [`submit`] with a full step uniform (key splits included).
 pub fn submit_step(ctx: &GpuContext, step: &wgpu::Buffer, s: &StepUniform, dispatches: &[Dispatch]) {
-    ctx.queue.write_buffer(step, 0, bytemuck::bytes_of(s));
+    ctx.write(step, 0, bytemuck::bytes_of(s));
     let mut enc = ctx.device.create_command_encoder(&Default::default());
     {
         let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("lantern ops"), timestamp_writes: None });
-        for d in dispatches {
-            d.encode(&mut pass, s);
-        }
+        ctx.counters.dispatched(encode_all(&mut pass, dispatches, s));
     }
-    ctx.queue.submit([enc.finish()]);
+    ctx.submit([enc.finish()]);
 }
 
 /// A step uniform buffer.

@@ -79,7 +79,7 @@ pub async fn build(
     let params = XTextureParams { texels: texels as u32, x_stride4: (x_stride / 4) as u32, _pad0: 0, _pad1: 0 };
     let ubuf = create_uniform(ctx, "x_texture.params", &params);
     let view = tex.create_view(&Default::default());
-    let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+    let bg = ctx.bind_group(&wgpu::BindGroupDescriptor {
         label: Some("x_texture"),
         layout: &pipe.get_bind_group_layout(0),
         entries: &[

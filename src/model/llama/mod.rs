@@ -32,6 +32,7 @@ use crate::{LanternError, Result};
 use plan::{Plans, Workspace};
 use step::SPLIT_MAX_TOKENS;
 
+mod ahead;
 mod memory;
 mod options;
 mod plan;
@@ -103,6 +104,10 @@ pub struct GpuModel {
     step_ms: Vec<Option<f64>>,
     /// What speculative decoding learned here across requests (see [`DraftMemory`]).
     pub draft_memory: DraftMemory,
+    /// The run ahead in progress (`ahead.rs`), and its readback slots (one per step in
+    /// flight; none where runs ahead are off).
+    ahead: Option<ahead::Ahead>,
+    ahead_slots: Vec<Readback>,
 }
 
 /// What speculative decoding learned on a model across requests, so a new request starts
@@ -248,6 +253,7 @@ impl GpuModel {
         let (ws, r) = plan::Workspace::new(&ctx, &c, &options, kv_cfg, context, partials_bytes, x_tex)?;
         let (plans, batch_max_tokens) = plan::build_plans(&ctx, &c, &options, &ws, &kv, kv_cfg, &w).await?;
         let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size.max(kernels::topk::TOPK_ROW_WORDS) * 4) as u64);
+        let ahead_slots = if options.decode_ahead >= 2 { ahead::slots(&ctx, options.decode_ahead) } else { Vec::new() };
         // CPU adapters: the blocked matmul already beats one matvec per token at 2 tokens
         // (SmolLM2-135M on lavapipe, layer linears: 1.67 s blocked vs 2 x 1.04 s matvec).
         // Where batched plans exist (the four-token packed matvec) they take every step
@@ -303,6 +309,8 @@ impl GpuModel {
             submit_ms_per_dispatch: None,
             step_ms: Vec::new(),
             draft_memory: DraftMemory::default(),
+            ahead: None,
+            ahead_slots,
         })
     }
 

@@ -61,6 +61,11 @@ pub struct ModelOptions {
     /// window's pages per sequence instead of every token (`kv::ring`). Default: where the
     /// ring is smaller than the context; the prefix cache is then off.
     pub kv_window: KvWindow,
+    /// Greedy decode steps of one sequence kept in flight ahead of the host reading their
+    /// tokens (`GpuModel::begin_ahead`): each step's argmax feeds the next step's embedding
+    /// on the GPU, so the device never waits for the host between tokens. Below 2: one step
+    /// at a time, each waiting for its token. Default 3.
+    pub decode_ahead: usize,
 }
 
 impl Default for ModelOptions {
@@ -84,6 +89,7 @@ impl Default for ModelOptions {
             weight_textures: None,
             stream_slice_bytes: 16 << 20,
             kv_window: KvWindow::Auto,
+            decode_ahead: 3,
         }
     }
 }

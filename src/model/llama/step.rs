@@ -131,7 +131,7 @@ impl GpuModel {
 
     /// Record the copy-on-write page copies the allocator queued (before the step's
     /// dispatches, so the new tokens land on the copies).
-    fn encode_pending_copies(&mut self, enc: &mut wgpu::CommandEncoder) {
+    pub(super) fn encode_pending_copies(&mut self, enc: &mut wgpu::CommandEncoder) {
         for c in self.kv.alloc.take_copies() {
             self.kv.store.encode_page_copy(enc, c.src as usize, c.dst as usize, c.tokens);
         }
@@ -266,25 +266,25 @@ impl GpuModel {
     /// [`Self::write_step_inputs`] for tokens of any sequences: id, position and sequence per
     /// token.
     fn write_batch_inputs(&self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32]) -> StepUniform {
-        let q = &self.ctx.queue;
+        let ctx = &self.ctx;
         let n = ids.len() as u32;
         let max_keys = positions.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
         let mut step = StepUniform::new(n, rows.len() as u32);
         step.n_splits = self.splits_for(ids.len(), max_keys) as u32;
-        q.write_buffer(&self.ws.step, 0, bytemuck::bytes_of(&step));
-        q.write_buffer(&self.ws.ids, 0, bytemuck::cast_slice(ids));
-        q.write_buffer(&self.ws.positions, 0, bytemuck::cast_slice(positions));
-        q.write_buffer(&self.ws.token_seq, 0, bytemuck::cast_slice(seqs));
-        q.write_buffer(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
+        ctx.write(&self.ws.step, 0, bytemuck::bytes_of(&step));
+        ctx.write(&self.ws.ids, 0, bytemuck::cast_slice(ids));
+        ctx.write(&self.ws.positions, 0, bytemuck::cast_slice(positions));
+        ctx.write(&self.ws.token_seq, 0, bytemuck::cast_slice(seqs));
+        ctx.write(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
         if !rows.is_empty() {
-            q.write_buffer(&self.ws.logit_rows, 0, bytemuck::cast_slice(rows));
+            ctx.write(&self.ws.logit_rows, 0, bytemuck::cast_slice(rows));
         }
         step
     }
 
     /// Key splits for a step of `n_tokens` whose longest sequence has `max_keys` keys: one
     /// per `attention_split_keys` keys, up to `attention_splits`, in decode-sized steps only.
-    fn splits_for(&self, n_tokens: usize, max_keys: usize) -> usize {
+    pub(super) fn splits_for(&self, n_tokens: usize, max_keys: usize) -> usize {
         if n_tokens > SPLIT_MAX_TOKENS {
             return 1;
         }
@@ -303,7 +303,7 @@ impl GpuModel {
         }
     }
 
-    fn check_ids(&self, tokens: &[u32]) -> Result<()> {
+    pub(super) fn check_ids(&self, tokens: &[u32]) -> Result<()> {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
             return Err(LanternError::TokenOutOfRange { id: bad, vocab: self.config.vocab_size });
         }
@@ -392,7 +392,7 @@ impl GpuModel {
 
     /// The dispatches of a step, in order; with `biased` and `masked`, the logit bias and then
     /// the logit mask run between the LM head and the argmax.
-    fn step_dispatches(&self, s: &StepUniform, want: Want, all_rows: bool, biased: bool, masked: bool) -> Vec<&Dispatch> {
+    pub(super) fn step_dispatches(&self, s: &StepUniform, want: Want, all_rows: bool, biased: bool, masked: bool) -> Vec<&Dispatch> {
         let mut v: Vec<&Dispatch> = self.plans.embed.iter().chain(self.layer_plan_for(s.n_tokens as usize)).collect();
         if s.n_out > 0 {
             let head = if all_rows {
@@ -461,7 +461,7 @@ impl GpuModel {
                 self.config.vocab_size
             )));
         }
-        self.ctx.queue.write_buffer(&self.ws.token_mask, 0, bytemuck::cast_slice(mask));
+        self.ctx.write(&self.ws.token_mask, 0, bytemuck::cast_slice(mask));
         Ok(())
     }
 
@@ -501,7 +501,7 @@ impl GpuModel {
             );
             self.memory.workspace = self.ws.bytes();
         }
-        self.ctx.queue.write_buffer(&self.ws.logit_bias, 0, bytemuck::cast_slice(&words));
+        self.ctx.write(&self.ws.logit_bias, 0, bytemuck::cast_slice(&words));
         Ok(())
     }
 
@@ -521,12 +521,10 @@ impl GpuModel {
         let split = if mask.is_some() { dispatches.len() - 2 - usize::from(want == Want::TopK) } else { dispatches.len() };
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("forward"), timestamp_writes: None });
-            for d in &dispatches[..split] {
-                d.encode(&mut pass, &s);
-            }
+            ctx.counters.dispatched(kernels::encode_all(&mut pass, dispatches[..split].iter().copied(), &s));
         }
         if let Some(f) = mask.as_mut() {
-            ctx.queue.submit([enc.finish()]);
+            ctx.submit([enc.finish()]);
             let words = match f() {
                 Ok(w) => w,
                 Err(e) => {
@@ -540,16 +538,14 @@ impl GpuModel {
             }
             enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step tail") });
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("mask and sample"), timestamp_writes: None });
-            for d in &dispatches[split..] {
-                d.encode(&mut pass, &s);
-            }
+            ctx.counters.dispatched(kernels::encode_all(&mut pass, dispatches[split..].iter().copied(), &s));
         }
         drop(dispatches);
         let (src, bytes) = self.readback_source(s.n_out, want);
         if s.n_out > 0 {
             self.readback.copy_from(&mut enc, src, 0, bytes);
         }
-        ctx.queue.submit([enc.finish()]);
+        ctx.submit([enc.finish()]);
         if let Some(e) = scope.pop().await {
             return Err(LanternError::Gpu(GpuError::Validation { context: "forward step".into(), message: e.to_string() }));
         }
@@ -595,7 +591,7 @@ impl GpuModel {
         };
         let mut enc = self.ctx.device.create_command_encoder(&Default::default());
         self.encode_pending_copies(&mut enc);
-        self.ctx.queue.submit([enc.finish()]);
+        self.ctx.submit([enc.finish()]);
         Ok(PendingStep { s, want, masked, biased, next: 0, mapping: None, submissions: 0 })
     }
 
@@ -629,15 +625,13 @@ impl GpuModel {
             let end = p.next + n;
             {
                 let mut pass = enc.begin_compute_pass(&Default::default());
-                for d in &dispatches[p.next..end] {
-                    d.encode(&mut pass, &p.s);
-                }
+                ctx.counters.dispatched(kernels::encode_all(&mut pass, dispatches[p.next..end].iter().copied(), &p.s));
             }
             if end == total && p.s.n_out > 0 {
                 let (src, bytes) = self.readback_source(p.s.n_out, p.want);
                 self.readback.copy_from(&mut enc, src, 0, bytes);
             }
-            ctx.queue.submit([enc.finish()]);
+            ctx.submit([enc.finish()]);
             if let Some(e) = scope.pop().await {
                 return Err(LanternError::Gpu(GpuError::Validation { context: "forward step".into(), message: e.to_string() }));
             }
@@ -691,7 +685,7 @@ impl GpuModel {
         let ctx = self.ctx.clone();
         let mut enc = ctx.device.create_command_encoder(&Default::default());
         self.encode_pending_copies(&mut enc);
-        ctx.queue.submit([enc.finish()]);
+        ctx.submit([enc.finish()]);
         let layers = self.layer_plan_for(tokens.len());
         let all: Vec<&Dispatch> = self
             .plans
@@ -710,7 +704,7 @@ impl GpuModel {
                 let mut pass = enc.begin_compute_pass(&Default::default());
                 d.encode(&mut pass, &s);
             }
-            ctx.queue.submit([enc.finish()]);
+            ctx.submit([enc.finish()]);
             let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
             let ms = t0.elapsed().as_secs_f64() * 1e3;
             // Group by kernel variant and weight name without the layer index.
