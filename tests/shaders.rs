@@ -98,8 +98,15 @@ fn every_variant_translates_to_spirv_msl_and_hlsl() {
 /// The tiled matvec keeps its XU form.
 fn snapshotted(key: &PipelineKey) -> bool {
     use lantern::gpu::shader::{flags, ShaderOp, WeightFormat};
-    let linear =
-        matches!(key.op, ShaderOp::Matvec | ShaderOp::Matmul | ShaderOp::MatmulBlocked | ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ);
+    let linear = matches!(
+        key.op,
+        ShaderOp::Matvec
+            | ShaderOp::Matmul
+            | ShaderOp::MatmulBlocked
+            | ShaderOp::MatvecQ
+            | ShaderOp::MatvecQBcast
+            | ShaderOp::MatmulBlockedQ
+    );
     if !linear {
         return true;
     }

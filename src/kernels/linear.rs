@@ -559,6 +559,10 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
     let mut features = crate::gpu::Features::default();
     let packed = lin.format.is_packed();
     let (op, wg) = match shape {
+        Shape::Matvec if packed && bcast_fits(ctx, lin) => {
+            features.subgroups = true;
+            (ShaderOp::MatvecQBcast, 4)
+        }
         Shape::Matvec | Shape::MatvecBatch => {
             let (mut f, w) = if packed { packed_matvec_layout(ctx) } else { matvec_layout(ctx) };
             if f & flags::MULTI_ROW != 0 && !multi_row_fits(lin) {
@@ -708,6 +712,28 @@ pub fn multi_row_fits(lin: &GpuLinear) -> bool {
     lin.quant.is_some_and(|q| q.group.is_multiple_of(16)) && lin.k.is_multiple_of(16)
 }
 
+/// Whether the packed decode matvec of CPU adapters that hold packed weights in storage
+/// buffers (no XBCAST: SwiftShader, the browser's software GPU) is
+/// `ShaderOp::MatvecQBcast`: four-lane workgroups sharing x by subgroup broadcast, codes
+/// decoded in place, for the formats [`bcast_format`] lists with rows and groups of whole
+/// 16-element units. Measured on SwiftShader (benches/kernels.rs): see ARCHITECTURE.md.
+pub fn bcast_fits(ctx: &GpuContext, lin: &GpuLinear) -> bool {
+    ctx.caps.cpu_like && ctx.caps.subgroups && ctx.caps.subgroup_min_size >= 4 && !xbcast_fits(ctx) && !lin.is_tiled() && bcast_reads(lin)
+}
+
+/// Whether `ShaderOp::MatvecQBcast` can read `lin` (on an adapter with subgroups of at least
+/// four lanes): a [`bcast_format`] with rows and groups of whole 16-element units.
+pub fn bcast_reads(lin: &GpuLinear) -> bool {
+    bcast_format(lin.format) && lin.k.is_multiple_of(16) && lin.quant.is_some_and(|q| q.group.is_multiple_of(16))
+}
+
+/// The formats `ShaderOp::MatvecQBcast` decodes in place (common/masked.wgsl): Q8 and those
+/// with a 4-bit low plane; not the 2-bit low planes (Q2_K, Q3_K) or the IQ4 tables.
+pub fn bcast_format(w: WeightFormat) -> bool {
+    use WeightFormat as F;
+    matches!(w, F::Q8 | F::Q4 | F::Q4Sym | F::Q5Sym | F::Q5 | F::Q4K | F::Q5K | F::Q6K)
+}
+
 /// Whether the XBCAST layouts run here: the workgroup of 8 must be exactly one subgroup
 /// (lavapipe: always 8 lanes). `LANTERN_XBCAST=0` turns them off (benchmarks).
 pub fn xbcast_fits(ctx: &GpuContext) -> bool {
@@ -779,6 +805,20 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
             message: format!("{} needs workgroups of exactly one 8-lane subgroup", key.label()),
         });
     }
+    if key.op == ShaderOp::MatvecQBcast
+        && (key.workgroup != 4 || !key.features.subgroups || ctx.caps.subgroup_min_size < 4 || !bcast_reads(lin))
+    {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!(
+                "{} needs a four-lane workgroup inside one subgroup, and {} weights with k = {} and groups of {} in whole 16-element units",
+                key.label(),
+                lin.format.name(),
+                lin.k,
+                lin.quant.map_or(0, |q| q.group)
+            ),
+        });
+    }
     let tex = key.flags & flags::TEX != 0;
     if tex != lin.is_tiled() || tex && !matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) {
         return Err(GpuError::Validation {
@@ -819,7 +859,9 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
             ),
         });
     }
-    if matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ) && (!io.x_stride.is_multiple_of(4) || !lin.k.is_multiple_of(4)) {
+    if matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ | ShaderOp::MatvecQBcast)
+        && (!io.x_stride.is_multiple_of(4) || !lin.k.is_multiple_of(4))
+    {
         return Err(GpuError::Validation {
             context: lin.name.clone(),
             message: format!("packed kernels read x as vec4: x stride {} and k {} must be multiples of 4", io.x_stride, lin.k),
@@ -849,7 +891,10 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
                 ([Dim::Const(rows.div_ceil(tn * key.workgroup)), Dim::TokensDiv(tm), Dim::Const(1)], 0)
             }
             _ => {
-                let groups = if key.flags & flags::ROW_PER_WORKGROUP != 0 {
+                let groups = if key.op == ShaderOp::MatvecQBcast {
+                    // Four lanes of four rows.
+                    rows.div_ceil(16)
+                } else if key.flags & flags::ROW_PER_WORKGROUP != 0 {
                     rows
                 } else if key.flags & flags::MULTI_ROW != 0 {
                     rows.div_ceil(MULTI_ROW_ROWS)

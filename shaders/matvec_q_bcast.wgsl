@@ -1,0 +1,104 @@
+// Rust dispatch: src/kernels/linear.rs (packed_matvec_layout, bcast_fits); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
+// Decode matvec over packed integer weights for CPU adapters that keep them in storage
+// buffers (SwiftShader, the browser's software GPU; lavapipe's texture layout is
+// matvec_q.wgsl's TEX): y[t, row_offset + n] = epilogue(sum_k W[n, k] x'[t, k]), the same
+// fused prologue and epilogues as matvec_q.wgsl (NORM, GATED, BIAS, RESIDUAL, GATHER).
+//
+// A workgroup is four lanes of one subgroup, each lane four adjacent rows. x' is walked in
+// 16-element units: each lane loads one vec4 of the unit and subgroupBroadcast hands the
+// four to every lane, so an element of x costs one load per workgroup instead of one per
+// lane (CPU adapters run a divergent load lane by lane), and each broadcast element serves
+// four rows. Codes are decoded in place (common/masked.wgsl) and the group's scale and
+// minimum applied once per group. Rows past n_rows are read clamped and not stored, so the
+// subgroup operations see every lane.
+#include "common/linear.wgsl"
+#if GATHER
+@group(0) @binding(8) var<storage, read> rows: array<u32>;         // (n_out) rows of x
+#endif
+const TT: u32 = 1u;
+#include "common/matvec_end.wgsl"
+#include "common/masked.wgsl"
+#include "common/hi_words4.wgsl"
+
+// sum(q x') of one 16-element unit (two steps) of the row of matrix m whose code words start
+// at `rb`, its high-plane word `hw` given.
+fn unit_dot(m: u32, rb: u32, k16: u32, hw: u32, x0: array<vec4<f32>, 2>, x1: array<vec4<f32>, 2>) -> f32 {
+    return mdot(step_words_hi(m, rb, k16, hw), x0) + mdot(step_words_hi(m, rb, k16 + 8u, hw), x1);
+}
+
+// The four rows' d and (m + MASK_OFF d) of one group.
+fn dm4(s: Scales4) -> array<vec4<f32>, 2> {
+    let d = vec4<f32>(s.s0.x, s.s1.x, s.s2.x, s.s3.x);
+    return array<vec4<f32>, 2>(d, vec4<f32>(s.s0.y, s.s1.y, s.s2.y, s.s3.y) + MASK_OFF * d);
+}
+
+@compute @workgroup_size(4)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+#if GATHER
+    let t = wid.z;
+    if (t >= step.n_out) {
+        return; // the whole workgroup: uniform
+    }
+    let xb4 = rows[t] * (p.x_stride / 4u);
+#else
+    let t = wid.z;
+    if (t >= step.n_tokens) {
+        return;
+    }
+    let xb4 = t * (p.x_stride / 4u);
+#endif
+    let row0 = ((wid.y * p.grid_x + wid.x) * 4u + lid) * 4u;
+    let r = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(p.n_rows - 1u));
+    let wb = r * row_words();
+    let sb0 = r * scale_row_words();
+    var a = vec4<f32>(0.0);
+    var ua = vec4<f32>(0.0);
+    var ss = 0.0;
+    // Super-block scale words and high-plane words, read once per super-block / HI_SPAN
+    // elements (the rows are walked in order).
+    var wh: Heads4;
+    var hw = vec4<u32>(0u);
+#if GATED
+    var uh: Heads4;
+    var hu = vec4<u32>(0u);
+#endif
+    for (var gi = 0u; gi < p.k / p.group; gi++) {
+        let sw = dm4(scales4(0u, sb0, gi, &wh));
+#if GATED
+        let su = dm4(scales4(1u, sb0, gi, &uh));
+#endif
+        var cw = vec4<f32>(0.0);
+        var cu = vec4<f32>(0.0);
+        var sx = vec4<f32>(0.0);
+        for (var k16 = gi * p.group; k16 < (gi + 1u) * p.group; k16 += 16u) {
+            let xl = load_x4(xb4, k16 / 4u + lid, &ss);
+            let v0 = subgroupBroadcast(xl, 0u);
+            let v1 = subgroupBroadcast(xl, 1u);
+            let v2 = subgroupBroadcast(xl, 2u);
+            let v3 = subgroupBroadcast(xl, 3u);
+            sx += (v0 + v1) + (v2 + v3);
+            let x0 = xsplit(v0, v1);
+            let x1 = xsplit(v2, v3);
+            hw = hi_words4(0u, wb, k16, hw);
+            cw += vec4<f32>(unit_dot(0u, wb.x, k16, hw.x, x0, x1), unit_dot(0u, wb.y, k16, hw.y, x0, x1),
+                            unit_dot(0u, wb.z, k16, hw.z, x0, x1), unit_dot(0u, wb.w, k16, hw.w, x0, x1));
+#if GATED
+            hu = hi_words4(1u, wb, k16, hu);
+            cu += vec4<f32>(unit_dot(1u, wb.x, k16, hu.x, x0, x1), unit_dot(1u, wb.y, k16, hu.y, x0, x1),
+                            unit_dot(1u, wb.z, k16, hu.z, x0, x1), unit_dot(1u, wb.w, k16, hu.w, x0, x1));
+#endif
+        }
+        let sxs = dot(sx, vec4<f32>(1.0));
+        a += sw[0] * cw + sw[1] * sxs;
+#if GATED
+        ua += su[0] * cu + su[1] * sxs;
+#endif
+    }
+    // Each lane summed the squares of its own elements.
+    let s0 = subgroupAdd(ss);
+    for (var i = 0u; i < 4u; i++) {
+        if (row0 + i < p.n_rows) {
+            finish(t, row0 + i, vec3<f32>(a[i], ua[i], s0));
+        }
+    }
+}
