@@ -74,21 +74,43 @@ struct Layout {
     flags: u32,
     wg: u32,
     subgroups: bool,
+    /// `ShaderOp::MatvecQMasked` (packed weights) instead of the matvec op of the dtype.
+    masked: bool,
 }
 
 const LAYOUTS: &[Layout] = &[
-    Layout { name: "thread (row/invocation, wg64)", flags: 0, wg: 64, subgroups: false },
-    Layout { name: "rows4 (4 rows/invocation, wg8)", flags: flags::ROWS4, wg: 8, subgroups: false },
-    Layout { name: "rows4 + x broadcast (packed, wg8 = subgroup)", flags: flags::ROWS4 | flags::XBCAST, wg: 8, subgroups: true },
-    Layout { name: "tiled textures (packed, 32-row tile/wg8), x storage", flags: flags::TEX, wg: 8, subgroups: true },
-    Layout { name: "tiled textures (packed), x uniform window (default)", flags: flags::TEX | flags::XU, wg: 8, subgroups: true },
-    Layout { name: "wg8 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 8, subgroups: true },
-    Layout { name: "wg64 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 64, subgroups: true },
+    Layout { name: "thread (row/invocation, wg64)", flags: 0, wg: 64, subgroups: false, masked: false },
+    Layout { name: "rows4 (4 rows/invocation, wg8)", flags: flags::ROWS4, wg: 8, subgroups: false, masked: false },
+    Layout {
+        name: "rows4 + x broadcast (packed, wg8 = subgroup)",
+        flags: flags::ROWS4 | flags::XBCAST,
+        wg: 8,
+        subgroups: true,
+        masked: false,
+    },
+    Layout { name: "tiled textures (packed, 32-row tile/wg8), x storage", flags: flags::TEX, wg: 8, subgroups: true, masked: false },
+    Layout {
+        name: "tiled textures (packed), x uniform window (default)",
+        flags: flags::TEX | flags::XU,
+        wg: 8,
+        subgroups: true,
+        masked: false,
+    },
+    Layout { name: "wg8 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 8, subgroups: true, masked: false },
+    Layout { name: "wg64 row/workgroup + subgroups", flags: flags::ROW_PER_WORKGROUP, wg: 64, subgroups: true, masked: false },
     Layout {
         name: "multirow (packed GPU default: 2 rows/wg64, 16-element units) + subgroups",
         flags: flags::MULTI_ROW,
         wg: 64,
         subgroups: true,
+        masked: false,
+    },
+    Layout {
+        name: "masked (packed: 4 rows/invocation, codes decoded in place; SwiftShader default)",
+        flags: 0,
+        wg: 8,
+        subgroups: false,
+        masked: true,
     },
 ];
 
@@ -180,6 +202,10 @@ fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext, c: &Case) -> Option<Pipe
     let packed = fmt.is_packed();
     if (l.flags & flags::TEX != 0) != c.lin.is_tiled() {
         return None; // the case's weights live elsewhere
+    }
+    if l.masked {
+        let fits = packed && lantern::kernels::linear::masked_reads(&c.lin);
+        return fits.then(|| PipelineKey::new(ShaderOp::MatvecQMasked, l.wg).with_weights(fmt));
     }
     if l.flags & flags::XU != 0 && lantern::kernels::linear::x_window(ctx) == 0 {
         return None;

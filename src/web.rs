@@ -275,7 +275,8 @@ impl Lantern {
 
     /// Generate from `prompt`, calling `on_text(piece)` as text arrives. Resolves to
     /// `{ promptIds, outputIds, text, finishReason, ttftMs, tpotMs, tokensPerS, e2eMs,
-    /// speculative }` (`speculative`: drafted, accepted, timings, when it was on).
+    /// speculative, host }` (`speculative`: drafted, accepted, timings, when it was on;
+    /// `host`: the host's work per decode token: dispatches, submits, readbacks...).
     pub async fn generate(&self, prompt: String, options: JsValue, on_text: Option<Function>) -> Result<JsValue, JsError> {
         let o: GenOptions = if options.is_undefined() || options.is_null() {
             GenOptions::default()
@@ -375,6 +376,7 @@ impl Lantern {
             e2e_ms: Option<f64>,
             prefill_tokens_per_s: Option<f64>,
             speculative: Option<&'a crate::engine::SpecStats>,
+            host: Option<&'a crate::engine::metrics::HostCosts>,
         }
         to_js(&Out {
             prompt_ids: &g.prompt_ids,
@@ -387,6 +389,7 @@ impl Lantern {
             e2e_ms: m.e2e_ms,
             prefill_tokens_per_s: m.ttft_ms.map(|t| g.prompt_ids.len() as f64 / (t / 1e3)),
             speculative: g.speculative.as_ref(),
+            host: g.host.as_ref(),
         })
     }
 

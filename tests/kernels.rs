@@ -249,9 +249,9 @@ enum Layout {
     /// MultiRowTok4 reduced with subgroups.
     MultiRowTok4Subgroups,
     /// Packed weights in storage buffers on CPU adapters without 8-lane subgroups
-    /// (SwiftShader): four-lane workgroups of four rows per lane, x broadcast, codes decoded
-    /// in place (`ShaderOp::MatvecQBcast`).
-    Bcast,
+    /// (SwiftShader): four rows per invocation in 16-element units, codes decoded in place
+    /// (`ShaderOp::MatvecQMasked`).
+    Masked,
     /// Whatever `linear::build` picks for a matvec on this adapter.
     Auto,
     /// Whatever `linear::build` picks for a matmul (prefill) on this adapter.
@@ -273,7 +273,7 @@ impl Layout {
 
     /// The layouts of the packed-weight kernels.
     const PACKED: [Layout; 26] = [
-        Layout::Bcast,
+        Layout::Masked,
         Layout::MultiRow,
         Layout::MultiRowSubgroups,
         Layout::MultiRowTok4,
@@ -388,7 +388,7 @@ impl Layout {
                 Layout::Blocked84 => PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_M8),
                 Layout::Blocked48 => PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_N8),
                 Layout::Blocked88 => PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8),
-                Layout::Bcast => PipelineKey::new(ShaderOp::MatvecQBcast, 4).with_flags(fl).with_features(sg),
+                Layout::Masked => PipelineKey::new(ShaderOp::MatvecQMasked, linear::MASKED_WG).with_flags(fl),
                 Layout::Auto | Layout::AutoMatmul => return None,
                 Layout::Thread64 => panic!("no row-per-invocation layout for packed weights"),
             };
@@ -421,7 +421,7 @@ impl Layout {
             | Layout::Blocked88TiledXtex
             | Layout::Blocked88Bcast
             | Layout::Blocked44Bcast
-            | Layout::Bcast => {
+            | Layout::Masked => {
                 panic!("{self:?} is a packed-weight layout")
             }
             Layout::Auto | Layout::AutoMatmul => return None,
@@ -438,7 +438,6 @@ impl Layout {
     fn available_of(ctx: &GpuContext, set: &[Layout]) -> Vec<Layout> {
         let runs = |l: &Layout| match l {
             Layout::RowWg8Subgroups => ctx.caps.subgroups && ctx.caps.subgroup_max_size <= 8,
-            Layout::Bcast => ctx.caps.subgroups && ctx.caps.subgroup_min_size >= 4,
             Layout::Rows4Bcast | Layout::Rows4BcastTok4 | Layout::Blocked88Bcast | Layout::Blocked44Bcast => linear::xbcast_fits(ctx),
             Layout::Tiled | Layout::TiledTok4 | Layout::Blocked88Tiled => ctx.caps.cpu_like && linear::xbcast_fits(ctx),
             Layout::Blocked88TiledXtex => lantern::kernels::x_texture::fits(ctx, &[], 1) && linear::x_window(ctx) > 0,
@@ -542,10 +541,10 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
         assert!(r.is_err_and(|e| e.to_string().contains("multiples of 16")), "{what}: MULTI_ROW with group {} must be refused", c.group);
         return;
     }
-    if c.layout == Layout::Bcast && !linear::bcast_reads(&lin) {
+    if c.layout == Layout::Masked && !linear::masked_reads(&lin) {
         // IQ4 tables, 2-bit planes, groups of 8: refused (`build` takes ROWS4 for them).
         let r = block_on(linear::build_with_key(ctx, &lin, &io, key.unwrap()));
-        assert!(r.is_err_and(|e| e.to_string().contains("16-element units")), "{what}: the broadcast matvec must refuse these weights");
+        assert!(r.is_err_and(|e| e.to_string().contains("16-element units")), "{what}: the masked matvec must refuse these weights");
         return;
     }
     let d = match key {
@@ -817,7 +816,7 @@ const GGML_SHAPES: [(usize, usize, usize); 3] = [(7, 256, 3), (65, 768, 9), (333
 /// runtime picks (the blocked matmul's other tile sizes differ from 8x8 only in the
 /// format-independent accumulation).
 const GGML_LAYOUTS: [Layout; 20] = [
-    Layout::Bcast,
+    Layout::Masked,
     Layout::MultiRow,
     Layout::MultiRowSubgroups,
     Layout::MultiRowTok4,

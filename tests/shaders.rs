@@ -104,7 +104,7 @@ fn snapshotted(key: &PipelineKey) -> bool {
             | ShaderOp::Matmul
             | ShaderOp::MatmulBlocked
             | ShaderOp::MatvecQ
-            | ShaderOp::MatvecQBcast
+            | ShaderOp::MatvecQMasked
             | ShaderOp::MatmulBlockedQ
     );
     if !linear {

@@ -170,6 +170,11 @@ fn model_over_2gb_loads_in_chromium() {
 
 /// Greedy ids from the native runtime, the request the page's worker makes.
 fn native_ids(model: &Path, prompt: &str, max_tokens: usize) -> Vec<u32> {
+    native_run(model, prompt, max_tokens).output_ids
+}
+
+/// The native runtime's generation of the page worker's request (ids and timings).
+fn native_run(model: &Path, prompt: &str, max_tokens: usize) -> lantern::engine::Generation {
     let loaded = lantern::model::load::load_path(model).unwrap();
     let tok = loaded.tokenizer.unwrap();
     let mut m =
@@ -186,7 +191,7 @@ fn native_ids(model: &Path, prompt: &str, max_tokens: usize) -> Vec<u32> {
         logprobs: None,
         bias: Default::default(),
     };
-    pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap().output_ids
+    pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap()
 }
 
 #[test]
@@ -211,12 +216,17 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
     let qwen_file = lantern::catalogue::find_model("qwen2.5-coder-1.5b").unwrap().file;
     let qwen = link(&common::real::model("LANTERN_QWEN15_GGUF", "qwen2.5-coder-1.5b"), qwen_file);
 
+    // The native runs of the real models also give the decode speed the browser's is shown
+    // beside (a few tokens each: a report, not a benchmark; the README's come from
+    // `web/e2e.mjs --cases-only` with longer runs).
+    let gemma_native = native_run(&gemma, "def reverse(s):", 3);
+    let qwen_native = native_run(&qwen, "def reverse(s):", 3);
     let cases = serde_json::json!([
         { "model": "tiny-web.gguf", "prompt": "Hello, browser!", "maxTokens": 12, "expect": native_ids(&dir.join("tiny-web.gguf"), "Hello, browser!", 12) },
-        { "model": gemma_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": native_ids(&gemma, "def reverse(s):", 3) },
+        { "model": gemma_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": gemma_native.output_ids },
         // A file over 1 GiB, streamed: its prefill and decode take minutes on SwiftShader, so
         // it is loaded and run once.
-        { "model": qwen_file, "prompt": "def reverse(s):", "maxTokens": 2, "expect": native_ids(&qwen, "def reverse(s):", 2) },
+        { "model": qwen_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": qwen_native.output_ids },
         // Generated twice: plainly and with prompt-lookup speculation. The last case is also
         // reloaded (from Cache Storage) and chatted with (through SmolLM2's chat template;
         // the Gemma 3 270M file is the base model, without one).
@@ -229,6 +239,19 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
     for (i, c) in cases.as_array().unwrap().iter().enumerate() {
         assert_eq!(results[i]["model"], c["model"]);
         assert_eq!(results[i]["ids"], c["expect"], "{}", c["model"]);
+    }
+    for (i, native) in [(1, &gemma_native), (2, &qwen_native)] {
+        let t = &results[i]["timings"];
+        let n = native.timings.metrics();
+        eprintln!(
+            "{}: decode in Chromium (SwiftShader) {:.2} tok/s (TPOT {:.0} ms), native on {} {:.2} tok/s (TPOT {:.0} ms)",
+            results[i]["model"],
+            t["tokensPerS"].as_f64().unwrap_or(f64::NAN),
+            t["tpotMs"].as_f64().unwrap_or(f64::NAN),
+            common::gpu().info.name,
+            n.tokens_per_s.unwrap_or(f64::NAN),
+            n.tpot_ms.unwrap_or(f64::NAN)
+        );
     }
     assert_eq!(results[3]["lookupIds"], cases[3]["expect"], "prompt lookup in the browser changed the tokens");
     let lookup = results[3]["lookupMetrics"].as_str().unwrap_or_default();

@@ -104,6 +104,7 @@ try {
     if (err2) throw new Error(`generating with ${c.model}: ${err2}`);
     const r = await page.evaluate(() => ({
       ids: JSON.parse(document.body.dataset.outputIds),
+      timings: JSON.parse(document.body.dataset.timings),
       loadMs: Number(document.body.dataset.loadMs),
       wasmMb: Math.round(Number(document.body.dataset.wasmBytes) / 1e6),
       source: document.body.dataset.source,

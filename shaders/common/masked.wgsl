@@ -1,4 +1,4 @@
-// Masked decode (the BCAST matvec, matvec_q_bcast.wgsl): a step's eight raw codes are left
+// Masked decode (matvec_q_masked.wgsl): a step's eight raw codes are left
 // in place as the bytes of two words, A and B, and each byte is masked out and converted
 // as it stands, byte j worth code * 256^j; x' is multiplied by 256^-j to match (`xsplit`),
 // so a product is still code * x' exactly (both scalings are powers of two). Per element

@@ -50,6 +50,10 @@ enum Cmd {
         /// Only adapters of this backend (vulkan, metal, dx12, gl).
         #[arg(long)]
         backend: Option<String>,
+        /// Also measure each adapter's buffer-copy bandwidth (a 256 MiB copy, median of 5):
+        /// the baseline kernel and decode bandwidths are compared with.
+        #[arg(long)]
+        bandwidth: bool,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -88,6 +92,21 @@ enum Cmd {
     /// Evaluate: perplexity on a text (`eval ppl`), or compare two models (`eval compare`).
     #[command(subcommand)]
     Eval(eval_cmd::EvalCmd),
+    /// A GGUF with a real model's header (architecture, tokenizer, every tensor's type and
+    /// shape) and generated weights, for speed tests where the model cannot be downloaded
+    /// (a GPU machine without network): the tokens it generates mean nothing.
+    Synth {
+        /// The model to copy: a GGUF file, a catalogue name, or a header written by
+        /// `--header-only`.
+        #[arg(long)]
+        like: PathBuf,
+        /// Where to write it.
+        #[arg(long)]
+        out: PathBuf,
+        /// Write only the header (a few MB): expand it later with `synth --like HEADER`.
+        #[arg(long)]
+        header_only: bool,
+    },
 }
 
 #[derive(Args)]
@@ -254,7 +273,7 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Run(a) => run(a),
-        Cmd::Devices { backend, json } => devices(backend, json),
+        Cmd::Devices { backend, bandwidth, json } => devices(backend, bandwidth, json),
         Cmd::Quantize(a) => quantize_cmd::quantize(a),
         Cmd::Info(a) => info_cmd::info(a),
         Cmd::Plan(a) => plan_cmd::run(a),
@@ -262,6 +281,7 @@ fn main() {
         Cmd::Bench(a) => bench_cmd::run(a),
         Cmd::Serve(a) => serve_cmd::run(a),
         Cmd::Models { json } => models(json),
+        Cmd::Synth { like, out, header_only } => synth(&like, &out, header_only),
         Cmd::Fetch { model } => lantern::fetch::resolve_model(model.as_deref().map(std::path::Path::new), true).map(|p| {
             println!("{}", p.display());
         }),
@@ -288,10 +308,64 @@ fn models(json: bool) -> Result<()> {
     Ok(())
 }
 
-fn devices(backend: Option<String>, json: bool) -> Result<()> {
+fn synth(like: &std::path::Path, out: &std::path::Path, header_only: bool) -> Result<()> {
+    use lantern::model::gguf::synth;
+    let path = lantern::fetch::resolve_model(Some(like), true)?;
+    let name = path.display().to_string();
+    // The header is at the start of the file: read until it parses (tokenizers make it MBs).
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    let mut f = std::fs::File::open(&path).with_context(|| format!("opening {name}"))?;
+    let head = loop {
+        let before = bytes.len();
+        std::io::Read::by_ref(&mut f).take((before as u64).max(1 << 20)).read_to_end(&mut bytes)?;
+        match synth::header(&bytes, &name) {
+            Ok(h) => break h,
+            Err(lantern::model::gguf::GgufError::Truncated { .. }) if bytes.len() > before => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let mut w = std::io::BufWriter::new(std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?);
+    if header_only {
+        w.write_all(&head)?;
+        w.flush()?;
+        eprintln!("lantern: header of {name} ({:.1} MB) written to {}", head.len() as f64 / 1e6, out.display());
+        return Ok(());
+    }
+    let total = synth::data_bytes(&head, &name)?;
+    let pb = ProgressBar::new(total);
+    pb.set_style(ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    pb.set_message("writing synthetic weights");
+    let size = synth::write_synthetic(&head, &name, &mut w, &mut |done, _| pb.set_position(done))?;
+    w.flush()?;
+    pb.finish_and_clear();
+    eprintln!("lantern: {} written: {:.1} MB, the header of {name} with generated weights", out.display(), size as f64 / 1e6);
+    Ok(())
+}
+
+fn devices(backend: Option<String>, bandwidth: bool, json: bool) -> Result<()> {
     let list = pollster::block_on(lantern::gpu::list_adapters(backend.as_deref()))?;
+    let copy_gbps: Vec<Option<f64>> = list
+        .iter()
+        .map(|a| {
+            if !bandwidth {
+                return Ok(None);
+            }
+            let opts = DeviceOptions { backend: Some(a.backend.clone()), adapter: Some(a.index.to_string()), ..Default::default() };
+            let ctx = pollster::block_on(GpuContext::new(&opts))?;
+            Ok(Some(lantern::gpu::memory::copy_bandwidth(&ctx, 256 << 20, 5)?))
+        })
+        .collect::<Result<_>>()?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&list)?);
+        let mut v = serde_json::to_value(&list)?;
+        if let Some(arr) = v.as_array_mut() {
+            for (a, g) in arr.iter_mut().zip(&copy_gbps) {
+                if let (Some(o), Some(g)) = (a.as_object_mut(), g) {
+                    o.insert("copy_gbps".into(), serde_json::json!(g));
+                }
+            }
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     if list.is_empty() {
@@ -310,6 +384,9 @@ fn devices(backend: Option<String>, json: bool) -> Result<()> {
             l.max_compute_workgroup_storage_size,
             l.max_compute_invocations_per_workgroup
         );
+        if let Some(g) = copy_gbps[a.index] {
+            println!("    buffer copy: {g:.2} GB/s read");
+        }
     }
     Ok(())
 }

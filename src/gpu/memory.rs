@@ -240,3 +240,35 @@ pub async fn probe_largest(ctx: &GpuContext, bytes: u64, chunk: u64, max_halving
     }
     Ok(Probe { requested_bytes: bytes, allocated_bytes: allocated, buffers, chunk_bytes: first, halvings, stopped_by })
 }
+
+/// The device's buffer-to-buffer copy bandwidth in GB/s (bytes read per second): the median
+/// of `reps` copies of a `bytes`-long buffer after one warm-up, timed from submit to
+/// completion. The baseline kernel bandwidths are reported against (benches, `lantern devices
+/// --bandwidth`, scripts/gpu-bench.sh). Native only (it blocks).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn copy_bandwidth(ctx: &GpuContext, bytes: u64, reps: usize) -> Result<f64, GpuError> {
+    let bytes = (bytes.min(ctx.limits.max_buffer_size) / 4 * 4).max(4);
+    let make = |label: &str| {
+        ctx.ledger.record(label, bytes, super::AllocUsage::Storage);
+        ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: bytes,
+            usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    };
+    let (src, dst) = (make("bandwidth.src"), make("bandwidth.dst"));
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..=reps.max(1) {
+        let t0 = std::time::Instant::now();
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(&src, 0, &dst, 0, bytes);
+        let idx = ctx.submit([enc.finish()]);
+        ctx.wait(Some(idx))?;
+        if i > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(bytes as f64 / times[times.len() / 2] / 1e9)
+}

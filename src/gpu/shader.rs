@@ -23,7 +23,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
     ("matmul_blocked.wgsl", include_str!("../../shaders/matmul_blocked.wgsl")),
     ("matvec_q.wgsl", include_str!("../../shaders/matvec_q.wgsl")),
-    ("matvec_q_bcast.wgsl", include_str!("../../shaders/matvec_q_bcast.wgsl")),
+    ("matvec_q_masked.wgsl", include_str!("../../shaders/matvec_q_masked.wgsl")),
     ("matmul_blocked_q.wgsl", include_str!("../../shaders/matmul_blocked_q.wgsl")),
     ("rope_kv.wgsl", include_str!("../../shaders/rope_kv.wgsl")),
     ("attention.wgsl", include_str!("../../shaders/attention.wgsl")),
@@ -57,9 +57,9 @@ pub enum ShaderOp {
     /// Decode matvec over packed integer weights (Q8, Q4, Q4Sym), dequantized in registers.
     MatvecQ,
     /// The packed decode matvec for CPU adapters whose weights stay in storage buffers
-    /// (SwiftShader): four-lane workgroups sharing x by subgroup broadcast, codes decoded in
-    /// place (`common/masked.wgsl`).
-    MatvecQBcast,
+    /// (SwiftShader): four rows per invocation, codes decoded in place
+    /// (`common/masked.wgsl`), group scales applied once.
+    MatvecQMasked,
     /// `MatmulBlocked` over packed integer weights (CPU adapters' prefill).
     MatmulBlockedQ,
     /// RoPE on q and k, and the write of k and v into the paged KV cache.
@@ -92,7 +92,7 @@ impl ShaderOp {
             ShaderOp::Matmul => "matmul.wgsl",
             ShaderOp::MatmulBlocked => "matmul_blocked.wgsl",
             ShaderOp::MatvecQ => "matvec_q.wgsl",
-            ShaderOp::MatvecQBcast => "matvec_q_bcast.wgsl",
+            ShaderOp::MatvecQMasked => "matvec_q_masked.wgsl",
             ShaderOp::MatmulBlockedQ => "matmul_blocked_q.wgsl",
             ShaderOp::RopeKv => "rope_kv.wgsl",
             ShaderOp::Attention => "attention.wgsl",
@@ -365,7 +365,7 @@ impl PipelineKey {
                 d.insert(name.to_string());
             }
         }
-        if matches!(self.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ | ShaderOp::MatvecQBcast) && self.flags & flags::XBCAST == 0 {
+        if matches!(self.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ | ShaderOp::MatvecQMasked) && self.flags & flags::XBCAST == 0 {
             // These read activations (and norm weights) as vec4.
             d.insert("X_VEC4".into());
         }

@@ -559,10 +559,7 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
     let mut features = crate::gpu::Features::default();
     let packed = lin.format.is_packed();
     let (op, wg) = match shape {
-        Shape::Matvec if packed && bcast_fits(ctx, lin) => {
-            features.subgroups = true;
-            (ShaderOp::MatvecQBcast, 4)
-        }
+        Shape::Matvec if packed && masked_fits(ctx, lin) => (ShaderOp::MatvecQMasked, MASKED_WG),
         Shape::Matvec | Shape::MatvecBatch => {
             let (mut f, w) = if packed { packed_matvec_layout(ctx) } else { matvec_layout(ctx) };
             if f & flags::MULTI_ROW != 0 && !multi_row_fits(lin) {
@@ -713,23 +710,31 @@ pub fn multi_row_fits(lin: &GpuLinear) -> bool {
 }
 
 /// Whether the packed decode matvec of CPU adapters that hold packed weights in storage
-/// buffers (no XBCAST: SwiftShader, the browser's software GPU) is
-/// `ShaderOp::MatvecQBcast`: four-lane workgroups sharing x by subgroup broadcast, codes
-/// decoded in place, for the formats [`bcast_format`] lists with rows and groups of whole
-/// 16-element units. Measured on SwiftShader (benches/kernels.rs): see ARCHITECTURE.md.
-pub fn bcast_fits(ctx: &GpuContext, lin: &GpuLinear) -> bool {
-    ctx.caps.cpu_like && ctx.caps.subgroups && ctx.caps.subgroup_min_size >= 4 && !xbcast_fits(ctx) && !lin.is_tiled() && bcast_reads(lin)
+/// buffers (no 8-lane subgroups for XBCAST: SwiftShader, the browser's software GPU) is
+/// `ShaderOp::MatvecQMasked`: four rows per invocation in 16-element units, codes decoded in
+/// place, each group's scale applied once, for the formats [`masked_format`] lists with rows
+/// and groups of whole units; the others keep ROWS4. On SwiftShader (benches/kernels.rs,
+/// 4096x4096): Q8 0.39-0.49 GB/s against ROWS4's 0.29-0.30, Q5_0 0.22-0.29 against 0.12.
+pub fn masked_fits(ctx: &GpuContext, lin: &GpuLinear) -> bool {
+    ctx.caps.cpu_like && !xbcast_fits(ctx) && !lin.is_tiled() && masked_reads(lin)
 }
 
-/// Whether `ShaderOp::MatvecQBcast` can read `lin` (on an adapter with subgroups of at least
-/// four lanes): a [`bcast_format`] with rows and groups of whole 16-element units.
-pub fn bcast_reads(lin: &GpuLinear) -> bool {
-    bcast_format(lin.format) && lin.k.is_multiple_of(16) && lin.quant.is_some_and(|q| q.group.is_multiple_of(16))
+/// Whether `ShaderOp::MatvecQMasked` can read `lin`: a [`masked_format`] with rows and
+/// groups of whole 16-element units.
+pub fn masked_reads(lin: &GpuLinear) -> bool {
+    masked_format(lin.format) && lin.k.is_multiple_of(16) && lin.quant.is_some_and(|q| q.group.is_multiple_of(16))
 }
 
-/// The formats `ShaderOp::MatvecQBcast` decodes in place (common/masked.wgsl): Q8 and those
+/// Rows per invocation of `ShaderOp::MatvecQMasked` (shaders/matvec_q_masked.wgsl).
+pub const MASKED_ROWS: u32 = 4;
+
+/// Its workgroup: eight invocations (two SIMD batches of SwiftShader), so a 896-row matrix
+/// still spreads over 28 workgroups, enough for every core of a desktop CPU.
+pub const MASKED_WG: u32 = 8;
+
+/// The formats `ShaderOp::MatvecQMasked` decodes in place (common/masked.wgsl): Q8 and those
 /// with a 4-bit low plane; not the 2-bit low planes (Q2_K, Q3_K) or the IQ4 tables.
-pub fn bcast_format(w: WeightFormat) -> bool {
+pub fn masked_format(w: WeightFormat) -> bool {
     use WeightFormat as F;
     matches!(w, F::Q8 | F::Q4 | F::Q4Sym | F::Q5Sym | F::Q5 | F::Q4K | F::Q5K | F::Q6K)
 }
@@ -805,13 +810,11 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
             message: format!("{} needs workgroups of exactly one 8-lane subgroup", key.label()),
         });
     }
-    if key.op == ShaderOp::MatvecQBcast
-        && (key.workgroup != 4 || !key.features.subgroups || ctx.caps.subgroup_min_size < 4 || !bcast_reads(lin))
-    {
+    if key.op == ShaderOp::MatvecQMasked && !masked_reads(lin) {
         return Err(GpuError::Validation {
             context: lin.name.clone(),
             message: format!(
-                "{} needs a four-lane workgroup inside one subgroup, and {} weights with k = {} and groups of {} in whole 16-element units",
+                "{} reads Q8 and 4-bit-plane formats in 16-element units, not {} weights with k = {} and groups of {}",
                 key.label(),
                 lin.format.name(),
                 lin.k,
@@ -859,7 +862,7 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
             ),
         });
     }
-    if matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ | ShaderOp::MatvecQBcast)
+    if matches!(key.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ | ShaderOp::MatvecQMasked)
         && (!io.x_stride.is_multiple_of(4) || !lin.k.is_multiple_of(4))
     {
         return Err(GpuError::Validation {
@@ -891,9 +894,9 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
                 ([Dim::Const(rows.div_ceil(tn * key.workgroup)), Dim::TokensDiv(tm), Dim::Const(1)], 0)
             }
             _ => {
-                let groups = if key.op == ShaderOp::MatvecQBcast {
-                    // Four lanes of four rows.
-                    rows.div_ceil(16)
+                let groups = if key.op == ShaderOp::MatvecQMasked {
+                    // Lanes of MASKED_ROWS rows.
+                    rows.div_ceil(key.workgroup * MASKED_ROWS)
                 } else if key.flags & flags::ROW_PER_WORKGROUP != 0 {
                     rows
                 } else if key.flags & flags::MULTI_ROW != 0 {

@@ -166,7 +166,7 @@ pub fn params_fields(op: crate::gpu::ShaderOp) -> Vec<(&'static str, usize)> {
     match op {
         O::Embedding => field_offsets!(embedding::EmbeddingParams; k, row_offset, n_rows, group, scale),
         O::RmsNorm => field_offsets!(rmsnorm::RmsNormParams; k, eps, rows, token_stride, row_stride, split),
-        O::Matvec | O::Matmul | O::MatmulBlocked | O::MatvecQ | O::MatvecQBcast | O::MatmulBlockedQ => {
+        O::Matvec | O::Matmul | O::MatmulBlocked | O::MatvecQ | O::MatvecQMasked | O::MatmulBlockedQ => {
             field_offsets!(linear::LinearParams; n_rows, k, row_offset, out_stride, x_stride, grid_x, eps, group)
         }
         O::RopeKv => rope_kv::uniform_fields(),
@@ -186,7 +186,7 @@ pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
     match op {
         O::Embedding => std::mem::size_of::<embedding::EmbeddingParams>(),
         O::RmsNorm => std::mem::size_of::<rmsnorm::RmsNormParams>(),
-        O::Matvec | O::Matmul | O::MatmulBlocked | O::MatvecQ | O::MatvecQBcast | O::MatmulBlockedQ => {
+        O::Matvec | O::Matmul | O::MatmulBlocked | O::MatvecQ | O::MatvecQMasked | O::MatmulBlockedQ => {
             std::mem::size_of::<linear::LinearParams>()
         }
         O::RopeKv => rope_kv::UNIFORM_BYTES,
@@ -251,9 +251,9 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
         v.push(PipelineKey::new(ShaderOp::Embedding, 64).with_flags(TEX).with_weights(w));
         for &c in &combos {
             v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4).with_weights(w));
-            if features.subgroups && linear::bcast_format(w) {
+            if linear::masked_format(w) {
                 // CPU adapters without texture-held weights (SwiftShader).
-                v.push(PipelineKey::new(ShaderOp::MatvecQBcast, 4).with_flags(c).with_weights(w).with_features(sg));
+                v.push(PipelineKey::new(ShaderOp::MatvecQMasked, linear::MASKED_WG).with_flags(c).with_weights(w));
             }
             if features.subgroups {
                 v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST).with_weights(w).with_features(sg));

@@ -14,6 +14,7 @@ use super::LoadError;
 use crate::error::LanternError;
 
 pub mod hf_map;
+pub mod synth;
 pub use hf_map::{
     check_streamed, config_from_gguf, convert_tensor, gguf_info_for, gguf_layer, hf_tensor_name, part_tensors, row_range,
     unpermute_qk_rows, weights_from_gguf, weights_part, weights_part_except, STREAMED_MATRICES,

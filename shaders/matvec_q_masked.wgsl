@@ -1,16 +1,15 @@
-// Rust dispatch: src/kernels/linear.rs (packed_matvec_layout, bcast_fits); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
+// Rust dispatch: src/kernels/linear.rs (masked_fits); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
 // Decode matvec over packed integer weights for CPU adapters that keep them in storage
 // buffers (SwiftShader, the browser's software GPU; lavapipe's texture layout is
 // matvec_q.wgsl's TEX): y[t, row_offset + n] = epilogue(sum_k W[n, k] x'[t, k]), the same
 // fused prologue and epilogues as matvec_q.wgsl (NORM, GATED, BIAS, RESIDUAL, GATHER).
 //
-// A workgroup is four lanes of one subgroup, each lane four adjacent rows. x' is walked in
-// 16-element units: each lane loads one vec4 of the unit and subgroupBroadcast hands the
-// four to every lane, so an element of x costs one load per workgroup instead of one per
-// lane (CPU adapters run a divergent load lane by lane), and each broadcast element serves
-// four rows. Codes are decoded in place (common/masked.wgsl) and the group's scale and
-// minimum applied once per group. Rows past n_rows are read clamped and not stored, so the
-// subgroup operations see every lane.
+// Each invocation computes four adjacent rows, walking them in 16-element units: one x'
+// load serves four rows, the codes are decoded in place (common/masked.wgsl) and each
+// group's scale and minimum are applied once. Invocations share nothing, so no subgroups or
+// barriers are needed (WebGPU in browsers through wgpu 30 gets no subgroups). On
+// SwiftShader's JIT the decode, not the loads, is the cost: sharing x by subgroupBroadcast
+// measured within noise of loading it per lane.
 #include "common/linear.wgsl"
 #if GATHER
 @group(0) @binding(8) var<storage, read> rows: array<u32>;         // (n_out) rows of x
@@ -32,22 +31,25 @@ fn dm4(s: Scales4) -> array<vec4<f32>, 2> {
     return array<vec4<f32>, 2>(d, vec4<f32>(s.s0.y, s.s1.y, s.s2.y, s.s3.y) + MASK_OFF * d);
 }
 
-@compute @workgroup_size(4)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-#if GATHER
     let t = wid.z;
+#if GATHER
     if (t >= step.n_out) {
-        return; // the whole workgroup: uniform
+        return;
     }
     let xb4 = rows[t] * (p.x_stride / 4u);
 #else
-    let t = wid.z;
     if (t >= step.n_tokens) {
         return;
     }
     let xb4 = t * (p.x_stride / 4u);
 #endif
-    let row0 = ((wid.y * p.grid_x + wid.x) * 4u + lid) * 4u;
+    let row0 = ((wid.y * p.grid_x + wid.x) * WG + lid) * 4u;
+    if (row0 >= p.n_rows) {
+        return;
+    }
+    // Rows past n_rows read the last row and are not stored.
     let r = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(p.n_rows - 1u));
     let wb = r * row_words();
     let sb0 = r * scale_row_words();
@@ -71,11 +73,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         var cu = vec4<f32>(0.0);
         var sx = vec4<f32>(0.0);
         for (var k16 = gi * p.group; k16 < (gi + 1u) * p.group; k16 += 16u) {
-            let xl = load_x4(xb4, k16 / 4u + lid, &ss);
-            let v0 = subgroupBroadcast(xl, 0u);
-            let v1 = subgroupBroadcast(xl, 1u);
-            let v2 = subgroupBroadcast(xl, 2u);
-            let v3 = subgroupBroadcast(xl, 3u);
+            let v0 = load_x4(xb4, k16 / 4u, &ss);
+            let v1 = load_x4(xb4, k16 / 4u + 1u, &ss);
+            let v2 = load_x4(xb4, k16 / 4u + 2u, &ss);
+            let v3 = load_x4(xb4, k16 / 4u + 3u, &ss);
             sx += (v0 + v1) + (v2 + v3);
             let x0 = xsplit(v0, v1);
             let x1 = xsplit(v2, v3);
@@ -94,11 +95,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         ua += su[0] * cu + su[1] * sxs;
 #endif
     }
-    // Each lane summed the squares of its own elements.
-    let s0 = subgroupAdd(ss);
     for (var i = 0u; i < 4u; i++) {
         if (row0 + i < p.n_rows) {
-            finish(t, row0 + i, vec3<f32>(a[i], ua[i], s0));
+            finish(t, row0 + i, vec3<f32>(a[i], ua[i], ss));
         }
     }
 }
