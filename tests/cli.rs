@@ -284,3 +284,64 @@ fn a_draft_requantized_at_load_leaves_greedy_output_unchanged() {
     assert_eq!(sp["drafter"], "model", "{spec}");
     assert!(sp["proposed"].as_u64().unwrap() > 0 && sp["accepted"].as_u64().unwrap() > 0, "{sp}");
 }
+
+/// `synth`: the header alone (a few MB) expands into a file of the real one's size with the
+/// same metadata and tensor table, which loads and decodes (`--ignore-eos`: exactly the
+/// tokens asked for); a truncated header is refused by name.
+#[test]
+fn synth_rebuilds_a_model_from_its_header_and_it_runs() {
+    let dir = std::env::temp_dir().join(format!("lantern-synth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let real = common::smollm2_gguf();
+    let head = dir.join("smollm2.ggufh");
+    let out = lantern().args(["synth", "--header-only", "--out"]).arg(&head).arg("--like").arg(&real).output().unwrap();
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let head_len = std::fs::metadata(&head).unwrap().len();
+    let real_bytes = std::fs::read(&real).unwrap();
+    assert!(
+        head_len < 4 << 20 && real_bytes.starts_with(&std::fs::read(&head).unwrap()),
+        "the header is the file's first {head_len} bytes"
+    );
+    let synth = dir.join("smollm2-synth.gguf");
+    let out = lantern().args(["synth", "--out"]).arg(&synth).arg("--like").arg(&head).output().unwrap();
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let synth_bytes = std::fs::read(&synth).unwrap();
+    assert_eq!(synth_bytes.len(), real_bytes.len());
+    assert_eq!(synth_bytes[..head_len as usize], real_bytes[..head_len as usize]);
+    assert_ne!(synth_bytes[head_len as usize..], real_bytes[head_len as usize..], "the weights are generated");
+    let out =
+        lantern().args(["run", "Once upon a time", "--max-tokens", "5", "--ignore-eos", "--json", "--model"]).arg(&synth).output().unwrap();
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 5);
+    assert_eq!(v["finish_reason"], "length");
+    let cut = dir.join("cut.ggufh");
+    std::fs::write(&cut, &real_bytes[..1000]).unwrap();
+    let out = lantern().args(["synth", "--out"]).arg(dir.join("x.gguf")).arg("--like").arg(&cut).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cut.ggufh") && err.contains("truncated"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// On wgpu's noop backend a run decodes exactly --max-tokens and reports the host's work per
+/// token: one submit and one readback, no bind group or buffer created.
+#[test]
+fn run_on_the_noop_backend_reports_host_costs() {
+    let out = lantern()
+        .args(["run", "Once upon a time", "--max-tokens", "24", "--backend", "noop", "--json", "--model"])
+        .arg(common::smollm2_gguf())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["noop"], true);
+    assert_eq!(v["adapter"]["backend"], "noop");
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 24, "EOS (token 0 from the zeroed readback) is ignored on noop");
+    let h = &v["host"];
+    assert_eq!(h["tokens"], 23);
+    assert_eq!((h["submits_per_token"].as_f64(), h["readbacks_per_token"].as_f64()), (Some(1.0), Some(1.0)), "{h}");
+    assert_eq!((h["bind_groups_per_token"].as_f64(), h["buffers_per_token"].as_f64()), (Some(0.0), Some(0.0)), "{h}");
+    assert_eq!(h["dispatches_per_token"].as_f64(), v["dispatches_per_decode_step"].as_f64());
+    assert!(h["ms_per_token"].as_f64().unwrap() > 0.0);
+}

@@ -235,6 +235,10 @@ struct RunArgs {
     /// and the steps past one are rolled back). 0 or 1: one step at a time.
     #[arg(long, default_value_t = 3)]
     decode_ahead: usize,
+    /// Decode exactly --max-tokens: no end-of-sequence token or stop string ends the run
+    /// (benchmarks; synthetic models from `lantern synth`).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Print one JSON object instead of streaming.
     #[arg(long)]
     json: bool,
@@ -351,7 +355,8 @@ fn devices(backend: Option<String>, bandwidth: bool, json: bool) -> Result<()> {
             if !bandwidth {
                 return Ok(None);
             }
-            let opts = DeviceOptions { backend: Some(a.backend.clone()), adapter: Some(a.index.to_string()), ..Default::default() };
+            // The index is the adapter's place in the list just made, with the same filter.
+            let opts = DeviceOptions { backend: backend.clone(), adapter: Some(a.index.to_string()), ..Default::default() };
             let ctx = pollster::block_on(GpuContext::new(&opts))?;
             Ok(Some(lantern::gpu::memory::copy_bandwidth(&ctx, 256 << 20, 5)?))
         })
@@ -450,13 +455,15 @@ fn run(a: RunArgs) -> Result<()> {
         a.prompt.clone()
     };
     let prompt_ids = if a.chat { tokenizer.encode_chat(&prompt_text)? } else { tokenizer.encode(&prompt_text)? };
-    let stop_ids = if noop { Vec::new() } else { lantern::engine::generate::default_stop_ids(&model.config.eos_token_ids, &tokenizer) };
+    let ignore_eos = noop || a.ignore_eos;
+    let stop_ids =
+        if ignore_eos { Vec::new() } else { lantern::engine::generate::default_stop_ids(&model.config.eos_token_ids, &tokenizer) };
     let req = GenerateRequest {
         prompt_ids,
         max_tokens: a.max_tokens,
         sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
         stop_ids,
-        stop_strings: if noop { Vec::new() } else { a.stop.clone() },
+        stop_strings: if ignore_eos { Vec::new() } else { a.stop.clone() },
         speculation: a.spec.speculation(),
         constraint: run_constraint(&a)?,
         logprobs: None,

@@ -61,7 +61,8 @@ pub fn write_synthetic(
         at = t.offset;
         buf.clear();
         buf.resize(t.size as usize, 0);
-        fill(&mut buf, t.ggml_type, &mut rng).ok_or_else(|| SynthError::Unsupported {
+        let k = t.dims.first().copied().unwrap_or(1).max(1);
+        fill(&mut buf, t.ggml_type, k, &mut rng).ok_or_else(|| SynthError::Unsupported {
             file: file_name.into(),
             tensor: t.name.clone(),
             ggml_type: t.ggml_type.name(),
@@ -89,9 +90,11 @@ pub enum SynthError {
     Io(#[from] std::io::Error),
 }
 
-/// Fill one tensor's bytes: floats with ones, quantized blocks with pseudo-random bytes and
-/// their f16 scale fields with small positive values. `None` for a type it cannot fill.
-fn fill(buf: &mut [u8], ty: GgmlType, rng: &mut u64) -> Option<()> {
+/// Fill one tensor's bytes (rows of `k` elements): floats with ones, quantized blocks with
+/// pseudo-random bytes and their f16 scale fields with 1 / (64 sqrt(k)), so that products over
+/// a row stay of order one through the layers (no overflow, no denormals, which CPU adapters
+/// compute slowly). `None` for a type it cannot fill.
+fn fill(buf: &mut [u8], ty: GgmlType, k: u64, rng: &mut u64) -> Option<()> {
     use crate::model::tensor::DType;
     match ty.to_dtype()? {
         DType::F32 => buf.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&1.0f32.to_le_bytes())),
@@ -106,7 +109,7 @@ fn fill(buf: &mut [u8], ty: GgmlType, rng: &mut u64) -> Option<()> {
                 c.copy_from_slice(&rng.to_le_bytes()[..c.len()]);
             }
             let (_, block) = crate::quant::ggml::block_size(kind);
-            let scale = half::f16::from_f32(1.0 / 512.0).to_le_bytes();
+            let scale = half::f16::from_f32(1.0 / (64.0 * (k as f32).sqrt())).to_le_bytes();
             for b in buf.chunks_exact_mut(block) {
                 for &at in crate::quant::ggml::f16_fields(kind) {
                     b[at..at + 2].copy_from_slice(&scale);
