@@ -2009,3 +2009,50 @@ fn logit_bias_matches_reference_on_odd_shapes() {
         }
     }
 }
+
+/// GPU sampling from top-k rows (`kernels::sample`) draws what its f32 host mirror draws
+/// (`sample::draw`), for every parameter shape, and each draw is one of the kept candidates:
+/// the top-k rows come from the top-k kernel over random logits (some rows with fewer finite
+/// values than the slots).
+#[test]
+fn sample_draws_match_the_host_mirror() {
+    use lantern::kernels::sample::{draw, SampleParams};
+    use lantern::kernels::topk::{decode_row, TOPK_MAX, TOPK_ROW_WORDS};
+    let ctx = gpu();
+    let (n, rows) = (300usize, 40usize);
+    let mut rng = Rng::new(4242);
+    let mut logits: Vec<f32> = rng.vec(n * rows).iter().map(|v| v * 4.0).collect();
+    for v in &mut logits[n * 3..n * 4 - 20] {
+        *v = f32::NEG_INFINITY; // row 3: 20 finite values
+    }
+    let step = step_buffer(&ctx);
+    let lb = buf_f32(&ctx, "logits", &logits);
+    let top = create_zeroed(&ctx, "topk", (rows * TOPK_ROW_WORDS * 4) as u64).unwrap();
+    let topk = block_on(kernels::topk::build(&ctx, &step, &lb, &top, n, TOPK_MAX)).unwrap();
+    let ids = create_zeroed(&ctx, "ids", (rows * 4) as u64).unwrap();
+    submit(&ctx, &step, rows as u32, rows as u32, std::slice::from_ref(&topk));
+    let words = read_u32s(&ctx, &top, rows * TOPK_ROW_WORDS);
+    for (i, params) in [
+        SampleParams { temperature: 0.8, top_k: 40, top_p: 0.95, _pad: 0 },
+        SampleParams { temperature: 1.0, top_k: 0, top_p: 1.0, _pad: 0 },
+        SampleParams { temperature: 0.2, top_k: 3, top_p: 0.5, _pad: 0 },
+        SampleParams { temperature: 2.5, top_k: 64, top_p: 0.999, _pad: 0 },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let u: Vec<f32> = (0..rows).map(|r| ((r * 7919 + i * 104729) % 1000) as f32 / 1000.0).collect();
+        let ub = buf_f32(&ctx, "u", &u);
+        let pb = lantern::gpu::buffer::create_uniform(&ctx, "sample.params", &params);
+        let d = block_on(kernels::sample::build(&ctx, &step, &pb, &top, &ub, &ids)).unwrap();
+        submit(&ctx, &step, rows as u32, rows as u32, std::slice::from_ref(&d));
+        let got = read_u32s(&ctx, &ids, rows);
+        for r in 0..rows {
+            let pairs = decode_row(&words[r * TOPK_ROW_WORDS..][..TOPK_ROW_WORDS], TOPK_MAX);
+            let want = draw(&pairs, &params, u[r]);
+            assert_eq!(got[r], want, "params {params:?}, row {r}, u {}", u[r]);
+            let k = if params.top_k == 0 { TOPK_MAX } else { params.top_k as usize };
+            assert!(pairs.iter().take(k).any(|p| p.0 == got[r]), "row {r}: {} is not among the top {k}", got[r]);
+        }
+    }
+}

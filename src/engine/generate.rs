@@ -374,12 +374,28 @@ async fn run(
         model.cache_prefix(seq, &req.prompt_ids)?;
     }
     let mut batch = vec![sampler.sample_step(&out, 0, model.config.vocab_size)];
-    // Plain greedy decoding runs ahead of the host: the GPU feeds each step's argmax to the
-    // next step, and the tokens are checked here as they arrive (same tokens, see
-    // `GpuModel::begin_ahead`). Anything that needs the host between tokens (sampling,
-    // grammars, biases, drafts) steps one token at a time.
-    let ahead = spec.is_none() && guide.is_none() && bias.is_none() && want == Want::Argmax && model.decode_ahead_depth() >= 2;
+    // Plain decoding runs ahead of the host: the GPU feeds each step's token (its argmax, or
+    // a draw from its top-k pairs) to the next step, and the tokens are checked here as they
+    // arrive (`GpuModel::begin_ahead`). A sampled token is drawn again here from the same
+    // pairs by the request's sampler, which stays the reference: where f32 rounding made the
+    // GPU draw another token, the run restarts from this one, so the output is the
+    // step-at-a-time output. Anything else that needs the host between tokens (grammars,
+    // biases, drafts, sampling without a top-k of at most 64) steps one token at a time.
+    let gpu_sampling = (want == Want::TopK).then_some(crate::kernels::sample::SampleParams {
+        temperature: sampler.params.temperature,
+        top_k: sampler.params.top_k as u32,
+        top_p: sampler.params.top_p,
+        _pad: 0,
+    });
+    let ahead = spec.is_none()
+        && guide.is_none()
+        && bias.is_none()
+        && (want == Want::Argmax || want == Want::TopK)
+        && model.decode_ahead_depth() >= 2;
+    // The draws the GPU's steps take, ahead of the request's sampler (a copy of it).
+    let mut draws = sampler.clone();
     let mut ahead_open = false;
+    let mut redraws = 0usize;
     let mut last_arrival = Instant::now();
     let decode_start = (model.ctx.host_counts(), Instant::now());
     let r = async {
@@ -418,10 +434,21 @@ async fn run(
                     // Steps left: every token still wanted, within the context (the cache holds
                     // all of history but the last token).
                     let limit = (req.max_tokens - out_ids.len()).min(context + 1 - history.len());
-                    model.begin_ahead(seq, *history.last().expect("a sampled token"), limit).await?;
+                    model.begin_ahead(seq, *history.last().expect("a sampled token"), limit, gpu_sampling).await?;
                     ahead_open = true;
+                    draws = sampler.clone();
                 }
-                let token = model.ahead_next().await?;
+                let step = model.ahead_next(&mut || draws.uniform() as f32).await?;
+                let token = match &step.top {
+                    Some(top) => sampler.sample_step(top, 0, model.config.vocab_size),
+                    None => step.token,
+                };
+                if token != step.token {
+                    // The GPU drew another token: the steps after it ran on that one.
+                    model.end_ahead().await?;
+                    ahead_open = false;
+                    redraws += 1;
+                }
                 let now = Instant::now();
                 model.record_step_ms(1, (now - last_arrival).as_secs_f64() * 1e3);
                 last_arrival = now;
@@ -440,7 +467,7 @@ async fn run(
     let decoded = out_ids.len().saturating_sub(1);
     let host = (decoded > 0).then(|| {
         let wall = decode_start.1.elapsed().as_secs_f64() * 1e3;
-        HostCosts::new(&model.ctx.host_counts().since(&decode_start.0), decoded, wall)
+        HostCosts { redraws, ..HostCosts::new(&model.ctx.host_counts().since(&decode_start.0), decoded, wall) }
     });
     if let Some(rest) = stream.finish(tokenizer, finish)? {
         on_text(&rest);

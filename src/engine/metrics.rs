@@ -312,6 +312,9 @@ pub struct HostCosts {
     pub bind_groups_per_token: f64,
     /// Buffers and textures created.
     pub buffers_per_token: f64,
+    /// Sampled tokens the GPU drew differently from the request's sampler (f32 rounding at a
+    /// boundary; the sampler's token was kept and decoding restarted from it).
+    pub redraws: usize,
 }
 
 impl HostCosts {
@@ -331,6 +334,7 @@ impl HostCosts {
             stalls_per_token: per(c.stalls),
             bind_groups_per_token: per(c.bind_groups),
             buffers_per_token: per(c.buffers),
+            redraws: 0,
         }
     }
 }

@@ -290,7 +290,12 @@ impl Readback {
 
     /// Record a copy of `bytes` bytes from `src` at `offset` into this staging buffer.
     pub fn copy_from(&self, enc: &mut wgpu::CommandEncoder, src: &wgpu::Buffer, offset: u64, bytes: u64) {
-        enc.copy_buffer_to_buffer(src, offset, &self.buffer, 0, bytes);
+        self.copy_to(enc, src, offset, 0, bytes);
+    }
+
+    /// [`Self::copy_from`] into this buffer at byte `at` (a multiple of 4).
+    pub fn copy_to(&self, enc: &mut wgpu::CommandEncoder, src: &wgpu::Buffer, offset: u64, at: u64, bytes: u64) {
+        enc.copy_buffer_to_buffer(src, offset, &self.buffer, at, bytes);
     }
 
     /// Ask for the first `bytes` bytes to be mapped once the submitted copy completes; the

@@ -30,6 +30,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention_reduce.wgsl", include_str!("../../shaders/attention_reduce.wgsl")),
     ("argmax.wgsl", include_str!("../../shaders/argmax.wgsl")),
     ("topk.wgsl", include_str!("../../shaders/topk.wgsl")),
+    ("sample.wgsl", include_str!("../../shaders/sample.wgsl")),
     ("logit_mask.wgsl", include_str!("../../shaders/logit_mask.wgsl")),
     ("logit_bias.wgsl", include_str!("../../shaders/logit_bias.wgsl")),
     ("x_texture.wgsl", include_str!("../../shaders/x_texture.wgsl")),
@@ -73,6 +74,8 @@ pub enum ShaderOp {
     Argmax,
     /// Sampling support: the best K (id, logit) pairs of logits rows.
     TopK,
+    /// A token drawn on the GPU from each row's top-k pairs (temperature, top-k, top-p).
+    Sample,
     /// Constrained decoding: disallowed tokens' logits set to -inf from a bitmask per row.
     LogitMask,
     /// OpenAI's logit_bias and penalties: sparse (token, delta) pairs added to each row.
@@ -99,6 +102,7 @@ impl ShaderOp {
             ShaderOp::AttentionReduce => "attention_reduce.wgsl",
             ShaderOp::Argmax => "argmax.wgsl",
             ShaderOp::TopK => "topk.wgsl",
+            ShaderOp::Sample => "sample.wgsl",
             ShaderOp::LogitMask => "logit_mask.wgsl",
             ShaderOp::LogitBias => "logit_bias.wgsl",
             ShaderOp::XTexture => "x_texture.wgsl",

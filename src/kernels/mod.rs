@@ -18,6 +18,7 @@ pub mod logit_bias;
 pub mod logit_mask;
 pub mod rmsnorm;
 pub mod rope_kv;
+pub mod sample;
 pub mod topk;
 pub mod x_texture;
 
@@ -174,6 +175,7 @@ pub fn params_fields(op: crate::gpu::ShaderOp) -> Vec<(&'static str, usize)> {
         O::AttentionReduce => attention::reduce_uniform_fields(),
         O::Argmax => field_offsets!(argmax::ArgmaxParams; n),
         O::TopK => topk::uniform_fields(),
+        O::Sample => field_offsets!(sample::SampleParams; temperature, top_k, top_p),
         O::LogitMask => field_offsets!(logit_mask::LogitMaskParams; n, words, fill),
         O::LogitBias => field_offsets!(logit_bias::LogitBiasParams; n, base),
         O::XTexture => field_offsets!(x_texture::XTextureParams; texels, x_stride4),
@@ -194,6 +196,7 @@ pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
         O::AttentionReduce => attention::REDUCE_UNIFORM_BYTES,
         O::Argmax => std::mem::size_of::<argmax::ArgmaxParams>(),
         O::TopK => topk::UNIFORM_BYTES,
+        O::Sample => std::mem::size_of::<sample::SampleParams>(),
         O::LogitMask => std::mem::size_of::<logit_mask::LogitMaskParams>(),
         O::LogitBias => std::mem::size_of::<logit_bias::LogitBiasParams>(),
         O::XTexture => std::mem::size_of::<x_texture::XTextureParams>(),
@@ -225,6 +228,7 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
     v.push(PipelineKey::new(ShaderOp::AttentionReduce, 64));
     v.push(PipelineKey::new(ShaderOp::Argmax, 256));
     v.push(PipelineKey::new(ShaderOp::TopK, 64));
+    v.push(PipelineKey::new(ShaderOp::Sample, 64));
     v.push(PipelineKey::new(ShaderOp::LogitMask, logit_mask::WORKGROUP));
     v.push(PipelineKey::new(ShaderOp::LogitBias, logit_bias::WORKGROUP));
     v.push(PipelineKey::new(ShaderOp::XTexture, x_texture::WORKGROUP));

@@ -9,19 +9,26 @@
 //! a sequence's length). The tokens are exactly those of the step-at-a-time path, since
 //! every step runs the same dispatches on the same inputs.
 //!
-//! Per step the host writes the position (4 bytes), the step uniform when the key splits
-//! change, and the sequence's block-table row when its pages change; the bind groups are the
-//! load-time ones, and no buffer is created.
+//! Sampled decoding runs ahead the same way: each step draws its token on the GPU from the
+//! row's top-k pairs (`kernels::sample`, with a uniform number the caller supplies per step)
+//! and reads the pairs back beside the token, so the caller can check the draw against its
+//! own sampler and restart from its token where f32 rounding made them differ.
+//!
+//! Per step the host writes the position (4 bytes; and the draw when sampling), the step
+//! uniform when the key splits change, and the sequence's block-table row when its pages
+//! change; the bind groups are the load-time ones, and no buffer is created.
 
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 
 use crate::gpu::{GpuError, Readback};
+use crate::kernels::sample::SampleParams;
+use crate::kernels::topk::TOPK_ROW_WORDS;
 use crate::kernels::{self, StepUniform};
 use crate::{LanternError, Result};
 
-use super::{gpu_err, GpuModel, Want};
+use super::{gpu_err, GpuModel, StepOutput, Want};
 
 /// Resolves to the validation error a submitted step raised, if any (`Send` on native,
 /// like wgpu's own future, so a model with a run open can move between threads).
@@ -56,11 +63,25 @@ pub(super) struct Ahead {
     splits: u32,
     /// Next readback slot.
     next_slot: usize,
+    /// Tokens are drawn on the GPU from the top-k pairs (else the argmax).
+    sampling: bool,
 }
 
-/// Readback slots for runs ahead: one per step in flight, 4 bytes each (one token id).
+/// One token of a run ahead: the id the GPU chose (and fed to the next step) and, when the
+/// run samples, the row's top-k pairs it drew from (for the caller's own draw).
+#[derive(Debug, Clone)]
+pub struct AheadToken {
+    pub token: u32,
+    pub top: Option<StepOutput>,
+}
+
+/// Bytes of a readback slot: the token, then a top-k row.
+const SLOT_BYTES: u64 = 4 + TOPK_ROW_WORDS as u64 * 4;
+
+/// Readback slots for runs ahead: one per step in flight (the token id and, when sampling,
+/// the top-k row it was drawn from).
 pub(super) fn slots(ctx: &crate::gpu::GpuContext, depth: usize) -> Vec<Readback> {
-    (0..depth).map(|_| Readback::new(ctx, "decode-ahead readback", 4)).collect()
+    (0..depth).map(|_| Readback::new(ctx, "decode-ahead readback", SLOT_BYTES)).collect()
 }
 
 impl GpuModel {
@@ -69,11 +90,12 @@ impl GpuModel {
         self.ahead_slots.len()
     }
 
-    /// Start decoding `seq` ahead of the host with greedy (GPU argmax) sampling: `first` is
-    /// the last sampled token (not yet in the cache), and at most `limit` steps (tokens) will
-    /// be submitted. Take the tokens with [`Self::ahead_next`] and end with
-    /// [`Self::end_ahead`]. A run left unended is drained here first.
-    pub async fn begin_ahead(&mut self, seq: usize, first: u32, limit: usize) -> Result<()> {
+    /// Start decoding `seq` ahead of the host: `first` is the last sampled token (not yet in
+    /// the cache), and at most `limit` steps (tokens) will be submitted. Tokens are the GPU
+    /// argmax, or with `sampling` drawn on the GPU from each step's top-k pairs. Take them with
+    /// [`Self::ahead_next`] and end with [`Self::end_ahead`]. A run left unended is drained
+    /// here first.
+    pub async fn begin_ahead(&mut self, seq: usize, first: u32, limit: usize, sampling: Option<SampleParams>) -> Result<()> {
         if self.ahead_slots.is_empty() {
             return Err(LanternError::InvalidRequest("decoding ahead is off for this model (decode_ahead < 2)".into()));
         }
@@ -89,6 +111,16 @@ impl GpuModel {
         ctx.write(&self.ws.ids, 0, bytemuck::bytes_of(&first));
         ctx.write(&self.ws.token_seq, 0, bytemuck::bytes_of(&(seq as u32)));
         ctx.write(&self.ws.logit_rows, 0, bytemuck::bytes_of(&0u32));
+        if let Some(p) = &sampling {
+            let positive = |v: f32| v.is_finite() && v > 0.0;
+            if !positive(p.temperature) || p.top_k as usize > kernels::topk::TOPK_MAX || !positive(p.top_p) {
+                return Err(LanternError::InvalidRequest(format!(
+                    "sampling on the GPU needs a positive temperature, top-k of at most {} and top-p above 0 (got {p:?})",
+                    kernels::topk::TOPK_MAX
+                )));
+            }
+            ctx.write(&self.ws.sample_params, 0, bytemuck::bytes_of(p));
+        }
         self.ahead = Some(Ahead {
             seq,
             base,
@@ -99,30 +131,33 @@ impl GpuModel {
             table: Vec::new(),
             splits: u32::MAX,
             next_slot: 0,
+            sampling: sampling.is_some(),
         });
         Ok(())
     }
 
     /// The next token of the run ahead: submits steps until the run's depth is in flight (or
-    /// its limit is reached), then waits for the oldest step's token. An error once the run
-    /// has taken `limit` tokens.
-    pub async fn ahead_next(&mut self) -> Result<u32> {
+    /// its limit is reached), then waits for the oldest step's token. When the run samples,
+    /// `draw` gives each submitted step its uniform number in [0, 1) (in step order). An
+    /// error once the run has taken `limit` tokens.
+    pub async fn ahead_next(&mut self, draw: &mut dyn FnMut() -> f32) -> Result<AheadToken> {
         let Some(mut a) = self.ahead.take() else {
             return Err(LanternError::InvalidRequest("ahead_next without begin_ahead".into()));
         };
-        let r = self.next_of(&mut a).await;
+        let r = self.next_of(&mut a, draw).await;
         self.ahead = Some(a);
         r
     }
 
-    async fn next_of(&mut self, a: &mut Ahead) -> Result<u32> {
+    async fn next_of(&mut self, a: &mut Ahead, draw: &mut dyn FnMut() -> f32) -> Result<AheadToken> {
         while a.flights.len() < self.ahead_slots.len() && a.submitted < a.limit {
-            self.submit_ahead(a)?;
+            let u = if a.sampling { Some(draw()) } else { None };
+            self.submit_ahead(a, u)?;
         }
         let Some(f) = a.flights.pop_front() else {
             return Err(LanternError::InvalidRequest(format!("ahead_next past the run's limit of {} tokens", a.limit)));
         };
-        let token = self.land(f, a.flights.is_empty()).await?;
+        let token = self.land(f, a.flights.is_empty(), a.sampling).await?;
         a.taken += 1;
         Ok(token)
     }
@@ -145,7 +180,7 @@ impl GpuModel {
         if let Some(mut a) = self.ahead.take() {
             while let Some(f) = a.flights.pop_front() {
                 let idle = a.flights.is_empty();
-                if let Err(e) = self.land(f, idle).await {
+                if let Err(e) = self.land(f, idle, false).await {
                     if first_err.is_ok() {
                         first_err = Err(e);
                     }
@@ -155,8 +190,9 @@ impl GpuModel {
         first_err
     }
 
-    /// Wait for a submitted step and read its token (`idle`: nothing else is queued behind it).
-    async fn land(&self, f: Flight, idle: bool) -> Result<u32> {
+    /// Wait for a submitted step and read its token, and with `top` the top-k row it was
+    /// drawn from (`idle`: nothing else is queued behind it).
+    async fn land(&self, f: Flight, idle: bool, top: bool) -> Result<AheadToken> {
         let ctx = &self.ctx;
         #[cfg(not(target_arch = "wasm32"))]
         ctx.wait_idle(Some(f.submission), idle).map_err(gpu_err)?;
@@ -171,12 +207,14 @@ impl GpuModel {
             Err(_) => return Err(LanternError::Gpu(GpuError::Readback("map callback dropped (device lost?)".into()))),
         }
         ctx.counters.read_back();
-        let bytes = self.ahead_slots[f.slot].take_mapped(4).map_err(gpu_err)?;
-        Ok(u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
+        let bytes = self.ahead_slots[f.slot].take_mapped(if top { SLOT_BYTES } else { 4 }).map_err(gpu_err)?;
+        let token = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        let top = top.then(|| self.parse_output(&bytes[4..SLOT_BYTES as usize], 1, Want::TopK));
+        Ok(AheadToken { token, top })
     }
 
-    /// Encode and submit the run's next step.
-    fn submit_ahead(&mut self, a: &mut Ahead) -> Result<()> {
+    /// Encode and submit the run's next step (`u`: its uniform draw when sampling).
+    fn submit_ahead(&mut self, a: &mut Ahead, u: Option<f32>) -> Result<()> {
         let ctx = self.ctx.clone();
         let pos = self.kv.alloc.append(a.seq, 1).map_err(LanternError::Kv)?;
         debug_assert_eq!(pos, a.base + a.submitted);
@@ -187,6 +225,9 @@ impl GpuModel {
             a.splits = s.n_splits;
         }
         ctx.write(&self.ws.positions, 0, bytemuck::bytes_of(&(pos as u32)));
+        if let Some(u) = u {
+            ctx.write(&self.ws.draws, 0, bytemuck::bytes_of(&u));
+        }
         let pages = self.kv.alloc.pages(a.seq).map_err(LanternError::Kv)?;
         if pages != a.table.as_slice() {
             let row = (a.seq * self.kv.alloc.config.max_pages_per_seq() * 4) as u64;
@@ -201,15 +242,29 @@ impl GpuModel {
         self.encode_pending_copies(&mut enc);
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("forward"), timestamp_writes: None });
-            let dispatches = self.step_dispatches(&s, Want::Argmax, false, false, false);
+            let want = if a.sampling { Want::TopK } else { Want::Argmax };
+            let mut dispatches = self.step_dispatches(&s, want, false, false, false);
+            if a.sampling {
+                // The draw overwrites the argmax with the sampled id.
+                dispatches.push(&self.plans.sample);
+            }
             ctx.counters.dispatched(kernels::encode_all(&mut pass, dispatches, &s));
         }
-        // The token goes where the next step's embedding reads it, and to this step's slot.
+        // The token goes where the next step's embedding reads it, and to this step's slot
+        // (with the top-k row it was drawn from).
         enc.copy_buffer_to_buffer(&self.ws.argmax, 0, &self.ws.ids, 0, 4);
-        self.ahead_slots[slot].copy_from(&mut enc, &self.ws.argmax, 0, 4);
+        let rb = &self.ahead_slots[slot];
+        let bytes = if a.sampling {
+            rb.copy_to(&mut enc, &self.ws.argmax, 0, 0, 4);
+            rb.copy_to(&mut enc, &self.ws.topk, 0, 4, SLOT_BYTES - 4);
+            SLOT_BYTES
+        } else {
+            rb.copy_from(&mut enc, &self.ws.argmax, 0, 4);
+            4
+        };
         let submission = ctx.submit([enc.finish()]);
         let errors: ErrorFuture = Box::pin(scope.pop());
-        let map = self.ahead_slots[slot].start_map(4);
+        let map = rb.start_map(bytes);
         a.flights.push_back(Flight { slot, submission, map, errors });
         a.submitted += 1;
         Ok(())

@@ -39,6 +39,7 @@ mod plan;
 mod step;
 mod upload;
 
+pub use ahead::AheadToken;
 pub use memory::{DtypeBytes, MemoryReport};
 pub use options::{KvWindow, ModelOptions, StepOutput, Want, WeightPrecision};
 pub use step::{LogitOps, MaskFn, PendingStep, DISPATCHES_PER_SUBMIT};

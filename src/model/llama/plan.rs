@@ -33,6 +33,10 @@ pub(super) struct Workspace {
     pub argmax: wgpu::Buffer,
     /// GPU top-k pairs of the logit rows (`TOPK_ROW_WORDS` words per row).
     pub topk: wgpu::Buffer,
+    /// Sampling on the GPU (`kernels::sample`): the request's parameters (a uniform) and one
+    /// uniform draw per logit row.
+    pub sample_params: wgpu::Buffer,
+    pub draws: wgpu::Buffer,
     /// Constrained decoding: the allowed-token bitmask of each logit row (`r x ceil(vocab / 32)`).
     pub token_mask: wgpu::Buffer,
     /// OpenAI's logit_bias and penalties: each logit row's sparse (token, delta) pairs
@@ -84,6 +88,8 @@ pub(super) struct Plans {
     pub logit_mask: Dispatch,
     /// Logit bias and penalties over the logit rows (before the mask).
     pub logit_bias: Dispatch,
+    /// A token drawn from each logit row's top-k pairs, into `argmax`.
+    pub sample: Dispatch,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -135,6 +141,8 @@ impl Workspace {
             logits: create_zeroed(ctx, "logits", (r * c.vocab_size * 4) as u64).map_err(gpu_err)?,
             argmax: create_zeroed(ctx, "argmax", (t * 4) as u64).map_err(gpu_err)?,
             topk: create_zeroed(ctx, "topk", (r * kernels::topk::TOPK_ROW_WORDS * 4) as u64).map_err(gpu_err)?,
+            sample_params: crate::gpu::buffer::create_uniform(ctx, "sample.params", &kernels::sample::SampleParams::default()),
+            draws: create_zeroed(ctx, "draws", (r * 4) as u64).map_err(gpu_err)?,
             token_mask: create_zeroed(ctx, "token_mask", (r * kernels::logit_mask::words(c.vocab_size) * 4) as u64).map_err(gpu_err)?,
             logit_bias: create_zeroed(ctx, "logit_bias", kernels::logit_bias::initial_bytes(r)).map_err(gpu_err)?,
             rope: create_storage(
@@ -182,6 +190,7 @@ impl Workspace {
             &self.logits,
             &self.argmax,
             &self.topk,
+            &self.draws,
             &self.token_mask,
             &self.logit_bias,
             &self.rope,
@@ -274,6 +283,7 @@ pub(super) async fn build_plans(
     .map_err(gpu_err)?;
     let argmax = kernels::argmax::build(ctx, &ws.step, &ws.logits, &ws.argmax, c.vocab_size).await.map_err(gpu_err)?;
     let topk = kernels::topk::build(ctx, &ws.step, &ws.logits, &ws.topk, c.vocab_size, kernels::topk::TOPK_MAX).await.map_err(gpu_err)?;
+    let sample = kernels::sample::build(ctx, &ws.step, &ws.sample_params, &ws.topk, &ws.draws, &ws.argmax).await.map_err(gpu_err)?;
     let logit_mask = kernels::logit_mask::build(ctx, &ws.step, &ws.token_mask, &ws.logits, c.vocab_size).await.map_err(gpu_err)?;
     // The rows of logits a step can produce: the logit_rows buffer holds one index each.
     let logit_rows = (ws.logit_rows.size() / 4) as usize;
@@ -291,6 +301,7 @@ pub(super) async fn build_plans(
         topk,
         logit_mask,
         logit_bias,
+        sample,
     };
     Ok((plans, batch_max_tokens))
 }

@@ -428,7 +428,7 @@ impl GpuModel {
     }
 
     /// The step's output from the bytes read back.
-    fn parse_output(&self, bytes: &[u8], n_out: u32, want: Want) -> StepOutput {
+    pub(super) fn parse_output(&self, bytes: &[u8], n_out: u32, want: Want) -> StepOutput {
         if n_out == 0 {
             return StepOutput::default();
         }
