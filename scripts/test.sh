@@ -35,9 +35,10 @@ if [ ! -x target/pyenv/bin/python ] || ! target/pyenv/bin/python -c "import open
 fi
 export LANTERN_PYTHON="$root/target/pyenv/bin/python"
 
-# One build of everything (tests, examples, the binary) with one feature set.
+# One build of everything (tests, examples, the binary) with one feature set. The benches
+# are only compiled (clippy --all-targets above checked them): they run with `cargo bench`,
+# never as tests, and linking them would add minutes.
 cargo test --release --no-run
-cargo build --release --benches
 ./target/release/lantern fetch
 export LANTERN_SMOLLM2_GGUF="${LANTERN_SMOLLM2_GGUF:-$(./target/release/lantern fetch 2>/dev/null)}"
 # The real Q4_K_M models of tests/qwen_q4km.rs and tests/gemma3_q4km.rs (0.5 GB, 1.1 GB and
@@ -61,5 +62,4 @@ bash scripts/web.sh test-deps
 CHROMEDRIVER="$(command -v chromedriver)" WASM_BINDGEN_TEST_TIMEOUT=600 \
     cargo test --release --target wasm32-unknown-unknown --no-default-features --features web --test wasm
 
-# Benches are built above but only run with `cargo bench`, never as tests.
 cargo test --release "$@"
