@@ -19,9 +19,7 @@ struct Params {
     _pad1: u32,
 }
 
-const KMAX: u32 = 64u;
-// Words per output row: KMAX ids, KMAX values, the logsumexp, one pad word.
-const ROW: u32 = 2u * KMAX + 2u;
+#include "common/topk_row.wgsl"
 
 @group(0) @binding(0) var<uniform> step: Step;
 @group(0) @binding(1) var<uniform> p: Params;

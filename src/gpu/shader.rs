@@ -15,6 +15,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("common/blocked_acc.wgsl", include_str!("../../shaders/common/blocked_acc.wgsl")),
     ("common/kv.wgsl", include_str!("../../shaders/common/kv.wgsl")),
     ("common/rank.wgsl", include_str!("../../shaders/common/rank.wgsl")),
+    ("common/topk_row.wgsl", include_str!("../../shaders/common/topk_row.wgsl")),
     ("common/masked.wgsl", include_str!("../../shaders/common/masked.wgsl")),
     ("common/hi_words4.wgsl", include_str!("../../shaders/common/hi_words4.wgsl")),
     ("embedding.wgsl", include_str!("../../shaders/embedding.wgsl")),
