@@ -110,7 +110,10 @@ worker.onmessage = ({ data }) => {
         $('output').textContent += '\n\n';
       }
       const f = (v, d = 1) => (v == null ? '–' : v.toFixed(d));
-      const sp = r.speculative ? ` · speculative: ${r.speculative.accepted}/${r.speculative.proposed} drafts accepted, ${f(r.speculative.tokens_per_step, 2)} tokens per step` : '';
+      const spec = r.speculative;
+      const sp = !spec ? ''
+        : spec.plain_reason ? ` · speculative: decoded plainly (${spec.plain_reason})`
+        : ` · speculative: ${spec.accepted}/${spec.proposed} drafts accepted, ${f(spec.tokens_per_step, 2)} tokens per step, gain ${f(spec.expected_gain, 2)}x expected, ${f(spec.measured_gain, 2)}x measured`;
       $('metrics').textContent = `${r.outputIds.length} tokens · finish: ${r.finishReason} · TTFT ${f(r.ttftMs, 0)} ms · ${f(r.tokensPerS)} tokens/s · TPOT ${f(r.tpotMs)} ms${sp}`;
       $('generate').disabled = false;
       $('stop').disabled = true;

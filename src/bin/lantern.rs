@@ -439,7 +439,20 @@ fn run(a: RunArgs) -> Result<()> {
     if a.spec.draft.is_some() {
         pb.set_message("loading the draft model");
     }
-    let mut draft = pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &model, &tokenizer, model_options))?.map(|d| d.0);
+    let mut draft =
+        pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &model, &tokenizer, model_options.clone()))?.map(|d| d.0);
+    // Speculation's step costs as measured by earlier runs on this adapter (the first run
+    // measures them: `warmup_ms` in its speculative stats).
+    let cost_files = if a.spec.speculation().enabled() && !noop {
+        let (t, d) = a.spec.cost_files(&ctx, &model_path, &model_options)?;
+        lantern::engine::step_costs::load(&mut model, &t);
+        if let (Some(p), Some(dm)) = (&d, draft.as_mut()) {
+            lantern::engine::step_costs::load(dm, p);
+        }
+        Some((t, d))
+    } else {
+        None
+    };
     pb.finish_and_clear();
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
 
@@ -483,6 +496,15 @@ fn run(a: RunArgs) -> Result<()> {
     let prefill_tps = m.ttft_ms.map(|t| gen.prompt_ids.len() as f64 / (t / 1e3));
     if let Err(e) = ctx.save_pipeline_cache() {
         eprintln!("warning: saving the pipeline cache failed: {e}");
+    }
+    if let Some((t, d)) = &cost_files {
+        let saved = lantern::engine::step_costs::save(&model, t).and_then(|_| match (d, draft.as_ref()) {
+            (Some(p), Some(dm)) => lantern::engine::step_costs::save(dm, p),
+            _ => Ok(()),
+        });
+        if let Err(e) = saved {
+            eprintln!("warning: saving the step costs failed: {e}");
+        }
     }
     let pipelines = ctx.pipelines.stats();
     if json {
@@ -595,7 +617,7 @@ fn run(a: RunArgs) -> Result<()> {
         }
         if let Some(sp) = &gen.speculative {
             eprintln!(
-                "[speculative ({:?}): {} drafted, {} accepted ({:.0}%), {:.2} tokens per target step over {} verify + {} plain steps | draft {:.0} ms, verify {:.0} ms]",
+                "[speculative ({:?}): {} drafted, {} accepted ({:.0}%), {:.2} tokens per target step over {} verify + {} plain steps | draft {:.0} ms, verify {:.0} ms | gain {:.2}x expected, {:.2}x measured against a {:.1} ms plain step{}]",
                 sp.drafter,
                 sp.proposed,
                 sp.accepted,
@@ -604,8 +626,15 @@ fn run(a: RunArgs) -> Result<()> {
                 sp.steps,
                 sp.plain_steps,
                 sp.draft_ms,
-                sp.verify_ms
+                sp.verify_ms,
+                sp.expected_gain,
+                sp.measured_gain,
+                sp.plain_step_ms,
+                if sp.warmup_ms > 0.0 { format!(" | step costs measured first: {:.0} ms, kept for later runs", sp.warmup_ms) } else { String::new() }
             );
+            if let Some(r) = &sp.plain_reason {
+                eprintln!("[speculative: decoded plainly: {r}]");
+            }
         }
     }
     Ok(())

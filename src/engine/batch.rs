@@ -287,6 +287,26 @@ impl Engine {
         Ok(Engine::new(model, tokenizer, options))
     }
 
+    /// Measure the step costs speculation with `s` chooses k from
+    /// ([`super::step_costs::ensure`]) on the idle engine's model and draft model; returns the
+    /// milliseconds it took (0 when they were known). Call it at load time.
+    pub async fn measure_step_costs(&mut self, s: &super::Speculation) -> Result<f64> {
+        if !self.is_idle() {
+            return Err(LanternError::InvalidRequest("measuring step costs needs an idle engine (call it before submitting)".into()));
+        }
+        super::step_costs::ensure(&mut self.model, self.draft.as_mut(), s).await
+    }
+
+    /// The engine's model and draft model (to keep their step costs: `step_costs::save`).
+    pub fn models(&self) -> (&GpuModel, Option<&GpuModel>) {
+        (&self.model, self.draft.as_ref())
+    }
+
+    /// The same, to give them step costs kept earlier (`step_costs::load`).
+    pub fn models_mut(&mut self) -> (&mut GpuModel, Option<&mut GpuModel>) {
+        (&mut self.model, self.draft.as_mut())
+    }
+
     /// The model back (requests still queued are dropped: their handles end).
     /// Compile and touch everything a step uses before the first frame
     /// ([`GpuModel::warm_up`]); call it at load time, outside the frame loop, while the

@@ -158,6 +158,22 @@ pub async fn generate_with(
     if req.speculation.enabled() && req.speculation.drafter == Drafter::Model && draft.is_none() {
         return Err(LanternError::InvalidRequest("speculation with a draft model needs the draft model loaded (--draft)".into()));
     }
+    // Adaptive speculation chooses k from measured step costs: measure the widths not known
+    // yet (a warm-up on scratch sequences, reported as the request's `warmup_ms`). Where it
+    // cannot (the cache is full of other sequences), the unknown widths count as expensive.
+    let warmup_ms = if req.speculation.enabled() {
+        let d = draft.as_deref_mut().filter(|_| req.speculation.drafter == Drafter::Model);
+        match super::step_costs::ensure(model, d, &req.speculation).await {
+            Ok(ms) => ms,
+            Err(e @ LanternError::Gpu(_)) => return Err(e),
+            Err(e) => {
+                log::warn!("measuring step costs for speculation: {e}");
+                0.0
+            }
+        }
+    } else {
+        0.0
+    };
     let draft_seq = match draft.as_deref_mut() {
         Some(d) if req.speculation.enabled() && req.speculation.drafter == Drafter::Model => Some(d.new_sequence()?),
         _ => None,
@@ -172,7 +188,10 @@ pub async fn generate_with(
         }
     };
     let drafting = draft_seq.and_then(|ds| draft.map(|d| (d, ds)));
-    let (r, drafting) = admit_and_run(model, drafting, tokenizer, req, guide, seq, arrival, &mut on_text).await;
+    let (mut r, drafting) = admit_and_run(model, drafting, tokenizer, req, guide, seq, arrival, &mut on_text).await;
+    if let Ok(Some(s)) = r.as_mut().map(|g| g.speculative.as_mut()) {
+        s.warmup_ms = warmup_ms;
+    }
     model.release_sequence(seq);
     if let Some((d, ds)) = drafting {
         d.release_sequence(ds);
@@ -246,8 +265,16 @@ async fn next_tokens(
         return Ok(vec![sampler.sample_step(&out, 0, model.config.vocab_size)]);
     };
     // Room: every drafted token may be emitted, plus the target's own next one; the verify
-    // step stays within the context.
-    let k = len_ctl.next(speculative::draft_limit(req.max_tokens, out_len, history.len(), context, model.logit_rows));
+    // step stays within the context. Lookup's k is chosen knowing how much it found.
+    let room = speculative::draft_limit(req.max_tokens, out_len, history.len(), context, model.logit_rows);
+    let (k, found) = match req.speculation.drafter {
+        Drafter::Lookup => {
+            let found = speculative::lookup(history, room.min(len_ctl.max()), req.speculation.lookup_ngram);
+            (len_ctl.next(found.len()), found)
+        }
+        _ => (len_ctl.next(room), Vec::new()),
+    };
+    stats.expect(len_ctl.gain(k));
     if let (Drafter::Model, Some((d, ds)), true) = (req.speculation.drafter, drafting.as_mut(), k > 0) {
         speculative::catch_up(d, &[(*ds, history)]).await?;
     }
@@ -260,7 +287,7 @@ async fn next_tokens(
             (j.tokens, j.q)
         }
         (Drafter::Lookup, _) => {
-            let t = speculative::lookup(history, k, req.speculation.lookup_ngram);
+            let t = found[..k].to_vec();
             let q = t.iter().map(|&id| super::sampler::Dist::one(id)).collect();
             (t, q)
         }
@@ -298,13 +325,9 @@ async fn next_tokens(
     }
     len_ctl.record(drafts.len(), verdict.accepted, draft_ms, verify_ms);
     len_ctl.remember(speculative::memory_mut(req.speculation.drafter, model, drafting.as_mut().map(|(d, _)| &mut **d)));
-    // What later requests start from: this step's cost at its width, and a draft token's.
+    // What later requests start from: this step's cost at its width (drafting's cost by k
+    // is in the draft memory above).
     model.record_step_ms(drafts.len() + 1, verify_ms);
-    if let (Some((d, _)), false) = (drafting.as_mut(), drafts.is_empty()) {
-        if req.speculation.drafter == Drafter::Model {
-            d.record_step_ms(1, draft_ms / drafts.len() as f64);
-        }
-    }
     stats.record(drafts.len(), verdict.accepted, draft_ms, verify_ms);
     Ok(verdict.tokens)
 }
@@ -374,6 +397,28 @@ async fn run(
         model.cache_prefix(seq, &req.prompt_ids)?;
     }
     let mut batch = vec![sampler.sample_step(&out, 0, model.config.vocab_size)];
+    // Speculation that cannot pay here even if every draft were accepted (the measured
+    // verify and draft costs say so) is dropped for the request, which then decodes as a
+    // plain one does (ahead of the host; the draft model never runs).
+    let mut unspeculated: Option<SpecStats> = None;
+    if let Some((len_ctl, stats)) = spec.as_mut() {
+        let room = speculative::draft_limit(req.max_tokens, 1, history.len() + 1, context, model.logit_rows);
+        if len_ctl.hopeless(room) {
+            let cost = |w: usize| model.step_costs().get(w).copied().flatten().map_or("unmeasured".to_string(), |v| format!("{v:.1} ms"));
+            stats.plain_reason = Some(format!(
+                "drafting cannot pay on this adapter even if every draft were accepted: a target step costs {} for 1 token, {} for 2, {} for 4, {} for 8{}",
+                cost(1),
+                cost(2),
+                cost(4),
+                cost(8),
+                match drafting.as_ref().and_then(|(d, _)| d.step_costs().get(1).copied().flatten()) {
+                    Some(d) => format!(", a draft token {d:.1} ms"),
+                    None => String::new(),
+                }
+            ));
+            unspeculated = spec.take().map(|s| s.1);
+        }
+    }
     // Plain decoding runs ahead of the host: the GPU feeds each step's token (its argmax, or
     // a draw from its top-k pairs) to the next step, and the tokens are checked here as they
     // arrive (`GpuModel::begin_ahead`). A sampled token is drawn again here from the same
@@ -465,6 +510,24 @@ async fn run(
     let finish = r?;
     ended?;
     let decoded = out_ids.len().saturating_sub(1);
+    let plain_ms = model.step_costs().get(1).copied().flatten();
+    let speculative = match (spec, unspeculated) {
+        (Some((_, mut stats)), _) => {
+            stats.finish(plain_ms);
+            Some(stats)
+        }
+        (None, Some(mut stats)) => {
+            // Every step was plain: the gain expected and had is none.
+            for _ in 0..decoded {
+                stats.record(0, 0, 0.0, 0.0);
+                stats.expect(1.0);
+            }
+            stats.verify_ms = decode_start.1.elapsed().as_secs_f64() * 1e3;
+            stats.finish(plain_ms);
+            Some(stats)
+        }
+        (None, None) => None,
+    };
     let host = (decoded > 0).then(|| {
         let wall = decode_start.1.elapsed().as_secs_f64() * 1e3;
         HostCosts { redraws, ..HostCosts::new(&model.ctx.host_counts().since(&decode_start.0), decoded, wall) }
@@ -481,7 +544,7 @@ async fn run(
         finish_reason: finish,
         timings,
         cached_prompt_tokens: 0,
-        speculative: spec.map(|s| s.1),
+        speculative,
         logprobs: Vec::new(),
         host,
     })

@@ -8,6 +8,7 @@ pub mod logit_bias;
 pub mod metrics;
 pub mod sampler;
 pub mod speculative;
+pub mod step_costs;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod worker;
 

@@ -108,11 +108,46 @@ pub struct SpecStats {
     pub verify_ms: f64,
     /// Per draft length used.
     pub by_k: Vec<KStats>,
+    /// Milliseconds spent measuring step costs before the request (`step_costs::ensure`; 0
+    /// when they were known).
+    pub warmup_ms: f64,
+    /// The speedup over plain decoding that the chosen k's were expected to give (mean over
+    /// target steps, plain steps counting 1), from the measured costs and acceptance.
+    pub expected_gain: f64,
+    /// The speedup they gave: output tokens per millisecond of drafting and target steps,
+    /// against one plain step's measured cost ([`Self::plain_step_ms`]).
+    pub measured_gain: f64,
+    /// The target's one-token step as measured here (the plain decoding it is compared with).
+    pub plain_step_ms: f64,
+    /// Why the request decoded without drafting, when it did.
+    pub plain_reason: Option<String>,
+    #[serde(skip)]
+    expected_sum: f64,
 }
 
 impl SpecStats {
     pub fn new(drafter: Drafter) -> Self {
         SpecStats { drafter, ..Default::default() }
+    }
+
+    /// The k chosen for the step about to be recorded was expected to give `gain`.
+    pub fn expect(&mut self, gain: f64) {
+        if gain.is_finite() {
+            self.expected_sum += gain;
+        }
+    }
+
+    /// Close the figures: the plain step they are compared with cost `plain_step_ms`.
+    pub fn finish(&mut self, plain_step_ms: Option<f64>) {
+        let steps = self.steps + self.plain_steps;
+        if steps > 0 {
+            self.expected_gain = self.expected_sum / steps as f64;
+        }
+        let spent = self.draft_ms + self.verify_ms;
+        if let (Some(p), true) = (plain_step_ms, spent > 0.0) {
+            self.plain_step_ms = p;
+            self.measured_gain = (self.accepted + steps) as f64 / spent * p;
+        }
     }
 
     /// Count one verify step that proposed `k` drafts and accepted `accepted`.
@@ -145,30 +180,38 @@ impl SpecStats {
     }
 }
 
-/// Chooses k per step: the k in 1..=max that maximises expected tokens per millisecond,
+/// Chooses k per step: the k in 0..=max that maximises expected tokens per millisecond,
 /// E(k) / (draft_ms(k) + verify_ms(k + 1)), where E(k) = 1 + a + ... + a^k for the
 /// per-token acceptance probability a (decayed counts of accepts and rejects),
 /// draft_ms(k) the measured cost of drafting k tokens and verify_ms(w) the measured cost
-/// of a target step of w tokens. Drafting is a fixed cost (its first draft step also takes
-/// the tokens the last verify accepted) plus one draft step per further token, so
-/// draft_ms(k) is measured per k and extended linearly to k not yet measured (through the
-/// two nearest measured k, or with one of them at a draft token's cost). verify_ms is
-/// interpolated between measured widths; a width above every measured one is assumed to
-/// cost what the widest measured did, so larger k gets tried and measured.
+/// of a target step of w tokens; k = 0 is a plain step (E = 1, no drafting), so a request
+/// drafts only where drafting is expected to pay. Drafting is a fixed cost (its first draft
+/// step also takes the token the target emitted last) plus one draft step per further token,
+/// so draft_ms(k) is measured per k and extended linearly to k not yet measured (through the
+/// two nearest measured k, or from the draft model's measured one- and two-token steps).
+/// An unmeasured width is assumed expensive, not cheap: it costs what the next measured
+/// width above it does, and past the widest measured one, proportionally more
+/// (`step_costs::ensure` measures the widths that matter before a request's first draft).
+/// A draft model's acceptance cannot be observed without drafting, so after
+/// [`Self::PROBE_AFTER`] plain steps it drafts once if that would pay at a high acceptance.
 #[derive(Debug, Clone)]
 pub struct DraftLength {
     fixed: Option<usize>,
     max: usize,
-    /// Whether k may be 0 (a plain step) when drafting does not pay: for prompt lookup,
-    /// whose draft for a plain step is still checked against the target's token
-    /// ([`Self::observe`]), so the acceptance estimate keeps learning.
-    allow_zero: bool,
+    /// Whether plain steps teach nothing about acceptance (a draft model: its draft is not
+    /// made at k = 0), so a long run of them ends in a probe. Prompt lookup's unverified
+    /// draft is still checked against the target's token ([`Self::observe`]).
+    probes: bool,
+    /// Plain steps since the last verify step.
+    plain_run: usize,
     accepts: f64,
     trials: f64,
     /// Index: k; EMA of the measured milliseconds of drafting k tokens.
     draft_ms: Vec<Option<f64>>,
-    /// A draft token's cost (the slope of draft_ms(k)) as earlier requests measured it.
+    /// The draft model's one-token step (a draft token after the first) and two-token step
+    /// (the first draft step: the target's last token and the first draft).
     draft_token_ms: Option<f64>,
+    draft_first_ms: Option<f64>,
     /// Index: step width (tokens); EMA of measured milliseconds.
     verify_ms: Vec<Option<f64>>,
 }
@@ -182,11 +225,13 @@ impl DraftLength {
         DraftLength {
             fixed: s.draft_tokens,
             max,
-            allow_zero: s.drafter == Drafter::Lookup,
+            probes: s.drafter == Drafter::Model,
+            plain_run: 0,
             accepts: 0.0,
             trials: 0.0,
             draft_ms: vec![None; max + 1],
             draft_token_ms: None,
+            draft_first_ms: None,
             verify_ms: vec![None; max + 2],
         }
     }
@@ -208,16 +253,17 @@ impl DraftLength {
         }
     }
 
-    /// Start from what earlier requests measured: the target's step costs by width and the
-    /// draft model's (its one-token cost stands for a draft token). `GpuModel::step_costs`.
+    /// Start from what was measured: the target's step costs by width and the draft model's
+    /// one- and two-token steps. `GpuModel::step_costs`.
     pub fn with_costs(mut self, target: &[Option<f64>], draft: Option<&[Option<f64>]>) -> Self {
         for (w, v) in target.iter().enumerate().take(self.verify_ms.len()) {
             if v.is_some() {
                 self.verify_ms[w] = *v;
             }
         }
-        if let Some(d) = draft.and_then(|d| d.get(1).copied().flatten()) {
-            self.draft_token_ms = Some(d);
+        if let Some(d) = draft {
+            self.draft_token_ms = d.get(1).copied().flatten();
+            self.draft_first_ms = d.get(2).copied().flatten();
         }
         self
     }
@@ -261,7 +307,8 @@ impl DraftLength {
 
     /// Milliseconds of drafting `k` tokens: measured, else linear through the two nearest
     /// measured k (slope at least 0), else from the one measured k at a draft token's cost
-    /// per further token, else `k` draft tokens (0 where nothing is known: lookup).
+    /// per further token, else a two-token draft step and k - 1 one-token ones, else `k`
+    /// draft tokens (0 where nothing is known: lookup).
     fn draft_estimate(&self, k: usize) -> f64 {
         if k == 0 {
             return 0.0;
@@ -274,10 +321,18 @@ impl DraftLength {
         near.sort_by_key(|m| m.0.abs_diff(k));
         let line = |(j, v): (usize, f64), slope: f64| (v + (k as f64 - j as f64) * slope).max(0.0);
         match near.as_slice() {
-            [] => k as f64 * self.draft_token_ms.unwrap_or(0.0),
+            [] => match (self.draft_first_ms, self.draft_token_ms) {
+                (Some(f), Some(t)) => f + (k - 1) as f64 * t,
+                (_, t) => k as f64 * t.unwrap_or(0.0),
+            },
             [one] => line(*one, self.draft_token_ms.unwrap_or(one.1 / one.0 as f64)),
             [a, b, ..] => line(*a, ((b.1 - a.1) / (b.0 as f64 - a.0 as f64)).max(0.0)),
         }
+    }
+
+    /// Most tokens a step may draft.
+    pub fn max(&self) -> usize {
+        self.fixed.unwrap_or(self.max)
     }
 
     /// The per-token acceptance probability now estimated (a prior of 1 in 2 at the start).
@@ -285,8 +340,31 @@ impl DraftLength {
         (self.accepts + 1.0) / (self.trials + 2.0)
     }
 
+    /// Plain steps in a row after which a draft model drafts once to learn its acceptance
+    /// again (where drafting would pay at [`Self::PROBE_ACCEPTANCE`]).
+    pub const PROBE_AFTER: usize = 16;
+    const PROBE_ACCEPTANCE: f64 = 0.9;
+
+    /// Expected tokens per millisecond of a step drafting `k` at acceptance `a`.
+    fn rate(&self, k: usize, a: f64) -> f64 {
+        let expected: f64 = (0..=k).map(|i| a.powi(i as i32)).sum();
+        expected / (self.draft_estimate(k) + self.verify_estimate(k + 1)).max(1e-6)
+    }
+
+    /// The k in 0..=top with the best rate at acceptance `a`, and that rate.
+    fn best(&self, top: usize, a: f64) -> (usize, f64) {
+        let mut best = (0, self.rate(0, a));
+        for k in 1..=top {
+            let r = self.rate(k, a);
+            if r > best.1 * (1.0 + 1e-9) {
+                best = (k, r);
+            }
+        }
+        best
+    }
+
     /// Draft tokens for the next step, at most `limit` (the tokens left to generate less
-    /// one, and the context's room).
+    /// one, the context's room, and for lookup the continuation it found).
     pub fn next(&self, limit: usize) -> usize {
         if let Some(k) = self.fixed {
             return k.min(limit);
@@ -295,34 +373,41 @@ impl DraftLength {
         if top == 0 {
             return 0;
         }
-        let a = self.acceptance();
-        let mut best = (1, f64::MIN);
-        if self.allow_zero {
-            best = (0, 1.0 / self.verify_estimate(1).max(1e-6));
+        let k = self.best(top, self.acceptance()).0;
+        if k == 0 && self.probes && self.plain_run >= Self::PROBE_AFTER {
+            return self.best(top, Self::PROBE_ACCEPTANCE).0;
         }
-        for k in 1..=top {
-            let expected: f64 = (0..=k).map(|i| a.powi(i as i32)).sum();
-            let cost = (self.draft_estimate(k) + self.verify_estimate(k + 1)).max(1e-6);
-            let rate = expected / cost;
-            if rate > best.1 * (1.0 + 1e-9) {
-                best = (k, rate);
-            }
-        }
-        best.0
+        k
     }
 
+    /// The expected speedup of drafting `k` over a plain step (tokens per millisecond, at
+    /// the acceptance now estimated).
+    pub fn gain(&self, k: usize) -> f64 {
+        let a = self.acceptance();
+        self.rate(k, a) / self.rate(0, a).max(1e-12)
+    }
+
+    /// Whether no k up to `limit` can pay here even if every draft were accepted: the
+    /// measured verify and draft costs rule speculation out for this request (it then
+    /// decodes plainly). Never for a fixed k.
+    pub fn hopeless(&self, limit: usize) -> bool {
+        self.fixed.is_none() && self.best(self.max.min(limit), 1.0).0 == 0
+    }
+
+    /// Milliseconds of a target step of `w` tokens: measured, else what the next measured
+    /// width above costs (the same kernel passes, or more), else past the widest measured
+    /// width proportionally more than it; 1 per token where nothing is measured.
     fn verify_estimate(&self, w: usize) -> f64 {
         let measured = |i: usize| self.verify_ms.get(i).copied().flatten();
         if let Some(v) = measured(w) {
             return v;
         }
-        let below = (1..w).rev().find_map(|i| measured(i).map(|v| (i, v)));
-        let above = (w + 1..self.verify_ms.len()).find_map(|i| measured(i).map(|v| (i, v)));
-        match (below, above) {
-            (Some((i, a)), Some((j, b))) => a + (b - a) * (w - i) as f64 / (j - i) as f64,
-            (Some((_, a)), None) => a,
-            (None, Some((_, b))) => b,
-            (None, None) => 1.0,
+        if let Some(v) = (w + 1..self.verify_ms.len()).find_map(measured) {
+            return v;
+        }
+        match (1..w).rev().find_map(|i| measured(i).map(|v| (i, v))) {
+            Some((i, v)) => v * w as f64 / i as f64,
+            None => w as f64,
         }
     }
 
@@ -333,6 +418,7 @@ impl DraftLength {
         if let Some(slot) = self.verify_ms.get_mut(k + 1) {
             *slot = ema(*slot, step_ms);
         }
+        self.plain_run = if k == 0 { self.plain_run + 1 } else { 0 };
         if k > 0 {
             if let Some(slot) = self.draft_ms.get_mut(k) {
                 *slot = ema(*slot, draft_ms);
@@ -689,7 +775,9 @@ mod tests {
         }
         assert_eq!(a.next(100), 8);
         assert_eq!(a.next(3), 3);
-        // Every draft rejected, and each extra token in a step costs: k falls to 1.
+        // Every draft rejected, and each extra token in a step costs: a draft model stops
+        // drafting, and after PROBE_AFTER plain steps drafts once (a plain step cannot
+        // tell it whether its drafts got better), then stops again.
         let mut b = DraftLength::new(&Speculation::draft_model());
         for _ in 0..30 {
             for k in 1..=8 {
@@ -697,11 +785,21 @@ mod tests {
             }
         }
         assert!(b.acceptance() < 0.1);
-        assert_eq!(b.next(100), 1);
+        assert_eq!(b.next(100), 0);
+        for _ in 0..DraftLength::PROBE_AFTER {
+            assert_eq!(b.next(100), 0);
+            b.record(0, 0, 0.0, 10.0);
+        }
+        let probe = b.next(100);
+        assert!(probe > 0);
+        b.record(probe, 0, 5.0 * probe as f64, 10.0 + 2.0 * probe as f64);
+        assert_eq!(b.next(100), 0);
+        assert!(!b.hopeless(100), "drafting would pay at a high acceptance");
         // Drafting is a fixed 60 ms plus 5 ms a token (k = 2 and 4 measured): the estimate
         // for other k follows the line, and k maximises tokens per millisecond against a
         // flat 100 ms verify at a measured acceptance of 0.7.
-        let mut f = DraftLength::new(&Speculation { max_draft: 8, ..Speculation::draft_model() });
+        let flat: Vec<Option<f64>> = (0..10).map(|w| (w > 0).then_some(100.0)).collect();
+        let mut f = DraftLength::new(&Speculation { max_draft: 8, ..Speculation::draft_model() }).with_costs(&flat, None);
         for _ in 0..60 {
             f.record(2, 1, 70.0, 100.0);
             f.record(4, 3, 80.0, 100.0);
@@ -711,15 +809,15 @@ mod tests {
         let a = f.acceptance();
         let rate = |k: usize| (0..=k).map(|i| a.powi(i as i32)).sum::<f64>() / (60.0 + 5.0 * k as f64 + 100.0);
         let best = (1..=8).max_by(|&x, &y| rate(x).total_cmp(&rate(y))).unwrap();
+        assert!(rate(best) > 1.0 / 100.0, "drafting pays here");
         assert_eq!(f.next(100), best);
         // A new request starts from what `f` learned: its draft costs, and its acceptance
         // at the weight of a few trials. It picks `f`'s k where a blind start picks fewer,
         // and its own rejections pull k back down within a few steps.
         let mut memory = DraftMemory::default();
         f.remember(&mut memory);
-        let costs = [None, Some(100.0), Some(100.0), Some(100.0), Some(100.0), Some(100.0)];
         let blind =
-            DraftLength::new(&Speculation { max_draft: 8, ..Speculation::draft_model() }).with_costs(&costs, Some(&[None, Some(65.0)]));
+            DraftLength::new(&Speculation { max_draft: 8, ..Speculation::draft_model() }).with_costs(&flat, Some(&[None, Some(65.0)]));
         let mut warm = blind.clone().with_memory(&memory);
         assert!((warm.acceptance() - f.acceptance()).abs() < 0.05 && warm.trials <= DraftLength::PRIOR_TRIALS);
         assert!((warm.draft_estimate(3) - 75.0).abs() < 1e-9);
@@ -734,9 +832,10 @@ mod tests {
         assert!(warm.next(100) < best);
         // Lookup may stop drafting (k = 0) and starts again when its unverified drafts turn
         // out right.
+        // (A two-token step costs 1.2 plain ones: one accepted draft in two would pay.)
         let mut c = DraftLength::new(&Speculation::lookup());
         for _ in 0..30 {
-            c.record(1, 0, 0.0, 20.0);
+            c.record(1, 0, 0.0, 12.0);
             c.record(0, 0, 0.0, 10.0);
         }
         assert_eq!(c.next(100), 0);
@@ -744,5 +843,49 @@ mod tests {
             c.observe(true);
         }
         assert!(c.next(100) > 0);
+    }
+
+    #[test]
+    fn unmeasured_widths_are_costed_as_expensive() {
+        // Measured: 1 token 10 ms, 4 tokens 20 ms. Widths 2-3 cost what 4 does, widths past
+        // 4 proportionally more, and with nothing measured a width costs its token count.
+        let d = DraftLength::new(&Speculation::lookup()).with_costs(&[None, Some(10.0), None, None, Some(20.0)], None);
+        assert_eq!(d.verify_estimate(1), 10.0);
+        assert_eq!(d.verify_estimate(2), 20.0);
+        assert_eq!(d.verify_estimate(3), 20.0);
+        assert_eq!(d.verify_estimate(8), 40.0);
+        let blind = DraftLength::new(&Speculation::lookup());
+        assert_eq!(blind.verify_estimate(5), 5.0);
+        // ... so a blind lookup does not draft (no width is known to be cheap).
+        assert_eq!(blind.next(8), 0);
+        assert!(blind.hopeless(8));
+        // The draft model's one- and two-token steps price drafting before any is measured:
+        // a two-token first step, then a token per step.
+        let m = DraftLength::new(&Speculation::draft_model()).with_costs(&[], Some(&[None, Some(3.0), Some(5.0)]));
+        assert_eq!(m.draft_estimate(1), 5.0);
+        assert_eq!(m.draft_estimate(4), 14.0);
+    }
+
+    #[test]
+    fn speculation_is_hopeless_only_where_no_k_could_pay() {
+        // A verify step of w tokens costs w plain steps (a CPU adapter without batched
+        // kernels): even all-accepted drafts cannot pay once a draft costs anything.
+        let linear: Vec<Option<f64>> = (0..10).map(|w| (w > 0).then_some(10.0 * w as f64)).collect();
+        let draft = DraftLength::new(&Speculation::draft_model()).with_costs(&linear, Some(&[None, Some(2.0), Some(3.0)]));
+        assert!(draft.hopeless(8));
+        assert_eq!(draft.next(8), 0);
+        assert!((draft.gain(0) - 1.0).abs() < 1e-12);
+        // The same costs with free drafts (lookup) break even at best: still no gain.
+        assert!(DraftLength::new(&Speculation::lookup()).with_costs(&linear, None).hopeless(8));
+        // Flat verify costs (a GPU): drafting pays, and the expected gain says by how much.
+        let flat: Vec<Option<f64>> = (0..10).map(|w| (w > 0).then_some(10.0)).collect();
+        let gpu = DraftLength::new(&Speculation::draft_model()).with_costs(&flat, Some(&[None, Some(2.0), Some(3.0)]));
+        assert!(!gpu.hopeless(8));
+        let k = gpu.next(8);
+        assert!(k > 0 && gpu.gain(k) > 1.0, "k {k} gain {}", gpu.gain(k));
+        // A fixed k is never dropped.
+        let fixed = DraftLength::new(&Speculation { draft_tokens: Some(2), ..Speculation::draft_model() }).with_costs(&linear, None);
+        assert!(!fixed.hopeless(8));
+        assert_eq!(fixed.next(8), 2);
     }
 }

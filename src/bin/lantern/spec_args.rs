@@ -85,6 +85,27 @@ impl SpecArgs {
         Speculation { drafter, draft_tokens: self.draft_tokens, max_draft: self.max_draft, lookup_ngram: self.lookup_ngram.max(1) }
     }
 
+    /// Where this adapter's measured step costs of the target (and, with `--draft`, of the
+    /// draft model) are kept (`lantern::engine::step_costs`), keyed by file, size, and what
+    /// changes their kernels.
+    pub fn cost_files(&self, ctx: &GpuContext, target_path: &Path, options: &ModelOptions) -> Result<(PathBuf, Option<PathBuf>)> {
+        let dir = lantern::fetch::cache_dir().join("costs");
+        let key = |path: &Path, extra: &str| -> Result<PathBuf> {
+            let len = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.len();
+            let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+            let k = format!("{name}-{len}-{:?}-{:?}-{extra}", options.kv_dtype, options.weights);
+            Ok(lantern::engine::step_costs::path(&dir, &ctx.info, &k))
+        };
+        let draft = match &self.draft {
+            Some(name) => {
+                let path = lantern::fetch::resolve_model(Some(name.as_path()), false)?;
+                Some(key(&path, &self.draft_quant.unwrap_or_default().name())?)
+            }
+            None => None,
+        };
+        Ok((key(target_path, "")?, draft))
+    }
+
     /// Load the draft model (when `--draft` is given) on the target's device with `options`,
     /// refusing the target itself and a draft with another tokenizer.
     pub async fn load_draft(

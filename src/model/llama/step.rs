@@ -101,6 +101,70 @@ impl GpuModel {
         r.map(|_| t0.elapsed().as_secs_f64() * 1e3)
     }
 
+    /// Milliseconds of one step of each of `widths` tokens at the end of a `prefix`-token
+    /// scratch sequence (released after): the median of `reps` timed steps per width, each
+    /// rolled back, after one untimed step of each kernel shape among them (pipelines
+    /// compiled, weights touched). What a speculative verify step of that width costs here;
+    /// each is also recorded as the width's cost ([`Self::record_step_ms`]).
+    pub async fn measure_step_costs(&mut self, prefix: usize, widths: &[usize], reps: usize) -> Result<Vec<f64>> {
+        let context = self.kv.alloc.config.context;
+        let widest = widths.iter().copied().max().unwrap_or(0);
+        if widths.contains(&0) || prefix + widest + 1 > context || widest > self.logit_rows.min(self.options.max_batch_tokens) {
+            return Err(LanternError::InvalidRequest(format!(
+                "steps of {widths:?} tokens after {prefix} do not fit (context {context}, at most {} tokens and {} logit rows per step)",
+                self.options.max_batch_tokens, self.logit_rows
+            )));
+        }
+        // The kernel shape a width runs: the decode matvec, the batched matvec, the matmul.
+        let (mv, bt) = (self.matvec_max_tokens, self.batch_max_tokens);
+        let shape = |w: usize| {
+            if w <= mv {
+                0
+            } else if w <= bt {
+                1
+            } else {
+                2
+            }
+        };
+        let mut warm: Vec<usize> = Vec::new();
+        for &w in widths {
+            if !warm.iter().any(|&o| shape(o) == shape(w)) {
+                warm.push(w);
+            }
+        }
+        let seq = self.new_sequence()?;
+        let mut run = async || -> Result<Vec<f64>> {
+            // Any tokens will do (the cost does not depend on them): ids within the vocabulary.
+            let vocab = self.config.vocab_size.max(1) as u32;
+            let ids: Vec<u32> = (0..prefix as u32).map(|i| (100 + i) % vocab).collect();
+            if !ids.is_empty() {
+                self.forward(seq, &ids, Want::Argmax).await?;
+            }
+            let step = |w: usize| -> Vec<u32> { (0..w as u32).map(|i| (200 + i) % vocab).collect() };
+            for &w in &warm {
+                self.forward_rows(seq, &step(w), Want::Argmax).await?;
+                self.truncate_sequence(seq, prefix)?;
+            }
+            let mut out = Vec::with_capacity(widths.len());
+            for &w in widths {
+                let mut times = Vec::with_capacity(reps);
+                for _ in 0..reps.max(1) {
+                    let t0 = web_time::Instant::now();
+                    self.forward_rows(seq, &step(w), Want::Argmax).await?;
+                    times.push(t0.elapsed().as_secs_f64() * 1e3);
+                    self.truncate_sequence(seq, prefix)?;
+                }
+                let ms = crate::engine::metrics::percentile(&times, 50.0).unwrap_or(0.0);
+                self.record_step_ms(w, ms);
+                out.push(ms);
+            }
+            Ok(out)
+        };
+        let r = run().await;
+        self.release_sequence(seq);
+        r
+    }
+
     /// Start a new sequence in the KV cache.
     pub fn new_sequence(&mut self) -> Result<usize> {
         self.kv.alloc.create().map_err(LanternError::Kv)

@@ -187,6 +187,28 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if let Some((d, dtok)) = draft {
         engine.set_draft(d, &dtok)?;
     }
+    // Speculation chooses k from measured step costs: kept ones, else measured now.
+    let spec = a.spec.speculation();
+    if spec.enabled() {
+        let (t, d) = a.spec.cost_files(&engine.models().0.ctx, &model_path, &engine.models().0.options)?;
+        let (m, dm) = engine.models_mut();
+        lantern::engine::step_costs::load(m, &t);
+        if let (Some(p), Some(dm)) = (&d, dm) {
+            lantern::engine::step_costs::load(dm, p);
+        }
+        let ms = pollster::block_on(engine.measure_step_costs(&spec))?;
+        if ms > 0.0 {
+            eprintln!("lantern serve: measured step costs for speculative decoding in {ms:.0} ms (kept for later runs)");
+            let (m, dm) = engine.models();
+            let saved = lantern::engine::step_costs::save(m, &t).and_then(|_| match (&d, dm) {
+                (Some(p), Some(dm)) => lantern::engine::step_costs::save(dm, p),
+                _ => Ok(()),
+            });
+            if let Err(e) = saved {
+                eprintln!("warning: saving the step costs failed: {e}");
+            }
+        }
+    }
     let cfg = ServerConfig {
         host: a.host.clone(),
         port: a.port,
