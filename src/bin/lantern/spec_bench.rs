@@ -38,28 +38,6 @@ fn median(v: Vec<f64>) -> f64 {
     lantern::engine::metrics::percentile(&v, 50.0).unwrap_or(0.0)
 }
 
-/// Milliseconds of one target step of `w` tokens at the end of a `prefix`-token sequence
-/// (median of `reps`; the step's tokens are rolled back after each).
-fn step_ms(model: &mut GpuModel, prefix: usize, w: usize, reps: usize) -> Result<f64> {
-    let seq = model.new_sequence()?;
-    let r = (|| -> Result<f64> {
-        let ids: Vec<u32> = (0..prefix as u32).map(|i| 100 + i % 1000).collect();
-        pollster::block_on(model.forward(seq, &ids, Want::Argmax))?;
-        let step: Vec<u32> = (0..w as u32).map(|i| 200 + i).collect();
-        let mut times = Vec::with_capacity(reps);
-        for _ in 0..reps + 1 {
-            let t0 = std::time::Instant::now();
-            pollster::block_on(model.forward_rows(seq, &step, Want::Argmax))?;
-            times.push(t0.elapsed().as_secs_f64() * 1e3);
-            model.truncate_sequence(seq, prefix)?;
-        }
-        times.remove(0);
-        Ok(median(times))
-    })();
-    model.release_sequence(seq);
-    r
-}
-
 fn generate_once(
     target: &mut GpuModel,
     draft: Option<&mut GpuModel>,
@@ -129,7 +107,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     bar.set_message("step cost by width");
     let mut cost = Vec::new();
     for &w in &widths {
-        cost.push((w, step_ms(&mut target, prefix, w, reps)?));
+        cost.push((w, pollster::block_on(target.measure_step_costs(prefix, &[w], reps))?[0]));
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -138,7 +116,6 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     println!("  {:>5} {:>9} {:>9} {:>12}", "width", "ms", "x 1-tok", "ms / token");
     for &(w, ms) in &cost {
         println!("  {:>5} {:>9.1} {:>9.2} {:>12.1}", w, ms, ms / base, ms / w as f64);
-        target.record_step_ms(w, ms);
     }
     if a.profile {
         // Where a verify step's time goes: each dispatch kind's milliseconds (one submission
@@ -184,9 +161,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
     }
     if let Some(d) = draft.as_mut() {
-        let dm = step_ms(d, prefix, 1, reps)?;
+        let dm = pollster::block_on(d.measure_step_costs(prefix, &[1, 2], reps))?[0];
         println!("  draft model 1-token step: {dm:.1} ms ({:.2}x the target's)", dm / base);
-        d.record_step_ms(1, dm);
     }
 
     // 2. Prompts, plain against speculative.
