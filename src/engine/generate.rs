@@ -432,7 +432,12 @@ async fn run(
         top_p: sampler.params.top_p,
         _pad: 0,
     });
-    let ahead = spec.is_none()
+    // Greedy speculative requests run ahead too while they choose not to draft (k = 0): their
+    // plain steps cost what a plain request's do. When a step is to carry drafts, the run
+    // submits no more steps, its steps in flight are taken (valid plain steps: greedy tokens
+    // do not depend on where the verify step falls), and the verify step follows. Sampled
+    // ones step at a time, so that a seed gives the same tokens here as in the engine.
+    let ahead = (spec.is_none() || sampler.params.is_greedy())
         && guide.is_none()
         && bias.is_none()
         && (want == Want::Argmax || want == Want::TopK)
@@ -474,7 +479,23 @@ async fn run(
                     break 'gen FinishReason::ContextFull;
                 }
             }
-            batch = if ahead {
+            // Whether the next target step should carry drafts (speculative requests).
+            let draft_now = match spec.as_ref() {
+                Some((len_ctl, _)) if ahead => {
+                    let room = speculative::draft_limit(req.max_tokens, out_ids.len(), history.len(), context, model.logit_rows);
+                    let most = match req.speculation.drafter {
+                        Drafter::Lookup => speculative::lookup(&history, room.min(len_ctl.max()), req.speculation.lookup_ngram).len(),
+                        _ => room,
+                    };
+                    len_ctl.next(most) > 0
+                }
+                _ => false,
+            };
+            if ahead_open && model.hold_ahead(draft_now) == 0 && draft_now {
+                model.end_ahead().await?;
+                ahead_open = false;
+            }
+            batch = if ahead && (ahead_open || !draft_now) {
                 if !ahead_open {
                     // Steps left: every token still wanted, within the context (the cache holds
                     // all of history but the last token).
@@ -495,11 +516,21 @@ async fn run(
                     redraws += 1;
                 }
                 let now = Instant::now();
-                model.record_step_ms(1, (now - last_arrival).as_secs_f64() * 1e3);
+                let ms = (now - last_arrival).as_secs_f64() * 1e3;
+                model.record_step_ms(1, ms);
                 last_arrival = now;
+                if let Some((len_ctl, stats)) = spec.as_mut() {
+                    len_ctl.observe_lookup(&req.speculation, &history, token);
+                    len_ctl.record(0, 0, 0.0, ms);
+                    stats.record(0, 0, 0.0, ms);
+                    stats.expect(1.0);
+                }
                 vec![token]
             } else {
-                next_tokens(model, drafting, req, seq, &history, out_ids.len(), &mut sampler, want, &mut spec, &mut guide, &bias).await?
+                let out = next_tokens(model, drafting, req, seq, &history, out_ids.len(), &mut sampler, want, &mut spec, &mut guide, &bias)
+                    .await?;
+                last_arrival = Instant::now();
+                out
             };
         };
         Ok::<_, LanternError>(finish)

@@ -65,6 +65,8 @@ pub(super) struct Ahead {
     next_slot: usize,
     /// Tokens are drawn on the GPU from the top-k pairs (else the argmax).
     sampling: bool,
+    /// No further steps are submitted while set ([`GpuModel::hold_ahead`]).
+    hold: bool,
 }
 
 /// One token of a run ahead: the id the GPU chose (and fed to the next step) and, when the
@@ -132,6 +134,7 @@ impl GpuModel {
             splits: u32::MAX,
             next_slot: 0,
             sampling: sampling.is_some(),
+            hold: false,
         });
         Ok(())
     }
@@ -150,7 +153,7 @@ impl GpuModel {
     }
 
     async fn next_of(&mut self, a: &mut Ahead, draw: &mut dyn FnMut() -> f32) -> Result<AheadToken> {
-        while a.flights.len() < self.ahead_slots.len() && a.submitted < a.limit {
+        while a.flights.len() < self.ahead_slots.len() && a.submitted < a.limit && !a.hold {
             let u = if a.sampling { Some(draw()) } else { None };
             self.submit_ahead(a, u)?;
         }
@@ -160,6 +163,19 @@ impl GpuModel {
         let token = self.land(f, a.flights.is_empty(), a.sampling).await?;
         a.taken += 1;
         Ok(token)
+    }
+
+    /// Submit no further steps while `hold` (a speculative request about to verify drafts
+    /// takes the tokens already in flight first; they are valid plain steps). Returns the
+    /// steps still in flight.
+    pub fn hold_ahead(&mut self, hold: bool) -> usize {
+        match self.ahead.as_mut() {
+            Some(a) => {
+                a.hold = hold;
+                a.flights.len()
+            }
+            None => 0,
+        }
     }
 
     /// End the run ahead: wait for the steps still in flight (their tokens are discarded) and
