@@ -34,6 +34,9 @@ const COMPLETION: &[&str] = &[
 /// A code-rewrite prompt: the answer quotes most of the prompt (prompt lookup's case).
 const REWRITE: &str = "Rewrite this function to use type hints and a docstring, keeping the logic the same:\n\n```python\ndef merge_sorted(left, right):\n    result = []\n    i = 0\n    j = 0\n    while i < len(left) and j < len(right):\n        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n        else:\n            result.append(right[j])\n            j += 1\n    result.extend(left[i:])\n    result.extend(right[j:])\n    return result\n```";
 
+/// A prompt whose answer repeats little of itself: prompt lookup finds little to draft.
+const STORY: &str = "Tell me a short story about a lighthouse keeper and a storm.";
+
 fn median(v: Vec<f64>) -> f64 {
     lantern::engine::metrics::percentile(&v, 50.0).unwrap_or(0.0)
 }
@@ -174,7 +177,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let prompts: Vec<(String, Vec<u32>)> = if !a.prompt.is_empty() {
         a.prompt.iter().map(|p| Ok((p.clone(), chat(p)?))).collect::<Result<_>>()?
     } else if spec.drafter == Drafter::Lookup {
-        vec![("code rewrite".to_string(), chat(REWRITE)?)]
+        // Where lookup pays, and where it finds nothing to draft (it must cost nothing there).
+        vec![("code rewrite".to_string(), chat(REWRITE)?), ("a story (nothing to look up)".to_string(), chat(STORY)?)]
     } else {
         COMPLETION.iter().map(|p| Ok((p.to_string(), chat(p)?))).collect::<Result<_>>()?
     };
