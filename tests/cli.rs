@@ -285,6 +285,61 @@ fn a_draft_requantized_at_load_leaves_greedy_output_unchanged() {
     assert!(sp["proposed"].as_u64().unwrap() > 0 && sp["accepted"].as_u64().unwrap() > 0, "{sp}");
 }
 
+/// Adaptive speculation's step costs: the first run measures them and keeps them per adapter
+/// and model; a later run reads them, and where they show no draft could pay it does not
+/// even load the draft model and decodes plainly (saying why), with the same tokens.
+#[test]
+fn speculation_keeps_its_measured_costs_and_skips_a_draft_that_cannot_pay() {
+    let model = common::smollm2_gguf();
+    let dir = std::env::temp_dir().join(format!("lantern-costs-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let draft = dir.join("draft.gguf");
+    if std::fs::hard_link(&model, &draft).is_err() {
+        std::fs::copy(&model, &draft).unwrap();
+    }
+    let cache = dir.join("cache");
+    let run = |extra: &[&str]| {
+        let out = lantern()
+            .env("LANTERN_CACHE_DIR", &cache)
+            .args(["run", "The capital of France is", "--max-tokens", "6", "--json", "--model"])
+            .arg(&model)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let plain = run(&[]);
+    let first = run(&["--draft", draft.to_str().unwrap()]);
+    assert_eq!(plain["output_ids"], first["output_ids"]);
+    assert!(first["speculative"]["warmup_ms"].as_f64().unwrap() > 0.0, "{}", first["speculative"]);
+    // One cost file for the target, one for the draft, under the adapter's folder.
+    let files: Vec<std::path::PathBuf> = std::fs::read_dir(cache.join("costs"))
+        .unwrap()
+        .flat_map(|a| std::fs::read_dir(a.unwrap().path()).unwrap())
+        .map(|f| f.unwrap().path())
+        .collect();
+    let target_file = files.iter().find(|f| f.to_string_lossy().contains("SmolLM2")).expect("the target's costs").clone();
+    let draft_file = files.iter().find(|f| f.to_string_lossy().contains("draft.gguf")).expect("the draft's costs").clone();
+    let kept: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&target_file).unwrap()).unwrap();
+    for w in ["1", "2", "4", "8"] {
+        assert!(kept["step_ms"][w].as_f64().is_some_and(|v| v > 0.0), "width {w}: {kept}");
+    }
+    // The second run reads them: nothing to measure.
+    let second = run(&["--draft", draft.to_str().unwrap()]);
+    assert_eq!(second["speculative"]["warmup_ms"].as_f64(), Some(0.0), "{}", second["speculative"]);
+    assert_eq!(plain["output_ids"], second["output_ids"]);
+    // Costs where every extra token in a step costs a whole step: the draft is not loaded.
+    std::fs::write(&target_file, r#"{"version": 1, "step_ms": {"1": 10.0, "2": 20.0, "4": 40.0, "8": 80.0}}"#).unwrap();
+    std::fs::write(&draft_file, r#"{"version": 1, "step_ms": {"1": 2.0, "2": 3.0}}"#).unwrap();
+    let skipped = run(&["--draft", draft.to_str().unwrap()]);
+    let sp = &skipped["speculative"];
+    assert!(sp["plain_reason"].as_str().is_some_and(|r| r.contains("cannot pay") && r.contains("not loaded")), "{sp}");
+    assert_eq!(sp["proposed"], 0, "{sp}");
+    assert_eq!(plain["output_ids"], skipped["output_ids"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `synth`: the header alone (a few MB) expands into a file of the real one's size with the
 /// same metadata and tensor table, which loads and decodes (`--ignore-eos`: exactly the
 /// tokens asked for); a truncated header is refused by name.

@@ -439,20 +439,31 @@ fn run(a: RunArgs) -> Result<()> {
     if a.spec.draft.is_some() {
         pb.set_message("loading the draft model");
     }
-    let mut draft =
-        pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &model, &tokenizer, model_options.clone()))?.map(|d| d.0);
     // Speculation's step costs as measured by earlier runs on this adapter (the first run
-    // measures them: `warmup_ms` in its speculative stats).
-    let cost_files = if a.spec.speculation().enabled() && !noop {
+    // measures them: `warmup_ms` in its speculative stats). Where they already show that no
+    // draft could pay here, the draft model is not even loaded.
+    let mut speculation = a.spec.speculation();
+    let cost_files = if speculation.enabled() && !noop {
         let (t, d) = a.spec.cost_files(&ctx, &model_path, &model_options)?;
         lantern::engine::step_costs::load(&mut model, &t);
-        if let (Some(p), Some(dm)) = (&d, draft.as_mut()) {
-            lantern::engine::step_costs::load(dm, p);
-        }
         Some((t, d))
     } else {
         None
     };
+    let draft_costs = cost_files.as_ref().and_then(|(_, d)| d.as_deref()).map(lantern::engine::step_costs::table);
+    let unloaded = draft_costs
+        .as_deref()
+        .filter(|c| !c.is_empty())
+        .and_then(|c| lantern::engine::speculative::why_plain(&speculation, model.step_costs(), Some(c), speculation.max_draft));
+    let mut draft = if unloaded.is_some() {
+        speculation = lantern::engine::Speculation::default();
+        None
+    } else {
+        pollster::block_on(a.spec.load_draft(ctx.clone(), &model_path, &model, &tokenizer, model_options.clone()))?.map(|d| d.0)
+    };
+    if let (Some((_, Some(p))), Some(dm)) = (&cost_files, draft.as_mut()) {
+        lantern::engine::step_costs::load(dm, p);
+    }
     pb.finish_and_clear();
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
 
@@ -477,14 +488,14 @@ fn run(a: RunArgs) -> Result<()> {
         sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
         stop_ids,
         stop_strings: if ignore_eos { Vec::new() } else { a.stop.clone() },
-        speculation: a.spec.speculation(),
+        speculation,
         constraint: run_constraint(&a)?,
         logprobs: None,
         bias: LogitBias { tokens: a.logit_bias.clone(), presence_penalty: a.presence_penalty, frequency_penalty: a.frequency_penalty },
     };
     let json = a.json;
     let stdout = std::io::stdout();
-    let gen = pollster::block_on(generate_with(&mut model, draft.as_mut(), &tokenizer, &req, |piece| {
+    let mut gen = pollster::block_on(generate_with(&mut model, draft.as_mut(), &tokenizer, &req, |piece| {
         if !json {
             let mut out = stdout.lock();
             let _ = out.write_all(piece.as_bytes());
@@ -492,6 +503,17 @@ fn run(a: RunArgs) -> Result<()> {
         }
         true
     }))?;
+    if let Some(reason) = unloaded {
+        let decoded = gen.output_ids.len().saturating_sub(1);
+        let decode_ms = gen.host.as_ref().map_or(0.0, |h| h.ms_per_token * h.tokens as f64);
+        gen.speculative = Some(lantern::engine::SpecStats::unspeculated(
+            lantern::engine::Drafter::Model,
+            format!("{reason} (measured earlier; the draft model was not loaded)"),
+            decoded,
+            decode_ms,
+            model.step_costs().get(1).copied().flatten(),
+        ));
+    }
     let m = gen.timings.metrics();
     let prefill_tps = m.ttft_ms.map(|t| gen.prompt_ids.len() as f64 / (t / 1e3));
     if let Err(e) = ctx.save_pipeline_cache() {

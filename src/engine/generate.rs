@@ -400,23 +400,13 @@ async fn run(
     // Speculation that cannot pay here even if every draft were accepted (the measured
     // verify and draft costs say so) is dropped for the request, which then decodes as a
     // plain one does (ahead of the host; the draft model never runs).
-    let mut unspeculated: Option<SpecStats> = None;
-    if let Some((len_ctl, stats)) = spec.as_mut() {
+    let mut unspeculated: Option<(Drafter, String)> = None;
+    if spec.is_some() {
         let room = speculative::draft_limit(req.max_tokens, 1, history.len() + 1, context, model.logit_rows);
-        if len_ctl.hopeless(room) {
-            let cost = |w: usize| model.step_costs().get(w).copied().flatten().map_or("unmeasured".to_string(), |v| format!("{v:.1} ms"));
-            stats.plain_reason = Some(format!(
-                "drafting cannot pay on this adapter even if every draft were accepted: a target step costs {} for 1 token, {} for 2, {} for 4, {} for 8{}",
-                cost(1),
-                cost(2),
-                cost(4),
-                cost(8),
-                match drafting.as_ref().and_then(|(d, _)| d.step_costs().get(1).copied().flatten()) {
-                    Some(d) => format!(", a draft token {d:.1} ms"),
-                    None => String::new(),
-                }
-            ));
-            unspeculated = spec.take().map(|s| s.1);
+        let draft_costs = drafting.as_ref().map(|(d, _)| d.step_costs());
+        if let Some(reason) = speculative::why_plain(&req.speculation, model.step_costs(), draft_costs, room) {
+            unspeculated = Some((req.speculation.drafter, reason));
+            spec = None;
         }
     }
     // Plain decoding runs ahead of the host: the GPU feeds each step's token (its argmax, or
@@ -547,15 +537,8 @@ async fn run(
             stats.finish(plain_ms);
             Some(stats)
         }
-        (None, Some(mut stats)) => {
-            // Every step was plain: the gain expected and had is none.
-            for _ in 0..decoded {
-                stats.record(0, 0, 0.0, 0.0);
-                stats.expect(1.0);
-            }
-            stats.verify_ms = decode_start.1.elapsed().as_secs_f64() * 1e3;
-            stats.finish(plain_ms);
-            Some(stats)
+        (None, Some((drafter, reason))) => {
+            Some(SpecStats::unspeculated(drafter, reason, decoded, decode_start.1.elapsed().as_secs_f64() * 1e3, plain_ms))
         }
         (None, None) => None,
     };

@@ -430,6 +430,42 @@ impl DraftLength {
     }
 }
 
+/// Why a request with `s` should not draft at all, given the target's measured step costs
+/// by width and the draft model's (`None` for lookup, or when unknown: drafts then count as
+/// free): no k up to `room` could pay even with every draft accepted
+/// ([`DraftLength::hopeless`]). The reason names the costs.
+pub fn why_plain(s: &Speculation, target: &[Option<f64>], draft: Option<&[Option<f64>]>, room: usize) -> Option<String> {
+    if !DraftLength::new(s).with_costs(target, draft).hopeless(room) {
+        return None;
+    }
+    let cost = |w: usize| target.get(w).copied().flatten().map_or("unmeasured".to_string(), |v| format!("{v:.1} ms"));
+    let draft_token = draft.and_then(|d| d.get(1).copied().flatten()).map(|d| format!(", a draft token {d:.1} ms")).unwrap_or_default();
+    Some(format!(
+        "drafting cannot pay on this adapter even if every draft were accepted: a target step costs {} for 1 token, {} for 2, {} for 4, {} for 8{draft_token}",
+        cost(1),
+        cost(2),
+        cost(4),
+        cost(8)
+    ))
+}
+
+impl SpecStats {
+    /// The statistics of a request that decoded `decoded` tokens plainly in `decode_ms`
+    /// because drafting could not pay (`reason`; [`why_plain`]), against a measured plain
+    /// step of `plain_step_ms`.
+    pub fn unspeculated(drafter: Drafter, reason: String, decoded: usize, decode_ms: f64, plain_step_ms: Option<f64>) -> SpecStats {
+        let mut s = SpecStats::new(drafter);
+        for _ in 0..decoded {
+            s.record(0, 0, 0.0, 0.0);
+            s.expect(1.0);
+        }
+        s.verify_ms = decode_ms;
+        s.plain_reason = Some(reason);
+        s.finish(plain_step_ms);
+        s
+    }
+}
+
 /// Where a request with `drafter` keeps what it learns ([`DraftMemory`]): on the draft
 /// model for its drafts, on the target otherwise (prompt lookup).
 pub fn memory<'a>(drafter: Drafter, target: &'a GpuModel, draft: Option<&'a GpuModel>) -> &'a DraftMemory {

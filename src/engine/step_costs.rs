@@ -132,6 +132,22 @@ pub fn read(path: &std::path::Path) -> Vec<(usize, f64)> {
     }
 }
 
+/// The step costs kept at `path` as a table indexed by width (`None` where not measured;
+/// empty without a file).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn table(path: &std::path::Path) -> Vec<Option<f64>> {
+    let mut t = Vec::new();
+    for (w, ms) in read(path) {
+        if w < 65 {
+            if t.len() <= w {
+                t.resize(w + 1, None);
+            }
+            t[w] = Some(ms);
+        }
+    }
+    t
+}
+
 /// Keep `step_ms` (index: width) at `path`, written whole and then renamed so that a reader
 /// never sees half a file.
 #[cfg(not(target_arch = "wasm32"))]
