@@ -16,8 +16,8 @@ const RULES: &[(&str, &[&str], &str)] = &[
     ),
     ("kv", &["kernels", "model", "engine", "openai", "eval", "web", "reference"], "the cache sits below the kernels that read it"),
     ("kernels", &["model", "engine", "openai", "eval", "web"], "ops know tensors and the cache layout, not models"),
-    ("model", &["engine", "openai", "eval", "web"], "the forward pass knows no requests"),
-    ("engine", &["openai", "eval", "web"], "generation knows no HTTP or evaluation"),
+    ("model", &["engine", "openai", "eval", "web", "reference"], "the forward pass knows no requests, nor the test oracle"),
+    ("engine", &["openai", "eval", "web", "reference"], "generation knows no HTTP or evaluation, nor the test oracle"),
     ("eval", &["openai", "web"], "evaluation sits below the server"),
     ("openai", &["web", "eval"], "the OpenAI types know the engine only"),
     (

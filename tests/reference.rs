@@ -188,3 +188,15 @@ fn ops_attention_gqa_maps_query_heads_to_kv_heads() {
     // At position 1 with equal scores, the mean of the two keys.
     assert_eq!(&out[4..], &[20.0, 20.0, 30.0, 30.0]);
 }
+
+/// The host's argmax (`model::argmax`, the GPU kernel's rule) and the oracle's own copy agree,
+/// ties and NaNs included.
+#[test]
+fn host_argmax_agrees_with_the_oracle() {
+    let mut rng = lantern::engine::sampler::Rng::new(3);
+    for _ in 0..500 {
+        let row: Vec<f32> = (0..17).map(|_| if rng.next_f64() < 0.1 { f32::NAN } else { (rng.next_f64() * 4.0).round() as f32 }).collect();
+        assert_eq!(lantern::model::argmax(&row), lantern::reference::ops::argmax(&row), "{row:?}");
+    }
+    assert_eq!(lantern::model::argmax(&[f32::NAN; 3]), lantern::reference::ops::argmax(&[f32::NAN; 3]));
+}

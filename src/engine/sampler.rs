@@ -31,8 +31,8 @@ impl SamplingParams {
 }
 
 /// Greedy choice: the index of the largest logit (lowest index on ties, NaN skipped; 0 for
-/// an all-NaN row). The CPU reference's, so host and oracle agree by construction.
-pub use crate::reference::ops::argmax;
+/// an all-NaN row), the GPU kernel's rule.
+pub use crate::model::argmax;
 
 /// A small, fast, seedable generator (SplitMix64 seeding a xoshiro256**).
 #[derive(Debug, Clone)]
@@ -245,6 +245,7 @@ mod tests {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
         assert_eq!(argmax(&[f32::NAN, 0.5, 0.1]), 1);
         assert_eq!(argmax(&[-1.0, -0.5]), 1);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
     }
 
     #[test]

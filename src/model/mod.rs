@@ -36,3 +36,16 @@ pub enum LoadError {
     #[error("{file}: quantized tensor `{tensor}`: {reason}")]
     Quantized { file: String, tensor: String, reason: String },
 }
+
+/// The host's greedy choice over one row of logits: the index of the largest (lowest index on
+/// ties, NaN skipped; 0 for an all-NaN row), the rule the GPU argmax kernel follows. The test
+/// oracle (`reference::ops::argmax`) has its own copy, so that each checks the other.
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in row.iter().enumerate() {
+        if !v.is_nan() && best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    best.map_or(0, |(i, _)| i as u32)
+}

@@ -500,7 +500,7 @@ impl GpuModel {
         match want {
             Want::Logits => {
                 let logits: Vec<f32> = bytemuck::cast_slice(bytes).to_vec();
-                let argmax = logits.chunks_exact(self.config.vocab_size).map(crate::reference::ops::argmax).collect();
+                let argmax = logits.chunks_exact(self.config.vocab_size).map(crate::model::argmax).collect();
                 StepOutput { argmax, logits: Some(logits), top: None, lse: None }
             }
             Want::TopK => {
