@@ -89,6 +89,7 @@ pub fn path(dir: &std::path::Path, adapter: &wgpu::AdapterInfo, model_key: &str)
 }
 
 /// The file's contents.
+#[cfg(not(target_arch = "wasm32"))]
 #[derive(serde::Serialize, serde::Deserialize)]
 struct CostFile {
     version: u32,
@@ -96,6 +97,7 @@ struct CostFile {
     step_ms: std::collections::BTreeMap<usize, f64>,
 }
 
+#[cfg(not(target_arch = "wasm32"))]
 const VERSION: u32 = 1;
 
 /// Give `model` the step costs kept at `path`; returns how many widths it had (0 when there
