@@ -254,28 +254,44 @@ fn draft_pointing_at_the_target_itself_is_refused() {
     assert!(err.contains("--draft <DRAFT>"), "{err}");
 }
 
+/// SmolLM2 under a second name in a fresh temporary folder (returned with it), to draft for
+/// itself without being refused as the target.
+fn smollm2_as_draft(tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let model = common::smollm2_gguf();
+    let dir = std::env::temp_dir().join(format!("lantern-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let draft = dir.join("draft.gguf");
+    if std::fs::hard_link(&model, &draft).is_err() {
+        std::fs::copy(&model, &draft).unwrap();
+    }
+    (dir, draft)
+}
+
+/// `lantern run --json` of "The capital of France is" on `model` (`max_tokens` new tokens,
+/// the cache in `cache` when given, then `extra`), its output parsed.
+fn run_json(model: &std::path::Path, max_tokens: usize, cache: Option<&std::path::Path>, extra: &[&str]) -> serde_json::Value {
+    let mut c = lantern();
+    if let Some(dir) = cache {
+        c.env("LANTERN_CACHE_DIR", dir);
+    }
+    let out = c
+        .args(["run", "The capital of France is", "--max-tokens", &max_tokens.to_string(), "--json", "--model"])
+        .arg(model)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+}
+
 #[test]
 fn a_draft_requantized_at_load_leaves_greedy_output_unchanged() {
     // SmolLM2 drafting for itself (a second name for the file, so it is not refused as the
     // target), requantized to 4 bits: its drafts may differ from the target's choices, and
     // the output must still be plain greedy decoding's.
     let model = common::smollm2_gguf();
-    let dir = std::env::temp_dir().join(format!("lantern-draft-quant-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let draft = dir.join("draft.gguf");
-    if std::fs::hard_link(&model, &draft).is_err() {
-        std::fs::copy(&model, &draft).unwrap();
-    }
-    let run = |extra: &[&str]| {
-        let out = lantern()
-            .args(["run", "The capital of France is", "--max-tokens", "12", "--json", "--model"])
-            .arg(&model)
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
+    let (dir, draft) = smollm2_as_draft("draft-quant");
+    let run = |extra: &[&str]| run_json(&model, 12, None, extra);
     let plain = run(&[]);
     let spec = run(&["--draft", draft.to_str().unwrap(), "--draft-quant", "q4", "--draft-tokens", "3"]);
     std::fs::remove_dir_all(&dir).unwrap();
@@ -291,24 +307,9 @@ fn a_draft_requantized_at_load_leaves_greedy_output_unchanged() {
 #[test]
 fn speculation_keeps_its_measured_costs_and_skips_a_draft_that_cannot_pay() {
     let model = common::smollm2_gguf();
-    let dir = std::env::temp_dir().join(format!("lantern-costs-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let draft = dir.join("draft.gguf");
-    if std::fs::hard_link(&model, &draft).is_err() {
-        std::fs::copy(&model, &draft).unwrap();
-    }
+    let (dir, draft) = smollm2_as_draft("costs-cli");
     let cache = dir.join("cache");
-    let run = |extra: &[&str]| {
-        let out = lantern()
-            .env("LANTERN_CACHE_DIR", &cache)
-            .args(["run", "The capital of France is", "--max-tokens", "6", "--json", "--model"])
-            .arg(&model)
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
+    let run = |extra: &[&str]| run_json(&model, 6, Some(&cache), extra);
     let plain = run(&[]);
     let first = run(&["--draft", draft.to_str().unwrap()]);
     assert_eq!(plain["output_ids"], first["output_ids"]);

@@ -106,14 +106,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     // Repetitions per width (LANTERN_BENCH_REPS; 3 by default, the table is noisy on shared
     // machines: 9 gives a steadier one).
     let reps = std::env::var("LANTERN_BENCH_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
-    let bar = indicatif::ProgressBar::new(widths.len() as u64);
-    bar.set_message("step cost by width");
-    let mut cost = Vec::new();
-    for &w in &widths {
-        cost.push((w, pollster::block_on(target.measure_step_costs(prefix, &[w], reps))?[0]));
-        bar.inc(1);
-    }
+    // One scratch sequence for every width (one prefill, one untimed step per kernel shape).
+    let bar = spinner(&format!("step cost by width ({} widths)", widths.len()), false);
+    let ms = pollster::block_on(target.measure_step_costs(prefix, &widths, reps))?;
     bar.finish_and_clear();
+    let cost: Vec<(usize, f64)> = widths.iter().copied().zip(ms).collect();
     let base = cost[0].1;
     println!("\ntarget step cost by width (tokens in the step, after {prefix} cached; median of {reps}; against the 1-token step):");
     println!("  {:>5} {:>9} {:>9} {:>12}", "width", "ms", "x 1-tok", "ms / token");
