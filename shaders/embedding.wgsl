@@ -25,14 +25,12 @@ struct Params {
 @group(0) @binding(2) var<storage, read> ids: array<u32>;          // (n_tokens)
 #if W_F32
 @group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
-#else
-#if TEX
+#elif TEX
 // Packed codes and scales as tiled textures (common/weights.wgsl, TEX).
 @group(0) @binding(11) var wtex: texture_2d<u32>;
 @group(0) @binding(12) var wstex: texture_2d<u32>;
 #else
 @group(0) @binding(3) var<storage, read> w: array<u32>;            // (n_rows, k) f16 pairs or codes
-#endif
 #endif
 #if W_PACKED
 #ifndef TEX

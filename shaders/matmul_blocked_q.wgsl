@@ -319,13 +319,11 @@ fn step_k(k8: u32, s: Sk) {
 #endif
 #if XTEX
     step8(k8, lo, hi);
-#else
-#if XBCAST
+#elif XBCAST
     step8(k8, lo, hi);
 #else
     step4(k8 / 4u, lo);
     step4(k8 / 4u + 1u, hi);
-#endif
 #endif
 }
 
@@ -344,8 +342,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 #if XTEX
     xl_row = min(vec2<u32>(m0 + lid / 2u, m0 + 4u + lid / 2u), vec2<u32>(lt));
     xl_dk = lid & 1u;
-#else
-#if XBCAST
+#elif XBCAST
     lane = lid;
     for (var i = 0u; i < TM; i++) {
         xb[i] = min(m0 + i, lt) * p.x_stride;
@@ -354,7 +351,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var i = 0u; i < TM; i++) {
         xb[i] = min(m0 + i, lt) * (p.x_stride / 4u);
     }
-#endif
 #endif
     let spg = p.group / 8u;
     wa = vec4<u32>(code_base(ra.x), code_base(ra.y), code_base(ra.z), code_base(ra.w));

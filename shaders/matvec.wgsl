@@ -9,9 +9,7 @@
 // K (coalesced loads on GPUs), reduced with subgroups when SUBGROUPS is set; ROWS4 gives
 // each invocation four adjacent rows so that each x load serves four weights.
 #include "common/linear.wgsl"
-#if GATHER
-@group(0) @binding(8) var<storage, read> rows: array<u32>;         // (n_out) rows of x
-#endif
+#include "common/gather.wgsl"
 
 #include "common/matvec_end.wgsl"
 
@@ -24,20 +22,11 @@ fn main(
     @builtin(subgroup_size) sg_size: u32,
 #endif
 ) {
-#if GATHER
-    let n_tok = step.n_out;
-#else
-    let n_tok = step.n_tokens;
-#endif
     let t = wid.z;
-    if (t >= n_tok) {
+    if (t >= step_rows()) {
         return;
     }
-#if GATHER
-    let xb = rows[t] * p.x_stride;
-#else
-    let xb = t * p.x_stride;
-#endif
+    let xb = xrow_of(t) * p.x_stride;
 #if ROW_PER_WORKGROUP
     let row = wid.y * p.grid_x + wid.x;
     if (row >= p.n_rows) {
@@ -59,8 +48,7 @@ fn main(
 #else
     reduce_row(t, row, acc, lid, 0u, 0u);
 #endif
-#else
-#if ROWS4
+#elif ROWS4
     // Four rows per invocation (register blocking): every x (and g) load feeds four rows.
     // On lavapipe each storage-buffer load is a per-lane scalar branch, so loads, not
     // bytes, are the cost; this halves them per weight. Rows past n_rows read the last row.
@@ -144,6 +132,5 @@ fn main(
 #endif
     }
     finish(t, row, vec3<f32>(a0 + a1, u0 + u1, s0));
-#endif
 #endif
 }

@@ -1,8 +1,8 @@
 // Rust dispatch: src/kernels/linear.rs (masked_fits); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
 // Decode matvec over packed integer weights for CPU adapters that keep them in storage
 // buffers (SwiftShader, the browser's software GPU; lavapipe's texture layout is
-// matvec_q.wgsl's TEX): y[t, row_offset + n] = epilogue(sum_k W[n, k] x'[t, k]), the same
-// fused prologue and epilogues as matvec_q.wgsl (NORM, GATED, BIAS, RESIDUAL, GATHER).
+// matvec_q_tiled.wgsl): y[t, row_offset + n] = epilogue(sum_k W[n, k] x'[t, k]), the same
+// fused prologue and epilogues as matvec_q_rows4.wgsl (NORM, GATED, BIAS, RESIDUAL, GATHER).
 //
 // Each invocation computes four adjacent rows, walking them in 16-element units: one x'
 // load serves four rows, the codes are decoded in place (common/masked.wgsl) and each
@@ -11,9 +11,7 @@
 // SwiftShader's JIT the decode, not the loads, is the cost: sharing x by subgroupBroadcast
 // measured within noise of loading it per lane.
 #include "common/linear.wgsl"
-#if GATHER
-@group(0) @binding(8) var<storage, read> rows: array<u32>;         // (n_out) rows of x
-#endif
+#include "common/gather.wgsl"
 const TT: u32 = 1u;
 #include "common/matvec_end.wgsl"
 #include "common/masked.wgsl"
@@ -34,17 +32,10 @@ fn dm4(s: Scales4) -> array<vec4<f32>, 2> {
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let t = wid.z;
-#if GATHER
-    if (t >= step.n_out) {
+    if (t >= step_rows()) {
         return;
     }
-    let xb4 = rows[t] * (p.x_stride / 4u);
-#else
-    if (t >= step.n_tokens) {
-        return;
-    }
-    let xb4 = t * (p.x_stride / 4u);
-#endif
+    let xb4 = xrow_of(t) * (p.x_stride / 4u);
     let row0 = ((wid.y * p.grid_x + wid.x) * WG + lid) * 4u;
     if (row0 >= p.n_rows) {
         return;

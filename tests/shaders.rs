@@ -112,7 +112,7 @@ fn snapshotted(keys: &[PipelineKey]) -> Vec<PipelineKey> {
     let mut best: BTreeMap<(String, u32, bool, bool, bool), PipelineKey> = BTreeMap::new();
     for k in keys {
         let group =
-            (k.op.file().to_string(), k.flags & !fused, k.features.f16, k.features.subgroups, k.weights.is_packed() && !k.op.reads_kv());
+            (k.file().to_string(), k.flags & !fused, k.features.f16, k.features.subgroups, k.weights.is_packed() && !k.op.reads_kv());
         let e = best.entry(group).or_insert(*k);
         if rank(k) < rank(e) {
             *e = *k;

@@ -1,4 +1,4 @@
-// The end of a matvec (matvec.wgsl, matvec_q.wgsl): `finish` applies the epilogue to one
+// The end of a matvec (matvec.wgsl, matvec_q_*.wgsl): `finish` applies the epilogue to one
 // row's raw sums; with ROW_PER_WORKGROUP every invocation of the workgroup holds partial sums
 // (w.x, u.x, sum of squares) of one output row, which `reduce_row` adds (subgroupAdd then one
 // partial per subgroup with SUBGROUPS, else a tree in workgroup memory) before invocation 0
@@ -50,7 +50,7 @@ fn reduce_row(t: u32, row: u32, acc_in: vec3<f32>, lid: u32, sg_lane: u32, sg_si
 
 #if MULTI_ROW
 // Rows per workgroup of the MULTI_ROW matvec (llama.cpp's K-quant matvec takes 2 on most
-// GPUs): each x' load serves this many rows. Tokens per workgroup: matvec_q.wgsl's TT (4
+// GPUs): each x' load serves this many rows. Tokens per workgroup: matvec_q_multi.wgsl's TT (4
 // with TOK4, else 1).
 const MR_ROWS: u32 = 2u;
 // (row, token) outputs per workgroup.

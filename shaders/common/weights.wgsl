@@ -65,12 +65,10 @@ fn pick4(v: vec4<u32>, i: u32) -> u32 {
 // Elements per low-plane word.
 #if W_Q8
 const EPW: u32 = 4u;
-#else
-#if W_LO2
+#elif W_LO2
 const EPW: u32 = 16u;
 #else
 const EPW: u32 = 8u;
-#endif
 #endif
 
 // Low-plane words per row (where the high plane starts).
@@ -83,12 +81,10 @@ fn lo_words() -> u32 {
 fn row_words() -> u32 {
 #if W_HI1
     return lo_words() + p.k / 32u;
-#else
-#if W_HI2
+#elif W_HI2
     return lo_words() + p.k / 16u;
 #else
     return lo_words();
-#endif
 #endif
 }
 
@@ -98,27 +94,19 @@ fn scale_row_words() -> u32 {
 #if W_SUPER
 #if W_Q6K
     return 4u * sb + (sb + 1u) / 2u;
-#else
-#if W_Q2K
+#elif W_Q2K
     return 5u * sb;
-#else
-#if W_IQ4XS
+#elif W_IQ4XS
     return 2u * sb;
 #else
     return 4u * sb;
 #endif
-#endif
-#endif
-#else
-#if W_Q4
+#elif W_Q4
     return p.k / p.group;
-#else
-#if W_Q5
+#elif W_Q5
     return p.k / p.group;
 #else
     return (p.k / p.group + 1u) / 2u;
-#endif
-#endif
 #endif
 }
 
@@ -137,12 +125,10 @@ fn step_bits(lo: u32, lo2: u32, hi: u32, k8: u32) -> vec2<u32> {
 #endif
 #if W_HI1
     return vec2<u32>(l, (hi >> (8u * h)) & 0xffu);
-#else
-#if W_HI2
+#elif W_HI2
     return vec2<u32>(l, (hi >> (16u * (h & 1u))) & 0xffffu);
 #else
     return vec2<u32>(l, 0u);
-#endif
 #endif
 #endif
 }
@@ -180,20 +166,14 @@ fn iq4(q: vec4<u32>) -> vec4<f32> {
 fn code4(q: vec4<u32>) -> vec4<f32> {
 #if W_TABLE
     return iq4(q);
-#else
-#if W_Q5S
+#elif W_Q5S
     return vec4<f32>(q) - 16.0;
-#else
-#if W_Q6K
+#elif W_Q6K
     return vec4<f32>(q) - 32.0;
-#else
-#if W_Q3K
+#elif W_Q3K
     return vec4<f32>(q) - 4.0;
 #else
     return vec4<f32>(q);
-#endif
-#endif
-#endif
 #endif
 }
 
@@ -201,16 +181,12 @@ fn code4(q: vec4<u32>) -> vec4<f32> {
 // are: table values, signed Q8 bytes, unsigned 4-bit codes whose offset is the minimum).
 #if W_Q5S
 const CODE_OFF: f32 = -16.0;
-#else
-#if W_Q6K
+#elif W_Q6K
 const CODE_OFF: f32 = -32.0;
-#else
-#if W_Q3K
+#elif W_Q3K
 const CODE_OFF: f32 = -4.0;
 #else
 const CODE_OFF: f32 = 0.0;
-#endif
-#endif
 #endif
 
 // The eight codes of one step without CODE_OFF (kernels that factor the group's scale out
@@ -219,8 +195,7 @@ const CODE_OFF: f32 = 0.0;
 fn raw8(b: vec2<u32>) -> array<vec4<f32>, 2> {
 #if W_Q8
     return codes8(b);
-#else
-#if W_TABLE
+#elif W_TABLE
     return codes8(b);
 #else
 #if W_LO2
@@ -243,7 +218,6 @@ fn raw8(b: vec2<u32>) -> array<vec4<f32>, 2> {
 #endif
 #endif
     return array<vec4<f32>, 2>(vec4<f32>(bitcast<vec4<i32>>(lo)), vec4<f32>(bitcast<vec4<i32>>(hi)));
-#endif
 #endif
 }
 
@@ -282,8 +256,7 @@ fn scale_of(word: u32, hi: u32) -> vec2<f32> {
     let v = unpack2x16float(word);
 #if W_Q4
     return v;
-#else
-#if W_Q5
+#elif W_Q5
     return v;
 #else
     let d = select(v.x, v.y, hi == 1u);
@@ -291,7 +264,6 @@ fn scale_of(word: u32, hi: u32) -> vec2<f32> {
     return vec2<f32>(d, -8.0 * d);
 #else
     return vec2<f32>(d, 0.0);
-#endif
 #endif
 #endif
 }
@@ -303,16 +275,12 @@ fn scale_of(word: u32, hi: u32) -> vec2<f32> {
 fn groups_per_sb() -> u32 {
 #if W_Q6K
     return 16u;
-#else
-#if W_Q3K
+#elif W_Q3K
     return 16u;
-#else
-#if W_Q2K
+#elif W_Q2K
     return 16u;
 #else
     return 8u;
-#endif
-#endif
 #endif
 }
 
@@ -471,12 +439,10 @@ fn chunk_step(c: ChunkTex, k8: u32) -> vec2<u32> {
     let li = lo_index(k8) & 3u;
 #if W_Q8
     return step_bits(pick4(c.lo, li), pick4(c.lo, li + 1u), 0u, k8);
-#else
-#if W_HI
+#elif W_HI
     return step_bits(pick4(c.lo, li), 0u, pick4(c.hi, hi_index(k8) & 3u), k8);
 #else
     return step_bits(pick4(c.lo, li), 0u, 0u, k8);
-#endif
 #endif
 }
 
@@ -541,13 +507,11 @@ fn sb_head(m: u32, sb0: u32, sb: u32) -> SbHead {
     let hi = sb0 + sb_header_index(sb);
 #if W_IQ4XS
     o.h = vec4<u32>(scale_word(m, hi), scale_word(m, hi + 1u), 0u, 0u);
-#else
-#if TEX
+#elif TEX
     // The four header words are one texel (headers start at word 4 sb of the row).
     o.h = scale_texel(m, hi >> ROW_SHIFT, (hi & ROW_WORDS_MASK) / 4u);
 #else
     o.h = vec4<u32>(scale_word(m, hi), scale_word(m, hi + 1u), scale_word(m, hi + 2u), scale_word(m, hi + 3u));
-#endif
 #endif
     let xi = sb_extra_index(sb);
     o.xh = xi.y;
@@ -566,16 +530,12 @@ fn scale_at(m: u32, sb0: u32, gi: u32) -> vec2<f32> {
 #if W_SUPER
     let hd = sb_head(m, sb0, gi / groups_per_sb());
     return sb_scale(hd.h, hd.x, hd.xh, gi % groups_per_sb());
-#else
-#if W_Q4
+#elif W_Q4
     return scale_of(scale_word(m, sb0 + gi), 0u);
-#else
-#if W_Q5
+#elif W_Q5
     return scale_of(scale_word(m, sb0 + gi), 0u);
 #else
     return scale_of(scale_word(m, sb0 + (gi >> 1u)), gi & 1u);
-#endif
-#endif
 #endif
 }
 
@@ -620,24 +580,20 @@ fn scales4(m: u32, sb0: vec4<u32>, gi: u32, hd: ptr<function, Heads4>) -> Scales
 // order may keep one high word for.
 #if W_HI1
 const HI_SPAN: u32 = 32u;
-#else
-#if W_HI2
+#elif W_HI2
 const HI_SPAN: u32 = 16u;
 #else
 const HI_SPAN: u32 = 0u;
-#endif
 #endif
 
 // The high-plane word of step k8 of the row of matrix `m` whose code words start at `rb`.
 fn hi_word(m: u32, rb: u32, k8: u32) -> u32 {
 #if W_HI1
     return code_word(m, rb + hi_index(k8));
-#else
-#if W_HI2
+#elif W_HI2
     return code_word(m, rb + hi_index(k8));
 #else
     return 0u;
-#endif
 #endif
 }
 
@@ -657,16 +613,12 @@ fn step_words(m: u32, rb: u32, k8: u32) -> vec2<u32> {
     let li = rb + lo_index(k8);
 #if W_Q8
     return step_bits(code_word(m, li), code_word(m, li + 1u), 0u, k8);
-#else
-#if W_HI1
+#elif W_HI1
     return step_bits(code_word(m, li), 0u, code_word(m, rb + hi_index(k8)), k8);
-#else
-#if W_HI2
+#elif W_HI2
     return step_bits(code_word(m, li), 0u, code_word(m, rb + hi_index(k8)), k8);
 #else
     return step_bits(code_word(m, li), 0u, 0u, k8);
-#endif
-#endif
 #endif
 }
 

@@ -1,5 +1,5 @@
 //! A tiny WGSL preprocessor: `#include "file"`, `#if NAME`, `#ifdef NAME`, `#ifndef NAME`,
-//! `#else`, `#endif`. Value constants are not text-substituted: a variant's sizes are emitted
+//! `#elif NAME` (a chain of alternatives without nesting), `#else`, `#endif`. Value constants are not text-substituted: a variant's sizes are emitted
 //! as WGSL `const` declarations at the top of the expanded source (see `shader.rs`).
 
 use std::collections::BTreeSet;
@@ -47,7 +47,7 @@ fn expand(
     if depth > 8 {
         return Err(PreprocessError::IncludeCycle { file: file.into() });
     }
-    // Stack of (this branch active, any branch taken, parent active).
+    // Stack of (this branch active, any branch of the chain taken).
     let mut stack: Vec<(bool, bool)> = Vec::new();
     let active = |stack: &Vec<(bool, bool)>| stack.iter().all(|s| s.0);
     for (i, line) in source.lines().enumerate() {
@@ -66,6 +66,13 @@ fn expand(
                     let cond = !defined.contains(arg);
                     stack.push((cond, cond));
                 }
+                "elif" => match stack.last_mut() {
+                    Some(top) => {
+                        top.0 = !top.1 && defined.contains(arg);
+                        top.1 |= top.0;
+                    }
+                    None => return Err(PreprocessError::Unbalanced { file: file.into(), line: lineno, directive: "#elif".into() }),
+                },
                 "else" => match stack.last_mut() {
                     Some(top) => {
                         top.0 = !top.1;
@@ -135,9 +142,27 @@ mod tests {
     }
 
     #[test]
+    fn elif_chains_take_the_first_defined_branch() {
+        let src = "#if A\na\n#elif B\nb\n#elif C\nc\n#else\nnone\n#endif\n";
+        let run = |names: &[&str]| {
+            let d: BTreeSet<String> = names.iter().map(|s| s.to_string()).collect();
+            preprocess("t.wgsl", src, &d, &lookup).unwrap().trim().to_string()
+        };
+        assert_eq!(run(&["A", "B", "C"]), "a");
+        assert_eq!(run(&["B", "C"]), "b");
+        assert_eq!(run(&["C"]), "c");
+        assert_eq!(run(&[]), "none");
+        // Inside an inactive block nothing of the chain is emitted.
+        let nested = "#if X\n#if A\na\n#elif B\nb\n#endif\n#endif\n";
+        let d: BTreeSet<String> = ["B".to_string()].into();
+        assert_eq!(preprocess("t.wgsl", nested, &d, &lookup).unwrap().trim(), "");
+    }
+
+    #[test]
     fn errors_are_typed() {
         let d = BTreeSet::new();
         assert!(matches!(preprocess("t", "#endif\n", &d, &lookup), Err(PreprocessError::Unbalanced { .. })));
+        assert!(matches!(preprocess("t", "#elif X\n", &d, &lookup), Err(PreprocessError::Unbalanced { .. })));
         assert!(matches!(preprocess("t", "#if X\n", &d, &lookup), Err(PreprocessError::Unterminated { .. })));
         assert!(matches!(preprocess("t", "#include \"nope\"\n", &d, &lookup), Err(PreprocessError::UnknownInclude { .. })));
         assert!(matches!(preprocess("t", "#pragma x\n", &d, &lookup), Err(PreprocessError::UnknownDirective { .. })));

@@ -18,12 +18,16 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("common/topk_row.wgsl", include_str!("../../shaders/common/topk_row.wgsl")),
     ("common/masked.wgsl", include_str!("../../shaders/common/masked.wgsl")),
     ("common/hi_words4.wgsl", include_str!("../../shaders/common/hi_words4.wgsl")),
+    ("common/gather.wgsl", include_str!("../../shaders/common/gather.wgsl")),
     ("embedding.wgsl", include_str!("../../shaders/embedding.wgsl")),
     ("rmsnorm.wgsl", include_str!("../../shaders/rmsnorm.wgsl")),
     ("matvec.wgsl", include_str!("../../shaders/matvec.wgsl")),
     ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
     ("matmul_blocked.wgsl", include_str!("../../shaders/matmul_blocked.wgsl")),
-    ("matvec_q.wgsl", include_str!("../../shaders/matvec_q.wgsl")),
+    ("matvec_q_rows4.wgsl", include_str!("../../shaders/matvec_q_rows4.wgsl")),
+    ("matvec_q_tiled.wgsl", include_str!("../../shaders/matvec_q_tiled.wgsl")),
+    ("matvec_q_multi.wgsl", include_str!("../../shaders/matvec_q_multi.wgsl")),
+    ("matvec_q_wg.wgsl", include_str!("../../shaders/matvec_q_wg.wgsl")),
     ("matvec_q_masked.wgsl", include_str!("../../shaders/matvec_q_masked.wgsl")),
     ("matmul_blocked_q.wgsl", include_str!("../../shaders/matmul_blocked_q.wgsl")),
     ("rope_kv.wgsl", include_str!("../../shaders/rope_kv.wgsl")),
@@ -56,7 +60,8 @@ pub enum ShaderOp {
     /// Prefill matmul for CPU adapters: register blocks of tokens x rows per invocation read
     /// straight from global memory (no workgroup memory, no barriers); same semantics.
     MatmulBlocked,
-    /// Decode matvec over packed integer weights (Q8, Q4, Q4Sym), dequantized in registers.
+    /// Decode matvec over packed integer weights (every packed format), dequantized in
+    /// registers: one file per layout ([`PipelineKey::file`]).
     MatvecQ,
     /// The packed decode matvec for CPU adapters whose weights stay in storage buffers
     /// (SwiftShader): four rows per invocation, codes decoded in place
@@ -87,7 +92,8 @@ pub enum ShaderOp {
 }
 
 impl ShaderOp {
-    /// The shader file of this op.
+    /// The shader file of this op (of its default layout: [`PipelineKey::file`] picks the
+    /// layout's file where an op has several).
     pub fn file(&self) -> &'static str {
         match self {
             ShaderOp::Embedding => "embedding.wgsl",
@@ -95,7 +101,7 @@ impl ShaderOp {
             ShaderOp::Matvec => "matvec.wgsl",
             ShaderOp::Matmul => "matmul.wgsl",
             ShaderOp::MatmulBlocked => "matmul_blocked.wgsl",
-            ShaderOp::MatvecQ => "matvec_q.wgsl",
+            ShaderOp::MatvecQ => "matvec_q_rows4.wgsl",
             ShaderOp::MatvecQMasked => "matvec_q_masked.wgsl",
             ShaderOp::MatmulBlockedQ => "matmul_blocked_q.wgsl",
             ShaderOp::RopeKv => "rope_kv.wgsl",
@@ -110,8 +116,12 @@ impl ShaderOp {
         }
     }
 
+    /// The op's name in labels.
     fn name(&self) -> &'static str {
-        self.file().trim_end_matches(".wgsl")
+        match self {
+            ShaderOp::MatvecQ => "matvec_q",
+            op => op.file().trim_end_matches(".wgsl"),
+        }
     }
 
     /// Ops whose `weights` field names the KV cache's dtype (F32, F16 or Q8).
@@ -403,9 +413,20 @@ impl PipelineKey {
         s
     }
 
+    /// The shader file of this variant: the packed matvec has one per layout flag (TEX,
+    /// MULTI_ROW, ROW_PER_WORKGROUP; else ROWS4, with or without XBCAST).
+    pub fn file(&self) -> &'static str {
+        match self.op {
+            ShaderOp::MatvecQ if self.flags & flags::TEX != 0 => "matvec_q_tiled.wgsl",
+            ShaderOp::MatvecQ if self.flags & flags::MULTI_ROW != 0 => "matvec_q_multi.wgsl",
+            ShaderOp::MatvecQ if self.flags & flags::ROW_PER_WORKGROUP != 0 => "matvec_q_wg.wgsl",
+            op => op.file(),
+        }
+    }
+
     /// The expanded WGSL of this variant.
     pub fn expand(&self) -> Result<String, PreprocessError> {
-        let file = self.op.file();
+        let file = self.file();
         let src =
             source(file).ok_or_else(|| PreprocessError::UnknownInclude { file: "<registry>".into(), line: 0, target: file.into() })?;
         let defines = self.defines().ok_or_else(|| PreprocessError::UnknownDirective {

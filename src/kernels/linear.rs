@@ -1,5 +1,5 @@
 //! `y = W x` in its two shapes: the decode matvec (`shaders/matvec.wgsl`, packed weights
-//! `shaders/matvec_q.wgsl`) and the prefill matmul (`shaders/matmul.wgsl` on GPUs,
+//! `shaders/matvec_q_*.wgsl`, one file per layout) and the prefill matmul (`shaders/matmul.wgsl` on GPUs,
 //! `shaders/matmul_blocked.wgsl` / `matmul_blocked_q.wgsl` on CPU adapters), with the fused
 //! prologue/epilogues of all of them (`shaders/common/linear.wgsl`: RMSNorm folded in, bias,
 //! SiLU or GELU gate, residual add, gathered rows).
