@@ -11,10 +11,13 @@
 // This file: MULTI_ROW (GPUs, the default there for groups of 16 or more; llama.cpp's K-quant
 // layout): MR_ROWS rows per workgroup, 16-element units per invocation sharing x' across the
 // rows, the group minimum factored out (see rows_multi); TOK4 computes four tokens per pass
-// over the weights (batched steps). x (and the norm weight) are read as vec4.
+// over the weights (batched steps), TOK8 eight (speculative verify steps of 5-8 tokens). x (and the norm weight) are read as vec4.
 #include "common/linear.wgsl"
 #include "common/gather.wgsl"
-#if TOK4
+#if TOK8
+// Tokens per workgroup: every weight read and dequantization serves eight tokens.
+const TT: u32 = 8u;
+#elif TOK4
 // Tokens per workgroup: every weight read and dequantization serves four tokens.
 const TT: u32 = 4u;
 #else
@@ -61,8 +64,8 @@ fn unit_dot(w: Unit16, xs: array<vec4<f32>, 4>, sx: f32) -> f32 {
     return w.s.x * cx + w.s.y * sx;
 }
 
-// The workgroup computes MR_ROWS adjacent rows for TT tokens (TOK4: 4, batched steps; else
-// 1). Invocation i takes units i, i + WG, ...: adjacent invocations
+// The workgroup computes MR_ROWS adjacent rows for TT tokens (TOK4: 4, TOK8: 8, batched
+// steps; else 1). Invocation i takes units i, i + WG, ...: adjacent invocations
 // read adjacent code words (coalesced), 16 of them cover a 256-element super-block and
 // share its scale words in cache. Each unit's x' is loaded once per token (its sum of
 // squares taken once for NORM) for every row, and each row's codes are decoded once for

@@ -11,10 +11,15 @@
 // This file: TEX (CPU adapters with 8-lane subgroups, the default there): the weights are
 // tiled rgba32uint textures (common/weights.wgsl), a workgroup computes a 32-row tile from
 // 16-byte texel fetches, x' is gathered from a uniform window with XU (see rows_tiled); TOK4
-// computes four tokens per pass (batched steps).
+// computes four tokens per pass (batched steps), TOK8 eight (speculative verify steps of 5-8
+// tokens: one pass over the weights; TOK8 defines TOK4 too, its tokens 4-7 are added under
+// #if TOK8).
 #include "common/linear.wgsl"
 #include "common/gather.wgsl"
-#if TOK4
+#if TOK8
+// Tokens per invocation: every texel fetched and decoded serves eight tokens.
+const TT: u32 = 8u;
+#elif TOK4
 // Tokens per invocation: every texel fetched and decoded serves four tokens.
 const TT: u32 = 4u;
 #else
@@ -249,7 +254,7 @@ fn x_lane4(xb4: u32, un: u32, lid: u32, in_win: bool, ss: ptr<function, f32>) ->
 #endif
 }
 
-// The x' of every token of the step over one unit (TOK4: four; named, not an array:
+// The x' of every token of the step over one unit (TOK4: four, TOK8: eight; named, not an array:
 // lavapipe turns a private array indexed by a loop counter it does not unroll into a
 // per-lane loop through memory).
 struct XTok {
@@ -259,12 +264,23 @@ struct XTok {
     t2: XUnit,
     t3: XUnit,
 #endif
+#if TOK8
+    t4: XUnit,
+    t5: XUnit,
+    t6: XUnit,
+    t7: XUnit,
+#endif
 }
 
 // Where each token's x row starts (vec4 index) and whether it lies in the uniform window.
+// (TOK8: b and win for tokens 0-3, b2 and win2 for tokens 4-7.)
 struct XRows {
     b: vec4<u32>,
     win: vec4<bool>,
+#if TOK8
+    b2: vec4<u32>,
+    win2: vec4<bool>,
+#endif
 }
 
 // Per token (w, u) sums of one row (.x: w, .y: u), or the rows' accumulators.
@@ -275,6 +291,12 @@ struct Acc {
     t2: vec2<f32>,
     t3: vec2<f32>,
 #endif
+#if TOK8
+    t4: vec2<f32>,
+    t5: vec2<f32>,
+    t6: vec2<f32>,
+    t7: vec2<f32>,
+#endif
 }
 
 fn acc_add(a: Acc, b: Acc) -> Acc {
@@ -284,6 +306,12 @@ fn acc_add(a: Acc, b: Acc) -> Acc {
     o.t1 += b.t1;
     o.t2 += b.t2;
     o.t3 += b.t3;
+#endif
+#if TOK8
+    o.t4 += b.t4;
+    o.t5 += b.t5;
+    o.t6 += b.t6;
+    o.t7 += b.t7;
 #endif
     return o;
 }
@@ -312,17 +340,26 @@ fn unit_dot(c: Codes32, x: XUnit, s0: vec2<f32>, s1: vec2<f32>) -> f32 {
     return s0.x * dot(a + b, vec4<f32>(1.0)) + s0.y * x.sa;
 }
 
+// One row's products over a unit for tokens 0-3 (.a) and 4-7 (.b, TOK8).
+struct Dots {
+    a: vec4<f32>,
+    b: vec4<f32>,
+}
+
 // Matrix m's row `row` over unit `un` for every token: its code texels fetched and decoded
 // once, its group scales from the scale texels `sc`.
-fn row_unit(m: u32, row: u32, un: u32, sc: UnitScale, gsh: u32, xs: XTok) -> vec4<f32> {
+fn row_unit(m: u32, row: u32, un: u32, sc: UnitScale, gsh: u32, xs: XTok) -> Dots {
     let c = codes32(tex_unit(m, row, un, tex_hi(m, row, un)), un);
     let s0 = unit_scale(sc, un, 0u, gsh);
     let s1 = unit_scale(sc, un, 16u, gsh);
-    var o = vec4<f32>(unit_dot(c, xs.t0, s0, s1), 0.0, 0.0, 0.0);
+    var o = Dots(vec4<f32>(unit_dot(c, xs.t0, s0, s1), 0.0, 0.0, 0.0), vec4<f32>(0.0));
 #if TOK4
-    o.y = unit_dot(c, xs.t1, s0, s1);
-    o.z = unit_dot(c, xs.t2, s0, s1);
-    o.w = unit_dot(c, xs.t3, s0, s1);
+    o.a.y = unit_dot(c, xs.t1, s0, s1);
+    o.a.z = unit_dot(c, xs.t2, s0, s1);
+    o.a.w = unit_dot(c, xs.t3, s0, s1);
+#endif
+#if TOK8
+    o.b = vec4<f32>(unit_dot(c, xs.t4, s0, s1), unit_dot(c, xs.t5, s0, s1), unit_dot(c, xs.t6, s0, s1), unit_dot(c, xs.t7, s0, s1));
 #endif
     return o;
 }
@@ -333,14 +370,20 @@ fn row_acc(row: u32, un: u32, sw: UnitScale, su: UnitScale, gsh: u32, xs: XTok) 
 #if GATED
     let u = row_unit(1u, row, un, su, gsh, xs);
 #else
-    let u = vec4<f32>(0.0);
+    let u = Dots(vec4<f32>(0.0), vec4<f32>(0.0));
 #endif
     var o: Acc;
-    o.t0 = vec2<f32>(w.x, u.x);
+    o.t0 = vec2<f32>(w.a.x, u.a.x);
 #if TOK4
-    o.t1 = vec2<f32>(w.y, u.y);
-    o.t2 = vec2<f32>(w.z, u.z);
-    o.t3 = vec2<f32>(w.w, u.w);
+    o.t1 = vec2<f32>(w.a.y, u.a.y);
+    o.t2 = vec2<f32>(w.a.z, u.a.z);
+    o.t3 = vec2<f32>(w.a.w, u.a.w);
+#endif
+#if TOK8
+    o.t4 = vec2<f32>(w.b.x, u.b.x);
+    o.t5 = vec2<f32>(w.b.y, u.b.y);
+    o.t6 = vec2<f32>(w.b.z, u.b.z);
+    o.t7 = vec2<f32>(w.b.w, u.b.w);
 #endif
     return o;
 }
@@ -349,9 +392,17 @@ fn row_acc(row: u32, un: u32, sw: UnitScale, su: UnitScale, gsh: u32, xs: XTok) 
 fn x_tok(r: XRows, j: u32, un: u32, lid: u32, ss: ptr<function, f32>) -> XUnit {
     return x_unit(x_lane4(r.b[j], un, lid, r.win[j], ss), lid);
 }
+#if TOK8
 
-// The epilogue of one row for every token that exists.
-fn finish_row(t0: u32, n_tok: u32, row: u32, a: Acc, s: vec4<f32>) {
+// Token 4 + j's x' over unit `un`.
+fn x_tok2(r: XRows, j: u32, un: u32, lid: u32, ss: ptr<function, f32>) -> XUnit {
+    return x_unit(x_lane4(r.b2[j], un, lid, r.win2[j], ss), lid);
+}
+#endif
+
+// The epilogue of one row for every token that exists (`s`: tokens 0-3's sums of squares,
+// `s2` tokens 4-7's).
+fn finish_row(t0: u32, n_tok: u32, row: u32, a: Acc, s: vec4<f32>, s2: vec4<f32>) {
     if (row >= p.n_rows) {
         return;
     }
@@ -367,10 +418,24 @@ fn finish_row(t0: u32, n_tok: u32, row: u32, a: Acc, s: vec4<f32>) {
         finish(t0 + 3u, row, vec3<f32>(a.t3, s.w));
     }
 #endif
+#if TOK8
+    if (t0 + 4u < n_tok) {
+        finish(t0 + 4u, row, vec3<f32>(a.t4, s2.x));
+    }
+    if (t0 + 5u < n_tok) {
+        finish(t0 + 5u, row, vec3<f32>(a.t5, s2.y));
+    }
+    if (t0 + 6u < n_tok) {
+        finish(t0 + 6u, row, vec3<f32>(a.t6, s2.z));
+    }
+    if (t0 + 7u < n_tok) {
+        finish(t0 + 7u, row, vec3<f32>(a.t7, s2.w));
+    }
+#endif
 }
 
 // Tiled texture-held weights (TEX): the workgroup computes one tile of 32 rows, lane lid the
-// rows lid, lid + 8, lid + 16, lid + 24 of it, for tokens t0 .. t0 + TT - 1 (TOK4: 4). Per
+// rows lid, lid + 8, lid + 16, lid + 24 of it, for tokens t0 .. t0 + TT - 1 (TOK4: 4, TOK8: 8). Per
 // 32-element unit each lane loads four elements of each token's x' (one uniform gather with
 // XU) and the subgroup hands them out; each row's code texels are fetched and decoded once
 // for every token and multiplied with four independent fma chains; the group's scale is
@@ -386,7 +451,13 @@ fn rows_tiled(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32) {
     let tl = n_tok - 1u;
     let xr = vec4<u32>(xrow_of(t0), xrow_of(min(t0 + 1u, tl)), xrow_of(min(t0 + 2u, tl)), xrow_of(min(t0 + 3u, tl)));
     let xb = xr * (p.x_stride / 4u);
+#if TOK8
+    let xr2 = vec4<u32>(xrow_of(min(t0 + 4u, tl)), xrow_of(min(t0 + 5u, tl)), xrow_of(min(t0 + 6u, tl)), xrow_of(min(t0 + 7u, tl)));
+    let xb2 = xr2 * (p.x_stride / 4u);
+    let xrows = XRows(xb, xb + vec4<u32>(p.k / 4u) <= vec4<u32>(4096u), xb2, xb2 + vec4<u32>(p.k / 4u) <= vec4<u32>(4096u));
+#else
     let xrows = XRows(xb, xb + vec4<u32>(p.k / 4u) <= vec4<u32>(4096u));
+#endif
     var a0: Acc;
     var a1: Acc;
     var a2: Acc;
@@ -395,6 +466,10 @@ fn rows_tiled(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32) {
     var ss1 = 0.0;
     var ss2 = 0.0;
     var ss3 = 0.0;
+    var ss4 = 0.0;
+    var ss5 = 0.0;
+    var ss6 = 0.0;
+    var ss7 = 0.0;
     let units = p.k / 32u;
     let gsh = unit_group_shift();
     let upk = units_per_key(gsh);
@@ -425,6 +500,12 @@ fn rows_tiled(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32) {
             xs.t2 = x_tok(xrows, 2u, un, lid, &ss2);
             xs.t3 = x_tok(xrows, 3u, un, lid, &ss3);
 #endif
+#if TOK8
+            xs.t4 = x_tok2(xrows, 0u, un, lid, &ss4);
+            xs.t5 = x_tok2(xrows, 1u, un, lid, &ss5);
+            xs.t6 = x_tok2(xrows, 2u, un, lid, &ss6);
+            xs.t7 = x_tok2(xrows, 3u, un, lid, &ss7);
+#endif
             a0 = acc_add(a0, row_acc(row0, un, sw0, su0, gsh, xs));
             a1 = acc_add(a1, row_acc(row0 + 8u, un, sw1, su1, gsh, xs));
             a2 = acc_add(a2, row_acc(row0 + 16u, un, sw2, su2, gsh, xs));
@@ -433,8 +514,9 @@ fn rows_tiled(t0: u32, n_tok: u32, wid: vec3<u32>, lid: u32) {
     }
     // Each lane summed the squares of its own elements.
     let s = vec4<f32>(subgroupAdd(ss0), subgroupAdd(ss1), subgroupAdd(ss2), subgroupAdd(ss3));
-    finish_row(t0, n_tok, row0, a0, s);
-    finish_row(t0, n_tok, row0 + 8u, a1, s);
-    finish_row(t0, n_tok, row0 + 16u, a2, s);
-    finish_row(t0, n_tok, row0 + 24u, a3, s);
+    let s2 = vec4<f32>(subgroupAdd(ss4), subgroupAdd(ss5), subgroupAdd(ss6), subgroupAdd(ss7));
+    finish_row(t0, n_tok, row0, a0, s, s2);
+    finish_row(t0, n_tok, row0 + 8u, a1, s, s2);
+    finish_row(t0, n_tok, row0 + 16u, a2, s, s2);
+    finish_row(t0, n_tok, row0 + 24u, a3, s, s2);
 }

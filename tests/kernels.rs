@@ -225,6 +225,10 @@ enum Layout {
     TiledXu,
     /// TiledXu with four tokens per invocation.
     TiledXuTok4,
+    /// Tiled with eight tokens per invocation (speculative verify steps of 5-8 tokens).
+    TiledTok8,
+    /// TiledXu with eight tokens per invocation.
+    TiledXuTok8,
     /// Tiled weights in the blocked matmul (8 tokens x 8 rows, x by broadcast).
     Blocked88Tiled,
     /// Blocked88Tiled with x from a texture copy and the norm weight from its uniform window
@@ -248,6 +252,10 @@ enum Layout {
     MultiRowTok4,
     /// MultiRowTok4 reduced with subgroups.
     MultiRowTok4Subgroups,
+    /// MultiRow with eight tokens per workgroup (GPUs' verify steps of 5-8 tokens).
+    MultiRowTok8,
+    /// MultiRowTok8 reduced with subgroups.
+    MultiRowTok8Subgroups,
     /// Packed weights in storage buffers on CPU adapters without 8-lane subgroups
     /// (SwiftShader): four rows per invocation in 16-element units, codes decoded in place
     /// (`ShaderOp::MatvecQMasked`).
@@ -272,12 +280,14 @@ impl Layout {
     ];
 
     /// The layouts of the packed-weight kernels.
-    const PACKED: [Layout; 26] = [
+    const PACKED: [Layout; 28] = [
         Layout::Masked,
         Layout::MultiRow,
         Layout::MultiRowSubgroups,
         Layout::MultiRowTok4,
         Layout::MultiRowTok4Subgroups,
+        Layout::MultiRowTok8Subgroups,
+        Layout::TiledXuTok8,
         Layout::Rows4,
         Layout::Rows4Bcast,
         Layout::Rows4BcastTok4,
@@ -322,13 +332,20 @@ impl Layout {
     fn is_tiled(self) -> bool {
         matches!(
             self,
-            Layout::Tiled | Layout::TiledTok4 | Layout::TiledXu | Layout::TiledXuTok4 | Layout::Blocked88Tiled | Layout::Blocked88TiledXtex
+            Layout::Tiled
+                | Layout::TiledTok4
+                | Layout::TiledTok8
+                | Layout::TiledXu
+                | Layout::TiledXuTok4
+                | Layout::TiledXuTok8
+                | Layout::Blocked88Tiled
+                | Layout::Blocked88TiledXtex
         )
     }
 
     /// Layouts reading x and the norm weight through uniform windows.
     fn is_xu(self) -> bool {
-        matches!(self, Layout::TiledXu | Layout::TiledXuTok4)
+        matches!(self, Layout::TiledXu | Layout::TiledXuTok4 | Layout::TiledXuTok8)
     }
 
     fn needs_subgroups(self) -> bool {
@@ -339,6 +356,7 @@ impl Layout {
                 | Layout::RowWg64F16
                 | Layout::MultiRowSubgroups
                 | Layout::MultiRowTok4Subgroups
+                | Layout::MultiRowTok8Subgroups
         )
     }
 
@@ -364,6 +382,8 @@ impl Layout {
                 Layout::TiledTok4 => PipelineKey::new(mv, 8).with_flags(fl | flags::TEX | flags::TOK4).with_features(sg),
                 Layout::TiledXu => PipelineKey::new(mv, 8).with_flags(fl | flags::TEX | flags::XU).with_features(sg),
                 Layout::TiledXuTok4 => PipelineKey::new(mv, 8).with_flags(fl | flags::TEX | flags::XU | flags::TOK4).with_features(sg),
+                Layout::TiledTok8 => PipelineKey::new(mv, 8).with_flags(fl | flags::TEX | flags::TOK8).with_features(sg),
+                Layout::TiledXuTok8 => PipelineKey::new(mv, 8).with_flags(fl | flags::TEX | flags::XU | flags::TOK8).with_features(sg),
                 Layout::Blocked88Tiled => PipelineKey::new(bq, 8)
                     .with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8 | flags::XBCAST | flags::TEX)
                     .with_features(sg),
@@ -382,6 +402,8 @@ impl Layout {
                 Layout::MultiRowSubgroups => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW).with_features(sg),
                 Layout::MultiRowTok4 => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW | flags::TOK4),
                 Layout::MultiRowTok4Subgroups => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW | flags::TOK4).with_features(sg),
+                Layout::MultiRowTok8 => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW | flags::TOK8),
+                Layout::MultiRowTok8Subgroups => PipelineKey::new(mv, 64).with_flags(fl | flags::MULTI_ROW | flags::TOK8).with_features(sg),
                 Layout::Matmul => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl),
                 Layout::MatmulF16 => PipelineKey::new(ShaderOp::Matmul, 64).with_flags(fl).with_features(f16),
                 Layout::Blocked44 => PipelineKey::new(bq, 8).with_flags(fl),
@@ -411,12 +433,16 @@ impl Layout {
             | Layout::MultiRowSubgroups
             | Layout::MultiRowTok4
             | Layout::MultiRowTok4Subgroups
+            | Layout::MultiRowTok8
+            | Layout::MultiRowTok8Subgroups
             | Layout::Rows4Bcast
             | Layout::Rows4BcastTok4
             | Layout::Tiled
             | Layout::TiledTok4
             | Layout::TiledXu
             | Layout::TiledXuTok4
+            | Layout::TiledTok8
+            | Layout::TiledXuTok8
             | Layout::Blocked88Tiled
             | Layout::Blocked88TiledXtex
             | Layout::Blocked88Bcast
@@ -439,9 +465,9 @@ impl Layout {
         let runs = |l: &Layout| match l {
             Layout::RowWg8Subgroups => ctx.caps.subgroups && ctx.caps.subgroup_max_size <= 8,
             Layout::Rows4Bcast | Layout::Rows4BcastTok4 | Layout::Blocked88Bcast | Layout::Blocked44Bcast => linear::xbcast_fits(ctx),
-            Layout::Tiled | Layout::TiledTok4 | Layout::Blocked88Tiled => ctx.caps.cpu_like && linear::xbcast_fits(ctx),
+            Layout::Tiled | Layout::TiledTok4 | Layout::TiledTok8 | Layout::Blocked88Tiled => ctx.caps.cpu_like && linear::xbcast_fits(ctx),
             Layout::Blocked88TiledXtex => lantern::kernels::x_texture::fits(ctx, &[], 1) && linear::x_window(ctx) > 0,
-            Layout::TiledXu | Layout::TiledXuTok4 => linear::x_window(ctx) > 0,
+            Layout::TiledXu | Layout::TiledXuTok4 | Layout::TiledXuTok8 => linear::x_window(ctx) > 0,
             l => (!l.needs_subgroups() || ctx.caps.subgroups) && (!l.needs_f16() || ctx.caps.shader_f16),
         };
         let (yes, no): (Vec<Layout>, Vec<Layout>) = set.iter().copied().partition(runs);
@@ -534,7 +560,15 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
         rows: has(flags::GATHER).then_some(&rb),
         x_tex: xt.as_ref(),
     };
-    let multi_row = matches!(c.layout, Layout::MultiRow | Layout::MultiRowSubgroups | Layout::MultiRowTok4 | Layout::MultiRowTok4Subgroups);
+    let multi_row = matches!(
+        c.layout,
+        Layout::MultiRow
+            | Layout::MultiRowSubgroups
+            | Layout::MultiRowTok4
+            | Layout::MultiRowTok4Subgroups
+            | Layout::MultiRowTok8
+            | Layout::MultiRowTok8Subgroups
+    );
     if multi_row && !linear::multi_row_fits(&lin) {
         // Groups of 8 take the row-per-workgroup layout (`build`); the explicit key is refused.
         let r = block_on(linear::build_with_key(ctx, &lin, &io, key.unwrap()));
@@ -776,7 +810,12 @@ fn packed_linear_split_across_bindings_and_auto_layout_match_reference() {
     // x rows past the 64 KiB uniform window (20 tokens of 1024 floats: tokens 16.. and the
     // gathered rows among them fall back to storage loads inside the XU kernel).
     for weights in PACKED_FORMATS {
-        for (layout, fl) in [(Layout::TiledXu, NORM_GATHER), (Layout::TiledXuTok4, NORM_GATED), (Layout::TiledXu, RESIDUAL)] {
+        for (layout, fl) in [
+            (Layout::TiledXu, NORM_GATHER),
+            (Layout::TiledXuTok4, NORM_GATED),
+            (Layout::TiledXuTok8, NORM_GATED),
+            (Layout::TiledXu, RESIDUAL),
+        ] {
             if Layout::available_of(&ctx, &[layout]).is_empty() {
                 continue;
             }
@@ -797,8 +836,8 @@ fn packed_linear_split_across_bindings_and_auto_layout_match_reference() {
 /// The GGUF-only formats (Q5_0, Q5_1, IQ4_NL and the 256-element K-quants and IQ4_XS) from
 /// random blocks, in every packed kernel: (rows, K, tokens) with odd
 /// row counts, one super-block to several (odd counts: Q6_K's paired d words, IQ4_XS's
-/// two headers per texel), token counts for the matvec, the four-token matvec and the
-/// matmuls.
+/// two headers per texel), token counts for the matvec, the four- and eight-token matvecs
+/// and the matmuls.
 const GGML_FORMATS: [WeightFormat; 9] = [
     WeightFormat::Q5Sym,
     WeightFormat::Q5,
@@ -815,12 +854,16 @@ const GGML_SHAPES: [(usize, usize, usize); 3] = [(7, 256, 3), (65, 768, 9), (333
 /// The packed layouts the GGUF-only formats are checked in: every kernel and shape the
 /// runtime picks (the blocked matmul's other tile sizes differ from 8x8 only in the
 /// format-independent accumulation).
-const GGML_LAYOUTS: [Layout; 20] = [
+const GGML_LAYOUTS: [Layout; 24] = [
     Layout::Masked,
     Layout::MultiRow,
     Layout::MultiRowSubgroups,
     Layout::MultiRowTok4,
     Layout::MultiRowTok4Subgroups,
+    Layout::MultiRowTok8,
+    Layout::MultiRowTok8Subgroups,
+    Layout::TiledTok8,
+    Layout::TiledXuTok8,
     Layout::Rows4,
     Layout::Rows4Bcast,
     Layout::Rows4BcastTok4,

@@ -51,7 +51,7 @@ fn reduce_row(t: u32, row: u32, acc_in: vec3<f32>, lid: u32, sg_lane: u32, sg_si
 #if MULTI_ROW
 // Rows per workgroup of the MULTI_ROW matvec (llama.cpp's K-quant matvec takes 2 on most
 // GPUs): each x' load serves this many rows. Tokens per workgroup: matvec_q_multi.wgsl's TT (4
-// with TOK4, else 1).
+// with TOK4, 8 with TOK8, else 1).
 const MR_ROWS: u32 = 2u;
 // (row, token) outputs per workgroup.
 const MR_N: u32 = MR_ROWS * TT;

@@ -309,6 +309,10 @@ pub mod flags {
     /// shared by subgroup broadcast, and the norm weight from its 64 KiB uniform window,
     /// instead of per-lane storage loads.
     pub const XTEX: u32 = 65536;
+    /// Packed matvec for speculative verify steps of 5-8 tokens: eight tokens per invocation
+    /// (TEX) or workgroup (MULTI_ROW), one pass over the weights. Its expansion also defines
+    /// TOK4 (the kernels add tokens 4-7 to TOK4's code).
+    pub const TOK8: u32 = 131072;
     /// Every flag with its define name, in a stable order.
     pub const ALL: &[(u32, &str)] = &[
         (NORM, "NORM"),
@@ -328,6 +332,7 @@ pub mod flags {
         (MULTI_ROW, "MULTI_ROW"),
         (XU, "XU"),
         (XTEX, "XTEX"),
+        (TOK8, "TOK8"),
     ];
 }
 
@@ -383,6 +388,9 @@ impl PipelineKey {
         if matches!(self.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ | ShaderOp::MatvecQMasked) && self.flags & flags::XBCAST == 0 {
             // These read activations (and norm weights) as vec4.
             d.insert("X_VEC4".into());
+        }
+        if self.flags & flags::TOK8 != 0 {
+            d.insert("TOK4".into());
         }
         if self.features.f16 {
             d.insert("F16".into());

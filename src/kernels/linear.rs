@@ -499,6 +499,9 @@ pub enum Shape {
     /// (`flags::TOK4`) of the adapter's layout (CPU adapters: ROWS4 | XBCAST from storage or
     /// texture copies; GPUs: MULTI_ROW); elsewhere the matvec.
     MatvecBatch,
+    /// Steps of 5-8 rows (speculative verify): the eight-token packed matvec (`flags::TOK8`)
+    /// where the layout has one (TEX, MULTI_ROW), else as `MatvecBatch`.
+    MatvecBatch8,
     /// Many rows: tiled matmul.
     Matmul,
 }
@@ -560,21 +563,26 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
     let packed = lin.format.is_packed();
     let (op, wg) = match shape {
         Shape::Matvec if packed && masked_fits(ctx, lin) => (ShaderOp::MatvecQMasked, MASKED_WG),
-        Shape::Matvec | Shape::MatvecBatch => {
+        Shape::Matvec | Shape::MatvecBatch | Shape::MatvecBatch8 => {
             let (mut f, w) = if packed { packed_matvec_layout(ctx) } else { matvec_layout(ctx) };
             if f & flags::MULTI_ROW != 0 && !multi_row_fits(lin) {
                 f = (f & !flags::MULTI_ROW) | flags::ROW_PER_WORKGROUP;
             }
             fl |= f;
             features.subgroups = fl & (flags::ROW_PER_WORKGROUP | flags::MULTI_ROW) != 0 && ctx.caps.subgroups;
-            // GPUs' batched steps: four tokens per pass over the weights.
-            if fl & flags::MULTI_ROW != 0 && shape == Shape::MatvecBatch {
-                fl |= flags::TOK4;
+            // GPUs' batched steps: four or eight tokens per pass over the weights.
+            if fl & flags::MULTI_ROW != 0 {
+                fl |= match shape {
+                    Shape::MatvecBatch => flags::TOK4,
+                    Shape::MatvecBatch8 => flags::TOK8,
+                    _ => 0,
+                };
             }
             if fl & flags::XBCAST != 0 {
                 features.subgroups = true;
-                // Batched steps take four tokens per pass over the weights.
-                if shape == Shape::MatvecBatch {
+                // Batched steps take four tokens per pass over the weights (the storage
+                // layout has no eight-token form: 5-8 tokens take two passes).
+                if matches!(shape, Shape::MatvecBatch | Shape::MatvecBatch8) {
                     fl |= flags::TOK4;
                 }
             }
@@ -623,11 +631,13 @@ pub fn tiled_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: Sh
                 .with_weights(lin.format)
                 .with_features(sg)
         }
-        Shape::Matvec | Shape::MatvecBatch => {
+        Shape::Matvec | Shape::MatvecBatch | Shape::MatvecBatch8 => {
             let mut f = fl | flags::TEX;
-            if shape == Shape::MatvecBatch {
-                f |= flags::TOK4;
-            }
+            f |= match shape {
+                Shape::MatvecBatch => flags::TOK4,
+                Shape::MatvecBatch8 => flags::TOK8,
+                _ => 0,
+            };
             if xu_usable(ctx, lin, io) {
                 f |= flags::XU;
             }
@@ -697,6 +707,17 @@ pub fn packed_matvec_layout(ctx: &GpuContext) -> (u32, u32) {
         (f | flags::XBCAST, w)
     } else {
         (f, w)
+    }
+}
+
+/// Tokens one pass of a matvec variant computes: 8 with TOK8, 4 with TOK4, else 1.
+pub fn tokens_per_pass(fl: u32) -> u32 {
+    if fl & flags::TOK8 != 0 {
+        8
+    } else if fl & flags::TOK4 != 0 {
+        4
+    } else {
+        1
     }
 }
 
@@ -910,7 +931,7 @@ pub async fn build_with_key(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>
                 };
                 let gx = groups.min(max_dim);
                 let gy = groups.div_ceil(gx);
-                let tt = if key.flags & flags::TOK4 != 0 { 4 } else { 1 };
+                let tt = tokens_per_pass(key.flags);
                 let tok = if key.flags & flags::GATHER != 0 { Dim::OutDiv(tt) } else { Dim::TokensDiv(tt) };
                 ([Dim::Const(gx), Dim::Const(gy), tok], gx)
             }

@@ -264,7 +264,7 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
                 v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST | TOK4).with_weights(w).with_features(sg));
                 // Tiled texture-held weights (CPU adapters with 8-lane subgroups): x from
                 // storage, or from uniform windows (XU).
-                for tok in [0, TOK4] {
+                for tok in [0, TOK4, TOK8] {
                     for xu in [0, XU] {
                         v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | TEX | tok | xu).with_weights(w).with_features(sg));
                     }
@@ -276,7 +276,7 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
             // The GPU default (MULTI_ROW), with subgroups and with the workgroup-memory
             // reduction adapters without them take.
             for feat in [Features::default(), sg] {
-                for tok in [0, TOK4] {
+                for tok in [0, TOK4, TOK8] {
                     v.push(PipelineKey::new(ShaderOp::MatvecQ, 64).with_flags(c | MULTI_ROW | tok).with_weights(w).with_features(feat));
                 }
             }

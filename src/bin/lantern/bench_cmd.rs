@@ -77,6 +77,10 @@ pub struct BenchArgs {
     /// Steps of at most this many tokens use the matvec kernels (default: the adapter's).
     #[arg(long)]
     pub matvec_max_tokens: Option<usize>,
+    /// Steps of 5-8 tokens take two passes of the four-token matvec instead of one of the
+    /// eight-token matvec (comparisons).
+    #[arg(long)]
+    pub no_eight_token_matvec: bool,
     /// Write every request's timestamps and the summary as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -309,6 +313,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             max_batch_tokens: a.step_tokens.max(1),
             kv_dtype: a.kv_dtype.dtype(),
             matvec_max_tokens: a.matvec_max_tokens,
+            eight_token_matvec: a.no_eight_token_matvec.then_some(false),
             ..Default::default()
         },
         &mut |_, _| {},

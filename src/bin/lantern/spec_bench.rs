@@ -70,8 +70,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let pb = spinner(&format!("loading {}", model_path.display()), false);
     let ctx = a.device.open()?;
     let max_tokens = a.output_len.parse::<usize>().context("--output-len must be one number with --draft/--lookup")?;
-    let options =
-        ModelOptions { context: Some(a.context.unwrap_or(1024)), max_seqs: 2, kv_dtype: a.kv_dtype.dtype(), ..Default::default() };
+    let options = ModelOptions {
+        context: Some(a.context.unwrap_or(1024)),
+        max_seqs: 2,
+        kv_dtype: a.kv_dtype.dtype(),
+        eight_token_matvec: a.no_eight_token_matvec.then_some(false),
+        ..Default::default()
+    };
     let (mut target, tokenizer) =
         pollster::block_on(lantern::model::load::load_to_gpu(ctx.clone(), &model_path, options.clone(), &mut |_, _| {}))
             .with_context(|| format!("loading {}", model_path.display()))?;

@@ -34,10 +34,17 @@ pub struct ModelOptions {
     /// per token), larger ones the batched matvec or the matmul. Default: 1 where batched
     /// plans exist (packed weights) or on CPU adapters, else 4.
     pub matvec_max_tokens: Option<usize>,
-    /// Packed weights: larger steps up to this many tokens use the four-token matvec (one
-    /// pass over the weights per four tokens; CPU adapters' ROWS4 | XBCAST, GPUs'
-    /// MULTI_ROW) before the matmul takes over. Default: 16 on CPU adapters, 4 on GPUs.
+    /// Packed weights: larger steps up to this many tokens use the batched matvec (one
+    /// pass over the weights per four tokens, or per eight for steps of more than four
+    /// where the layout has the eight-token form; CPU adapters' ROWS4 | XBCAST or TEX,
+    /// GPUs' MULTI_ROW) before the matmul takes over. Default: 16 on CPU adapters, 8 on
+    /// GPUs (4 without the eight-token form).
     pub batch_max_tokens: Option<usize>,
+    /// Steps of more than four tokens (speculative verify) take the eight-token matvec
+    /// (`flags::TOK8`: the tiled layout of CPU adapters, GPUs' MULTI_ROW), one pass over the
+    /// weights per eight tokens. `None` or `Some(true)`: where the layout has it;
+    /// `Some(false)`: passes of the four-token matvec (comparisons).
+    pub eight_token_matvec: Option<bool>,
     /// Pages in the KV pool; default `max_seqs` full contexts (capped by the budget).
     pub kv_pages: Option<usize>,
     /// Run every step through the same kernels (the matmul path, even for one token), so a
@@ -84,6 +91,7 @@ impl Default for ModelOptions {
             batch_invariant: false,
             matvec_max_tokens: None,
             batch_max_tokens: None,
+            eight_token_matvec: None,
             kv_pages: None,
             memory_budget: None,
             weight_textures: None,

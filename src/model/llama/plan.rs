@@ -77,10 +77,15 @@ pub(super) struct Plans {
     pub layers_matvec: Vec<Dispatch>,
     pub layers_matmul: Vec<Dispatch>,
     pub head_gather: Vec<Dispatch>,
-    /// CPU adapters with texture-held weights: the four-token texture matvec for steps of a
-    /// few tokens (batched decode) and its LM head; None elsewhere.
+    /// Packed weights where the four-token matvec exists (CPU adapters' XBCAST and TEX
+    /// layouts, GPUs' MULTI_ROW): its layers and LM head for steps of a few tokens (batched
+    /// decode, speculative verify); None elsewhere.
     pub layers_batch: Option<Vec<Dispatch>>,
     pub head_gather_batch: Option<Vec<Dispatch>>,
+    /// Where the eight-token matvec exists too (TEX, MULTI_ROW): the same for steps of more
+    /// than four tokens.
+    pub layers_batch8: Option<Vec<Dispatch>>,
+    pub head_gather_batch8: Option<Vec<Dispatch>>,
     pub head_all: Vec<Dispatch>,
     pub argmax: Dispatch,
     pub topk: Dispatch,
@@ -232,10 +237,18 @@ pub(super) async fn build_plans(
     let packed = layers.iter().any(|l| l.qkv.iter().any(|(q, _)| q.format.is_packed()));
     let tok4 = packed && kernels::linear::packed_matvec_layout(ctx).0 & (flags::XBCAST | flags::MULTI_ROW) != 0;
     let batch_plans = !options.batch_invariant && tok4;
+    // The eight-token form (TOK8) exists in the tiled layout (CPU adapters' texture-held
+    // weights) and in MULTI_ROW (GPUs); the storage layout's steps of 5-8 tokens would take
+    // two four-token passes, which the four-token plan already does.
+    let tiled = layers.iter().any(|l| l.qkv.iter().any(|(q, _)| q.is_tiled()));
+    let tok8 = batch_plans
+        && options.eight_token_matvec != Some(false)
+        && (tiled || kernels::linear::packed_matvec_layout(ctx).0 & flags::MULTI_ROW != 0);
     let mut layers_batch = Vec::new();
+    let mut layers_batch8 = Vec::new();
     for (l, layer) in layers.iter().enumerate() {
-        for shape in [Shape::Matvec, Shape::Matmul, Shape::MatvecBatch] {
-            if shape == Shape::MatvecBatch && !batch_plans {
+        for shape in [Shape::Matvec, Shape::Matmul, Shape::MatvecBatch, Shape::MatvecBatch8] {
+            if (shape == Shape::MatvecBatch && !batch_plans) || (shape == Shape::MatvecBatch8 && !tok8) {
                 continue;
             }
             let list = GpuModel::layer_plan(ctx, c, ws, &kv.store, kv_cfg, l, layer, shape).await?;
@@ -243,14 +256,33 @@ pub(super) async fn build_plans(
                 Shape::Matvec => layers_matvec.extend(list),
                 Shape::Matmul => layers_matmul.extend(list),
                 Shape::MatvecBatch => layers_batch.extend(list),
+                Shape::MatvecBatch8 => layers_batch8.extend(list),
             }
         }
     }
-    // CPU adapters: up to 16 tokens (4 passes of the four-token matvec beat the blocked
-    // matmul there); GPUs: 4 (one pass over the weights; beyond it the tiled matmul, which
-    // also reads them once).
-    let batch_default = if ctx.caps.cpu_like { 16 } else { 4 };
+    // CPU adapters: up to 16 tokens (passes of the four- or eight-token matvec beat the
+    // blocked matmul there); GPUs: 8 with the eight-token form, else 4 (one pass over the
+    // weights; beyond it the tiled matmul, which also reads them once).
+    let batch_default = match (ctx.caps.cpu_like, tok8) {
+        (true, _) => 16,
+        (false, true) => 8,
+        (false, false) => 4,
+    };
     let batch_max_tokens = if batch_plans { options.batch_max_tokens.unwrap_or(batch_default) } else { 0 };
+    let head_gather_batch8 = if tok8 {
+        Some(
+            kernels::linear::build(
+                ctx,
+                lm_head,
+                &lin_io(ws, &ws.hidden, d, Some(final_norm), &ws.logits, c.vocab_size, false, c.rms_norm_eps, Some(&ws.logit_rows)),
+                Shape::MatvecBatch8,
+            )
+            .await
+            .map_err(gpu_err)?,
+        )
+    } else {
+        None
+    };
     let head_gather_batch = if batch_plans {
         Some(
             kernels::linear::build(
@@ -296,6 +328,8 @@ pub(super) async fn build_plans(
         head_gather,
         layers_batch: batch_plans.then_some(layers_batch),
         head_gather_batch,
+        layers_batch8: tok8.then_some(layers_batch8),
+        head_gather_batch8,
         head_all,
         argmax,
         topk,

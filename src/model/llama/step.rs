@@ -68,6 +68,14 @@ pub struct PendingStep {
 /// steps have enough tokens to fill the device.
 pub(super) const SPLIT_MAX_TOKENS: usize = 4;
 
+/// Batched steps of at most this many tokens take the four-token matvec; larger ones up to
+/// [`BATCH8_MAX_TOKENS`] the eight-token matvec where the plans have it
+/// (`Plans::layers_batch8`), and larger ones again passes of the four-token matvec (CPU
+/// adapters' steps of 9-16: on lavapipe, Qwen2.5-Coder-1.5B, 9 tokens cost 3.4 s in three
+/// four-token passes against 4.1 s in two eight-token ones).
+pub(super) const BATCH4_MAX_TOKENS: usize = 4;
+pub(super) const BATCH8_MAX_TOKENS: usize = 8;
+
 impl GpuModel {
     /// Run one step of each plan shape (decode; the batched and the matmul prefill), with
     /// argmax and top-k readback, on a scratch sequence that is released afterwards: drivers
@@ -78,6 +86,10 @@ impl GpuModel {
         let t0 = web_time::Instant::now();
         let context = self.kv.alloc.config.context;
         let mut sizes = vec![1usize, self.matvec_max_tokens + 1, self.batch_max_tokens.max(self.matvec_max_tokens) + 1];
+        if self.plans.layers_batch8.is_some() {
+            sizes.push(BATCH4_MAX_TOKENS + 1);
+        }
+        sizes.sort_unstable();
         sizes.dedup();
         sizes.retain(|&n| n <= self.options.max_batch_tokens);
         let seq = self.new_sequence()?;
@@ -115,13 +127,16 @@ impl GpuModel {
                 self.options.max_batch_tokens, self.logit_rows
             )));
         }
-        // The kernel shape a width runs: the decode matvec, the batched matvec, the matmul.
-        let (mv, bt) = (self.matvec_max_tokens, self.batch_max_tokens);
+        // The kernel shape a width runs: the decode matvec, the four- or eight-token batched
+        // matvec, the matmul.
+        let (mv, bt, b8) = (self.matvec_max_tokens, self.batch_max_tokens, self.plans.layers_batch8.is_some());
         let shape = |w: usize| {
             if w <= mv {
                 0
-            } else if w <= bt {
+            } else if w <= bt && (!b8 || !(BATCH4_MAX_TOKENS + 1..=BATCH8_MAX_TOKENS).contains(&w)) {
                 1
+            } else if w <= bt {
+                3
             } else {
                 2
             }
@@ -362,7 +377,10 @@ impl GpuModel {
         if n <= self.matvec_max_tokens {
             &self.plans.layers_matvec
         } else if n <= self.batch_max_tokens {
-            self.plans.layers_batch.as_deref().unwrap_or(&self.plans.layers_matmul)
+            match &self.plans.layers_batch8 {
+                Some(eight) if (BATCH4_MAX_TOKENS + 1..=BATCH8_MAX_TOKENS).contains(&n) => eight,
+                _ => self.plans.layers_batch.as_deref().unwrap_or(&self.plans.layers_matmul),
+            }
         } else {
             &self.plans.layers_matmul
         }
@@ -462,6 +480,8 @@ impl GpuModel {
         if s.n_out > 0 {
             let head = if all_rows {
                 &self.plans.head_all
+            } else if (BATCH4_MAX_TOKENS + 1..=BATCH8_MAX_TOKENS).contains(&(s.n_out as usize)) && self.plans.head_gather_batch8.is_some() {
+                self.plans.head_gather_batch8.as_deref().unwrap_or(&self.plans.head_gather)
             } else if s.n_out > 1 && self.plans.head_gather_batch.is_some() {
                 self.plans.head_gather_batch.as_deref().unwrap_or(&self.plans.head_gather)
             } else {
