@@ -1,20 +1,17 @@
 //! Every GGUF weight type Lantern loads, end to end on the GPU: the ggml-types fixture
 //! (`tests/fixtures/ggml-types`: one tiny Llama quantized by llama.cpp's `llama-quantize
 //! --pure` to each single type, with transformers' float32 logits from the dequantized
-//! weights) run in every kernel layout the runtime has (forced with the layout overrides),
-//! with weights split across small bindings too. Per type and layout: the logits of every
+//! weights) run in every kernel layout the runtime has (forced with `gpu::KernelOptions` on the
+//! context), with weights split across small bindings too. Per type and layout: the logits of every
 //! position within the fixture's bound (1e-4 x the row's max |logit|), in one prefill step
 //! (matmul kernels) and in chunks of 8 (the batched matvec; chunks of 4 with small
 //! bindings), and the 16 greedy tokens through the paged cache (decode matvec).
-//!
-//! The layout overrides are environment variables read when a model's plans are built, so
-//! this binary holds this one test and sets them between loads.
 
 mod common;
 
 use std::path::PathBuf;
 
-use lantern::gpu::DeviceOptions;
+use lantern::gpu::{DeviceOptions, KernelOptions, MatmulLayout, MatvecLayout};
 use lantern::model::llama::{GpuModel, ModelOptions, Want};
 use lantern::model::load::load_path;
 
@@ -27,44 +24,36 @@ fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ggml-types")
 }
 
-/// A kernel layout: the overrides that force it, and the binding limit.
+/// A kernel layout: the kernel choices that force it, and the binding limit.
 struct Layout {
     name: &'static str,
-    env: &'static [(&'static str, &'static str)],
+    kernels: KernelOptions,
     binding: Option<u64>,
 }
 
-const OVERRIDES: [&str; 4] = ["LANTERN_MATVEC", "LANTERN_MATMUL", "LANTERN_XBCAST", "LANTERN_TEX"];
+const DEFAULT: KernelOptions =
+    KernelOptions { matvec: None, matmul: None, xbcast: true, weight_textures: true, uniform_x: true, x_textures: true, f16_dequant: true };
+const GPU_MULTIROW: KernelOptions = KernelOptions { matvec: Some(MatvecLayout::MultiRow), matmul: Some(MatmulLayout::Tiled), ..DEFAULT };
 
 const LAYOUTS: [Layout; 7] = [
-    // CPU adapters' defaults: texture matvec (TEX, TOK4 for chunks), blocked matmul with x
+    // CPU adapters' defaults: texture matvec (TEX, TOK8 for chunks), blocked matmul with x
     // broadcast.
-    Layout { name: "default", env: &[], binding: None },
-    Layout { name: "default, 16 KiB bindings", env: &[], binding: Some(16 * 1024) },
+    Layout { name: "default", kernels: DEFAULT, binding: None },
+    Layout { name: "default, 16 KiB bindings", kernels: DEFAULT, binding: Some(16 * 1024) },
     // Storage-read matvec with x broadcast (no texture copies).
-    Layout { name: "rows4 xbcast", env: &[("LANTERN_TEX", "0")], binding: None },
+    Layout { name: "rows4 xbcast", kernels: KernelOptions { weight_textures: false, ..DEFAULT }, binding: None },
     // No subgroups: plain ROWS4 matvec and blocked matmul (SwiftShader's kernels).
-    Layout { name: "rows4, blocked", env: &[("LANTERN_XBCAST", "0")], binding: None },
+    Layout { name: "rows4, blocked", kernels: KernelOptions { xbcast: false, ..DEFAULT }, binding: None },
     // The GPU kernels: two rows per workgroup in 16-element units (MULTI_ROW, the GPU
     // default), a workgroup per row, and the tiled matmul.
-    Layout { name: "multirow, tiled", env: &[("LANTERN_MATVEC", "multirow"), ("LANTERN_MATMUL", "tiled")], binding: None },
+    Layout { name: "multirow, tiled", kernels: GPU_MULTIROW, binding: None },
+    Layout { name: "multirow, tiled, 16 KiB bindings", kernels: GPU_MULTIROW, binding: Some(16 * 1024) },
     Layout {
-        name: "multirow, tiled, 16 KiB bindings",
-        env: &[("LANTERN_MATVEC", "multirow"), ("LANTERN_MATMUL", "tiled")],
-        binding: Some(16 * 1024),
+        name: "wg64, tiled",
+        kernels: KernelOptions { matvec: Some(MatvecLayout::Wg64), matmul: Some(MatmulLayout::Tiled), ..DEFAULT },
+        binding: None,
     },
-    Layout { name: "wg64, tiled", env: &[("LANTERN_MATVEC", "wg64"), ("LANTERN_MATMUL", "tiled")], binding: None },
 ];
-
-fn set_layout(l: &Layout) {
-    for k in OVERRIDES {
-        // This binary's only test sets them, between loads: nothing reads them concurrently.
-        std::env::remove_var(k);
-    }
-    for (k, v) in l.env {
-        std::env::set_var(k, v);
-    }
-}
 
 /// Worst per-row relative error of `got` against `want` (rows of `vocab`): (ratio, position).
 fn worst_row_error(got: &[f32], want: &[f32], vocab: usize) -> (f32, usize, f32) {
@@ -86,8 +75,7 @@ fn every_ggml_type_matches_the_reference_in_every_layout() {
     let input = common::ids(&reference["input_ids"]);
     let mut report = Vec::new();
     for layout in &LAYOUTS {
-        set_layout(layout);
-        let ctx = common::gpu_with(&DeviceOptions { max_binding_size: layout.binding, ..Default::default() });
+        let ctx = common::gpu_with(&DeviceOptions { max_binding_size: layout.binding, kernels: layout.kernels, ..Default::default() });
         for ty in TYPES {
             let r = &reference["types"][ty];
             let what = format!("{ty} [{}]", layout.name);
@@ -124,7 +112,6 @@ fn every_ggml_type_matches_the_reference_in_every_layout() {
             }
         }
     }
-    set_layout(&LAYOUTS[0]);
     for line in report {
         eprintln!("{line}");
     }

@@ -116,3 +116,26 @@ fn the_scan_reads_crate_paths_and_skips_comments() {
     let lines: Vec<Vec<String>> = code(&dir).iter().map(|(_, l)| crate_modules(l).into_iter().map(String::from).collect()).collect();
     assert_eq!(lines, vec![Vec::<String>::new(), vec!["engine".to_string()]]);
 }
+
+/// No environment variable picks a kernel: the layouts come from the adapter and
+/// `gpu::KernelOptions` (the library's and the CLI's choice), never from `std::env` read in
+/// the GPU and kernel layers or the forward pass.
+#[test]
+fn no_kernel_is_chosen_by_an_environment_variable() {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    for dir in ["gpu", "kernels", "model"] {
+        rust_files(&src.join(dir), &mut files);
+    }
+    assert!(files.len() > 20, "only {} files under src/gpu, src/kernels, src/model", files.len());
+    let mut found = Vec::new();
+    for f in &files {
+        for (n, line) in code(f) {
+            // The backend choice (`WGPU_BACKEND`, wgpu's own convention) is not a kernel.
+            if (line.contains("env::var") || line.contains("env!(\"LANTERN")) && !line.contains("WGPU_BACKEND") {
+                found.push(format!("{}:{n}: {}", f.display(), line.trim()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "kernels chosen from the environment (use gpu::KernelOptions):\n{}", found.join("\n"));
+}

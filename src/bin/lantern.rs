@@ -121,9 +121,45 @@ struct DeviceArgs {
     /// cache (kept in <cache dir>/pipelines where the backend has one: Vulkan).
     #[arg(long)]
     no_pipeline_cache: bool,
+    /// Force the decode matvec's layout: thread, rows4, wg8, wg64, multirow (default: the
+    /// adapter's; for comparisons).
+    #[arg(long, help_heading = "Kernel choices (comparisons)")]
+    matvec: Option<lantern::gpu::MatvecLayout>,
+    /// Force the prefill matmul: tiled or blocked (default: the adapter's).
+    #[arg(long, help_heading = "Kernel choices (comparisons)")]
+    matmul: Option<lantern::gpu::MatmulLayout>,
+    /// Do not share x by subgroup broadcast (CPU adapters with 8-lane subgroups).
+    #[arg(long, help_heading = "Kernel choices (comparisons)")]
+    no_xbcast: bool,
+    /// Keep packed weights in storage buffers instead of tiled textures (CPU adapters with
+    /// 8-lane subgroups).
+    #[arg(long, help_heading = "Kernel choices (comparisons)")]
+    no_weight_textures: bool,
+    /// Read x from storage in the tiled matvec instead of 64 KiB uniform windows.
+    #[arg(long, help_heading = "Kernel choices (comparisons)")]
+    no_uniform_x: bool,
+    /// Read x from storage in the CPU adapters' prefill instead of a texture copy.
+    #[arg(long, help_heading = "Kernel choices (comparisons)")]
+    no_x_textures: bool,
+    /// Dequantize packed weights in f32 on GPUs with shader-f16.
+    #[arg(long, help_heading = "Kernel choices (comparisons)")]
+    no_f16_dequant: bool,
 }
 
 impl DeviceArgs {
+    /// The kernel choices these flags ask for.
+    fn kernels(&self) -> lantern::gpu::KernelOptions {
+        lantern::gpu::KernelOptions {
+            matvec: self.matvec,
+            matmul: self.matmul,
+            xbcast: !self.no_xbcast,
+            weight_textures: !self.no_weight_textures,
+            uniform_x: !self.no_uniform_x,
+            x_textures: !self.no_x_textures,
+            f16_dequant: !self.no_f16_dequant,
+        }
+    }
+
     /// Open the chosen adapter (or the best one) as a GPU context.
     fn open(&self) -> Result<std::sync::Arc<GpuContext>> {
         let pipeline_cache_dir = (!self.no_pipeline_cache && std::env::var_os("LANTERN_NO_PIPELINE_CACHE").is_none())
@@ -132,6 +168,7 @@ impl DeviceArgs {
             backend: self.backend.clone(),
             adapter: self.adapter.clone(),
             pipeline_cache_dir,
+            kernels: self.kernels(),
             ..Default::default()
         }))?)
     }

@@ -3,6 +3,7 @@
 
 pub mod buffer;
 pub mod counters;
+pub mod kernel_options;
 pub mod memory;
 pub mod pipeline;
 pub mod preprocess;
@@ -14,6 +15,7 @@ use serde::Serialize;
 
 pub use buffer::{GpuTensor, Readback};
 pub use counters::{HostCounters, HostCounts};
+pub use kernel_options::{KernelOptions, MatmulLayout, MatvecLayout};
 pub use pipeline::{DriverCacheState, PipelineCache, PipelineStats};
 pub use shader::{Features, PipelineKey, ShaderOp};
 
@@ -109,6 +111,8 @@ pub struct DeviceOptions {
     /// Where the driver's pipeline cache persists between processes (Vulkan): the CLI uses
     /// `<cache dir>/pipelines`. `None`: compile every pipeline at every start.
     pub pipeline_cache_dir: Option<std::path::PathBuf>,
+    /// Kernel layouts forced or switched off (default: the adapter's choices).
+    pub kernels: KernelOptions,
 }
 
 fn parse_backend(name: &str) -> Result<wgpu::Backends, GpuError> {
@@ -265,6 +269,8 @@ pub struct GpuContext {
     pub lost: Arc<std::sync::Mutex<Option<String>>>,
     /// What the host has done on this device (dispatches, submits, waits...).
     pub counters: HostCounters,
+    /// Kernel layouts forced or switched off on this context.
+    pub kernels: KernelOptions,
 }
 
 /// What a buffer is for, as the allocation functions of `buffer.rs` know it.
@@ -399,7 +405,7 @@ impl GpuContext {
             })
             .await
             .map_err(|e| GpuError::RequestDevice { adapter: info.name.clone(), reason: e.to_string() })?;
-        Ok(Self::wrap(device, queue, info, limits, opts.pipeline_cache_dir.as_deref()))
+        Ok(Self::wrap(device, queue, info, limits, opts.pipeline_cache_dir.as_deref(), opts.kernels))
     }
 
     /// Run on a device the host application already has (a game's or an editor's), sharing
@@ -424,7 +430,7 @@ impl GpuContext {
                 why: "the fused kernels bind up to 8 storage buffers; request the adapter's limits for the device".into(),
             });
         }
-        Ok(Self::wrap(device, queue, info, limits, pipeline_cache_dir))
+        Ok(Self::wrap(device, queue, info, limits, pipeline_cache_dir, KernelOptions::default()))
     }
 
     /// [`GpuContext::from_device`] with the driver's pipeline cache persisted in `dir`
@@ -458,7 +464,16 @@ impl GpuContext {
                 });
             }
         }
-        Ok(Arc::new(GpuContext {
+        Ok(self.derived(caps, self.kernels))
+    }
+
+    /// The same device with these kernel choices (its own pipeline cache, starting empty).
+    pub fn with_kernels(&self, kernels: KernelOptions) -> Arc<GpuContext> {
+        self.derived(self.caps, kernels)
+    }
+
+    fn derived(&self, caps: Capabilities, kernels: KernelOptions) -> Arc<GpuContext> {
+        Arc::new(GpuContext {
             device: self.device.clone(),
             queue: self.queue.clone(),
             info: self.info.clone(),
@@ -468,7 +483,8 @@ impl GpuContext {
             ledger: Ledger::default(),
             lost: self.lost.clone(),
             counters: HostCounters::default(),
-        }))
+            kernels,
+        })
     }
 
     fn wrap(
@@ -477,6 +493,7 @@ impl GpuContext {
         info: wgpu::AdapterInfo,
         limits: wgpu::Limits,
         pipeline_cache_dir: Option<&std::path::Path>,
+        kernels: KernelOptions,
     ) -> Arc<GpuContext> {
         let features = device.features();
         let caps = Capabilities {
@@ -507,6 +524,7 @@ impl GpuContext {
             ledger: Ledger::default(),
             lost,
             counters: HostCounters::default(),
+            kernels,
         })
     }
 

@@ -66,8 +66,8 @@ pub enum Store {
 /// Whether a packed weight with rows of `k` in `format` is held as tiled textures here: CPU
 /// adapters whose workgroup of 8 is one subgroup, rows of whole 32-element units, and scale
 /// groups of a power-of-two number of units (the kernel shifts instead of dividing) or a
-/// K-quant's fixed 16 (two per unit). `LANTERN_TEX=0` keeps
-/// storage buffers (benchmarks). Measured on lavapipe, Q4_K 16384 x 4096: 4.3-5.1 GB/s
+/// K-quant's fixed 16 (two per unit). `KernelOptions::weight_textures` off keeps
+/// storage buffers (comparisons). Measured on lavapipe, Q4_K 16384 x 4096: 4.3-5.1 GB/s
 /// against 0.72 GB/s for the storage layout (`examples/texlab.rs`).
 pub fn tiled_fits(ctx: &GpuContext, format: QuantFormat, k: usize) -> bool {
     let texels = [TiledTensor::texels_per_row(format.qs_words(k)), TiledTensor::texels_per_row(format.scale_words(k))];
@@ -77,7 +77,7 @@ pub fn tiled_fits(ctx: &GpuContext, format: QuantFormat, k: usize) -> bool {
         && format.qs_words(k).max(format.scale_words(k)) <= crate::gpu::buffer::MAX_TILED_ROW_WORDS
         && (format.kind.is_super() || format.group >= 32 && format.group.is_power_of_two())
         && TiledTensor::split(ctx, 1, &texels).is_some()
-        && std::env::var("LANTERN_TEX").as_deref() != Ok("0")
+        && ctx.kernels.weight_textures
 }
 
 /// Whether the tiled matvec reads x and the norm weight through 64 KiB uniform windows
@@ -85,9 +85,7 @@ pub fn tiled_fits(ctx: &GpuContext, format: QuantFormat, k: usize) -> bool {
 /// then made uniform-capable and at least that long ([`crate::gpu::buffer::create_x_buffer`]).
 pub fn xu_fits(ctx: &GpuContext) -> bool {
     // The padded buffers are also bound whole as storage.
-    ctx.limits.max_uniform_buffer_binding_size >= XU_WINDOW as u64
-        && ctx.max_binding() >= XU_WINDOW as u64
-        && std::env::var("LANTERN_XU").as_deref() != Ok("0")
+    ctx.limits.max_uniform_buffer_binding_size >= XU_WINDOW as u64 && ctx.max_binding() >= XU_WINDOW as u64 && ctx.kernels.uniform_x
 }
 
 /// Bytes of the uniform window of x (`xu` in shaders/common/linear.wgsl: 4096 vec4).
@@ -670,18 +668,18 @@ fn xu_usable(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>) -> bool {
 /// speed: each invocation computes four rows (ROWS4) so one x load serves four weights, in
 /// workgroups of 8 (one SIMD batch; many workgroups keep every CPU thread busy). Measured
 /// on lavapipe: 1.6-2x the row-per-workgroup and row-per-invocation layouts. On GPUs a
-/// 64-wide workgroup per row gives coalesced loads. Override with
-/// `LANTERN_MATVEC=thread|rows4|wg8|wg64` (benchmarks).
+/// 64-wide workgroup per row gives coalesced loads. `KernelOptions::matvec` overrides
+/// (comparisons, tests).
 pub fn matvec_layout(ctx: &GpuContext) -> (u32, u32) {
-    let forced = std::env::var("LANTERN_MATVEC").ok();
-    match forced.as_deref() {
-        Some("thread") => return (0, 64),
-        Some("rows4") => return (flags::ROWS4, 8),
-        // `multirow` is a packed-weight layout (packed_matvec_layout); float weights take
+    use crate::gpu::MatvecLayout as L;
+    match ctx.kernels.matvec {
+        Some(L::Thread) => return (0, 64),
+        Some(L::Rows4) => return (flags::ROWS4, 8),
+        // `MultiRow` is a packed-weight layout (packed_matvec_layout); float weights take
         // the GPU layout they have.
-        Some("wg64") | Some("multirow") => return (flags::ROW_PER_WORKGROUP, 64),
-        Some("wg8") => return (flags::ROW_PER_WORKGROUP, 8),
-        _ => {}
+        Some(L::Wg64) | Some(L::MultiRow) => return (flags::ROW_PER_WORKGROUP, 64),
+        Some(L::Wg8) => return (flags::ROW_PER_WORKGROUP, 8),
+        None => {}
     }
     if ctx.caps.cpu_like {
         (flags::ROWS4, 8)
@@ -693,12 +691,12 @@ pub fn matvec_layout(ctx: &GpuContext) -> (u32, u32) {
 /// The packed matvec's layout here: `matvec_layout`, restricted to the tuned packed layouts
 /// (ROWS4 on CPU adapters, with XBCAST where the workgroup of 8 is one subgroup; on GPUs
 /// MULTI_ROW, llama.cpp's K-quant layout, for rows whose groups hold 16 elements or more:
-/// `build` takes ROW_PER_WORKGROUP for the rest). `LANTERN_MATVEC=wg64` forces the
-/// row-per-workgroup layout, `multirow` the multi-row one (on any adapter: tests). The
+/// `build` takes ROW_PER_WORKGROUP for the rest). `KernelOptions::matvec` `Wg64` forces the
+/// row-per-workgroup layout, `MultiRow` the multi-row one (on any adapter: tests). The
 /// four-token batched form (TOK4) exists where XBCAST or MULTI_ROW does.
 pub fn packed_matvec_layout(ctx: &GpuContext) -> (u32, u32) {
-    let forced = std::env::var("LANTERN_MATVEC").ok();
-    if forced.as_deref() == Some("multirow") || (forced.is_none() && !ctx.caps.cpu_like) {
+    let forced = ctx.kernels.matvec;
+    if forced == Some(crate::gpu::MatvecLayout::MultiRow) || (forced.is_none() && !ctx.caps.cpu_like) {
         return (flags::MULTI_ROW, 64);
     }
     let (f, w) = matvec_layout(ctx);
@@ -761,20 +759,17 @@ pub fn masked_format(w: WeightFormat) -> bool {
 }
 
 /// Whether the XBCAST layouts run here: the workgroup of 8 must be exactly one subgroup
-/// (lavapipe: always 8 lanes). `LANTERN_XBCAST=0` turns them off (benchmarks).
+/// (lavapipe: always 8 lanes). `KernelOptions::xbcast` off turns them off (comparisons).
 pub fn xbcast_fits(ctx: &GpuContext) -> bool {
-    ctx.caps.subgroups
-        && ctx.caps.subgroup_min_size == 8
-        && ctx.caps.subgroup_max_size == 8
-        && std::env::var("LANTERN_XBCAST").as_deref() != Ok("0")
+    ctx.caps.subgroups && ctx.caps.subgroup_min_size == 8 && ctx.caps.subgroup_max_size == 8 && ctx.kernels.xbcast
 }
 
 /// Whether the packed-weight GPU kernels dequantize in half precision: on GPUs offering
 /// shader-f16 (packed f16 math, half-size weight tiles). CPU adapters always take the f32
-/// kernels, whose results equal dequantize-then-multiply in f32. `LANTERN_F16_DEQUANT=0`
-/// turns it off.
+/// kernels, whose results equal dequantize-then-multiply in f32. `KernelOptions::f16_dequant`
+/// off turns it off.
 pub fn packed_f16(ctx: &GpuContext) -> bool {
-    ctx.caps.shader_f16 && !ctx.caps.cpu_like && std::env::var("LANTERN_F16_DEQUANT").as_deref() != Ok("0")
+    ctx.caps.shader_f16 && !ctx.caps.cpu_like && ctx.kernels.f16_dequant
 }
 
 /// Prefill matmul variant by adapter: `(op, flags, workgroup size)`.
@@ -785,14 +780,13 @@ pub fn packed_f16(ctx: &GpuContext) -> bool {
 /// register block of tokens x rows straight from global memory (`MatmulBlocked`), in
 /// workgroups of 8 (one SIMD batch), 8 tokens x 8 rows each: measured on lavapipe (64
 /// tokens, 576x1536 and 1536x576) 3-5x the tiled matmul, and 1.3-1.8x the 4x4, 8x4 and 4x8
-/// blocks (benches/kernels.rs). On GPUs the tiled matmul. Override with
-/// `LANTERN_MATMUL=tiled|blocked` (benchmarks).
+/// blocks (benches/kernels.rs). On GPUs the tiled matmul. `KernelOptions::matmul`
+/// overrides (comparisons, tests).
 pub fn matmul_layout(ctx: &GpuContext) -> (ShaderOp, u32, u32) {
-    let forced = std::env::var("LANTERN_MATMUL").ok();
-    match forced.as_deref() {
-        Some("tiled") => return (ShaderOp::Matmul, 0, 64),
-        Some("blocked") => return BLOCKED_DEFAULT,
-        _ => {}
+    match ctx.kernels.matmul {
+        Some(crate::gpu::MatmulLayout::Tiled) => return (ShaderOp::Matmul, 0, 64),
+        Some(crate::gpu::MatmulLayout::Blocked) => return BLOCKED_DEFAULT,
+        None => {}
     }
     if ctx.caps.cpu_like {
         BLOCKED_DEFAULT

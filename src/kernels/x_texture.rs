@@ -28,14 +28,14 @@ pub struct XTextureParams {
 
 /// Whether linear inputs of these widths, in steps of up to `tokens` rows, are read through
 /// x textures here: CPU adapters whose weights are tiled textures (8-lane subgroups), widths
-/// of whole texels within the adapter's texture size. `LANTERN_XTEX=0` turns it off
-/// (benchmarks).
+/// of whole texels within the adapter's texture size. `KernelOptions::x_textures` (and
+/// `weight_textures`) off turns it off (comparisons).
 pub fn fits(ctx: &GpuContext, widths: &[usize], tokens: usize) -> bool {
     let max = ctx.limits.max_texture_dimension_2d as usize;
     ctx.caps.cpu_like
         && super::linear::xbcast_fits(ctx)
-        && std::env::var("LANTERN_XTEX").as_deref() != Ok("0")
-        && std::env::var("LANTERN_TEX").as_deref() != Ok("0")
+        && ctx.kernels.x_textures
+        && ctx.kernels.weight_textures
         && tokens <= max
         && widths.iter().all(|&w| w.is_multiple_of(4) && w / 4 <= max)
 }
