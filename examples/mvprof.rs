@@ -1,7 +1,7 @@
 //! Time one packed matvec kernel variant in a loop (for profilers):
 //! `cargo run --release --example mvprof -- FORMAT N K REPS [TOKENS]` (FORMAT: q4k, q6k, q5s,
 //! q8, ...; the runtime's own layout for that format on this adapter: the matvec for one token,
-//! the batched matvec for 2-4, the prefill matmul above). Prints GB/s of weight bytes per
+//! the four-token matvec for 2-4, the eight-token one for 5-8, the prefill matmul above). Prints GB/s of weight bytes per
 //! dispatch, median of REPS.
 
 use std::time::Instant;
@@ -59,6 +59,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let shape = match tokens {
         1 => Shape::Matvec,
         2..=4 => Shape::MatvecBatch,
+        5..=8 => Shape::MatvecBatch8,
         _ => Shape::Matmul,
     };
     let mut d = pollster::block_on(build(&ctx, &lin, &io, shape))?;

@@ -68,7 +68,7 @@ pub enum Store {
 /// groups of a power-of-two number of units (the kernel shifts instead of dividing) or a
 /// K-quant's fixed 16 (two per unit). `KernelOptions::weight_textures` off keeps
 /// storage buffers (comparisons). Measured on lavapipe, Q4_K 16384 x 4096: 4.3-5.1 GB/s
-/// against 0.72 GB/s for the storage layout (`examples/texlab.rs`).
+/// against 0.72 GB/s for the storage layout (`cargo bench --bench kernels` compares them).
 pub fn tiled_fits(ctx: &GpuContext, format: QuantFormat, k: usize) -> bool {
     let texels = [TiledTensor::texels_per_row(format.qs_words(k)), TiledTensor::texels_per_row(format.scale_words(k))];
     ctx.caps.cpu_like
