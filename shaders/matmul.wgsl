@@ -1,4 +1,4 @@
-// Rust dispatch: src/kernels/linear.rs (matmul_layout); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs linear_*, packed_linear_*, ggml_*).
+// Rust dispatch: src/kernels/linear/ (matmul_layout); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs linear_*, packed_linear_*, ggml_*).
 // Prefill tiled matmul: Y[m, row_offset + n] = epilogue(sum_k X'[m, k] * W[n, k]) for a
 // BM x BN output tile per workgroup, staging BK-wide slices of X and W in workgroup memory.
 // Same fused prologue/epilogues as matvec.wgsl: NORM (RMSNorm folded: X' = X * g, result

@@ -1,4 +1,4 @@
-// Rust dispatch: src/kernels/linear.rs (matmul_layout); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs linear_*).
+// Rust dispatch: src/kernels/linear/ (matmul_layout); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs linear_*).
 // Prefill matmul for CPU adapters (lavapipe, SwiftShader):
 // Y[m, row_offset + n] = epilogue(sum_k X'[m, k] * W[n, k]) with no workgroup memory and no
 // barriers. Each invocation computes a register block of TM tokens x TN rows straight from

@@ -1,4 +1,4 @@
-// Rust dispatch: src/kernels/linear.rs (matmul_layout); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
+// Rust dispatch: src/kernels/linear/ (matmul_layout); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
 // Prefill matmul over packed integer weights for CPU adapters (lavapipe, SwiftShader): the
 // register-blocked kernel of matmul_blocked.wgsl with the weights read as code words and
 // dequantized in registers (c d + m, the group's scale read once per group and row; every

@@ -1,4 +1,4 @@
-// Rust dispatch: src/kernels/linear.rs (matvec_layout); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs linear_*).
+// Rust dispatch: src/kernels/linear/ (matvec_layout); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs linear_*).
 // Decode matvec: y[t, row_offset + n] = epilogue(sum_k W[n, k] * x'[t, k]) for the rows n of
 // one weight chunk. Prologue NORM folds RMSNorm: x' = x * g and the result is scaled by
 // r = 1/sqrt(mean(x^2) + eps), accumulated in the same pass over x. Epilogues: GATED

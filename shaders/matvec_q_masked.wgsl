@@ -1,4 +1,4 @@
-// Rust dispatch: src/kernels/linear.rs (masked_fits); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
+// Rust dispatch: src/kernels/linear/ (masked_fits); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
 // Decode matvec over packed integer weights for CPU adapters that keep them in storage
 // buffers (SwiftShader, the browser's software GPU; lavapipe's texture layout is
 // matvec_q_tiled.wgsl): y[t, row_offset + n] = epilogue(sum_k W[n, k] x'[t, k]), the same

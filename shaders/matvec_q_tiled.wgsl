@@ -1,4 +1,4 @@
-// Rust dispatch: src/kernels/linear.rs (tiled_key); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
+// Rust dispatch: src/kernels/linear/ (tiled_key); CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs packed_linear_*, ggml_*).
 // y[t, row_offset + n] = epilogue(sum_k W[n, k] * x'[t, k]) over packed integer weights (every
 // W_PACKED format; layout in src/quant/mod.rs): every code word is read once and dequantized
 // in registers with its group's scale, never written back. The fused prologue/epilogues are
