@@ -404,7 +404,7 @@ fn main() {
 /// there). Decode: median over `BENCH_DECODE` (default 16) single-token steps after a
 /// 32-token prefill, tokens/s = 1000 / median ms.
 fn model_bench(ctx: &Arc<GpuContext>) {
-    use lantern::model::llama::{GpuModel, ModelOptions, WeightPrecision};
+    use lantern::model::forward::{GpuModel, ModelOptions, WeightPrecision};
     use lantern::quant::quantize::{quantize_model, QuantizeOptions};
     let path = std::env::var_os("LANTERN_SMOLLM2_GGUF")
         .map(std::path::PathBuf::from)
@@ -462,8 +462,8 @@ fn model_bench(ctx: &Arc<GpuContext>) {
 
 /// Prefill tokens/s of `prompt` in one step, then the median seconds of `steps` single-token
 /// decode steps.
-fn prefill_decode(m: &mut lantern::model::llama::GpuModel, prompt: &[u32], steps: usize) -> (f64, f64) {
-    use lantern::model::llama::Want;
+fn prefill_decode(m: &mut lantern::model::forward::GpuModel, prompt: &[u32], steps: usize) -> (f64, f64) {
+    use lantern::model::forward::Want;
     let seq = m.new_sequence().expect("sequence");
     let t0 = Instant::now();
     let mut tok = pollster::block_on(m.forward(seq, prompt, Want::Argmax)).expect("prefill").argmax[0];

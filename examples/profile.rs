@@ -3,7 +3,7 @@
 //! (the last: steps up to this many tokens take the batched matvec instead of the matmul).
 
 use lantern::gpu::{DeviceOptions, GpuContext};
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args().nth(1).ok_or("usage: profile MODEL [PROMPT_TOKENS]")?;

@@ -32,7 +32,7 @@
 use web_time::Instant;
 
 use crate::engine::sampler::argmax;
-use crate::model::llama::{GpuModel, Want};
+use crate::model::forward::{GpuModel, Want};
 use crate::Result;
 
 /// Errors of the evaluation functions (model and GPU failures come through as their own

@@ -35,7 +35,7 @@ use wasm_bindgen_futures::JsFuture;
 use crate::engine::generate::generate_with;
 use crate::engine::{GenerateRequest, SamplingParams};
 use crate::gpu::{DeviceOptions, GpuContext};
-use crate::model::llama::{GpuModel, ModelOptions, WeightPrecision};
+use crate::model::forward::{GpuModel, ModelOptions, WeightPrecision};
 use crate::model::tokenizer::{ChatMessage, Tokenizer};
 
 /// Cache Storage bucket for downloaded models.

@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use lantern::engine::generate::{default_stop_ids, generate};
 use lantern::engine::{Constraint, Engine, EngineOptions, Event, FinishReason, GenerateRequest, Generation, Guide, SamplingParams};
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions};
 use lantern::model::tokenizer::{ChatMessage, Tokenizer};
 use lantern::model::ModelWeights;
 use lantern::LanternError;

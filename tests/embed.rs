@@ -8,8 +8,8 @@ mod common;
 use std::sync::Arc;
 
 use lantern::engine::{Engine, EngineOptions, Event, GenerateRequest, SamplingParams};
+use lantern::model::forward::{GpuModel, ModelOptions};
 use lantern::model::hf::load_hf_folder;
-use lantern::model::llama::{GpuModel, ModelOptions};
 use lantern::model::tokenizer::Tokenizer;
 use lantern::model::ModelWeights;
 

@@ -10,8 +10,8 @@ use common::random::Rng;
 use std::sync::{Arc, OnceLock};
 
 use lantern::engine::{Engine, EngineOptions, Event, FinishReason, GenerateRequest, Generation, RequestHandle, SamplingParams};
+use lantern::model::forward::{GpuModel, ModelOptions};
 use lantern::model::hf::load_hf_folder;
-use lantern::model::llama::{GpuModel, ModelOptions};
 use lantern::model::tokenizer::Tokenizer;
 use lantern::model::ModelWeights;
 
@@ -239,7 +239,7 @@ fn worker_thread_serves_concurrent_clients() {
 #[test]
 fn gpu_top_k_pairs_equal_the_logits_and_sample_the_same_tokens() {
     use lantern::engine::Sampler;
-    use lantern::model::llama::Want;
+    use lantern::model::forward::Want;
     let mut m = pollster::block_on(GpuModel::load(common::gpu(), weights(), model_opts(2, None))).expect("upload");
     let prompt: Vec<u32> = (1..20).map(|i| i * 17 % 512).collect();
     let a = m.new_sequence().unwrap();
@@ -323,7 +323,7 @@ fn parallel_samples_fork_the_prompt_pages_and_equal_solo_runs() {
 /// the same logits within 1e-4, for the sampled token and its 5 best alternatives.
 #[test]
 fn logprobs_equal_a_cpu_log_softmax_of_the_logits() {
-    use lantern::model::llama::Want;
+    use lantern::model::forward::Want;
     let prompt: Vec<u32> = (1..14).map(|i| i * 29 % 512).collect();
     let mut e = engine(model_opts(2, None), EngineOptions { step_tokens: 32, prefill_chunk: 32, max_waiting: 8 });
     for sampling in [SamplingParams::default(), SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 9 }] {
@@ -365,7 +365,7 @@ fn logprobs_equal_a_cpu_log_softmax_of_the_logits() {
 #[test]
 fn logit_bias_and_penalties_equal_a_cpu_bias_of_the_logits() {
     use lantern::engine::LogitBias;
-    use lantern::model::llama::Want;
+    use lantern::model::forward::Want;
     let prompt: Vec<u32> = (1..12).map(|i| i * 37 % 512).collect();
     let mut e = engine(model_opts(6, None), EngineOptions { step_tokens: 32, prefill_chunk: 32, max_waiting: 8 });
     let plain = GenerateRequest { prompt_ids: prompt.clone(), max_tokens: 10, ..Default::default() };

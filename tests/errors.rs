@@ -8,8 +8,8 @@ use lantern::engine::generate::{generate, GenerateRequest};
 use lantern::engine::SamplingParams;
 use lantern::gpu::{DeviceOptions, GpuContext, GpuError};
 use lantern::kv::KvError;
+use lantern::model::forward::{GpuModel, ModelOptions, Want};
 use lantern::model::hf::load_hf_folder;
-use lantern::model::llama::{GpuModel, ModelOptions, Want};
 use lantern::LanternError;
 
 fn tiny_model(context: usize) -> GpuModel {

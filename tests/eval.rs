@@ -10,7 +10,7 @@ use common::random::Rng;
 use std::collections::HashMap;
 
 use lantern::eval::{compare, perplexity, EvalError, Window, WindowMode};
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions};
 use lantern::model::{Arch, HostTensor, ModelConfig, ModelWeights};
 use lantern::reference::ReferenceModel;
 use lantern::LanternError;

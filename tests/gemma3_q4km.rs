@@ -14,7 +14,7 @@
 mod common;
 
 use common::real::{check_memory, json, model};
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions};
 use lantern::model::load::load_path;
 use lantern::model::{Activation, LayerAttention, NormPlacement};
 
@@ -57,7 +57,7 @@ fn gemma3_270m_q4km_matches_transformers() {
         context: Some(640),
         max_batch_tokens: 16,
         max_logit_rows: 16,
-        kv_window: lantern::model::llama::KvWindow::Ring,
+        kv_window: lantern::model::forward::KvWindow::Ring,
         ..Default::default()
     };
     let mut m = pollster::block_on(GpuModel::load(common::gpu_with(&Default::default()), &l.weights, opts)).expect("upload");

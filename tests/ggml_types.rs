@@ -12,7 +12,7 @@ mod common;
 use std::path::PathBuf;
 
 use lantern::gpu::{DeviceOptions, KernelOptions, MatmulLayout, MatvecLayout};
-use lantern::model::llama::{GpuModel, ModelOptions, Want};
+use lantern::model::forward::{GpuModel, ModelOptions, Want};
 use lantern::model::load::load_path;
 
 const TYPES: [&str; 12] = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"];

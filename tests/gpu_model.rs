@@ -9,8 +9,8 @@ use common::{assert_close, ids, read_f32};
 use std::path::PathBuf;
 
 use lantern::engine::sampler::argmax;
+use lantern::model::forward::{GpuModel, ModelOptions, Want};
 use lantern::model::hf::load_hf_folder;
-use lantern::model::llama::{GpuModel, ModelOptions, Want};
 use lantern::model::ModelWeights;
 
 const TOL: f32 = 1e-4;
@@ -251,7 +251,7 @@ fn every_pipeline_the_runtime_requests_is_a_validated_variant() {
     use lantern::gpu::shader::{Features, PipelineKey};
     use lantern::gpu::Capabilities;
     use lantern::kv::plan::KvDtype;
-    use lantern::model::llama::WeightPrecision;
+    use lantern::model::forward::WeightPrecision;
     use std::collections::BTreeSet;
     let base = common::gpu();
     let validated: BTreeSet<PipelineKey> = [false, true]

@@ -9,7 +9,7 @@ use lantern::engine::generate::{generate, GenerateRequest};
 use lantern::engine::SamplingParams;
 use lantern::gpu::DeviceOptions;
 use lantern::kv::plan::KvDtype;
-use lantern::model::llama::{GpuModel, ModelOptions, Want};
+use lantern::model::forward::{GpuModel, ModelOptions, Want};
 use lantern::model::load::load_path;
 
 fn cases() -> Vec<serde_json::Value> {

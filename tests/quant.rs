@@ -792,7 +792,7 @@ fn smollm2_awq_folder_round_trip() {
 /// same logits as the CPU reference on the same packed weights.
 #[test]
 fn gpu_runs_quantized_folders() {
-    use lantern::model::llama::{GpuModel, ModelOptions};
+    use lantern::model::forward::{GpuModel, ModelOptions};
     let ctx = common::gpu();
     for (name, kind, group, method) in [
         ("llama-gqa", QuantKind::Q4, 16, Method::Awq),

@@ -14,7 +14,7 @@
 mod common;
 
 use common::real::{check_memory, json, model};
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions};
 use lantern::model::load::load_path;
 
 #[test]

@@ -8,7 +8,7 @@
 mod common;
 
 use common::random::{random_model, Rng, Spec};
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions};
 use lantern::reference::ReferenceModel;
 
 const TOL: f32 = 2e-4;
@@ -85,7 +85,7 @@ fn large_head_dim_and_single_token_steps() {
 fn f16_weight_storage_stays_close_to_the_f32_reference() {
     // WeightPrecision::F16 rounds f32 weights to f16 at upload: logits move by about the
     // f16 rounding of the weights, far less than the gaps between top tokens here.
-    use lantern::model::llama::WeightPrecision;
+    use lantern::model::forward::WeightPrecision;
     let s = Spec { seed: 5, vocab: 200, hidden: 64, ffn: 96, heads: 4, kv_heads: 2, head_dim: 16, ..BASE };
     let w = random_model(s);
     let want = ReferenceModel::new(&w).unwrap().forward(&[3, 14, 15, 92, 65, 35]);
@@ -162,7 +162,7 @@ fn gemma_block_window_rings_equal_full_pages_in_every_kv_dtype() {
     // times. Ring and pool addressing must give bit-identical logits, for f32 (also equal
     // to the reference), f16 and q8 caches alike, with the pages the rings free.
     use lantern::kv::plan::KvDtype;
-    use lantern::model::llama::KvWindow;
+    use lantern::model::forward::KvWindow;
     let s = Spec { seed: 8, vocab: 80, hidden: 48, ffn: 64, layers: 4, heads: 4, kv_heads: 2, head_dim: 16, gemma: true, ..BASE };
     let w = random_model(s);
     let mut rng = Rng(s.seed + 5);
@@ -204,7 +204,7 @@ fn gemma_block_window_rings_equal_full_pages_in_every_kv_dtype() {
 #[test]
 fn window_rings_fork_with_their_sequence_and_refuse_a_rollback_past_the_ring() {
     use lantern::kv::KvError;
-    use lantern::model::llama::{KvWindow, Want};
+    use lantern::model::forward::{KvWindow, Want};
     use lantern::LanternError;
     let s = Spec { seed: 9, vocab: 70, hidden: 32, ffn: 48, layers: 2, heads: 2, kv_heads: 1, head_dim: 16, gemma: true, ..BASE };
     let w = random_model(s);
@@ -265,7 +265,7 @@ fn window_rings_split_over_bindings_fork_page_by_page() {
     // shard; one-token steps (the attention partials must fit a binding too) make rings of 2
     // pages, so slot 2's ring (pages 4 and 5) straddles two shards and its fork is copied page
     // by page. Both sequences then continue and match the reference.
-    use lantern::model::llama::KvWindow;
+    use lantern::model::forward::KvWindow;
     let s = Spec { seed: 10, vocab: 60, hidden: 64, ffn: 64, layers: 2, heads: 4, kv_heads: 2, head_dim: 64, gemma: true, ..BASE };
     let w = random_model(s);
     let reference = ReferenceModel::new(&w).unwrap();

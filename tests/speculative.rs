@@ -13,7 +13,7 @@ use lantern::engine::generate::{generate, generate_with, GenerateRequest};
 use lantern::engine::sampler::Sampler;
 use lantern::engine::speculative::{check_pair, Drafter, Speculation};
 use lantern::engine::SamplingParams;
-use lantern::model::llama::{GpuModel, ModelOptions, Want};
+use lantern::model::forward::{GpuModel, ModelOptions, Want};
 use lantern::model::tokenizer::Tokenizer;
 use lantern::model::ModelWeights;
 use lantern::quant::quantize::{EmbeddingPolicy, QuantizeOptions};
@@ -532,7 +532,7 @@ fn window_rings_batch_speculative_plain_and_parallel_requests_like_full_pages() 
     // lengths are fixed, so both engines schedule the same steps and even the sampled
     // outputs agree).
     use lantern::engine::{Engine, EngineOptions};
-    use lantern::model::llama::KvWindow;
+    use lantern::model::forward::KvWindow;
     let tw = random_model(Spec { seed: 71, vocab: 40, gemma: true, ..TINY });
     let dw = random_model(Spec { seed: 72, vocab: 40, gemma: true, ..TINY });
     let opts = |kv_window: KvWindow, kv_pages: Option<usize>| ModelOptions {

@@ -9,7 +9,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use lantern::model::llama::{GpuModel, ModelOptions, Want};
+use lantern::model::forward::{GpuModel, ModelOptions, Want};
 use lantern::model::load::load_path;
 use lantern::model::{Arch, ModelWeights};
 use lantern::reference::ReferenceModel;

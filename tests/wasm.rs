@@ -12,7 +12,7 @@ mod gguf_writer;
 mod random;
 
 use lantern::gpu::{DeviceOptions, GpuContext};
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions};
 use lantern::model::ModelWeights;
 use lantern::reference::ReferenceModel;
 use random::{random_model, Spec};

@@ -12,7 +12,7 @@ use clap::Parser;
 use lantern::engine::metrics::Distribution;
 use lantern::engine::{Engine, EngineOptions, GenerateRequest, SamplingParams};
 use lantern::gpu::GpuContext;
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions};
 
 #[derive(Parser, Debug, Clone)]
 pub struct Args {

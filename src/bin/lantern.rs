@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lantern::engine::generate::{generate_with, GenerateRequest};
 use lantern::engine::{LogitBias, SamplingParams};
 use lantern::gpu::{DeviceOptions, GpuContext};
-use lantern::model::llama::{ModelOptions, WeightPrecision};
+use lantern::model::forward::{ModelOptions, WeightPrecision};
 use lantern::model::tokenizer::ChatMessage;
 
 // Subcommand modules live in src/bin/lantern/: every file directly in src/bin is a binary.

@@ -25,7 +25,7 @@ use super::metrics::RequestTimings;
 use super::sampler::{Dist, Sampler, TokenLogprob};
 use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats};
 use crate::kv::KvError;
-use crate::model::llama::{GpuModel, LogitOps, Want};
+use crate::model::forward::{GpuModel, LogitOps, Want};
 use crate::model::tokenizer::Tokenizer;
 use crate::{LanternError, Result};
 
@@ -241,7 +241,7 @@ pub struct Engine {
     next_id: u64,
     stats: EngineStats,
     /// A frame-budgeted step on the GPU (`step_within`).
-    pending: Option<(Scheduled, crate::model::llama::PendingStep, StepReport)>,
+    pending: Option<(Scheduled, crate::model::forward::PendingStep, StepReport)>,
     /// The draft model for draft-model speculation ([`Engine::set_draft`]).
     draft: Option<GpuModel>,
 }
@@ -279,7 +279,7 @@ impl Engine {
         queue: wgpu::Queue,
         weights: &crate::model::ModelWeights,
         tokenizer: Arc<Tokenizer>,
-        model_options: crate::model::llama::ModelOptions,
+        model_options: crate::model::forward::ModelOptions,
         options: EngineOptions,
     ) -> Result<Engine> {
         let ctx = crate::gpu::GpuContext::from_device(device, queue).map_err(LanternError::Gpu)?;
@@ -595,7 +595,7 @@ impl Engine {
         if let Some((sch, mut p, report)) = self.pending.take() {
             // A frame-budgeted step is in flight: finish it first.
             let out = loop {
-                match self.model.advance(&mut p, web_time::Instant::now(), crate::model::llama::DISPATCHES_PER_SUBMIT).await {
+                match self.model.advance(&mut p, web_time::Instant::now(), crate::model::forward::DISPATCHES_PER_SUBMIT).await {
                     Ok(Some(o)) => break Ok(o),
                     Ok(None) => {
                         // Submitted work remains: wait for the device instead of spinning.
@@ -974,7 +974,7 @@ impl Engine {
 
     /// The completing half of a step: sampling (or verifying drafts, rolling rejected ones
     /// back), streaming, stop checks, finishing.
-    fn complete(&mut self, sch: Scheduled, out: Result<crate::model::llama::StepOutput>, mut report: StepReport) -> Result<StepReport> {
+    fn complete(&mut self, sch: Scheduled, out: Result<crate::model::forward::StepOutput>, mut report: StepReport) -> Result<StepReport> {
         let sampling = sch.sampling;
         let step_ms = sch.started.elapsed().as_secs_f64() * 1e3;
         let out = match out {

@@ -8,7 +8,7 @@ use super::logit_bias::{BiasState, LogitBias};
 use super::metrics::{HostCosts, RequestTimings};
 use super::sampler::{Sampler, SamplingParams, TokenLogprob};
 use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats, Speculation};
-use crate::model::llama::{GpuModel, LogitOps, StepOutput, Want};
+use crate::model::forward::{GpuModel, LogitOps, StepOutput, Want};
 use crate::model::tokenizer::Tokenizer;
 use crate::{LanternError, Result};
 

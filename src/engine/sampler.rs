@@ -99,7 +99,7 @@ impl Sampler {
 
     /// The token of row `r` of a step's output: its argmax when greedy, else a draw from the
     /// row's top-k pairs or logits (whichever the step read back).
-    pub fn sample_step(&mut self, out: &crate::model::llama::StepOutput, r: usize, vocab: usize) -> u32 {
+    pub fn sample_step(&mut self, out: &crate::model::forward::StepOutput, r: usize, vocab: usize) -> u32 {
         match (&out.top, &out.logits) {
             _ if self.params.is_greedy() => out.argmax[r],
             (Some(t), _) => self.sample_top(&t[r]),
@@ -320,7 +320,7 @@ pub struct TokenLogprob {
 /// alternatives: from the GPU's top pairs and logsumexp (`Want::TopK`: 512 bytes read back),
 /// or from the full logits row. `None` when the step read back neither, or the token is not
 /// among the top pairs.
-pub fn token_logprob(out: &crate::model::llama::StepOutput, r: usize, vocab: usize, token: u32, k: usize) -> Option<TokenLogprob> {
+pub fn token_logprob(out: &crate::model::forward::StepOutput, r: usize, vocab: usize, token: u32, k: usize) -> Option<TokenLogprob> {
     if let (Some(top), Some(lse)) = (&out.top, &out.lse) {
         let (row, lse) = (top.get(r)?, *lse.get(r)?);
         let chosen = row.iter().find(|p| p.0 == token)?.1 - lse;

@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 
 use super::sampler::{Dist, Sampler};
-use crate::model::llama::{DraftMemory, GpuModel, StepOutput, Want};
+use crate::model::forward::{DraftMemory, GpuModel, StepOutput, Want};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelConfig;
 use crate::{LanternError, Result};

@@ -12,7 +12,7 @@
 //! pipeline cache. During a request the costs keep being refined from its own steps.
 
 use super::speculative::{Drafter, Speculation};
-use crate::model::llama::GpuModel;
+use crate::model::forward::GpuModel;
 use crate::Result;
 
 /// Tokens before the measured steps (a short context, as early in a request).

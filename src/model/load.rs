@@ -41,7 +41,7 @@ pub fn load_path(path: &std::path::Path) -> Result<LoadedModel> {
 
 /// Load a model straight onto the GPU: a GGUF is streamed, its header parsed from the first
 /// bytes and then one layer's tensors at a time read by offset, converted, uploaded and
-/// dropped ([`GpuModel::load_streamed`](crate::model::llama::GpuModel::load_streamed)), so
+/// dropped ([`GpuModel::load_streamed`](crate::model::forward::GpuModel::load_streamed)), so
 /// host memory holds about one layer instead of a copy of every tensor; a Hugging
 /// Face folder is read whole ([`load_path`]) and uploaded. Returns the model and the
 /// tokenizer that came with it.
@@ -49,10 +49,10 @@ pub fn load_path(path: &std::path::Path) -> Result<LoadedModel> {
 pub async fn load_to_gpu(
     ctx: std::sync::Arc<crate::gpu::GpuContext>,
     path: &std::path::Path,
-    options: crate::model::llama::ModelOptions,
+    options: crate::model::forward::ModelOptions,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<(crate::model::llama::GpuModel, Option<Tokenizer>)> {
-    use crate::model::llama::GpuModel;
+) -> Result<(crate::model::forward::GpuModel, Option<Tokenizer>)> {
+    use crate::model::forward::GpuModel;
     if path.is_dir() || !path.exists() {
         let loaded = load_path(path)?;
         let model = GpuModel::load_with_progress(ctx, &loaded.weights, options, progress).await?;
@@ -84,35 +84,35 @@ pub async fn load_to_gpu(
 pub async fn load_to_gpu_requantized(
     ctx: std::sync::Arc<crate::gpu::GpuContext>,
     path: &std::path::Path,
-    options: crate::model::llama::ModelOptions,
+    options: crate::model::forward::ModelOptions,
     quant: &crate::quant::quantize::QuantizeOptions,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<(crate::model::llama::GpuModel, Option<Tokenizer>)> {
+) -> Result<(crate::model::forward::GpuModel, Option<Tokenizer>)> {
     let loaded = load_path(path)?;
     let q = crate::quant::quantize::quantize_model(&loaded.weights, quant, None, &mut |_| {})?;
     drop(loaded.weights);
-    let model = crate::model::llama::GpuModel::load_with_progress(ctx, &q.weights, options, progress).await?;
+    let model = crate::model::forward::GpuModel::load_with_progress(ctx, &q.weights, options, progress).await?;
     Ok((model, loaded.tokenizer))
 }
 
 /// Stream a GGUF of `file_len` bytes onto the GPU through `read(start, end)` (its bytes in
 /// that range): the header from the first 4 MiB (more, four times at a time, until it fits),
 /// then one layer's tensors at a time, converted, unfused, checked, uploaded and dropped
-/// ([`GpuModel::load_streamed`](crate::model::llama::GpuModel::load_streamed)). Native files
+/// ([`GpuModel::load_streamed`](crate::model::forward::GpuModel::load_streamed)). Native files
 /// ([`load_to_gpu`]) and browser `Blob`s (`web.rs`) both load this way.
 pub async fn load_gguf_streamed(
     ctx: std::sync::Arc<crate::gpu::GpuContext>,
     name: &str,
     file_len: u64,
-    options: crate::model::llama::ModelOptions,
+    options: crate::model::forward::ModelOptions,
     read: &mut impl AsyncFnMut(u64, u64) -> Result<Vec<u8>>,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<(crate::model::llama::GpuModel, Tokenizer)> {
+) -> Result<(crate::model::forward::GpuModel, Tokenizer)> {
+    use crate::model::forward::Part;
     use crate::model::gguf::{
         check_streamed, config_from_gguf, convert_tensor, gguf_info_for, part_tensors, row_range, weights_part_except, GgufError, GgufFile,
         STREAMED_MATRICES,
     };
-    use crate::model::llama::Part;
     let mut n = 4u64 << 20;
     let prefix = loop {
         let prefix = read(0, n.min(file_len)).await?;
@@ -157,6 +157,6 @@ pub async fn load_gguf_streamed(
         }
         weights_part_except(&config, layer, tensors, streamed, name)
     };
-    let model = crate::model::llama::GpuModel::load_streamed(ctx, config.clone(), options, &mut fetch, progress).await?;
+    let model = crate::model::forward::GpuModel::load_streamed(ctx, config.clone(), options, &mut fetch, progress).await?;
     Ok((model, tokenizer))
 }

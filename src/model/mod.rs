@@ -2,10 +2,10 @@
 //! chat template, host-side weights, and the GPU forward pass.
 
 pub mod config;
+pub mod forward;
 pub mod gguf;
 pub mod guidance;
 pub mod hf;
-pub mod llama;
 pub mod load;
 pub mod plan;
 pub mod quantized;

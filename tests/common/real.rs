@@ -5,7 +5,7 @@
 
 use lantern::engine::sampler::argmax;
 use lantern::eval::{perplexity, Window};
-use lantern::model::llama::{GpuModel, Want};
+use lantern::model::forward::{GpuModel, Want};
 use lantern::model::load::load_path;
 use lantern::model::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};

@@ -16,7 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lantern::engine::metrics::{RequestRecord, WorkloadSummary};
 use lantern::engine::sampler::Rng;
 use lantern::engine::{Engine, EngineOptions, Event, GenerateRequest, RequestHandle, SamplingParams};
-use lantern::model::llama::ModelOptions;
+use lantern::model::forward::ModelOptions;
 
 use super::{spinner, DeviceArgs, KvArg};
 

@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 
 use lantern::engine::generate::{default_stop_ids, generate, GenerateRequest};
 use lantern::engine::Constraint;
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions};
 use lantern::model::tokenizer::{ChatMessage, Tokenizer};
 
 use super::bench_cmd::BenchArgs;

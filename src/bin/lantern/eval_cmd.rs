@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use lantern::eval::{compare, perplexity, CompareReport, PositionStats, Progress, Window};
 use lantern::gpu::GpuContext;
-use lantern::model::llama::{GpuModel, ModelOptions, WeightPrecision};
+use lantern::model::forward::{GpuModel, ModelOptions, WeightPrecision};
 use lantern::model::load::load_path;
 use lantern::model::tokenizer::{ChatMessage, Tokenizer};
 

@@ -9,7 +9,7 @@ use clap::Args;
 
 use lantern::engine::speculative::{self, Drafter, Speculation};
 use lantern::gpu::GpuContext;
-use lantern::model::llama::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions};
 use lantern::model::tokenizer::Tokenizer;
 use lantern::quant::quantize::{EmbeddingPolicy, QuantizeOptions};
 use lantern::quant::QuantKind;

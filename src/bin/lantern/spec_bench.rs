@@ -18,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use lantern::engine::generate::{generate_with, GenerateRequest, Generation};
 use lantern::engine::speculative::{Drafter, Speculation};
 use lantern::engine::SamplingParams;
-use lantern::model::llama::{GpuModel, ModelOptions, Want};
+use lantern::model::forward::{GpuModel, ModelOptions, Want};
 use lantern::model::tokenizer::{ChatMessage, Tokenizer};
 
 use super::bench_cmd::BenchArgs;

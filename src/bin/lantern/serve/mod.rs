@@ -30,7 +30,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 
 use lantern::engine::{Engine, EngineOptions};
-use lantern::model::llama::ModelOptions;
+use lantern::model::forward::ModelOptions;
 
 use super::{plan_cmd, spinner, DeviceArgs, KvArg};
 use metrics::unix_now;

@@ -1,7 +1,9 @@
-//! The Llama-family forward pass on the GPU (Llama 1/2/3, SmolLM2, TinyLlama, Mistral without
-//! sliding window, Qwen2 with q/k/v biases), mirroring Hugging Face transformers'
-//! `modeling_llama.py` (https://github.com/huggingface/transformers) and the paper
-//! "LLaMA: Open and Efficient Foundation Language Models" (arXiv:2302.13971).
+//! The forward pass on the GPU of every supported family (`model::config::Arch`: Llama 1/2/3,
+//! SmolLM2, Mistral, Qwen2 with q/k/v biases, Qwen3, Phi-3, Gemma 3), one decoder block whose
+//! differences are data (`BlockSpec`: norm placement, q/k norms, activation, embedding scale,
+//! sliding windows), mirroring Hugging Face transformers' `modeling_llama.py`
+//! (https://github.com/huggingface/transformers) and the paper "LLaMA: Open and Efficient
+//! Foundation Language Models" (arXiv:2302.13971); the Llama block is shown below.
 //!
 //! Per layer, six dispatches, each a fused op:
 //! 1. `qkv = rmsnorm(x) W_qkv^T (+ b)`   (norm folded into the q|k|v projection)
