@@ -78,14 +78,33 @@ pub async fn ensure(target: &mut GpuModel, draft: Option<&mut GpuModel>, s: &Spe
 /// The file a model's step costs are kept in on this adapter: `dir/<adapter>/<model_key>.json`,
 /// names reduced to letters, digits, `.`, `-` and `_`. `model_key` names the model as
 /// loaded (its file, size and whatever changes its kernels: KV dtype, weight precision).
+/// The file name also carries a fingerprint of the kernels (every shader source, the
+/// context's `KernelOptions` and Lantern's version): costs measured with other kernels are
+/// not read back.
 #[cfg(not(target_arch = "wasm32"))]
-pub fn path(dir: &std::path::Path, adapter: &wgpu::AdapterInfo, model_key: &str) -> std::path::PathBuf {
+pub fn path(
+    dir: &std::path::Path,
+    adapter: &wgpu::AdapterInfo,
+    kernels: &crate::gpu::KernelOptions,
+    model_key: &str,
+) -> std::path::PathBuf {
     let clean = |s: &str| -> String {
         let s: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') { c } else { '_' }).collect();
         s.chars().take(96).collect()
     };
     let a = format!("{}-{:?}-{}-{}", adapter.name, adapter.backend, adapter.driver, adapter.driver_info);
-    dir.join(clean(&a)).join(format!("{}.json", clean(model_key)))
+    dir.join(clean(&a)).join(format!("{}-k{:016x}.json", clean(model_key), kernels_fingerprint(kernels)))
+}
+
+/// FNV-1a over the shader sources' fingerprint, the context's kernel choices and the crate
+/// version.
+#[cfg(not(target_arch = "wasm32"))]
+fn kernels_fingerprint(kernels: &crate::gpu::KernelOptions) -> u64 {
+    let mut h = crate::gpu::shader::sources_fingerprint();
+    for b in format!("{kernels:?}{}", env!("CARGO_PKG_VERSION")).bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }
 
 /// The file's contents.
@@ -177,10 +196,14 @@ mod tests {
             driver_info: "1.2 beta".into(),
             ..wgpu::AdapterInfo::new(wgpu::DeviceType::DiscreteGpu, wgpu::Backend::Vulkan)
         };
-        let p = path(&dir, &info, "model one.gguf-123-F32");
+        let kernels = crate::gpu::KernelOptions::default();
+        let p = path(&dir, &info, &kernels, "model one.gguf-123-F32");
         let name = p.strip_prefix(&dir).unwrap().to_string_lossy().to_string();
         assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || "._-/".contains(c)), "{name}");
-        assert!(name.contains("Vulkan") && name.ends_with("model_one.gguf-123-F32.json"), "{name}");
+        assert!(name.contains("Vulkan") && name.contains("model_one.gguf-123-F32-k") && name.ends_with(".json"), "{name}");
+        // Other kernel choices, other file: their costs are not read back.
+        let other = crate::gpu::KernelOptions { weight_textures: false, ..kernels };
+        assert_ne!(path(&dir, &info, &other, "model one.gguf-123-F32"), p);
         assert!(read(&p).is_empty(), "no file yet");
         write(&p, &[None, Some(10.5), None, None, Some(30.0)]).unwrap();
         assert_eq!(read(&p), vec![(1, 10.5), (4, 30.0)]);

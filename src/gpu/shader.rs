@@ -41,6 +41,18 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("x_texture.wgsl", include_str!("../../shaders/x_texture.wgsl")),
 ];
 
+/// FNV-1a (64 bits) of every embedded shader file: changes whenever a kernel's source does,
+/// so what was measured or cached against the old kernels can tell it is stale.
+pub fn sources_fingerprint() -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (path, text) in SOURCES {
+        for b in path.bytes().chain(text.bytes()) {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
 /// Look up an embedded shader file.
 pub fn source(path: &str) -> Option<&'static str> {
     SOURCES.iter().find(|(p, _)| *p == path).map(|(_, s)| *s)

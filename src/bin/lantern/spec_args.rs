@@ -94,7 +94,7 @@ impl SpecArgs {
             let len = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.len();
             let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
             let k = format!("{name}-{len}-{:?}-{:?}-{extra}", options.kv_dtype, options.weights);
-            Ok(lantern::engine::step_costs::path(&dir, &ctx.info, &k))
+            Ok(lantern::engine::step_costs::path(&dir, &ctx.info, &ctx.kernels, &k))
         };
         let draft = match &self.draft {
             Some(name) => {
