@@ -1060,7 +1060,7 @@ fn read_stream(mut r: BufReader<TcpStream>) -> std::thread::JoinHandle<(Vec<Stri
     })
 }
 
-/// SIGTERM while four streams run: no new connections, the short requests finish within the
+/// SIGTERM while four streams run: new requests get 503 with Retry-After, the short requests finish within the
 /// deadline, the long and the queued ones are cancelled at it with a final error event, every
 /// stream ends with `[DONE]`, and the process exits 0 within the deadline.
 #[test]
@@ -1088,7 +1088,13 @@ fn sigterm_ends_every_stream_and_exits_zero() {
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_millis(300));
-    assert!(TcpStream::connect(&server.addr).is_err(), "no new connections after SIGTERM");
+    // Draining: new requests get 503 with Retry-After (a router retries them elsewhere), and
+    // /health says so (a readiness probe takes the replica out).
+    let late = server.post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "x", "max_tokens": 1}));
+    assert_eq!((late.status, error_of(&late)["code"].clone()), (503, json!("server_shutting_down")), "{}", late.text());
+    assert!(late.header("retry-after").is_some(), "{:?}", late.headers);
+    let health = server.get("/health");
+    assert_eq!((health.status, health.json()["status"].clone()), (503, json!("draining")));
     let status = loop {
         if let Some(s) = server.child.try_wait().unwrap() {
             break s;
@@ -1282,4 +1288,202 @@ fn tool_calls_fit_their_parameter_schemas() {
         assert_eq!((r.status, error_of(&r)["param"].clone()), (400, json!(param)), "{}", r.text());
     }
     server.wait_idle(Duration::from_secs(10));
+}
+
+/// The official `ollama` Python client (PyPI, installed next to `openai` by scripts/test.sh):
+/// tests/clients/ollama_client.py lists, shows, chats (whole, streamed, with a JSON-schema
+/// `format`) and generates; its greedy answers equal the OpenAI routes' for the same request.
+#[test]
+fn official_ollama_python_client() {
+    let _s = serial();
+    let python = std::env::var("LANTERN_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python).args(["-c", "import ollama"]).output();
+    assert!(
+        probe.as_ref().is_ok_and(|o| o.status.success()),
+        "{python} cannot import ollama: run scripts/test.sh (it installs the client into target/pyenv) or set LANTERN_PYTHON"
+    );
+    let server = Server::start(&[]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/ollama_client.py");
+    let out = Command::new(&python).arg(script).arg(format!("http://{}", server.addr)).arg(MODEL_ID).output().expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the ollama client failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let got: Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("the script's answers");
+    let chat = server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(got["chat"], chat.json()["choices"][0]["message"]["content"], "/api/chat and /v1/chat/completions differ");
+    let raw = server
+        .post("/v1/completions", &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}));
+    assert_eq!(got["raw"], raw.json()["choices"][0]["text"], "raw /api/generate and /v1/completions differ");
+    server.wait_idle(Duration::from_secs(10));
+}
+
+/// Ollama's routes by hand: NDJSON lines with the final counts, the load answer to an empty
+/// prompt, `/api/version` and `/api/ps`, and bad input refused with a 4xx naming the field
+/// (`{"error": ...}`) before anything reaches the engine.
+#[test]
+fn ollama_routes_stream_ndjson_and_refuse_bad_input() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let r = server.post(
+        "/api/generate",
+        &json!({"model": MODEL_ID, "prompt": "Count from one to twenty.", "options": {"temperature": 0, "num_predict": 6}}),
+    );
+    assert_eq!((r.status, r.header("content-type")), (200, Some("application/x-ndjson")), "{}", r.text());
+    let lines: Vec<Value> = r.text().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let last = lines.last().unwrap();
+    assert_eq!((last["done"].clone(), last["eval_count"].clone()), (json!(true), json!(6)), "{last}");
+    assert!(last["prompt_eval_count"].as_u64().unwrap() > 3 && last["total_duration"].as_u64().unwrap() > 0, "{last}");
+    assert!(lines[..lines.len() - 1].iter().all(|l| l["done"] == false && l["response"].is_string()), "{lines:?}");
+    let r = server.post("/api/generate", &json!({"model": MODEL_ID, "stream": false}));
+    assert_eq!(r.json()["done_reason"], "load", "{}", r.text());
+    assert_eq!(server.get("/api/version").json()["version"], env!("CARGO_PKG_VERSION"));
+    let ps = server.get("/api/ps").json();
+    assert!(ps["models"][0]["size_vram"].as_u64().unwrap() > 0, "{ps}");
+    let before = server.metric("lantern_engine_steps_total");
+    for (path, body, status, field) in [
+        ("/api/chat", json!({"messages": [{"role": "user", "content": "x"}]}), 400, "model"),
+        ("/api/chat", json!({"model": "nope", "messages": []}), 404, "nope"),
+        ("/api/chat", json!({"model": MODEL_ID}), 400, "messages"),
+        (
+            "/api/chat",
+            json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "options": {"temperature": "hot"}}),
+            400,
+            "options.temperature",
+        ),
+        (
+            "/api/chat",
+            json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "options": {"temperature": 9}}),
+            400,
+            "options.temperature",
+        ),
+        (
+            "/api/chat",
+            json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "options": {"repeat_penalty": 1.3}}),
+            400,
+            "options.repeat_penalty",
+        ),
+        ("/api/chat", json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "format": 7}), 400, "format"),
+        (
+            "/api/chat",
+            json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}),
+            400,
+            "messages[0].images",
+        ),
+        ("/api/chat", json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "think": true}), 400, "thinking"),
+        ("/api/generate", json!({"model": MODEL_ID, "prompt": "x", "template": "{{ .Prompt }}"}), 400, "template"),
+        ("/api/generate", json!({"model": MODEL_ID, "prompt": "x", "context": [1, 2]}), 400, "context"),
+        ("/api/generate", json!({"model": MODEL_ID, "prompt": "x ".repeat(400)}), 400, "context"),
+        ("/api/show", json!({}), 400, "model"),
+    ] {
+        let r = server.post(path, &body);
+        let err = r.json()["error"].as_str().unwrap_or_else(|| panic!("{path} {body}: no error string: {}", r.text())).to_string();
+        assert_eq!(r.status, status, "{path} {body}: {err}");
+        assert!(err.contains(field), "{path} {body}: the error does not name {field}: {err}");
+    }
+    assert_eq!(server.metric("lantern_engine_steps_total"), before, "a refused request reached the engine");
+    server.wait_idle(Duration::from_secs(10));
+}
+
+/// `/tokenize` and `/detokenize` (vLLM's shape): a prompt's ids round-trip, chat messages
+/// get the template (the ids a chat completion of them counts as its prompt), bad ids are
+/// refused naming the index.
+#[test]
+fn tokenize_and_detokenize() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let r = server.post("/tokenize", &json!({"prompt": "Hello world", "return_token_strs": true}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["count"], v["tokens"].as_array().unwrap().len());
+    assert_eq!(v["max_model_len"], CONTEXT);
+    assert_eq!(v["token_strs"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect::<String>().trim(), "Hello world");
+    let back = server.post("/detokenize", &json!({"model": MODEL_ID, "tokens": v["tokens"]})).json();
+    assert_eq!(back["prompt"].as_str().unwrap().trim(), "Hello world");
+    let messages = json!([{"role": "user", "content": "Say hi."}]);
+    let t = server.post("/tokenize", &json!({"messages": messages})).json();
+    let c = server.post("/v1/chat/completions", &json!({"model": MODEL_ID, "messages": messages, "max_tokens": 1})).json();
+    assert_eq!(t["count"], c["usage"]["prompt_tokens"], "{t} {c}");
+    let r = server.post("/detokenize", &json!({"tokens": [1, 99999999]}));
+    assert_eq!((r.status, error_of(&r)["param"].clone()), (400, json!("tokens[1]")), "{}", r.text());
+    let r = server.post("/tokenize", &json!({"model": "nope", "prompt": "x"}));
+    assert_eq!(r.status, 404);
+    server.wait_idle(Duration::from_secs(10));
+}
+
+/// `/metrics` also carries vLLM's names (what routers and gateways read), with the same
+/// values as the `lantern_*` ones and the `model_name` label.
+#[test]
+fn metrics_carry_vllm_names() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    // Long enough to fill whole KV pages, which the second request finds in the prefix cache.
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(6);
+    let body = json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 5, "temperature": 0});
+    assert_eq!(server.post("/v1/completions", &body).status, 200);
+    assert_eq!(server.post("/v1/completions", &body).status, 200);
+    let text = server.wait_idle(Duration::from_secs(10));
+    let l = format!("{{model_name=\"{MODEL_ID}\"}}");
+    let v = |name: &str| metric(&text, &format!("vllm:{name}{l}"));
+    assert_eq!(v("num_requests_running"), 0.0);
+    assert_eq!(v("num_requests_waiting"), 0.0);
+    assert_eq!(v("generation_tokens_total"), metric(&text, "lantern_completion_tokens_total"));
+    assert_eq!(v("generation_tokens_total"), 10.0);
+    assert_eq!(v("prompt_tokens_total"), metric(&text, "lantern_prompt_tokens_total"));
+    assert_eq!(v("prefix_cache_hits_total"), metric(&text, "lantern_prefix_cache_hit_tokens_total"));
+    assert!(v("prefix_cache_hits_total") > 0.0, "the second request reused the first one's prompt pages");
+    let usage = v("kv_cache_usage_perc");
+    assert!((0.0..=1.0).contains(&usage), "{usage}");
+    assert_eq!(metric(&text, &format!("vllm:time_to_first_token_seconds_count{l}")), 2.0);
+    assert_eq!(metric(&text, &format!("vllm:request_success_total{{model_name=\"{MODEL_ID}\",finished_reason=\"length\"}}")), 2.0);
+    assert!(text.contains("vllm:cache_config_info{") && text.contains("enable_prefix_caching=\"true\""), "{text}");
+}
+
+/// The port is bound before the model loads: meanwhile `/health` answers 503 `loading` and a
+/// generation request 503 `model_loading` with `Retry-After` (a readiness probe and a router
+/// wait instead of failing to connect); then 200.
+#[test]
+fn health_is_503_while_the_model_loads() {
+    let _s = serial();
+    let log = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("serve-loading-{}.log", std::process::id()));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lantern"))
+        .env("LANTERN_OFFLINE", "1")
+        .env_remove("LANTERN_API_KEY")
+        .args(["serve", "--port", "0", "--context", "256", "--max-seqs", "4", "--model"])
+        .arg(common::smollm2_gguf())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+        .spawn()
+        .expect("start lantern serve");
+    let t0 = Instant::now();
+    let addr = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(rest) = text.split("bound http://").nth(1) {
+            break rest.split(';').next().unwrap().to_string();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "no bound line:\n{text}");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let first = http(&addr, "GET", "/health", &[], b"");
+    let body = json!({"model": MODEL_ID, "prompt": "x", "max_tokens": 1});
+    let early = http(&addr, "POST", "/v1/completions", &[("Content-Type", "application/json")], body.to_string().as_bytes());
+    let mut ready = None;
+    while ready.is_none() && t0.elapsed() < Duration::from_secs(120) {
+        let h = http(&addr, "GET", "/health", &[], b"");
+        if h.status == 200 {
+            ready = Some(h);
+        } else {
+            assert_eq!((h.status, h.json()["status"].clone()), (503, json!("loading")), "{}", h.text());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!((first.status, first.json()["status"].clone()), (503, json!("loading")), "{}", first.text());
+    assert_eq!(early.status, 503, "{}", early.text());
+    assert_eq!(error_of(&early)["code"], "model_loading");
+    assert!(early.header("retry-after").is_some(), "{:?}", early.headers);
+    assert_eq!(ready.expect("never ready").json()["status"], "ok");
 }

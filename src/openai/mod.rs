@@ -6,11 +6,17 @@
 //! types accept is then checked against the served model ([`ServedModel`]: its tokenizer,
 //! chat template, vocabulary, context and KV pool). Nothing here blocks, touches the network
 //! or the GPU: the fuzz target `openai_request` drives [`parse_request`] on arbitrary bytes.
+//!
+//! The other APIs `lantern serve` speaks are translated into these requests, so that they
+//! accept and refuse the same things: [`ollama`] (Ollama's `/api/chat` and `/api/generate`)
+//! and [`tokenize`] (vLLM's `/tokenize` and `/detokenize`, no generation).
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub mod ollama;
+pub mod tokenize;
 pub mod tools;
 
 use tools::{CallStream, StreamPiece, ToolCall, ToolCallDelta, Tools};
@@ -395,14 +401,15 @@ fn path_param(path: &serde_path_to_error::Path) -> Option<String> {
     (!out.is_empty()).then_some(out)
 }
 
-/// Deserialize and validate a request body sent to `endpoint`.
-pub fn parse_request(model: &ServedModel, endpoint: Endpoint, body: &[u8]) -> Result<Validated, ApiError> {
+/// A body that must be a JSON object, deserialized into `T`: a field of the wrong type is a
+/// 400 naming that field (`param`).
+pub(crate) fn typed_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("the request body is not valid JSON: {e}")).code("invalid_json"))?;
     if !value.is_object() {
         return Err(ApiError::bad("the request body must be a JSON object"));
     }
-    let req: RequestBody = serde_path_to_error::deserialize(value).map_err(|e| {
+    serde_path_to_error::deserialize(value).map_err(|e| {
         let param = path_param(e.path());
         let inner = e.into_inner();
         let mut err = ApiError::bad(match &param {
@@ -411,8 +418,12 @@ pub fn parse_request(model: &ServedModel, endpoint: Endpoint, body: &[u8]) -> Re
         });
         err.param = param;
         err
-    })?;
-    validate(model, endpoint, req)
+    })
+}
+
+/// Deserialize and validate a request body sent to `endpoint`.
+pub fn parse_request(model: &ServedModel, endpoint: Endpoint, body: &[u8]) -> Result<Validated, ApiError> {
+    validate(model, endpoint, typed_body(body)?)
 }
 
 /// Check a deserialized body against the served model.
@@ -511,7 +522,7 @@ pub fn validate(model: &ServedModel, endpoint: Endpoint, mut req: RequestBody) -
             if req.prompt.is_some() {
                 return Err(ApiError::bad("chat completions take `messages`, not `prompt`").param("prompt"));
             }
-            chat_prompt(model, req.messages.take(), tools.as_ref())?
+            chat_prompt(model, req.messages.take(), tools.as_ref(), true)?
         }
         Endpoint::Completions => {
             if req.messages.is_some() {
@@ -610,7 +621,12 @@ fn completion_prompt(model: &ServedModel, prompt: Option<Prompt>) -> Result<Vec<
 /// Chat messages rendered with the model's template and tokenized. With tools, a template
 /// that takes `tools` gets them (and earlier calls as `tool_calls`); for one that does not,
 /// the system message describes them and earlier calls are written in the call syntax.
-fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>, tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+fn chat_prompt(
+    model: &ServedModel,
+    messages: Option<Vec<MessageIn>>,
+    tools: Option<&Tools>,
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>, ApiError> {
     let bad = |m: String| ApiError::bad(m).param("messages");
     let Some(list) = messages else {
         return Err(bad("you must provide `messages`".into()).code("missing_required_parameter"));
@@ -664,7 +680,7 @@ fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>, tools: Opt
     let rendered = match tools {
         Some(t) if takes_tools => tmpl.render_with(
             minijinja::Value::from(minijinja::value::Serde(&msgs)),
-            true,
+            add_generation_prompt,
             minijinja::context! { tools => minijinja::Value::from(minijinja::value::Serde(t.template_value())) },
         ),
         Some(t) => {
@@ -675,9 +691,11 @@ fn chat_prompt(model: &ServedModel, messages: Option<Vec<MessageIn>>, tools: Opt
             } else {
                 msgs.insert(0, serde_json::json!({"role": "system", "content": text}));
             }
-            tmpl.render_with(minijinja::Value::from(minijinja::value::Serde(&msgs)), true, minijinja::Value::UNDEFINED)
+            tmpl.render_with(minijinja::Value::from(minijinja::value::Serde(&msgs)), add_generation_prompt, minijinja::Value::UNDEFINED)
         }
-        None => tmpl.render_with(minijinja::Value::from(minijinja::value::Serde(&msgs)), true, minijinja::Value::UNDEFINED),
+        None => {
+            tmpl.render_with(minijinja::Value::from(minijinja::value::Serde(&msgs)), add_generation_prompt, minijinja::Value::UNDEFINED)
+        }
     }
     .map_err(|e| bad(format!("the chat template refused the messages: {e}")))?;
     model.tokenizer.encode_chat(&rendered).map_err(|e| bad(format!("the messages could not be tokenized: {e}")))

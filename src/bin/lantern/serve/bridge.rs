@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 
 use lantern::engine::{Event, Generation, RequestHandle};
 use lantern::kv::KvError;
-use lantern::openai::{self, ApiError, Endpoint, Job};
+use lantern::openai::{self, ApiError, Endpoint, Job, Validated};
 use lantern::LanternError;
 
 use super::metrics::{random_u64, unix_now};
@@ -45,50 +45,60 @@ async fn generate(
     body: Body,
     endpoint: Endpoint,
 ) -> Response {
-    let shared_clone = shared.clone();
-    let reject = |e: ApiError| {
-        shared.metrics().outcome("rejected");
-        api_error(e)
-    };
     let bytes = match read_body(&shared, &headers, body).await {
         Ok(b) => b,
-        Err(e) => return reject(e),
+        Err(e) => return reject(&shared, e),
     };
     let v = match openai::parse_request(&shared.model, endpoint, &bytes) {
         Ok(v) => v,
-        Err(e) => return reject(e),
+        Err(e) => return reject(&shared, e),
     };
-    let req = v.request(&shared.model, random_u64());
-    let client = shared.client.clone();
-    let n = v.n;
-    // Submission waits for the engine thread to take it (between two steps).
-    let handles = match tokio::task::spawn_blocking(move || client.submit_n(req, n).map_err(Box::new)).await {
-        Ok(Ok(h)) => h,
-        Ok(Err(e)) => {
-            let (err, outcome) = submit_error(&shared, *e);
-            shared.metrics().outcome(outcome);
-            return api_error(err);
-        }
-        Err(e) => {
-            shared.metrics().outcome("error");
-            return api_error(ApiError::new(500, "server_error", format!("submitting the request failed: {e}")).code("engine_error"));
-        }
+    let run = match submit(&shared, &conn, &v, endpoint.path(), if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }).await {
+        Ok(r) => r,
+        Err(e) => return api_error(e),
     };
-    let job = Job {
-        id: shared.new_id(if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }),
-        created: unix_now(),
-        endpoint,
-        model: shared.model.model_id.clone(),
-        prompt_tokens: v.prompt_ids.len(),
-        token_bytes: v.logprobs.map(|_| shared.model.token_bytes()),
-        tools: v.tools.clone(),
-    };
-    let run = Run::new(shared, handles, job, BusyGuard::new(conn.0.clone(), shared_clone), !v.stream);
     if v.stream {
         stream(run, v.include_usage)
     } else {
         whole(run).await
     }
+}
+
+/// A request refused before submission: counted, and its error as a response.
+pub fn reject(shared: &Shared, e: ApiError) -> Response {
+    shared.metrics().outcome("rejected");
+    api_error(e)
+}
+
+/// Submit a validated request to the engine (waiting for the engine thread to take it,
+/// between two steps): the [`Run`] that follows it, or the refusal (its outcome counted).
+/// `route` labels it in the metrics; `whole`: nothing is sent before the end.
+pub async fn submit(shared: &Arc<Shared>, conn: &Conn, v: &Validated, route: &'static str, id_prefix: &str) -> Result<Run, ApiError> {
+    let req = v.request(&shared.model, random_u64());
+    let client = shared.client.clone();
+    let n = v.n;
+    let handles = match tokio::task::spawn_blocking(move || client.submit_n(req, n).map_err(Box::new)).await {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) => {
+            let (err, outcome) = submit_error(shared, *e);
+            shared.metrics().outcome(outcome);
+            return Err(err);
+        }
+        Err(e) => {
+            shared.metrics().outcome("error");
+            return Err(ApiError::new(500, "server_error", format!("submitting the request failed: {e}")).code("engine_error"));
+        }
+    };
+    let job = Job {
+        id: shared.new_id(id_prefix),
+        created: unix_now(),
+        endpoint: v.endpoint,
+        model: shared.model.model_id.clone(),
+        prompt_tokens: v.prompt_ids.len(),
+        token_bytes: v.logprobs.map(|_| shared.model.token_bytes()),
+        tools: v.tools.clone(),
+    };
+    Ok(Run::new(shared.clone(), handles, job, route, BusyGuard::new(conn.0.clone(), shared.clone()), !v.stream))
 }
 
 /// The engine's refusal of a request as an HTTP error, and its outcome label.
@@ -122,7 +132,7 @@ fn submit_error(shared: &Shared, e: LanternError) -> (ApiError, &'static str) {
 }
 
 /// What waiting for a request's next event gave.
-enum Wait {
+pub enum Wait {
     /// An event of choice `.0`.
     Event(usize, Event),
     /// An event stream ended without `Done` (the engine stopped).
@@ -135,12 +145,14 @@ enum Wait {
 
 /// An accepted request (its `n` choices) while its answer is produced. Dropped before its
 /// end (the client went away), it cancels every choice.
-struct Run {
+pub struct Run {
     shared: Arc<Shared>,
+    /// The route, for the metrics.
+    route: &'static str,
     /// Every choice's events, tagged with its index (`None`: that stream ended).
     events: mpsc::UnboundedReceiver<(usize, Option<Event>)>,
     cancels: Vec<Arc<AtomicBool>>,
-    job: Job,
+    pub job: Job,
     started: Instant,
     /// Finished choices so far (by index).
     done: Vec<Option<Generation>>,
@@ -159,14 +171,14 @@ impl Drop for Run {
             m.outcome("cancelled");
             if self.whole {
                 // No status went out: counted as nginx's 499 (client closed request).
-                m.http(self.job.endpoint.path(), 499);
+                m.http(self.route, 499);
             }
         }
     }
 }
 
 impl Run {
-    fn new(shared: Arc<Shared>, handles: Vec<RequestHandle>, job: Job, busy: BusyGuard, whole: bool) -> Run {
+    fn new(shared: Arc<Shared>, handles: Vec<RequestHandle>, job: Job, route: &'static str, busy: BusyGuard, whole: bool) -> Run {
         let (tx, events) = mpsc::unbounded_channel();
         let cancels = handles.iter().map(RequestHandle::cancel_flag).collect();
         let n = handles.len();
@@ -183,7 +195,7 @@ impl Run {
                 }
             });
         }
-        Run { shared, events, cancels, job, started: Instant::now(), done: vec![None; n], ended: false, whole, _busy: busy }
+        Run { shared, route, events, cancels, job, started: Instant::now(), done: vec![None; n], ended: false, whole, _busy: busy }
     }
 
     fn cancel(&self) {
@@ -197,7 +209,7 @@ impl Run {
     }
 
     /// The generations of every choice once all are done (their outcomes recorded).
-    fn finished(&mut self) -> Vec<Generation> {
+    pub fn finished(&mut self) -> Vec<Generation> {
         self.ended = true;
         let gens: Vec<Generation> = self.done.iter_mut().filter_map(Option::take).collect();
         let mut m = self.shared.metrics();
@@ -207,7 +219,7 @@ impl Run {
         gens
     }
 
-    async fn next(&mut self) -> Wait {
+    pub async fn next(&mut self) -> Wait {
         let mut cancel = self.shared.cancel.subscribe();
         let timeout = self.shared.request_timeout;
         let started = self.started;
@@ -239,7 +251,7 @@ impl Run {
     }
 
     /// Record the outcome of a request that ends without `Done`, and the error it ends with.
-    fn fail(&mut self, w: &Wait) -> ApiError {
+    pub fn fail(&mut self, w: &Wait) -> ApiError {
         self.ended = true;
         self.cancel();
         let (outcome, e) = match w {

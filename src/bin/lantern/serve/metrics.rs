@@ -50,16 +50,19 @@ impl Histogram {
         self.count += 1;
     }
 
-    pub(crate) fn render(&self, o: &mut String, name: &str, help: &str) {
+    /// The Prometheus text of the histogram; `labels`: `key="value"` pairs every sample
+    /// carries (empty: none).
+    pub(crate) fn render(&self, o: &mut String, name: &str, help: &str, labels: &str) {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let (pre, set) = if labels.is_empty() { (String::new(), String::new()) } else { (format!("{labels},"), format!("{{{labels}}}")) };
         let mut cum = 0;
         for (b, c) in self.buckets.iter().zip(&self.counts) {
             cum += c;
-            let _ = writeln!(o, "{name}_bucket{{le=\"{b}\"}} {cum}");
+            let _ = writeln!(o, "{name}_bucket{{{pre}le=\"{b}\"}} {cum}");
         }
-        let _ = writeln!(o, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(o, "{name}_sum {}", self.sum);
-        let _ = writeln!(o, "{name}_count {}", self.count);
+        let _ = writeln!(o, "{name}_bucket{{{pre}le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(o, "{name}_sum{set} {}", self.sum);
+        let _ = writeln!(o, "{name}_count{set} {}", self.count);
     }
 }
 
@@ -216,14 +219,58 @@ pub fn render(shared: &Shared) -> String {
     for ((route, code), v) in &m.http {
         let _ = writeln!(o, "lantern_http_responses_total{{route=\"{route}\",code=\"{code}\"}} {v}");
     }
-    m.ttft.render(&mut o, "lantern_time_to_first_token_seconds", "Arrival to first token, per finished request.");
-    m.tpot.render(
-        &mut o,
-        "lantern_time_per_output_token_seconds",
-        "Mean of the gaps between output tokens after the first, per finished request with 2+ tokens.",
+    const TTFT_HELP: &str = "Arrival to first token, per finished request.";
+    const TPOT_HELP: &str = "Mean of the gaps between output tokens after the first, per finished request with 2+ tokens.";
+    const E2E_HELP: &str = "Arrival to completion, per finished request.";
+    m.ttft.render(&mut o, "lantern_time_to_first_token_seconds", TTFT_HELP, "");
+    m.tpot.render(&mut o, "lantern_time_per_output_token_seconds", TPOT_HELP, "");
+    m.e2e.render(&mut o, "lantern_e2e_request_latency_seconds", E2E_HELP, "");
+
+    // The same values under vLLM's names, which the field's routers and gateways read (SGLang's
+    // model gateway, vllm-router, the Gateway API Inference Extension): every sample carries
+    // `model_name`, as vLLM's do.
+    let model = format!("model_name=\"{}\"", label(&shared.model.model_id));
+    let mut vllm = |name: &str, kind: &str, help: &str, value: f64| {
+        let _ = writeln!(o, "# HELP vllm:{name} {help}\n# TYPE vllm:{name} {kind}\nvllm:{name}{{{model}}} {value}");
+    };
+    let usage = if s.kv_pages_total == 0 { 0.0 } else { 1.0 - s.kv_pages_free as f64 / s.kv_pages_total as f64 };
+    vllm("num_requests_running", "gauge", "Requests admitted to the engine (lantern_requests_running).", s.running as f64);
+    vllm("num_requests_waiting", "gauge", "Requests queued for admission (lantern_requests_waiting).", s.waiting as f64);
+    vllm(
+        "kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage, 1 = every page held (1 - lantern_kv_pages_free / lantern_kv_pages_total).",
+        usage,
     );
-    m.e2e.render(&mut o, "lantern_e2e_request_latency_seconds", "Arrival to completion, per finished request.");
+    vllm("gpu_cache_usage_perc", "gauge", "vLLM's older name of kv_cache_usage_perc.", usage);
+    vllm("num_preemptions_total", "counter", "Requests preempted for lack of KV pages.", s.stats.preemptions as f64);
+    vllm("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", m.prompt_tokens as f64);
+    vllm("generation_tokens_total", "counter", "Output tokens of finished requests.", m.completion_tokens as f64);
+    vllm(
+        "prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache (computed + cached).",
+        (s.stats.prompt_tokens_computed + s.stats.prompt_tokens_cached) as f64,
+    );
+    vllm("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", s.stats.prompt_tokens_cached as f64);
+    let _ = writeln!(o, "# HELP vllm:request_success_total Finished requests by reason.\n# TYPE vllm:request_success_total counter");
+    for (reason, outcome) in [("stop", "stop"), ("length", "length"), ("abort", "cancelled")] {
+        let v = m.outcomes.get(outcome).copied().unwrap_or(0);
+        let _ = writeln!(o, "vllm:request_success_total{{{model},finished_reason=\"{reason}\"}} {v}");
+    }
+    m.ttft.render(&mut o, "vllm:time_to_first_token_seconds", TTFT_HELP, &model);
+    m.tpot.render(&mut o, "vllm:time_per_output_token_seconds", TPOT_HELP, &model);
+    m.tpot.render(&mut o, "vllm:inter_token_latency_seconds", TPOT_HELP, &model);
+    m.e2e.render(&mut o, "vllm:e2e_request_latency_seconds", E2E_HELP, &model);
     drop(m);
+    let _ = writeln!(
+        o,
+        "# HELP vllm:cache_config_info The KV cache's configuration.\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{model},block_size=\"{}\",num_gpu_blocks=\"{}\",cache_dtype=\"{}\",enable_prefix_caching=\"{}\"}} 1",
+        s.kv_page_size,
+        s.kv_pages_total,
+        label(&shared.kv_dtype),
+        shared.prefix_cache,
+    );
     let _ = writeln!(
         o,
         "# HELP lantern_model_info The served model.\n# TYPE lantern_model_info gauge\nlantern_model_info{{model=\"{}\",adapter=\"{}\",kv_dtype=\"{}\"}} 1",
@@ -269,7 +316,10 @@ mod tests {
         h.observe(5.0);
         h.observe(f64::NAN);
         let mut o = String::new();
-        h.render(&mut o, "x_seconds", "help");
+        h.render(&mut o, "x_seconds", "help", "");
+        let mut l = String::new();
+        h.render(&mut l, "y", "help", "m=\"a\"");
+        assert!(l.contains("y_bucket{m=\"a\",le=\"0.1\"} 1\n") && l.contains("y_count{m=\"a\"} 3\n"), "{l}");
         assert!(o.contains("x_seconds_bucket{le=\"0.1\"} 1\n"), "{o}");
         assert!(o.contains("x_seconds_bucket{le=\"1\"} 2\n"), "{o}");
         assert!(o.contains("x_seconds_bucket{le=\"+Inf\"} 3\n"), "{o}");

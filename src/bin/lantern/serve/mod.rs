@@ -10,14 +10,23 @@
 //!   answer or server-sent events, with the request deadline, cancellation when the client
 //!   goes away, and the shutdown's cancellation.
 //!
-//! `metrics` renders `/metrics`. Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`,
-//! `GET /v1/models`, `GET /v1/models/{id}`, `GET /metrics` (Prometheus text format) and
-//! `GET /health` (`/healthz`), the only one that never needs the API key.
+//! `metrics` renders `/metrics` (the `lantern_*` names and vLLM's, which routers read);
+//! `ollama` answers Ollama's API over the same submission path. Endpoints:
+//! - OpenAI: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
+//!   `GET /v1/models/{id}`;
+//! - Ollama: `POST /api/chat`, `POST /api/generate`, `GET /api/tags`, `POST /api/show`,
+//!   `GET /api/ps`, `GET /api/version`;
+//! - vLLM's `POST /tokenize` and `POST /detokenize`;
+//! - `GET /metrics` (Prometheus text format) and `GET /health` (`/healthz`), the only one
+//!   that never needs the API key: 503 while the model loads (the port is bound first) and
+//!   while the server drains after SIGTERM, 200 in between.
 
 #[path = "bridge.rs"]
 mod bridge;
 #[path = "metrics.rs"]
 mod metrics;
+#[path = "ollama.rs"]
+mod ollama;
 #[path = "transport.rs"]
 mod transport;
 
@@ -34,6 +43,7 @@ use lantern::model::forward::ModelOptions;
 
 use super::{plan_cmd, spinner, DeviceArgs, KvArg};
 use metrics::unix_now;
+use ollama::ModelInfo;
 pub use transport::ServerConfig;
 
 #[derive(Args)]
@@ -126,6 +136,20 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.max_seqs == 0 {
         anyhow::bail!("--max-seqs must be at least 1");
     }
+    // Bind first: a port in use fails at once, and while the model loads every request (a
+    // readiness probe's /health included) gets 503 instead of a refused connection.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("lantern-http")
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    let listener = runtime.block_on(transport::bind(&a.host, a.port))?;
+    let bound = listener.local_addr().context("reading the bound address")?;
+    let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
+    let loading = runtime.spawn(transport::serve_loading(listener, ready_rx));
+    eprintln!("lantern serve: bound http://{bound}; loading the model (requests get 503 until it is ready)");
+    let info = model_info(&model_path);
     let pb = spinner(&format!("loading {}", model_path.display()), false);
     pb.set_message("choosing adapter");
     let ctx = a.device.open()?;
@@ -175,6 +199,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let api_key = a.api_key.clone().or_else(|| std::env::var("LANTERN_API_KEY").ok()).filter(|k| !k.is_empty());
     let adapter = ctx.info.name.clone();
     let kv_dtype = format!("{:?}", model.options.kv_dtype).to_lowercase();
+    let gpu_bytes = model.memory().total();
     if let Some(r) = model.memory().kv_window_ring {
         eprintln!(
             "lantern serve: the sliding-window layers keep a {}-token ring per sequence ({:.1} MB for {} sequences); no prefix cache with rings (--kv-window full keeps every token and the prefix cache)",
@@ -210,8 +235,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
     }
     let cfg = ServerConfig {
-        host: a.host.clone(),
-        port: a.port,
         api_key,
         max_connections: a.max_connections.max(1),
         max_idle_connections: a.max_idle_connections.max(1),
@@ -226,16 +249,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
         adapter: adapter.clone(),
         kv_dtype,
         speculation: a.spec.speculation(),
+        prefix_cache: !a.no_prefix_cache,
+        info: ModelInfo { gpu_bytes, ..info },
     };
     let max_seqs = a.max_seqs;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("lantern-http")
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
     runtime.block_on(async move {
-        let server = transport::Server::bind(engine, cfg).await?;
+        let _ = ready_tx.send(true);
+        let listener = loading.await.context("the loading responder failed")?;
+        let server = transport::Server::start(listener, engine, cfg).await?;
         let sh = server.shared.clone();
         if !server.addr.ip().is_loopback() && !sh.key_required() {
             eprintln!(
@@ -254,4 +275,40 @@ pub fn run(a: ServeArgs) -> Result<()> {
         let _ = std::io::stdout().flush();
         server.run_until_signal().await
     })
+}
+
+/// What the Ollama API reports of the model, read from its file's header (memory-mapped; no
+/// weights are read): a file that cannot be read this way gets empty fields, not an error.
+fn model_info(path: &std::path::Path) -> ModelInfo {
+    let size = if path.is_dir() {
+        std::fs::read_dir(path).map_or(0, |d| d.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+    } else {
+        std::fs::metadata(path).map_or(0, |m| m.len())
+    };
+    let modified_at = std::fs::metadata(path).and_then(|m| m.modified()).map(ollama::rfc3339).unwrap_or_default();
+    let format = if path.is_dir() { "safetensors" } else { "gguf" };
+    let Ok(loaded) = lantern::model::load::load_path(path) else {
+        return ModelInfo { format, size, modified_at, ..Default::default() };
+    };
+    let w = &loaded.weights;
+    let (file, _) = super::info_cmd::by_dtype(w, path).unwrap_or_default();
+    let parameters: u64 = file.values().map(|r| r.parameters).sum();
+    let quantization = file.iter().max_by_key(|(_, r)| r.bytes).map(|(k, _)| k.to_uppercase()).unwrap_or_default();
+    let c = &w.config;
+    let arch = c.arch.name();
+    let mut model_info = serde_json::Map::new();
+    for (k, v) in [
+        ("general.architecture".to_string(), serde_json::json!(arch)),
+        ("general.parameter_count".into(), serde_json::json!(parameters)),
+        (format!("{arch}.context_length"), serde_json::json!(c.max_position_embeddings)),
+        (format!("{arch}.embedding_length"), serde_json::json!(c.hidden_size)),
+        (format!("{arch}.feed_forward_length"), serde_json::json!(c.intermediate_size)),
+        (format!("{arch}.block_count"), serde_json::json!(c.num_layers)),
+        (format!("{arch}.attention.head_count"), serde_json::json!(c.num_heads)),
+        (format!("{arch}.attention.head_count_kv"), serde_json::json!(c.num_kv_heads)),
+        (format!("{arch}.vocab_size"), serde_json::json!(c.vocab_size)),
+    ] {
+        model_info.insert(k, v);
+    }
+    ModelInfo { format, family: arch.to_string(), parameters, quantization, size, modified_at, model_info, gpu_bytes: 0 }
 }

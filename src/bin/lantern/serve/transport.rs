@@ -13,10 +13,11 @@
 //! - Every request passes [`handle`]: the API key (constant-time; `/health` is exempt, and a
 //!   missing key, a wrong key and an unknown route get the same 401), then the router, then
 //!   the access log and the per-route status counters.
-//! - Shutdown on SIGINT/SIGTERM ([`Server::run_until_signal`]): stop accepting, tell every
-//!   connection to close once idle, let requests in flight finish for `--shutdown-timeout`,
-//!   then cancel the rest (each ends with a final event), wait for the engine to free their
-//!   pages and stop it.
+//! - Shutdown on SIGINT/SIGTERM ([`Server::run_until_signal`]): drain. Every request that
+//!   arrives from then on gets 503 with `Retry-After` and `Connection: close` (`/health`
+//!   too, so a router or a readiness probe takes the replica out), connections close once
+//!   idle, requests in flight finish for `--shutdown-timeout`, then the rest are cancelled
+//!   (each ends with a final event); the engine frees their pages and stops.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -44,6 +45,7 @@ use lantern::openai::{model_not_found, ApiError, ServedModel};
 
 use super::bridge;
 use super::metrics::{self, random_u64, Metrics};
+use super::ollama::{self, ModelInfo};
 
 /// Largest request body (413 beyond).
 pub const MAX_BODY: usize = 4 << 20;
@@ -57,8 +59,6 @@ const FINAL_WRITE: Duration = Duration::from_secs(3);
 
 /// What the server needs besides the engine.
 pub struct ServerConfig {
-    pub host: String,
-    pub port: u16,
     pub api_key: Option<String>,
     pub max_connections: usize,
     pub max_idle_connections: usize,
@@ -74,6 +74,10 @@ pub struct ServerConfig {
     pub adapter: String,
     pub kv_dtype: String,
     pub speculation: Speculation,
+    /// Whether the prefix cache is on (`vllm:cache_config_info`).
+    pub prefix_cache: bool,
+    /// What the Ollama API reports of the model.
+    pub info: ModelInfo,
 }
 
 /// One open connection in the registry.
@@ -117,6 +121,11 @@ pub struct Shared {
     pub created: u64,
     pub adapter: String,
     pub kv_dtype: String,
+    pub prefix_cache: bool,
+    pub info: ModelInfo,
+    /// SIGTERM or SIGINT came: requests get 503 with `Retry-After` (a router sends them to
+    /// another replica) while those in flight finish.
+    pub draining: AtomicBool,
     key_hash: Option<[u8; 32]>,
     max_connections: usize,
     max_idle: usize,
@@ -195,14 +204,13 @@ pub struct Server {
 }
 
 impl Server {
-    /// Bind and put the engine on its own thread.
-    pub async fn bind(engine: Engine, cfg: ServerConfig) -> Result<Server> {
+    /// Serve on `listener` (bound by [`bind`]) and put the engine on its own thread.
+    pub async fn start(listener: TcpListener, engine: Engine, cfg: ServerConfig) -> Result<Server> {
         let tokenizer = engine.tokenizer.clone();
         let template = tokenizer.chat_template().map_err(|e| e.to_string());
         let stop_ids = lantern::engine::generate::default_stop_ids(&engine.model.config.eos_token_ids, &tokenizer);
         let vocab = engine.model.config.vocab_size;
         let max_seqs = engine.model.kv.alloc.config.max_seqs;
-        let listener = bind(&cfg.host, cfg.port).await?;
         let addr = listener.local_addr().context("reading the bound address")?;
         let worker = EngineWorker::spawn(engine);
         let client = worker.client();
@@ -226,6 +234,9 @@ impl Server {
             created: cfg.created,
             adapter: cfg.adapter,
             kv_dtype: cfg.kv_dtype,
+            prefix_cache: cfg.prefix_cache,
+            info: cfg.info,
+            draining: AtomicBool::new(false),
             key_hash: cfg.api_key.as_deref().map(sha256),
             max_connections: cfg.max_connections.max(1),
             max_idle: cfg.max_idle_connections.max(1),
@@ -272,8 +283,24 @@ impl Server {
                 },
             }
         }
-        drop(listener);
+        // Draining: connections that were open close once idle; the listener stays open so
+        // that new requests get a 503 with Retry-After (not a refused connection) until the
+        // process exits.
+        shared.draining.store(true, Ordering::SeqCst);
         let _ = drain_tx.send(true);
+        let late = {
+            let (shared, router) = (shared.clone(), router.clone());
+            let (keep_tx, keep_rx) = watch::channel(false);
+            tokio::spawn(async move {
+                let _keep = keep_tx;
+                loop {
+                    match listener.accept().await {
+                        Ok((stream, _)) => accept(&shared, &router, stream, keep_rx.clone()),
+                        Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                    }
+                }
+            })
+        };
         let deadline = Instant::now() + shutdown_timeout;
         let finished = wait_for_no_requests(&shared, deadline).await;
         let left = shared.in_flight.load(Ordering::SeqCst);
@@ -292,6 +319,7 @@ impl Server {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        late.abort();
         let engine = tokio::task::spawn_blocking(move || worker.shutdown()).await.ok().flatten();
         let pages = engine.as_ref().map(|e| (e.model.kv.alloc.free_pages(), e.model.kv.alloc.total_pages()));
         eprintln!(
@@ -340,7 +368,8 @@ async fn shutdown_signal() -> &'static str {
     }
 }
 
-async fn bind(host: &str, port: u16) -> Result<TcpListener> {
+/// Bind `host:port` (the first of its addresses that binds).
+pub async fn bind(host: &str, port: u16) -> Result<TcpListener> {
     let h = host.trim_start_matches('[').trim_end_matches(']');
     let addrs: Vec<SocketAddr> = tokio::net::lookup_host((h, port)).await.with_context(|| format!("resolving --host {host}"))?.collect();
     let mut last = None;
@@ -351,6 +380,42 @@ async fn bind(host: &str, port: u16) -> Result<TcpListener> {
         }
     }
     Err(last.unwrap_or_else(|| anyhow!("--host {host} resolves to no address")))
+}
+
+/// While the model loads: every request gets 503 (`/health` says `loading`; the rest a
+/// `model_loading` error with `Retry-After`), each with `Connection: close` so that a client
+/// comes back on a fresh connection once the server is ready. Ends when `ready` turns true,
+/// handing the listener back.
+pub async fn serve_loading(listener: TcpListener, mut ready: watch::Receiver<bool>) -> TcpListener {
+    let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+        let r = if req.uri().path() == "/health" || req.uri().path() == "/healthz" {
+            json_response(StatusCode::SERVICE_UNAVAILABLE, serde_json::json!({"status": "loading"}).to_string())
+        } else {
+            api_error(ApiError::new(503, "server_error", "the model is still loading; retry shortly").code("model_loading").retry_after())
+        };
+        let mut r = r;
+        r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        Ok::<_, std::convert::Infallible>(r)
+    });
+    loop {
+        tokio::select! {
+            // (The guard `wait_for` returns must not live across the select's awaits.)
+            _ = async { let _ = ready.wait_for(|r| *r).await; } => return listener,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(Duration::from_secs(10))
+                        .keep_alive(false)
+                        .serve_connection(TokioIo::new(stream), service);
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(Duration::from_secs(30), conn).await;
+                    });
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            },
+        }
+    }
 }
 
 /// Removes a connection from the registry when its task ends.
@@ -453,6 +518,14 @@ fn route_label(path: &str) -> &'static str {
         "/v1/completions" => "/v1/completions",
         "/v1/chat/completions" => "/v1/chat/completions",
         "/metrics" => "/metrics",
+        "/tokenize" => "/tokenize",
+        "/detokenize" => "/detokenize",
+        "/api/chat" => "/api/chat",
+        "/api/generate" => "/api/generate",
+        "/api/tags" => "/api/tags",
+        "/api/show" => "/api/show",
+        "/api/ps" => "/api/ps",
+        "/api/version" => "/api/version",
         _ => "other",
     }
 }
@@ -463,7 +536,9 @@ async fn handle(shared: Arc<Shared>, router: Router, conn: Conn, mut req: Reques
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let route = route_label(&path);
-    let response = if route != "/health" && !authorized(&shared, req.headers()) {
+    let response = if shared.draining.load(Ordering::SeqCst) && route != "/metrics" {
+        draining(route)
+    } else if route != "/health" && !authorized(&shared, req.headers()) {
         // The same answer for a missing and a wrong key, and for routes that do not exist.
         api_error(ApiError::new(401, "authentication_error", "unauthorized").code("invalid_api_key").header("WWW-Authenticate", "Bearer"))
     } else {
@@ -479,6 +554,39 @@ async fn handle(shared: Arc<Shared>, router: Router, conn: Conn, mut req: Reques
         eprintln!("{method} {path} {status} {:.0} ms", t0.elapsed().as_secs_f64() * 1e3);
     }
     response
+}
+
+/// A request that arrives while the server drains: /health says so, the rest get 503 with
+/// `Retry-After` and `Connection: close`, so a router retries them on another replica.
+fn draining(route: &str) -> Response {
+    if route == "/health" {
+        return json_response(StatusCode::SERVICE_UNAVAILABLE, serde_json::json!({"status": "draining"}).to_string());
+    }
+    let e = ApiError::new(503, "server_error", "the server is shutting down and takes no new requests; retry on another replica")
+        .code("server_shutting_down")
+        .retry_after()
+        .header("Connection", "close");
+    if route.starts_with("/api/") {
+        ollama::error(e)
+    } else {
+        api_error(e)
+    }
+}
+
+/// `POST /tokenize`: the ids of a prompt or of chat messages (vLLM's shape).
+async fn tokenize(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    match read_body(&shared, &headers, body).await.and_then(|b| lantern::openai::tokenize::tokenize(&shared.model, &b)) {
+        Ok(v) => json_response(StatusCode::OK, v.to_string()),
+        Err(e) => api_error(e),
+    }
+}
+
+/// `POST /detokenize`: the text of ids.
+async fn detokenize(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    match read_body(&shared, &headers, body).await.and_then(|b| lantern::openai::tokenize::detokenize(&shared.model, &b)) {
+        Ok(v) => json_response(StatusCode::OK, v.to_string()),
+        Err(e) => api_error(e),
+    }
 }
 
 /// An [`ApiError`] as a response.
@@ -508,6 +616,14 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get(metrics_text).fallback(refuse(GET)))
         .route("/v1/completions", post(bridge::completions).fallback(refuse("POST")))
         .route("/v1/chat/completions", post(bridge::chat).fallback(refuse("POST")))
+        .route("/tokenize", post(tokenize).fallback(refuse("POST")))
+        .route("/detokenize", post(detokenize).fallback(refuse("POST")))
+        .route("/api/chat", post(ollama::chat).fallback(refuse("POST")))
+        .route("/api/generate", post(ollama::generate).fallback(refuse("POST")))
+        .route("/api/tags", get(ollama::tags).fallback(refuse(GET)))
+        .route("/api/show", post(ollama::show).fallback(refuse("POST")))
+        .route("/api/ps", get(ollama::ps).fallback(refuse(GET)))
+        .route("/api/version", get(ollama::version).fallback(refuse(GET)))
         .fallback(|req: Request<Body>| async move {
             api_error(ApiError::new(404, "invalid_request_error", format!("no route {}", req.uri().path())).code("not_found"))
         })
