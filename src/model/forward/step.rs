@@ -116,8 +116,9 @@ impl GpuModel {
     /// Milliseconds of one step of each of `widths` tokens at the end of a `prefix`-token
     /// scratch sequence (released after): the median of `reps` timed steps per width, each
     /// rolled back, after one untimed step of each kernel shape among them (pipelines
-    /// compiled, weights touched). What a speculative verify step of that width costs here;
-    /// each is also recorded as the width's cost ([`Self::record_step_ms`]).
+    /// compiled, weights touched); a width timed dearer than as many one-token steps is timed
+    /// again (up to twice) and the fastest kept. What a speculative verify step of that
+    /// width costs here; each is also recorded as the width's cost ([`Self::record_step_ms`]).
     pub async fn measure_step_costs(&mut self, prefix: usize, widths: &[usize], reps: usize) -> Result<Vec<f64>> {
         let context = self.kv.alloc.config.context;
         let widest = widths.iter().copied().max().unwrap_or(0);
@@ -170,9 +171,28 @@ impl GpuModel {
                     self.truncate_sequence(seq, prefix)?;
                 }
                 times.sort_by(f64::total_cmp);
-                let ms = times[times.len() / 2];
+                out.push(times[times.len() / 2]);
+            }
+            // A busy moment (another process on the same cores) inflates a timing, and kept
+            // costs are read by every later run: a step of w tokens dearer than w one-token
+            // steps, which a batched kernel is not on a quiet adapter, is timed again (up to
+            // twice), keeping the fastest.
+            let one = widths.iter().position(|&w| w == 1).map(|i| out[i]).or_else(|| self.step_costs().get(1).copied().flatten());
+            if let Some(one) = one {
+                for (i, &w) in widths.iter().enumerate() {
+                    for _ in 0..2 {
+                        if w <= 1 || out[i] <= one * w as f64 * 1.1 {
+                            break;
+                        }
+                        let t0 = web_time::Instant::now();
+                        self.forward_rows(seq, &step(w), Want::Argmax).await?;
+                        out[i] = out[i].min(t0.elapsed().as_secs_f64() * 1e3);
+                        self.truncate_sequence(seq, prefix)?;
+                    }
+                }
+            }
+            for (&w, &ms) in widths.iter().zip(&out) {
                 self.record_step_ms(w, ms);
-                out.push(ms);
             }
             Ok(out)
         };
