@@ -81,6 +81,11 @@ pub struct BenchArgs {
     /// eight-token matvec (comparisons).
     #[arg(long)]
     pub no_eight_token_matvec: bool,
+    /// Steps of at most this many tokens use the batched (four- and eight-token) matvec where
+    /// the adapter's layout has one; larger steps the matmul (default: the adapter's; 0
+    /// turns the batched matvec off, for comparisons).
+    #[arg(long)]
+    pub batch_max_tokens: Option<usize>,
     /// Write every request's timestamps and the summary as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -314,6 +319,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             kv_dtype: a.kv_dtype.dtype(),
             matvec_max_tokens: a.matvec_max_tokens,
             eight_token_matvec: a.no_eight_token_matvec.then_some(false),
+            batch_max_tokens: a.batch_max_tokens,
             ..Default::default()
         },
         &mut |_, _| {},

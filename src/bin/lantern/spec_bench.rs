@@ -75,6 +75,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         max_seqs: 2,
         kv_dtype: a.kv_dtype.dtype(),
         eight_token_matvec: a.no_eight_token_matvec.then_some(false),
+        batch_max_tokens: a.batch_max_tokens,
         ..Default::default()
     };
     let (mut target, tokenizer) =
