@@ -27,11 +27,11 @@ if ! cargo clippy --version >/dev/null 2>&1; then
 fi
 cargo clippy --release --all-targets -- -D warnings
 
-# The official OpenAI and Ollama Python clients, which tests/serve.rs drives the server with
-# (PyPI, in a virtual environment of its own; once).
-if [ ! -x target/pyenv/bin/python ] || ! target/pyenv/bin/python -c "import openai, ollama" 2>/dev/null; then
+# The official OpenAI, Anthropic and Ollama Python clients, which tests/serve.rs drives the
+# server with (PyPI, in a virtual environment of its own; once).
+if [ ! -x target/pyenv/bin/python ] || ! target/pyenv/bin/python -c "import openai, anthropic, ollama" 2>/dev/null; then
     python3 -m venv target/pyenv
-    target/pyenv/bin/pip install --quiet "openai==3.57.0" "ollama==0.6.3"
+    target/pyenv/bin/pip install --quiet "openai==3.57.0" "anthropic==2.17.0" "ollama==0.6.3"
 fi
 export LANTERN_PYTHON="$root/target/pyenv/bin/python"
 

@@ -96,6 +96,13 @@ impl Server {
         http(&self.addr, "POST", path, &[("Content-Type", "application/json")], body.to_string().as_bytes())
     }
 
+    /// The same, from a server that wants an API key.
+    fn metric_with_key(&self, name: &str, key: &str) -> f64 {
+        let r = http(&self.addr, "GET", "/metrics", &[("Authorization", &format!("Bearer {key}"))], b"");
+        assert_eq!(r.status, 200);
+        metric(&r.text(), name)
+    }
+
     /// The value of an unlabelled sample (or a labelled one given as `name{labels}`).
     fn metric(&self, name: &str) -> f64 {
         let r = self.get("/metrics");
@@ -1486,4 +1493,93 @@ fn health_is_503_while_the_model_loads() {
     assert_eq!(error_of(&early)["code"], "model_loading");
     assert!(early.header("retry-after").is_some(), "{:?}", early.headers);
     assert_eq!(ready.expect("never ready").json()["status"], "ok");
+}
+
+/// The official `anthropic` Python client (PyPI, installed by scripts/test.sh):
+/// tests/clients/anthropic_client.py creates messages whole and streamed, forces a tool call
+/// and answers it with a tool_result, stops at a stop sequence; the greedy answer equals
+/// chat completions' for the same request.
+#[test]
+fn official_anthropic_python_client() {
+    let _s = serial();
+    let python = std::env::var("LANTERN_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python).args(["-c", "import anthropic"]).output();
+    assert!(
+        probe.as_ref().is_ok_and(|o| o.status.success()),
+        "{python} cannot import anthropic: run scripts/test.sh (it installs the client into target/pyenv) or set LANTERN_PYTHON"
+    );
+    let server = Server::start(&[]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/anthropic_client.py");
+    let out = Command::new(&python).arg(script).arg(format!("http://{}", server.addr)).arg(MODEL_ID).output().expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the anthropic client failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let got: Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("the script's answer");
+    let chat = server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(got["text"], chat.json()["choices"][0]["message"]["content"], "/v1/messages and /v1/chat/completions differ");
+    server.wait_idle(Duration::from_secs(10));
+}
+
+/// `/v1/messages` by hand: the event sequence of a stream, `x-api-key` next to bearer auth,
+/// and bad input refused with a 4xx in Anthropic's shape naming the field, before anything
+/// reaches the engine.
+#[test]
+fn messages_events_auth_and_bad_input() {
+    let _s = serial();
+    let server = Server::start_with_env(&[], &[("LANTERN_API_KEY", "sesame")]);
+    let body = json!({"model": MODEL_ID, "max_tokens": 5, "temperature": 0, "stream": true,
+        "system": "Answer briefly.", "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}]});
+    let send = |headers: &[(&str, &str)], body: &Value| {
+        let mut h = vec![("Content-Type", "application/json")];
+        h.extend_from_slice(headers);
+        http(&server.addr, "POST", "/v1/messages", &h, body.to_string().as_bytes())
+    };
+    assert_eq!(send(&[], &body).status, 401);
+    assert_eq!(send(&[("x-api-key", "wrong")], &body).status, 401);
+    let r = send(&[("x-api-key", "sesame"), ("anthropic-version", "2023-06-01")], &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let names: Vec<String> = r.text().lines().filter_map(|l| l.strip_prefix("event: ").map(str::to_string)).collect();
+    assert_eq!(names.first().map(String::as_str), Some("message_start"), "{names:?}");
+    assert_eq!(&names[names.len() - 3..], ["content_block_stop", "message_delta", "message_stop"], "{names:?}");
+    assert!(names.iter().filter(|n| *n == "content_block_delta").count() >= 1, "{names:?}");
+    let delta: Value = r
+        .text()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: ").and_then(|d| serde_json::from_str::<Value>(d).ok()))
+        .find(|v| v["type"] == "message_delta")
+        .unwrap();
+    assert_eq!((delta["delta"]["stop_reason"].clone(), delta["usage"]["output_tokens"].clone()), (json!("max_tokens"), json!(5)));
+    let before = server.metric_with_key("lantern_engine_steps_total", "sesame");
+    let user = json!([{"role": "user", "content": "x"}]);
+    for (bad, field) in [
+        (json!({"messages": user}), "max_tokens"),
+        (json!({"max_tokens": 4}), "messages"),
+        (json!({"max_tokens": 4, "messages": user, "temperature": 1.5}), "temperature"),
+        (
+            json!({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+            "messages[0].content[0].type",
+        ),
+        (json!({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}), "messages[0].role"),
+        (json!({"max_tokens": 4, "messages": user, "tools": [{"name": "f"}]}), "tools[0].input_schema"),
+        (json!({"max_tokens": 4, "messages": user, "tool_choice": {"type": "tool"}}), "tool_choice.name"),
+        (json!({"max_tokens": 4, "messages": user, "thinking": {"type": "enabled", "budget_tokens": 1024}}), "thinking"),
+        (json!({"max_tokens": 4, "messages": user, "stop_sequences": "x"}), "stop_sequences"),
+    ] {
+        let mut b = bad.clone();
+        b["model"] = json!(MODEL_ID);
+        let r = send(&[("x-api-key", "sesame")], &b);
+        let v = r.json();
+        assert_eq!(
+            (r.status, v["type"].clone(), v["error"]["type"].clone()),
+            (400, json!("error"), json!("invalid_request_error")),
+            "{bad}: {v}"
+        );
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(field), "{bad}: the error does not name {field}: {msg}");
+    }
+    let r = send(&[("x-api-key", "sesame")], &json!({"model": "nope", "max_tokens": 4, "messages": user}));
+    assert_eq!((r.status, r.json()["error"]["type"].clone()), (404, json!("not_found_error")));
+    assert_eq!(server.metric_with_key("lantern_engine_steps_total", "sesame"), before, "a refused request reached the engine");
 }

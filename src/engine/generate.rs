@@ -91,6 +91,8 @@ pub struct Generation {
     pub output_ids: Vec<u32>,
     pub text: String,
     pub finish_reason: FinishReason,
+    /// The stop string that ended the generation (cut from `text`), when one did.
+    pub stop_string: Option<String>,
     pub timings: RequestTimings,
     /// Prompt tokens whose KV came from the prefix cache (not computed again).
     pub cached_prompt_tokens: usize,
@@ -384,6 +386,7 @@ async fn run(
             output_ids: out_ids,
             text: String::new(),
             finish_reason: FinishReason::Length,
+            stop_string: None,
             timings,
             cached_prompt_tokens: 0,
             speculative: spec.map(|s| s.1),
@@ -556,6 +559,7 @@ async fn run(
         output_ids: out_ids,
         text,
         finish_reason: finish,
+        stop_string: stream.matched,
         timings,
         cached_prompt_tokens: 0,
         speculative,
@@ -570,6 +574,8 @@ async fn run(
 pub(crate) struct TextStream {
     decoder: crate::model::tokenizer::StreamDecoder,
     pub(crate) text: String,
+    /// The stop string that ended the text.
+    pub(crate) matched: Option<String>,
     emitted: usize,
     hold: usize,
 }
@@ -579,6 +585,7 @@ impl TextStream {
         TextStream {
             decoder: tokenizer.stream_decoder(),
             text: String::new(),
+            matched: None,
             emitted: 0,
             hold: stop_strings.iter().map(|s| s.len()).max().unwrap_or(0),
         }
@@ -601,7 +608,10 @@ impl TextStream {
         if let Some(piece) = self.decoder.step(tokenizer, token)? {
             self.text.push_str(&piece);
         }
-        if let Some(cut) = stop_strings.iter().filter(|s| !s.is_empty()).filter_map(|s| self.text.find(s.as_str())).min() {
+        let first =
+            stop_strings.iter().filter(|s| !s.is_empty()).filter_map(|s| self.text.find(s.as_str()).map(|i| (i, s))).min_by_key(|m| m.0);
+        if let Some((cut, stop)) = first {
+            self.matched = Some(stop.clone());
             self.text.truncate(cut);
             let piece = (cut > self.emitted).then(|| self.text[self.emitted..cut].to_string());
             self.emitted = self.text.len();

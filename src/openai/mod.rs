@@ -8,13 +8,15 @@
 //! or the GPU: the fuzz target `openai_request` drives [`parse_request`] on arbitrary bytes.
 //!
 //! The other APIs `lantern serve` speaks are translated into these requests, so that they
-//! accept and refuse the same things: [`ollama`] (Ollama's `/api/chat` and `/api/generate`)
+//! accept and refuse the same things: [`anthropic`] (the Messages API), [`ollama`] (Ollama's
+//! `/api/chat` and `/api/generate`)
 //! and [`tokenize`] (vLLM's `/tokenize` and `/detokenize`, no generation).
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub mod anthropic;
 pub mod ollama;
 pub mod tokenize;
 pub mod tools;

@@ -14,13 +14,16 @@
 //! `ollama` answers Ollama's API over the same submission path. Endpoints:
 //! - OpenAI: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
 //!   `GET /v1/models/{id}`;
+//! - Anthropic: `POST /v1/messages` (`anthropic`);
 //! - Ollama: `POST /api/chat`, `POST /api/generate`, `GET /api/tags`, `POST /api/show`,
 //!   `GET /api/ps`, `GET /api/version`;
 //! - vLLM's `POST /tokenize` and `POST /detokenize`;
 //! - `GET /metrics` (Prometheus text format) and `GET /health` (`/healthz`), the only one
-//!   that never needs the API key: 503 while the model loads (the port is bound first) and
+//!   that never needs the API key (`Authorization: Bearer` or `x-api-key`): 503 while the model loads (the port is bound first) and
 //!   while the server drains after SIGTERM, 200 in between.
 
+#[path = "anthropic.rs"]
+mod anthropic;
 #[path = "bridge.rs"]
 mod bridge;
 #[path = "metrics.rs"]

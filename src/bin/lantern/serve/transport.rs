@@ -43,6 +43,7 @@ use tower::ServiceExt as _;
 use lantern::engine::{Engine, EngineClient, EngineWorker, Speculation};
 use lantern::openai::{model_not_found, ApiError, ServedModel};
 
+use super::anthropic;
 use super::bridge;
 use super::metrics::{self, random_u64, Metrics};
 use super::ollama::{self, ModelInfo};
@@ -518,6 +519,7 @@ fn route_label(path: &str) -> &'static str {
         "/v1/completions" => "/v1/completions",
         "/v1/chat/completions" => "/v1/chat/completions",
         "/metrics" => "/metrics",
+        "/v1/messages" => "/v1/messages",
         "/tokenize" => "/tokenize",
         "/detokenize" => "/detokenize",
         "/api/chat" => "/api/chat",
@@ -568,6 +570,8 @@ fn draining(route: &str) -> Response {
         .header("Connection", "close");
     if route.starts_with("/api/") {
         ollama::error(e)
+    } else if route == "/v1/messages" {
+        anthropic::error(e)
     } else {
         api_error(e)
     }
@@ -616,6 +620,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get(metrics_text).fallback(refuse(GET)))
         .route("/v1/completions", post(bridge::completions).fallback(refuse("POST")))
         .route("/v1/chat/completions", post(bridge::chat).fallback(refuse("POST")))
+        .route("/v1/messages", post(anthropic::messages).fallback(refuse("POST")))
         .route("/tokenize", post(tokenize).fallback(refuse("POST")))
         .route("/detokenize", post(detokenize).fallback(refuse("POST")))
         .route("/api/chat", post(ollama::chat).fallback(refuse("POST")))
@@ -700,11 +705,17 @@ fn bearer(h: &str) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
+/// The key from `Authorization: Bearer KEY` (OpenAI's and Ollama's clients) or `x-api-key`
+/// (Anthropic's).
 fn authorized(shared: &Shared, headers: &HeaderMap) -> bool {
     let Some(want) = &shared.key_hash else { return true };
-    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer)
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim));
     // Hashing first makes the comparison independent of the key's length and content.
-    let got = given.and_then(bearer).map(sha256).unwrap_or([0; 32]);
+    let got = given.map(sha256).unwrap_or([0; 32]);
     ct_eq(&got, want) && given.is_some()
 }
 
