@@ -260,10 +260,6 @@ enum Layout {
     /// (SwiftShader): four rows per invocation in 16-element units, codes decoded in place
     /// (`ShaderOp::MatvecQMasked`).
     Masked,
-    /// Masked with four tokens per pass (SwiftShader's batched steps).
-    MaskedTok4,
-    /// Masked with eight tokens per pass (SwiftShader's verify steps of 5-8 tokens).
-    MaskedTok8,
     /// Whatever `linear::build` picks for a matvec on this adapter.
     Auto,
     /// Whatever `linear::build` picks for a matmul (prefill) on this adapter.
@@ -284,10 +280,8 @@ impl Layout {
     ];
 
     /// The layouts of the packed-weight kernels.
-    const PACKED: [Layout; 30] = [
+    const PACKED: [Layout; 28] = [
         Layout::Masked,
-        Layout::MaskedTok4,
-        Layout::MaskedTok8,
         Layout::MultiRow,
         Layout::MultiRowSubgroups,
         Layout::MultiRowTok4,
@@ -417,8 +411,6 @@ impl Layout {
                 Layout::Blocked48 => PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_N8),
                 Layout::Blocked88 => PipelineKey::new(bq, 8).with_flags(fl | flags::BLOCK_M8 | flags::BLOCK_N8),
                 Layout::Masked => PipelineKey::new(ShaderOp::MatvecQMasked, linear::MASKED_WG).with_flags(fl),
-                Layout::MaskedTok4 => PipelineKey::new(ShaderOp::MatvecQMasked, linear::MASKED_WG).with_flags(fl | flags::TOK4),
-                Layout::MaskedTok8 => PipelineKey::new(ShaderOp::MatvecQMasked, linear::MASKED_WG).with_flags(fl | flags::TOK8),
                 Layout::Auto | Layout::AutoMatmul => return None,
                 Layout::Thread64 => panic!("no row-per-invocation layout for packed weights"),
             };
@@ -455,9 +447,7 @@ impl Layout {
             | Layout::Blocked88TiledXtex
             | Layout::Blocked88Bcast
             | Layout::Blocked44Bcast
-            | Layout::Masked
-            | Layout::MaskedTok4
-            | Layout::MaskedTok8 => {
+            | Layout::Masked => {
                 panic!("{self:?} is a packed-weight layout")
             }
             Layout::Auto | Layout::AutoMatmul => return None,
@@ -585,7 +575,7 @@ fn check_linear(ctx: &Arc<GpuContext>, c: LinearCase) {
         assert!(r.is_err_and(|e| e.to_string().contains("multiples of 16")), "{what}: MULTI_ROW with group {} must be refused", c.group);
         return;
     }
-    if matches!(c.layout, Layout::Masked | Layout::MaskedTok4 | Layout::MaskedTok8) && !linear::masked_reads(&lin) {
+    if c.layout == Layout::Masked && !linear::masked_reads(&lin) {
         // IQ4 tables, 2-bit planes, groups of 8: refused (`build` takes ROWS4 for them).
         let r = block_on(linear::build_with_key(ctx, &lin, &io, key.unwrap()));
         assert!(r.is_err_and(|e| e.to_string().contains("16-element units")), "{what}: the masked matvec must refuse these weights");
@@ -864,10 +854,8 @@ const GGML_SHAPES: [(usize, usize, usize); 3] = [(7, 256, 3), (65, 768, 9), (333
 /// The packed layouts the GGUF-only formats are checked in: every kernel and shape the
 /// runtime picks (the blocked matmul's other tile sizes differ from 8x8 only in the
 /// format-independent accumulation).
-const GGML_LAYOUTS: [Layout; 26] = [
+const GGML_LAYOUTS: [Layout; 24] = [
     Layout::Masked,
-    Layout::MaskedTok4,
-    Layout::MaskedTok8,
     Layout::MultiRow,
     Layout::MultiRowSubgroups,
     Layout::MultiRowTok4,

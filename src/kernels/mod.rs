@@ -256,11 +256,8 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
         for &c in &combos {
             v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4).with_weights(w));
             if linear::masked_format(w) {
-                // CPU adapters without texture-held weights (SwiftShader): one token, and
-                // four or eight per pass (batched steps).
-                for tok in [0, TOK4, TOK8] {
-                    v.push(PipelineKey::new(ShaderOp::MatvecQMasked, linear::MASKED_WG).with_flags(c | tok).with_weights(w));
-                }
+                // CPU adapters without texture-held weights (SwiftShader).
+                v.push(PipelineKey::new(ShaderOp::MatvecQMasked, linear::MASKED_WG).with_flags(c).with_weights(w));
             }
             if features.subgroups {
                 v.push(PipelineKey::new(ShaderOp::MatvecQ, 8).with_flags(c | ROWS4 | XBCAST).with_weights(w).with_features(sg));

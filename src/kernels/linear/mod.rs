@@ -42,11 +42,10 @@ pub enum Shape {
     Matvec,
     /// A few rows sharing each pass over the weights: the four-token packed matvec
     /// (`flags::TOK4`) of the adapter's layout (CPU adapters: ROWS4 | XBCAST from storage or
-    /// texture copies, the masked matvec without 8-lane subgroups; GPUs: MULTI_ROW);
-    /// elsewhere the matvec.
+    /// texture copies; GPUs: MULTI_ROW); elsewhere the matvec.
     MatvecBatch,
     /// Steps of 5-8 rows (speculative verify): the eight-token packed matvec (`flags::TOK8`)
-    /// where the layout has one (TEX, MULTI_ROW, masked), else as `MatvecBatch`.
+    /// where the layout has one (TEX, MULTI_ROW), else as `MatvecBatch`.
     MatvecBatch8,
     /// Many rows: tiled matmul.
     Matmul,
@@ -108,14 +107,7 @@ pub async fn build(ctx: &GpuContext, lin: &GpuLinear, io: &LinearIo<'_>, shape: 
     let mut features = crate::gpu::Features::default();
     let packed = lin.format.is_packed();
     let (op, wg) = match shape {
-        Shape::Matvec | Shape::MatvecBatch | Shape::MatvecBatch8 if packed && masked_fits(ctx, lin) => {
-            fl |= match shape {
-                Shape::MatvecBatch => flags::TOK4,
-                Shape::MatvecBatch8 => flags::TOK8,
-                _ => 0,
-            };
-            (ShaderOp::MatvecQMasked, MASKED_WG)
-        }
+        Shape::Matvec if packed && masked_fits(ctx, lin) => (ShaderOp::MatvecQMasked, MASKED_WG),
         Shape::Matvec | Shape::MatvecBatch | Shape::MatvecBatch8 => {
             let (mut f, w) = if packed { packed_matvec_layout(ctx) } else { matvec_layout(ctx) };
             if f & flags::MULTI_ROW != 0 && !multi_row_fits(lin) {

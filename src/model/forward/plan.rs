@@ -233,19 +233,17 @@ pub(super) async fn build_plans(
     let mut layers_matmul = Vec::new();
     // The four-token packed matvec (TOK4) exists where the packed matvec takes the XBCAST
     // layout (CPU adapters whose workgroup of 8 is one subgroup: from storage, or from
-    // texture copies), the MULTI_ROW one (GPUs) or the masked one (CPU adapters without
-    // 8-lane subgroups: SwiftShader, the browser's software GPU).
+    // texture copies) or the MULTI_ROW one (GPUs).
     let packed = layers.iter().any(|l| l.qkv.iter().any(|(q, _)| q.format.is_packed()));
-    let masked = layers.iter().any(|l| l.qkv.iter().any(|(q, _)| kernels::linear::masked_fits(ctx, q)));
-    let tok4 = packed && (masked || kernels::linear::packed_matvec_layout(ctx).0 & (flags::XBCAST | flags::MULTI_ROW) != 0);
+    let tok4 = packed && kernels::linear::packed_matvec_layout(ctx).0 & (flags::XBCAST | flags::MULTI_ROW) != 0;
     let batch_plans = !options.batch_invariant && tok4;
     // The eight-token form (TOK8) exists in the tiled layout (CPU adapters' texture-held
-    // weights), the masked one and MULTI_ROW (GPUs); the XBCAST storage layout's steps of
-    // 5-8 tokens would take two four-token passes, which the four-token plan already does.
+    // weights) and in MULTI_ROW (GPUs); the storage layout's steps of 5-8 tokens would take
+    // two four-token passes, which the four-token plan already does.
     let tiled = layers.iter().any(|l| l.qkv.iter().any(|(q, _)| q.is_tiled()));
     let tok8 = batch_plans
         && options.eight_token_matvec != Some(false)
-        && (tiled || masked || kernels::linear::packed_matvec_layout(ctx).0 & flags::MULTI_ROW != 0);
+        && (tiled || kernels::linear::packed_matvec_layout(ctx).0 & flags::MULTI_ROW != 0);
     let mut layers_batch = Vec::new();
     let mut layers_batch8 = Vec::new();
     for (l, layer) in layers.iter().enumerate() {
