@@ -1583,3 +1583,29 @@ fn messages_events_auth_and_bad_input() {
     assert_eq!((r.status, r.json()["error"]["type"].clone()), (404, json!("not_found_error")));
     assert_eq!(server.metric_with_key("lantern_engine_steps_total", "sesame"), before, "a refused request reached the engine");
 }
+
+/// `/v1/responses` refuses bad input with a 4xx naming the Responses field (OpenAI's error
+/// shape), before anything reaches the engine; an unknown `previous_response_id` is 404.
+#[test]
+fn responses_refuse_bad_input() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let before = server.metric("lantern_engine_steps_total");
+    for (bad, status, param) in [
+        (json!({}), 400, "input"),
+        (json!({"input": 3}), 400, "input"),
+        (json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}), 400, "input[0].content[0].type"),
+        (json!({"input": [{"type": "web_search_call"}]}), 400, "input[0].type"),
+        (json!({"input": "x", "tools": [{"type": "web_search"}]}), 400, "tools[0].type"),
+        (json!({"input": "x", "temperature": 7}), 400, "temperature"),
+        (json!({"input": "x", "text": {"format": {"type": "yaml"}}}), 400, "text.format.type"),
+        (json!({"input": "x".repeat(2000)}), 400, "input"),
+        (json!({"input": "x", "previous_response_id": "resp_nope"}), 404, "previous_response_id"),
+    ] {
+        let mut b = bad.clone();
+        b["model"] = json!(MODEL_ID);
+        let r = server.post("/v1/responses", &b);
+        assert_eq!((r.status, error_of(&r)["param"].clone()), (status, json!(param)), "{bad}: {}", r.text());
+    }
+    assert_eq!(server.metric("lantern_engine_steps_total"), before, "a refused request reached the engine");
+}

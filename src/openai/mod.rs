@@ -8,7 +8,8 @@
 //! or the GPU: the fuzz target `openai_request` drives [`parse_request`] on arbitrary bytes.
 //!
 //! The other APIs `lantern serve` speaks are translated into these requests, so that they
-//! accept and refuse the same things: [`anthropic`] (the Messages API), [`ollama`] (Ollama's
+//! accept and refuse the same things: [`responses`] (the Responses API), [`anthropic`] (the
+//! Messages API), [`ollama`] (Ollama's
 //! `/api/chat` and `/api/generate`)
 //! and [`tokenize`] (vLLM's `/tokenize` and `/detokenize`, no generation).
 
@@ -18,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod anthropic;
 pub mod ollama;
+pub mod responses;
 pub mod tokenize;
 pub mod tools;
 

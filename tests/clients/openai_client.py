@@ -3,7 +3,10 @@
     python3 tests/clients/openai_client.py BASE_URL MODEL
 
 Chat, completions, streaming with usage, json_schema structured output, json_object,
-n = 2, logprobs and a forced tool call with the tool's answer sent back, each through the client's own types, unchanged. Exits non-zero on the first failure.
+n = 2, logprobs and a forced tool call with the tool's answer sent back, and the Responses API
+(whole, streamed, a function tool continued through previous_response_id, json_schema,
+store: false), each through the client's own types, unchanged. Exits non-zero on the first
+failure.
 """
 
 import json
@@ -170,4 +173,54 @@ try:
 except openai.NotFoundError as e:
     assert e.code == "model_not_found", e
 
-print(f"openai {openai.__version__}: chat, stream with usage, completions, json_schema, json_object, n=2, logprobs, a tool call (whole and streamed), errors: ok")
+# The Responses API: the same greedy answer as chat completions, whole and streamed (raw
+# events, and the SDK's stream helper that checks item identities).
+r = client.responses.create(model=model, input="Say hello.", max_output_tokens=8, temperature=0)
+assert r.object == "response" and r.status in ("completed", "incomplete"), r
+assert r.output_text == whole, (r.output_text, whole)
+assert r.usage.output_tokens > 0 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens, r.usage
+events = list(client.responses.create(model=model, input="Say hello.", max_output_tokens=8, temperature=0, stream=True))
+assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete"), [e.type for e in events]
+assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole
+assert [e.sequence_number for e in events] == list(range(len(events)))
+assert events[-1].response.output_text == whole, events[-1].response
+# (The helper wants `response.completed`: an answer that ends before max_output_tokens.)
+done = client.responses.create(model=model, input="Say hello.", max_output_tokens=80, temperature=0)
+assert done.status == "completed" and done.incomplete_details is None, done
+with client.responses.stream(model=model, input="Say hello.", max_output_tokens=80, temperature=0) as s:
+    for _ in s:
+        pass
+    assert s.get_final_response().output_text == done.output_text
+
+# A function tool (flat, Responses-style), forced: a function_call item whose arguments fit;
+# streamed, the argument deltas make the same arguments; then the call's output continues the
+# conversation through previous_response_id.
+rtools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"], "parameters": t["function"]["parameters"]} for t in tools]
+q = ask[0]["content"]
+r = client.responses.create(model=model, input=q, max_output_tokens=60, temperature=0, tools=rtools, tool_choice={"type": "function", "name": "get_weather"})
+calls = [o for o in r.output if o.type == "function_call"]
+assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id, r.output
+assert json.loads(calls[0].arguments) == args, (calls[0].arguments, args)
+events = list(client.responses.create(model=model, input=q, max_output_tokens=60, temperature=0, tools=rtools, tool_choice={"type": "function", "name": "get_weather"}, stream=True))
+assert json.loads("".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")) == args
+r2 = client.responses.create(
+    model=model, previous_response_id=r.id, max_output_tokens=20, temperature=0, tools=rtools, tool_choice="none",
+    input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": json.dumps({"temperature": 18, "unit": args["unit"]})}],
+)
+assert r2.output_text and r2.previous_response_id == r.id, r2
+
+# text.format json_schema: the output parses and fits.
+r = client.responses.create(model=model, input="A person as JSON.", max_output_tokens=80, temperature=0,
+                            text={"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}})
+p = json.loads(r.output_text)
+assert set(p) == {"name", "age", "colors"} and isinstance(p["age"], int), p
+
+# store: false leaves nothing to continue.
+r = client.responses.create(model=model, input="Hi", max_output_tokens=2, temperature=0, store=False)
+try:
+    client.responses.create(model=model, input="Again", max_output_tokens=2, previous_response_id=r.id)
+    raise AssertionError("a response created with store: false was continued")
+except openai.NotFoundError as e:
+    assert e.code == "previous_response_not_found", e
+
+print(f"openai {openai.__version__}: chat, stream with usage, completions, json_schema, json_object, n=2, logprobs, a tool call (whole and streamed), errors, responses (whole, streamed, tools, previous_response_id, json_schema, store): ok")

@@ -12,8 +12,8 @@
 //!
 //! `metrics` renders `/metrics` (the `lantern_*` names and vLLM's, which routers read);
 //! `ollama` answers Ollama's API over the same submission path. Endpoints:
-//! - OpenAI: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
-//!   `GET /v1/models/{id}`;
+//! - OpenAI: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`
+//!   (`responses`), `GET /v1/models`, `GET /v1/models/{id}`;
 //! - Anthropic: `POST /v1/messages` (`anthropic`);
 //! - Ollama: `POST /api/chat`, `POST /api/generate`, `GET /api/tags`, `POST /api/show`,
 //!   `GET /api/ps`, `GET /api/version`;
@@ -30,6 +30,8 @@ mod bridge;
 mod metrics;
 #[path = "ollama.rs"]
 mod ollama;
+#[path = "responses.rs"]
+mod responses;
 #[path = "transport.rs"]
 mod transport;
 

@@ -47,6 +47,7 @@ use super::anthropic;
 use super::bridge;
 use super::metrics::{self, random_u64, Metrics};
 use super::ollama::{self, ModelInfo};
+use super::responses;
 
 /// Largest request body (413 beyond).
 pub const MAX_BODY: usize = 4 << 20;
@@ -127,6 +128,8 @@ pub struct Shared {
     /// SIGTERM or SIGINT came: requests get 503 with `Retry-After` (a router sends them to
     /// another replica) while those in flight finish.
     pub draining: AtomicBool,
+    /// Conversations for the Responses API's `previous_response_id`.
+    pub responses: responses::Store,
     key_hash: Option<[u8; 32]>,
     max_connections: usize,
     max_idle: usize,
@@ -238,6 +241,7 @@ impl Server {
             prefix_cache: cfg.prefix_cache,
             info: cfg.info,
             draining: AtomicBool::new(false),
+            responses: responses::Store::default(),
             key_hash: cfg.api_key.as_deref().map(sha256),
             max_connections: cfg.max_connections.max(1),
             max_idle: cfg.max_idle_connections.max(1),
@@ -520,6 +524,7 @@ fn route_label(path: &str) -> &'static str {
         "/v1/chat/completions" => "/v1/chat/completions",
         "/metrics" => "/metrics",
         "/v1/messages" => "/v1/messages",
+        "/v1/responses" => "/v1/responses",
         "/tokenize" => "/tokenize",
         "/detokenize" => "/detokenize",
         "/api/chat" => "/api/chat",
@@ -621,6 +626,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/completions", post(bridge::completions).fallback(refuse("POST")))
         .route("/v1/chat/completions", post(bridge::chat).fallback(refuse("POST")))
         .route("/v1/messages", post(anthropic::messages).fallback(refuse("POST")))
+        .route("/v1/responses", post(responses::create).fallback(refuse("POST")))
         .route("/tokenize", post(tokenize).fallback(refuse("POST")))
         .route("/detokenize", post(detokenize).fallback(refuse("POST")))
         .route("/api/chat", post(ollama::chat).fallback(refuse("POST")))
