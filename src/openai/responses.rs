@@ -401,6 +401,18 @@ impl OutputStream {
         self.items.push(item);
     }
 
+    /// Close the open item and open an empty message item with its output_text part.
+    fn open_message(&mut self, out: &mut Vec<(&'static str, Value)>) {
+        self.close(out);
+        self.open = Some(Open::Text(String::new()));
+        let (index, id) = (self.items.len(), self.item_id());
+        let e = self.event("response.output_item.added", json!({"output_index": index, "item": message_item(&id, "", "in_progress")}));
+        out.push(e);
+        let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
+        let e = self.event("response.content_part.added", json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}));
+        out.push(e);
+    }
+
     /// Text outside calls.
     pub fn text(&mut self, t: &str) -> Vec<(&'static str, Value)> {
         let mut out = Vec::new();
@@ -408,15 +420,7 @@ impl OutputStream {
             return out;
         }
         if !matches!(self.open, Some(Open::Text(_))) {
-            self.close(&mut out);
-            self.open = Some(Open::Text(String::new()));
-            let (index, id) = (self.items.len(), self.item_id());
-            let e = self.event("response.output_item.added", json!({"output_index": index, "item": message_item(&id, "", "in_progress")}));
-            out.push(e);
-            let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
-            let e =
-                self.event("response.content_part.added", json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}));
-            out.push(e);
+            self.open_message(&mut out);
         }
         if let Some(Open::Text(s)) = &mut self.open {
             s.push_str(t);
@@ -461,14 +465,7 @@ impl OutputStream {
     pub fn finish(&mut self) -> Vec<(&'static str, Value)> {
         let mut out = Vec::new();
         if self.items.is_empty() && self.open.is_none() {
-            self.open = Some(Open::Text(String::new()));
-            let (index, id) = (self.items.len(), self.item_id());
-            let e = self.event("response.output_item.added", json!({"output_index": index, "item": message_item(&id, "", "in_progress")}));
-            out.push(e);
-            let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
-            let e =
-                self.event("response.content_part.added", json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}));
-            out.push(e);
+            self.open_message(&mut out);
         }
         self.close(&mut out);
         out

@@ -6,14 +6,12 @@
 //! `message_delta`, `message_stop`; an `error` event when it fails midway). Errors are
 //! Anthropic's `{"type": "error", "error": {...}}`.
 
-use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use serde_json::Value;
@@ -25,20 +23,14 @@ use lantern::openai::tools::StreamPiece;
 use lantern::openai::ApiError;
 
 use super::bridge::{self, Wait};
-use super::transport::{read_body, Conn, Shared};
+use super::transport::{error_response, read_body, Conn, Shared};
 
 const STREAM_BUFFER: usize = 64;
 
 /// An error as Anthropic's clients read it.
 pub fn error(e: ApiError) -> Response {
-    let mut r = (StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), anthropic::error_body(&e)).into_response();
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    for (name, value) in &e.headers {
-        if let Ok(v) = HeaderValue::from_str(value) {
-            r.headers_mut().insert(*name, v);
-        }
-    }
-    r
+    let body = anthropic::error_body(&e);
+    error_response(&e, body)
 }
 
 fn event(name: &'static str, data: &Value) -> SseEvent {
@@ -81,7 +73,7 @@ pub async fn messages(State(shared): State<Arc<Shared>>, Extension(conn): Extens
             }
         }
     }
-    let (tx, mut rx) = mpsc::channel::<SseEvent>(STREAM_BUFFER);
+    let (tx, rx) = mpsc::channel::<SseEvent>(STREAM_BUFFER);
     let keepalive = shared.sse_keepalive;
     tokio::spawn(async move {
         let openai_job = run.job.clone();
@@ -136,13 +128,5 @@ pub async fn messages(State(shared): State<Arc<Shared>>, Extension(conn): Extens
             }
         }
     });
-    let events = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
-    let mut r = match keepalive {
-        Some(every) => {
-            Sse::new(events).keep_alive(KeepAlive::new().interval(every.max(Duration::from_millis(100))).text("keep-alive")).into_response()
-        }
-        None => Sse::new(events).into_response(),
-    };
-    r.headers_mut().insert("X-Accel-Buffering", HeaderValue::from_static("no"));
-    r
+    bridge::sse_response(rx, keepalive)
 }

@@ -298,7 +298,7 @@ fn data<T: serde::Serialize>(v: &T) -> SseEvent {
 /// Server-sent events: a task drives the request and feeds the body through a channel, so a
 /// client that goes away (hyper drops the body) ends the task and cancels the request.
 fn stream(mut run: Run, include_usage: bool) -> Response {
-    let (tx, mut rx) = mpsc::channel::<SseEvent>(STREAM_BUFFER);
+    let (tx, rx) = mpsc::channel::<SseEvent>(STREAM_BUFFER);
     let keepalive = run.shared.sse_keepalive;
     tokio::spawn(async move {
         // Per choice: text bytes streamed so far (completions' `text_offset`).
@@ -379,6 +379,11 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
             }
         }
     });
+    sse_response(rx, keepalive)
+}
+/// `rx`'s events as server-sent events, with `: keep-alive` comments every `keepalive` while
+/// nothing is sent (every streamed route: chat, completions, Messages, Responses).
+pub fn sse_response(mut rx: mpsc::Receiver<SseEvent>, keepalive: Option<Duration>) -> Response {
     let events = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
     let mut r = match keepalive {
         Some(every) => {

@@ -24,7 +24,7 @@ use lantern::openai::tools::StreamPiece;
 use lantern::openai::ApiError;
 
 use super::bridge::{self, Wait};
-use super::transport::{read_body, Conn, Shared};
+use super::transport::{error_response, read_body, Conn, Shared};
 
 /// Lines a stream buffers ahead of a slow client.
 const STREAM_BUFFER: usize = 64;
@@ -59,14 +59,8 @@ fn now() -> String {
 
 /// An error as Ollama's client reads it.
 pub fn error(e: ApiError) -> Response {
-    let mut r = (StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), ollama::error_body(&e)).into_response();
-    r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
-    for (name, value) in &e.headers {
-        if let Ok(v) = header::HeaderValue::from_str(value) {
-            r.headers_mut().insert(*name, v);
-        }
-    }
-    r
+    let body = ollama::error_body(&e);
+    error_response(&e, body)
 }
 
 fn reject(shared: &Shared, e: ApiError) -> Response {

@@ -8,15 +8,13 @@
 //! `previous_response_id` ([`Store`]) unless the request says `store: false`.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::Event as SseEvent;
+use axum::response::Response;
 use axum::Extension;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -98,7 +96,7 @@ pub async fn create(State(shared): State<Arc<Shared>>, Extension(conn): Extensio
             }
         }
     }
-    let (tx, mut rx) = mpsc::channel::<SseEvent>(STREAM_BUFFER);
+    let (tx, rx) = mpsc::channel::<SseEvent>(STREAM_BUFFER);
     let keepalive = shared.sse_keepalive;
     let store = r.store.then(|| (shared.clone(), r.items.clone()));
     tokio::spawn(async move {
@@ -163,15 +161,7 @@ pub async fn create(State(shared): State<Arc<Shared>>, Extension(conn): Extensio
             }
         }
     });
-    let events = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
-    let mut r = match keepalive {
-        Some(every) => {
-            Sse::new(events).keep_alive(KeepAlive::new().interval(every.max(Duration::from_millis(100))).text("keep-alive")).into_response()
-        }
-        None => Sse::new(events).into_response(),
-    };
-    r.headers_mut().insert("X-Accel-Buffering", HeaderValue::from_static("no"));
-    r
+    bridge::sse_response(rx, keepalive)
 }
 
 #[cfg(test)]

@@ -600,7 +600,14 @@ async fn detokenize(State(shared): State<Arc<Shared>>, headers: HeaderMap, body:
 
 /// An [`ApiError`] as a response.
 pub fn api_error(e: ApiError) -> Response {
-    let mut r = (StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), e.body()).into_response();
+    let body = e.body();
+    error_response(&e, body)
+}
+
+/// An [`ApiError`]'s status and headers with `body`, its text in some API's error shape
+/// (OpenAI's [`ApiError::body`], Ollama's, Anthropic's).
+pub fn error_response(e: &ApiError, body: String) -> Response {
+    let mut r = (StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), body).into_response();
     let h = r.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     for (name, value) in &e.headers {
