@@ -1,6 +1,7 @@
 //! Time one packed matvec kernel variant in a loop (for profilers):
 //! `cargo run --release --example mvprof -- FORMAT N K REPS [TOKENS]` (FORMAT: q4k, q6k, q5s,
-//! q8, ...; the runtime's own layout for that format on this adapter: the matvec for one token,
+//! q8, ...; `MVPROF_GATE_UP=1` times the fused gate/up form: RMS norm prologue, two matrices,
+//! SiLU gate; the runtime's own layout for that format on this adapter: the matvec for one token,
 //! the four-token matvec for 2-4, the eight-token one for 5-8, the prefill matmul above). Prints GB/s of weight bytes per
 //! dispatch, median of REPS.
 
@@ -34,7 +35,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         PackedMatrix::from_gguf_blocks("w", kind, &b, n, k)?
     };
-    let lin = GpuLinear::upload(&ctx, "w", HostMatrix::Packed(&p), None, None, n, k)?;
+    let gate_up = std::env::var("MVPROF_GATE_UP").is_ok_and(|v| v == "1");
+    let u = gate_up.then_some(HostMatrix::Packed(&p));
+    let lin = GpuLinear::upload(&ctx, "w", HostMatrix::Packed(&p), u, None, n, k)?;
+    let g: Vec<f32> = (0..k).map(|i| 1.0 + (i % 5) as f32 / 10.0).collect();
+    let norm = gate_up
+        .then(|| lantern::gpu::buffer::create_storage_window(&ctx, "g", bytemuck::cast_slice(&g), lantern::kernels::linear::x_window(&ctx)))
+        .transpose()?;
     let xv: Vec<f32> = (0..tokens * k).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect();
     let x = lantern::gpu::buffer::create_storage_window(&ctx, "x", bytemuck::cast_slice(&xv), lantern::kernels::linear::x_window(&ctx))?;
     let y = lantern::gpu::buffer::create_zeroed(&ctx, "y", (tokens * n * 4) as u64)?;
@@ -47,7 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         step: &step,
         x: &x,
         x_stride: k,
-        norm: None,
+        norm: norm.as_ref(),
         eps: 1e-5,
         y: &y,
         out_stride: n,
