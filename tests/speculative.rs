@@ -1,7 +1,7 @@
 //! Speculative decoding: greedy identity on the real models (prompt lookup on SmolLM2 and
-//! Qwen2.5-Coder-0.5B, the 0.5B drafting for the 1.5B), the rejection-sampling rule's
-//! distribution on tiny random models against the CPU reference (chi-square), cache
-//! rollback, and the refusals.
+//! Qwen2.5-Coder-0.5B, the 0.5B drafting for the 1.5B), sampled verification's distribution
+//! on tiny random models against the CPU reference (chi-square) and its outputs against
+//! plain sampling with the same seed, cache rollback, and the refusals.
 
 mod common;
 
@@ -154,7 +154,7 @@ fn sample_counts(
 }
 
 #[test]
-fn rejection_sampling_follows_the_target_distribution() {
+fn speculative_sampling_follows_the_target_distribution() {
     let tw = random_model(Spec { seed: 31, ..TINY });
     let dw = random_model(Spec { seed: 32, ..TINY });
     let reference = ReferenceModel::new(&tw).unwrap();
@@ -492,6 +492,13 @@ fn engine_batches_speculative_and_plain_requests_and_each_gets_its_solo_output()
         .iter()
         .map(|r| pollster::block_on(generate_with(&mut solo_t, Some(&mut solo_d), &tok, r, |_| true)).unwrap().output_ids)
         .collect();
+    // Sampled verification is drafter-invariant: each request's output, speculative or not,
+    // is the plain output for its seed (greedy ones the plain greedy output).
+    for (i, r) in reqs.iter().enumerate() {
+        let plain = GenerateRequest { speculation: Speculation::default(), ..r.clone() };
+        let p = pollster::block_on(generate_with(&mut solo_t, None, &tok, &plain, |_| true)).unwrap().output_ids;
+        assert_eq!(solo[i], p, "request {i} ({:?}): speculative output differs from plain decoding with its seed", r.speculation.drafter);
+    }
     // Together, with room for all, then with a KV pool that forces preemption.
     for kv_pages in [None, Some(30)] {
         let mut e =

@@ -137,9 +137,8 @@ struct SeqSpec {
     stats: SpecStats,
     /// Its sequence in the draft model's cache (draft-model speculation).
     draft_slot: Option<usize>,
-    /// Drafts for the coming step, with the distributions they were drawn from.
+    /// Drafts for the coming step.
     drafts: Vec<u32>,
-    q: Vec<Dist>,
     draft_ms: f64,
 }
 
@@ -497,7 +496,6 @@ impl Engine {
                 stats: SpecStats::new(req.speculation.drafter),
                 draft_slot: None,
                 drafts: Vec::new(),
-                q: Vec::new(),
                 draft_ms: 0.0,
             }),
             req,
@@ -525,7 +523,6 @@ impl Engine {
                 d.release_sequence(slot);
             }
             sp.drafts.clear();
-            sp.q.clear();
         }
     }
 
@@ -678,7 +675,7 @@ impl Engine {
         for (i, s) in self.running.iter_mut().enumerate() {
             let Some(&(_, k)) = picks.iter().find(|p| p.0 == i) else { continue };
             let Some(slot) = s.spec.as_ref().and_then(|sp| sp.draft_slot) else { continue };
-            jobs.push(DraftJob { slot, history: &s.tokens, k, sampler: &mut s.sampler, tokens: Vec::new(), q: Vec::new() });
+            jobs.push(DraftJob { slot, history: &s.tokens, k, sampler: s.sampler.clone(), tokens: Vec::new() });
             owners.push(i);
         }
         let r = match caught {
@@ -686,12 +683,11 @@ impl Engine {
             Err(e) => Err(e),
         };
         let ms = t0.elapsed().as_secs_f64() * 1e3;
-        let results: Vec<(Vec<u32>, Vec<Dist>)> = jobs.into_iter().map(|j| (j.tokens, j.q)).collect();
-        for (i, (tokens, q)) in owners.into_iter().zip(results) {
+        let results: Vec<Vec<u32>> = jobs.into_iter().map(|j| j.tokens).collect();
+        for (i, tokens) in owners.into_iter().zip(results) {
             let sp = self.running[i].spec.as_mut().expect("speculative");
             if r.is_ok() {
                 sp.drafts = tokens;
-                sp.q = q;
             } else if let Some(slot) = sp.draft_slot.take() {
                 // Its draft cache may be out of step: start it again next time.
                 draft.release_sequence(slot);
@@ -965,12 +961,10 @@ impl Engine {
         if sp.stats.drafter == Drafter::Lookup && sp.drafts.is_empty() && room > 0 {
             let t0 = Instant::now();
             sp.drafts = speculative::lookup(&s.tokens, room, s.req.speculation.lookup_ngram);
-            sp.q = sp.drafts.iter().map(|&d| Dist::one(d)).collect();
             sp.draft_ms = t0.elapsed().as_secs_f64() * 1e3;
         }
         let keep = sp.drafts.len().min(most);
         sp.drafts.truncate(keep);
-        sp.q.truncate(keep);
         keep
     }
 
@@ -1007,9 +1001,9 @@ impl Engine {
             let Some(i) = self.running.iter().position(|s| s.id == id) else { continue };
             let s = &mut self.running[i];
             let prefill = s.computed < s.req.prompt_ids.len();
-            let (drafts, q, draft_ms) = match s.spec.as_mut() {
-                Some(sp) if n_rows > 1 => (std::mem::take(&mut sp.drafts), std::mem::take(&mut sp.q), sp.draft_ms),
-                _ => (Vec::new(), Vec::new(), 0.0),
+            let (drafts, draft_ms) = match s.spec.as_mut() {
+                Some(sp) if n_rows > 1 => (std::mem::take(&mut sp.drafts), sp.draft_ms),
+                _ => (Vec::new(), 0.0),
             };
             let before = s.computed;
             s.computed += take - drafts.len();
@@ -1038,7 +1032,7 @@ impl Engine {
                     speculative::verify_greedy(&drafts, &out.argmax[r..r + n_rows])
                 } else {
                     let p: Vec<Dist> = (r..r + n_rows).map(|row| speculative::dist_at(&out, row, vocab, &s.sampler)).collect();
-                    speculative::verify_sampled(&drafts, &q, &p, &mut s.sampler)
+                    speculative::verify_sampled(&drafts, &p, &mut s.sampler)
                 };
                 // Keep the verified token and the accepted drafts in the cache; the
                 // rejected positions' pages go back.

@@ -281,19 +281,15 @@ async fn next_tokens(
         speculative::catch_up(d, &[(*ds, history)]).await?;
     }
     let t0 = Instant::now();
-    let (drafts, q) = match (req.speculation.drafter, drafting.as_mut()) {
+    let drafts = match (req.speculation.drafter, drafting.as_mut()) {
         (Drafter::Model, Some((d, ds))) if k > 0 => {
-            let mut jobs = [DraftJob { slot: *ds, history, k, sampler: &mut *sampler, tokens: Vec::new(), q: Vec::new() }];
+            let mut jobs = [DraftJob { slot: *ds, history, k, sampler: sampler.clone(), tokens: Vec::new() }];
             speculative::draft_tokens(d, &mut jobs).await?;
             let [j] = jobs;
-            (j.tokens, j.q)
+            j.tokens
         }
-        (Drafter::Lookup, _) => {
-            let t = found[..k].to_vec();
-            let q = t.iter().map(|&id| super::sampler::Dist::one(id)).collect();
-            (t, q)
-        }
-        _ => (Vec::new(), Vec::new()),
+        (Drafter::Lookup, _) => found[..k].to_vec(),
+        _ => Vec::new(),
     };
     let draft_ms = t0.elapsed().as_secs_f64() * 1e3;
     let t1 = Instant::now();
@@ -313,7 +309,7 @@ async fn next_tokens(
         } else {
             let vocab = model.config.vocab_size;
             let p: Vec<_> = (0..input.len()).map(|r| speculative::dist_at(&out, r, vocab, sampler)).collect();
-            speculative::verify_sampled(&drafts, &q, &p, sampler)
+            speculative::verify_sampled(&drafts, &p, sampler)
         };
         // Roll back the rejected positions: the cache keeps the last token and the
         // accepted drafts; the token emitted last goes in with the next step.
@@ -425,16 +421,12 @@ async fn run(
         top_p: sampler.params.top_p,
         _pad: 0,
     });
-    // Greedy speculative requests run ahead too while they choose not to draft (k = 0): their
-    // plain steps cost what a plain request's do. When a step is to carry drafts, the run
-    // submits no more steps, its steps in flight are taken (valid plain steps: greedy tokens
-    // do not depend on where the verify step falls), and the verify step follows. Sampled
-    // ones step at a time, so that a seed gives the same tokens here as in the engine.
-    let ahead = (spec.is_none() || sampler.params.is_greedy())
-        && guide.is_none()
-        && bias.is_none()
-        && (want == Want::Argmax || want == Want::TopK)
-        && model.decode_ahead_depth() >= 2;
+    // Speculative requests run ahead too while they choose not to draft (k = 0): their plain
+    // steps cost what a plain request's do. When a step is to carry drafts, the run submits
+    // no more steps, its steps in flight are taken (valid plain steps: neither greedy nor
+    // sampled tokens depend on where a verify step falls, since sampled verification takes
+    // one number per token, as plain sampling does), and the verify step follows.
+    let ahead = guide.is_none() && bias.is_none() && (want == Want::Argmax || want == Want::TopK) && model.decode_ahead_depth() >= 2;
     // The draws the GPU's steps take, ahead of the request's sampler (a copy of it).
     let mut draws = sampler.clone();
     let mut ahead_open = false;
