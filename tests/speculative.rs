@@ -513,7 +513,13 @@ fn engine_batches_speculative_and_plain_requests_and_each_gets_its_solo_output()
             assert_eq!(g.output_ids, solo[i], "request {i} (kv_pages {kv_pages:?}): batched output differs from its solo run");
             if reqs[i].speculation.enabled() {
                 let s = g.speculative.expect("speculative stats");
-                assert!(s.proposed > 0, "request {i} drafted nothing");
+                // A fixed draft length always drafts; an adaptive one drafts only where the
+                // costs measured on this machine say it pays (on a loaded 2-core CI runner
+                // they may not), so it is only reported.
+                if reqs[i].speculation.draft_tokens.is_some() {
+                    assert!(s.proposed > 0, "request {i} drafted nothing");
+                }
+                eprintln!("request {i}: {}/{} drafts accepted, {} plain steps", s.accepted, s.proposed, s.plain_steps);
             }
         }
         eprintln!("kv_pages {kv_pages:?}: {} steps, {} preemptions", e.stats().steps, e.stats().preemptions);
