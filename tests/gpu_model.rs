@@ -9,7 +9,7 @@ use common::{assert_close, ids, read_f32};
 use std::path::PathBuf;
 
 use lantern::engine::sampler::argmax;
-use lantern::model::forward::{GpuModel, ModelOptions, Want};
+use lantern::model::forward::{l2_normalized, GpuModel, ModelOptions, Pooling, Want};
 use lantern::model::hf::load_hf_folder;
 use lantern::model::ModelWeights;
 
@@ -318,4 +318,58 @@ fn every_pipeline_the_runtime_requests_is_a_validated_variant() {
         missing.into_iter().collect::<Vec<_>>().join("\n")
     );
     eprintln!("{requested} pipelines requested over the adapter families, all validated");
+}
+
+/// The CPU reference's embedding: the final residual rows through the final norm, pooled,
+/// scaled to unit length.
+fn reference_embedding(w: &ModelWeights, tokens: &[u32], pooling: Pooling) -> Vec<f32> {
+    let r = lantern::reference::ReferenceModel::new(w).unwrap();
+    let d = w.config.hidden_size;
+    let last = r.forward_hidden(tokens).pop().unwrap();
+    let norm = w.tensors["model.norm.weight"].to_f32();
+    let normed = lantern::reference::ops::rmsnorm(&last, &norm, w.config.rms_norm_eps);
+    let rows: Vec<&[f32]> = normed.chunks_exact(d).collect();
+    let pooled: Vec<f32> = match pooling {
+        Pooling::Mean => (0..d).map(|j| rows.iter().map(|r| r[j] as f64).sum::<f64>() as f32 / rows.len() as f32).collect(),
+        Pooling::Last => rows.last().unwrap().to_vec(),
+    };
+    l2_normalized(pooled)
+}
+
+#[test]
+fn embeddings_pool_the_reference_final_states_and_release_their_pages() {
+    for name in ["llama-gqa", "qwen2-bias"] {
+        let w = load_hf_folder(&tiny(name)).unwrap();
+        let input = ids(&reference(name)["input_ids"]);
+        // Steps of 3 tokens: the mean runs over several steps, the last token is in the last.
+        let opts = ModelOptions { context: Some(64), page_size: 4, max_batch_tokens: 3, max_logit_rows: 3, ..Default::default() };
+        let mut m = load_gpu(&w, opts);
+        let total = m.kv.alloc.total_pages();
+        for pooling in [Pooling::Mean, Pooling::Last] {
+            for n in [1, 2, input.len()] {
+                let got = pollster::block_on(m.embedding(&input[..n], pooling)).unwrap();
+                let want = reference_embedding(&w, &input[..n], pooling);
+                assert_eq!(got.len(), w.config.hidden_size);
+                let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 1e-4, "{name} {pooling:?} over {n} tokens: max error {err}");
+                let len: f32 = got.iter().map(|v| v * v).sum::<f32>().sqrt();
+                assert!((len - 1.0).abs() < 1e-5, "unit length, got {len}");
+                assert_eq!(m.kv.alloc.free_pages(), total, "{name}: the embedding's pages are released");
+            }
+        }
+        // Refusals change nothing.
+        assert!(pollster::block_on(m.embedding(&[], Pooling::Mean)).is_err());
+        let too_long = vec![1u32; 65];
+        let e = pollster::block_on(m.embedding(&too_long, Pooling::Mean)).unwrap_err();
+        assert!(e.to_string().contains("64"), "{e}");
+        let e = pollster::block_on(m.embedding(&[1, w.config.vocab_size as u32], Pooling::Mean)).unwrap_err();
+        assert!(e.to_string().contains(&w.config.vocab_size.to_string()), "{e}");
+        assert_eq!(m.kv.alloc.free_pages(), total);
+        // A decode after embeddings still gives the reference greedy ids (the workspace the
+        // embedding used is the step's own).
+        let greedy = ids(&reference(name)["greedy_ids"]);
+        let seq = m.new_sequence().unwrap();
+        let first = pollster::block_on(m.forward(seq, &input, Want::Argmax)).unwrap().argmax[0];
+        assert_eq!(first, greedy[0], "{name}: greedy after embeddings");
+    }
 }

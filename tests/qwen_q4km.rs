@@ -81,6 +81,7 @@ fn qwen_0_5b_calls_a_tool_through_its_own_template() {
         aliases: vec![],
         speculation: Default::default(),
         max_seqs: 1,
+        embedding_dims: m.config.hidden_size,
         token_bytes: Default::default(),
         tokenizer: tok.clone(),
     };

@@ -1609,3 +1609,78 @@ fn responses_refuse_bad_input() {
     }
     assert_eq!(server.metric("lantern_engine_steps_total"), before, "a refused request reached the engine");
 }
+
+/// `/v1/embeddings` and Ollama's `/api/embed` and `/api/embeddings`: one unit vector per
+/// input (the model's hidden size), text and its token ids alike, mean and last pooling
+/// distinct, the same vector on every route and while a generation runs beside it; bad input
+/// is refused naming the field, before anything reaches the engine.
+#[test]
+fn embeddings_on_every_route_and_bad_input() {
+    let _s = serial();
+    let server = Server::start(&[]);
+    let floats = |v: &Value| -> Vec<f32> { v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect() };
+    let r = server.post("/v1/embeddings", &json!({"model": MODEL_ID, "input": ["Hello world", "Goodbye"]}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!((v["object"].clone(), v["pooling"].clone()), (json!("list"), json!("mean")));
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    let a = floats(&data[0]["embedding"]);
+    assert_eq!(a.len(), 576, "SmolLM2-135M's hidden size");
+    assert!((a.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-4);
+    let ids = server.post("/tokenize", &json!({"prompt": "Hello world"})).json()["tokens"].clone();
+    let by_ids = server.post("/v1/embeddings", &json!({"model": MODEL_ID, "input": ids}));
+    assert_eq!(floats(&by_ids.json()["data"][0]["embedding"]), a, "token ids embed as their text");
+    let n =
+        ids.as_array().unwrap().len() + server.post("/tokenize", &json!({"prompt": "Goodbye"})).json()["count"].as_u64().unwrap() as usize;
+    assert_eq!(v["usage"]["prompt_tokens"], n);
+    let last = server.post("/v1/embeddings", &json!({"model": MODEL_ID, "input": "Hello world", "pooling": "last"})).json();
+    assert_eq!(last["pooling"], "last");
+    assert_ne!(floats(&last["data"][0]["embedding"]), a);
+    // base64: the same floats, little-endian.
+    let b = server.post("/v1/embeddings", &json!({"model": MODEL_ID, "input": "Hello world", "encoding_format": "base64"})).json();
+    let bytes = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, b["data"][0]["embedding"].as_str().unwrap()).unwrap();
+    let decoded: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    assert_eq!(decoded, a);
+    // Ollama's routes give the same vector.
+    let o = server.post("/api/embed", &json!({"model": MODEL_ID, "input": "Hello world"}));
+    assert_eq!(o.status, 200, "{}", o.text());
+    assert_eq!(floats(&o.json()["embeddings"][0]), a);
+    let legacy = server.post("/api/embeddings", &json!({"model": MODEL_ID, "prompt": "Hello world"})).json();
+    assert_eq!(floats(&legacy["embedding"]), a);
+    // Beside a running generation: both finish, the vector unchanged.
+    let addr = server.addr.clone();
+    let gen = std::thread::spawn(move || {
+        let body = json!({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0});
+        http(&addr, "POST", "/v1/completions", &[("Content-Type", "application/json")], body.to_string().as_bytes()).status
+    });
+    let during = server.post("/v1/embeddings", &json!({"model": MODEL_ID, "input": "Hello world"}));
+    assert_eq!(floats(&during.json()["data"][0]["embedding"]), a);
+    assert_eq!(gen.join().unwrap(), 200);
+    // Bad input: 400 naming the field (404 for a model not served), nothing run.
+    let long = "word ".repeat(CONTEXT * 2);
+    for (body, status, param) in [
+        (json!({"model": MODEL_ID}), 400, "input"),
+        (json!({"input": "x"}), 400, "model"),
+        (json!({"model": "nope", "input": "x"}), 404, "model"),
+        (json!({"model": MODEL_ID, "input": ""}), 400, "input"),
+        (json!({"model": MODEL_ID, "input": []}), 400, "input"),
+        (json!({"model": MODEL_ID, "input": ["ok", 7]}), 400, "input[1]"),
+        (json!({"model": MODEL_ID, "input": [1, 99999999]}), 400, "input[1]"),
+        (json!({"model": MODEL_ID, "input": "x", "encoding_format": "int8"}), 400, "encoding_format"),
+        (json!({"model": MODEL_ID, "input": "x", "dimensions": 64}), 400, "dimensions"),
+        (json!({"model": MODEL_ID, "input": "x", "pooling": "max"}), 400, "pooling"),
+        (json!({"model": MODEL_ID, "input": long}), 400, "input[0]"),
+    ] {
+        let r = server.post("/v1/embeddings", &body);
+        assert_eq!((r.status, error_of(&r)["param"].clone()), (status, json!(param)), "{body}: {}", r.text());
+    }
+    let r = server.post("/api/embed", &json!({"model": MODEL_ID, "input": long, "truncate": false}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.json()["error"].as_str().unwrap().contains("context"), "{}", r.text());
+    let r = server.post("/api/embed", &json!({"model": MODEL_ID, "input": long}));
+    assert_eq!(r.status, 200, "Ollama truncates by default: {}", r.text());
+    let r = server.post("/api/embed", &json!({"input": "x"}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    server.wait_idle(Duration::from_secs(10));
+}

@@ -480,9 +480,17 @@ impl TokenizerRecipe {
 /// `/v1/completions` request, through [`lantern::openai::parse_request`] (JSON, the typed
 /// serde structs, validation against the served model: tokenizer, chat template with tools,
 /// vocabulary, context, KV pool, `response_format` grammars), then the engine request it
-/// makes. The served model is a tiny byte-level tokenizer with a ChatML template.
+/// makes, and as the body of `/v1/embeddings`, `/api/embed` and `/api/embeddings`. The served
+/// model is a tiny byte-level tokenizer with a ChatML template.
 pub fn openai_request(data: &[u8]) {
     let _ = parse_openai(data);
+    // The same bytes as an embeddings request (OpenAI's and Ollama's shapes).
+    SERVED.with(|model| {
+        use lantern::openai::embeddings::{parse_ollama, parse_openai};
+        let _ = parse_openai(model, data, Default::default());
+        let _ = parse_ollama(model, data, false, Default::default());
+        let _ = parse_ollama(model, data, true, Default::default());
+    });
 }
 
 /// What [`openai_request`] makes of a body: per endpoint (chat, completions), the error
@@ -535,6 +543,7 @@ fn served_model() -> lantern::openai::ServedModel {
         aliases: vec!["models/tiny.gguf".into()],
         speculation: Default::default(),
         max_seqs: 4,
+        embedding_dims: 64,
         token_bytes: Default::default(),
     }
 }

@@ -358,6 +358,17 @@ impl Engine {
         self.waiting.len()
     }
 
+    /// The unit-length embedding of `tokens` ([`GpuModel::embedding`]), run between two
+    /// steps on a sequence of its own. Refused while a frame-budgeted step is in flight;
+    /// `KvError::NoSequenceSlot` or `KvError::Full` when the running requests leave no room
+    /// for it now (the worker then retries after the next step).
+    pub async fn embedding(&mut self, tokens: &[u32], pooling: crate::model::forward::Pooling) -> Result<Vec<f32>> {
+        if self.pending.is_some() {
+            return Err(LanternError::InvalidRequest("an embedding cannot run while a frame-budgeted step is in flight".into()));
+        }
+        self.model.embedding(tokens, pooling).await
+    }
+
     /// No request left (and no step on the GPU).
     pub fn is_idle(&self) -> bool {
         self.running.is_empty() && self.waiting.is_empty() && self.pending.is_none()

@@ -10,12 +10,21 @@ use std::thread::JoinHandle;
 
 use super::batch::{Engine, EngineStats, RequestHandle};
 use super::generate::GenerateRequest;
-use crate::kv::PrefixStats;
+use crate::kv::{KvError, PrefixStats};
+use crate::model::forward::Pooling;
 use crate::{LanternError, Result};
 
 enum Cmd {
     Submit(Box<GenerateRequest>, usize, Sender<Result<Vec<RequestHandle>>>),
+    Embed(Embed),
     Shutdown,
+}
+
+/// An embedding waiting for the engine thread.
+struct Embed {
+    tokens: Vec<u32>,
+    pooling: Pooling,
+    reply: Sender<Result<Vec<f32>>>,
 }
 
 /// The engine's state after its last step.
@@ -71,6 +80,15 @@ impl EngineClient {
         rx.recv().map_err(|_| LanternError::EngineStopped)?
     }
 
+    /// The unit-length embedding of `tokens` ([`Engine::embedding`]), computed on the engine
+    /// thread between steps; blocks until it is done. When the running requests hold every
+    /// sequence slot or page it waits for them to free some.
+    pub fn embed(&self, tokens: Vec<u32>, pooling: Pooling) -> Result<Vec<f32>> {
+        let (reply, rx) = channel();
+        self.tx.send(Cmd::Embed(Embed { tokens, pooling, reply })).map_err(|_| LanternError::EngineStopped)?;
+        rx.recv().map_err(|_| LanternError::EngineStopped)?
+    }
+
     /// The engine's state after its last step.
     pub fn snapshot(&self) -> Snapshot {
         self.snapshot.lock().map(|s| s.clone()).unwrap_or_default()
@@ -116,9 +134,10 @@ impl Drop for EngineWorker {
 }
 
 fn run(mut engine: Engine, rx: Receiver<Cmd>, snap: Arc<Mutex<Snapshot>>) -> Engine {
+    let mut embeds: std::collections::VecDeque<Embed> = Default::default();
     loop {
         // Idle: wait for a command; busy: take what has arrived and step.
-        let first = if engine.is_idle() {
+        let first = if engine.is_idle() && embeds.is_empty() {
             match rx.recv() {
                 Ok(c) => Some(c),
                 Err(_) => return engine,
@@ -131,7 +150,20 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, snap: Arc<Mutex<Snapshot>>) -> Eng
                 Cmd::Submit(req, n, reply) => {
                     let _ = reply.send(engine.submit_n(*req, n));
                 }
+                Cmd::Embed(e) => embeds.push_back(e),
                 Cmd::Shutdown => return engine,
+            }
+        }
+        // Embeddings run between steps, in arrival order; one that finds no room waits for
+        // the running requests to free some (an idle engine has nothing to free: its
+        // refusal is final).
+        while let Some(e) = embeds.front() {
+            match block_on(engine.embedding(&e.tokens, e.pooling)) {
+                Err(LanternError::Kv(KvError::NoSequenceSlot { .. } | KvError::Full { .. })) if !engine.is_idle() => break,
+                r => {
+                    let e = embeds.pop_front().expect("front exists");
+                    let _ = e.reply.send(r);
+                }
             }
         }
         let err = block_on(engine.step()).err().map(|e| e.to_string());

@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub mod anthropic;
+pub mod embeddings;
 pub mod ollama;
 pub mod responses;
 pub mod tokenize;
@@ -265,6 +266,8 @@ pub struct ServedModel {
     pub speculation: Speculation,
     /// Sequences the engine runs at once: the most choices (`n`) one request may ask for.
     pub max_seqs: usize,
+    /// Floats per embedding (the model's hidden size).
+    pub embedding_dims: usize,
     /// Every token's bytes, for logprobs (built on first use).
     pub token_bytes: std::sync::OnceLock<std::sync::Arc<Vec<Vec<u8>>>>,
 }

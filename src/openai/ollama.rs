@@ -160,7 +160,7 @@ fn rename(mut e: ApiError, input: &str) -> ApiError {
     e
 }
 
-fn check_model(model: &ServedModel, m: Option<&str>) -> Result<String, ApiError> {
+pub(crate) fn check_model(model: &ServedModel, m: Option<&str>) -> Result<String, ApiError> {
     match m {
         None | Some("") => Err(ApiError::bad("model is required").param("model").code("missing_required_parameter")),
         Some(m) if knows_model(model, m) => Ok(model.model_id.clone()),

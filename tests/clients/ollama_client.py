@@ -3,8 +3,8 @@
     python3 tests/clients/ollama_client.py HOST MODEL
 
 list, show, chat (whole and streamed, greedy), chat with `format` as a JSON schema (whole
-and streamed), generate (templated and raw) and an unknown model's error, each through the
-client's own types, unchanged. Prints one JSON line of the greedy answers for the caller to
+and streamed), generate (templated and raw), embed (and the older embeddings) and an
+unknown model's error, each through the client's own types, unchanged. Prints one JSON line of the greedy answers for the caller to
 compare with the OpenAI routes; exits non-zero on the first failure.
 """
 
@@ -84,5 +84,12 @@ try:
     raise AssertionError("an unknown model was accepted")
 except ollama.ResponseError as e:
     assert e.status_code == 404 and "no-such-model" in e.error, e
+
+# Embeddings: one unit vector per input, the older route's for its prompt the same.
+emb = client.embed(model=model, input=["The cat sat on the mat.", "Quarterly revenue rose by 4%."])
+assert len(emb.embeddings) == 2 and len(emb.embeddings[0]) > 0 and emb.prompt_eval_count > 0, emb
+assert abs(sum(x * x for x in emb.embeddings[0]) - 1.0) < 1e-4
+old = client.embeddings(model=model, prompt="The cat sat on the mat.")
+assert max(abs(a - b) for a, b in zip(old.embedding, emb.embeddings[0])) < 1e-6
 
 print(json.dumps({"chat": chat, "raw": raw.response, "structured": structured}))

@@ -223,4 +223,23 @@ try:
 except openai.NotFoundError as e:
     assert e.code == "previous_response_not_found", e
 
-print(f"openai {openai.__version__}: chat, stream with usage, completions, json_schema, json_object, n=2, logprobs, a tool call (whole and streamed), errors, responses (whole, streamed, tools, previous_response_id, json_schema, store): ok")
+# Embeddings: the client asks for base64 unless told otherwise; both give the same unit
+# vectors, one per input, in order; similar texts are closer than unrelated ones.
+texts = ["The cat sat on the mat.", "A cat was sitting on the mat.", "Quarterly revenue rose by 4%."]
+e = client.embeddings.create(model=model, input=texts)
+vecs = [d.embedding for d in sorted(e.data, key=lambda d: d.index)]
+assert len(vecs) == 3 and len({len(v) for v in vecs}) == 1 and len(vecs[0]) > 0, e
+assert e.usage.prompt_tokens > 0 and e.usage.total_tokens == e.usage.prompt_tokens, e.usage
+for v in vecs:
+    assert abs(sum(x * x for x in v) - 1.0) < 1e-4, sum(x * x for x in v)
+f = client.embeddings.create(model=model, input=texts[0], encoding_format="float")
+assert max(abs(a - b) for a, b in zip(f.data[0].embedding, vecs[0])) < 1e-6
+dot = lambda a, b: sum(x * y for x, y in zip(a, b))
+assert dot(vecs[0], vecs[1]) > dot(vecs[0], vecs[2]), (dot(vecs[0], vecs[1]), dot(vecs[0], vecs[2]))
+try:
+    client.embeddings.create(model=model, input="x", dimensions=3)
+    raise AssertionError("dimensions=3 was accepted")
+except openai.BadRequestError as err:
+    assert err.param == "dimensions", err
+
+print(f"openai {openai.__version__}: chat, stream with usage, completions, json_schema, json_object, n=2, logprobs, a tool call (whole and streamed), errors, responses (whole, streamed, tools, previous_response_id, json_schema, store), embeddings (base64 and float): ok")

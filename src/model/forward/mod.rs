@@ -18,7 +18,8 @@
 
 //! The code is split by job: `options` (what a caller chooses), `upload` (weights onto the
 //! GPU), `memory` (accounting and the KV budget), `plan` (workspace and recorded
-//! dispatches), `step` (sequences and step execution).
+//! dispatches), `step` (sequences and step execution), `ahead` (decode steps run ahead of the
+//! host), `pooled` (text embeddings).
 
 use std::sync::Arc;
 
@@ -38,12 +39,14 @@ mod ahead;
 mod memory;
 mod options;
 mod plan;
+mod pooled;
 mod step;
 mod upload;
 
 pub use ahead::AheadToken;
 pub use memory::{DtypeBytes, MemoryReport};
 pub use options::{KvWindow, ModelOptions, StepOutput, Want, WeightPrecision};
+pub use pooled::{l2_normalized, Pooling};
 pub use step::{LogitOps, MaskFn, PendingStep, DISPATCHES_PER_SUBMIT};
 
 /// What a streamed load ([`GpuModel::load_streamed`]) asks its source for next.
@@ -111,6 +114,10 @@ pub struct GpuModel {
     /// flight; none where runs ahead are off).
     ahead: Option<ahead::Ahead>,
     ahead_slots: Vec<Readback>,
+    /// The final norm's weight on the host and the readback of a step's hidden states, made
+    /// at the first embedding (`pooled.rs`).
+    final_norm_host: Option<Vec<f32>>,
+    hidden_readback: Option<Readback>,
 }
 
 /// What speculative decoding learned on a model across requests, so a new request starts
@@ -314,6 +321,8 @@ impl GpuModel {
             draft_memory: DraftMemory::default(),
             ahead: None,
             ahead_slots,
+            final_norm_host: None,
+            hidden_readback: None,
         })
     }
 

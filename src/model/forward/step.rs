@@ -356,7 +356,7 @@ impl GpuModel {
 
     /// Write one step's inputs: the step uniform, token ids, positions, sequence of each
     /// token, the block table and the rows whose logits are wanted.
-    fn write_step_inputs(&self, seq: usize, part: &[u32], pos0: usize, rows: &[u32]) -> StepUniform {
+    pub(super) fn write_step_inputs(&self, seq: usize, part: &[u32], pos0: usize, rows: &[u32]) -> StepUniform {
         let n = part.len() as u32;
         let positions: Vec<u32> = (0..n).map(|i| pos0 as u32 + i).collect();
         let seqs = vec![seq as u32; part.len()];
@@ -482,7 +482,7 @@ impl GpuModel {
         self.run_step(s, want, false, ops).await
     }
 
-    async fn run_step(&mut self, s: StepUniform, want: Want, all_rows: bool, ops: LogitOps<'_>) -> Result<StepOutput> {
+    pub(super) async fn run_step(&mut self, s: StepUniform, want: Want, all_rows: bool, ops: LogitOps<'_>) -> Result<StepOutput> {
         let ctx = self.ctx.clone();
         ctx.check_lost().map_err(LanternError::Gpu)?;
         let r = self.run_step_inner(s, want, all_rows, ops).await;

@@ -18,6 +18,8 @@
 //! - Ollama: `POST /api/chat`, `POST /api/generate`, `GET /api/tags`, `POST /api/show`,
 //!   `GET /api/ps`, `GET /api/version`;
 //! - vLLM's `POST /tokenize` and `POST /detokenize`;
+//! - embeddings (`embeddings`): OpenAI's `POST /v1/embeddings`, Ollama's `POST /api/embed` and
+//!   `POST /api/embeddings`;
 //! - `GET /metrics` (Prometheus text format) and `GET /health` (`/healthz`), the only one
 //!   that never needs the API key (`Authorization: Bearer` or `x-api-key`): 503 while the model loads (the port is bound first) and
 //!   while the server drains after SIGTERM, 200 in between.
@@ -26,6 +28,8 @@
 mod anthropic;
 #[path = "bridge.rs"]
 mod bridge;
+#[path = "embeddings.rs"]
+mod embeddings;
 #[path = "metrics.rs"]
 mod metrics;
 #[path = "ollama.rs"]
@@ -44,7 +48,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 
 use lantern::engine::{Engine, EngineOptions};
-use lantern::model::forward::ModelOptions;
+use lantern::model::forward::{ModelOptions, Pooling};
 
 use super::{plan_cmd, spinner, DeviceArgs, KvArg};
 use metrics::unix_now;
@@ -125,6 +129,11 @@ pub struct ServeArgs {
     /// batched with (slower decode).
     #[arg(long)]
     batch_invariant: bool,
+    /// How `/v1/embeddings` and `/api/embed` pool a text's positions into one vector (each
+    /// position's final hidden state after the model's final norm; the result has unit
+    /// length): `mean` or `last` (the last token's). A request's `pooling` field overrides it.
+    #[arg(long, default_value = "mean", value_parser = ["mean", "last"])]
+    embedding_pooling: String,
     /// No access log on stderr.
     #[arg(long)]
     quiet: bool,
@@ -255,6 +264,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         kv_dtype,
         speculation: a.spec.speculation(),
         prefix_cache: !a.no_prefix_cache,
+        embedding_pooling: if a.embedding_pooling == "last" { Pooling::Last } else { Pooling::Mean },
         info: ModelInfo { gpu_bytes, ..info },
     };
     let max_seqs = a.max_seqs;

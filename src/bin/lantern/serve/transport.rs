@@ -41,10 +41,12 @@ use tokio::sync::{watch, Notify};
 use tower::ServiceExt as _;
 
 use lantern::engine::{Engine, EngineClient, EngineWorker, Speculation};
+use lantern::model::forward::Pooling;
 use lantern::openai::{model_not_found, ApiError, ServedModel};
 
 use super::anthropic;
 use super::bridge;
+use super::embeddings;
 use super::metrics::{self, random_u64, Metrics};
 use super::ollama::{self, ModelInfo};
 use super::responses;
@@ -78,6 +80,8 @@ pub struct ServerConfig {
     pub speculation: Speculation,
     /// Whether the prefix cache is on (`vllm:cache_config_info`).
     pub prefix_cache: bool,
+    /// How `/v1/embeddings` and `/api/embed` pool positions unless a request says otherwise.
+    pub embedding_pooling: Pooling,
     /// What the Ollama API reports of the model.
     pub info: ModelInfo,
 }
@@ -124,6 +128,7 @@ pub struct Shared {
     pub adapter: String,
     pub kv_dtype: String,
     pub prefix_cache: bool,
+    pub embedding_pooling: Pooling,
     pub info: ModelInfo,
     /// SIGTERM or SIGINT came: requests get 503 with `Retry-After` (a router sends them to
     /// another replica) while those in flight finish.
@@ -215,6 +220,7 @@ impl Server {
         let stop_ids = lantern::engine::generate::default_stop_ids(&engine.model.config.eos_token_ids, &tokenizer);
         let vocab = engine.model.config.vocab_size;
         let max_seqs = engine.model.kv.alloc.config.max_seqs;
+        let embedding_dims = engine.model.config.hidden_size;
         let addr = listener.local_addr().context("reading the bound address")?;
         let worker = EngineWorker::spawn(engine);
         let client = worker.client();
@@ -233,12 +239,14 @@ impl Server {
                 aliases: cfg.aliases,
                 speculation: cfg.speculation,
                 max_seqs,
+                embedding_dims,
                 token_bytes: Default::default(),
             },
             created: cfg.created,
             adapter: cfg.adapter,
             kv_dtype: cfg.kv_dtype,
             prefix_cache: cfg.prefix_cache,
+            embedding_pooling: cfg.embedding_pooling,
             info: cfg.info,
             draining: AtomicBool::new(false),
             responses: responses::Store::default(),
@@ -527,6 +535,9 @@ fn route_label(path: &str) -> &'static str {
         "/v1/responses" => "/v1/responses",
         "/tokenize" => "/tokenize",
         "/detokenize" => "/detokenize",
+        "/v1/embeddings" => "/v1/embeddings",
+        "/api/embed" => "/api/embed",
+        "/api/embeddings" => "/api/embeddings",
         "/api/chat" => "/api/chat",
         "/api/generate" => "/api/generate",
         "/api/tags" => "/api/tags",
@@ -635,6 +646,9 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/messages", post(anthropic::messages).fallback(refuse("POST")))
         .route("/v1/responses", post(responses::create).fallback(refuse("POST")))
         .route("/tokenize", post(tokenize).fallback(refuse("POST")))
+        .route("/v1/embeddings", post(embeddings::openai).fallback(refuse("POST")))
+        .route("/api/embed", post(embeddings::ollama).fallback(refuse("POST")))
+        .route("/api/embeddings", post(embeddings::ollama_legacy).fallback(refuse("POST")))
         .route("/detokenize", post(detokenize).fallback(refuse("POST")))
         .route("/api/chat", post(ollama::chat).fallback(refuse("POST")))
         .route("/api/generate", post(ollama::generate).fallback(refuse("POST")))
