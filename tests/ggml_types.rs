@@ -69,12 +69,14 @@ fn worst_row_error(got: &[f32], want: &[f32], vocab: usize) -> (f32, usize, f32)
     worst
 }
 
-#[test]
-fn every_ggml_type_matches_the_reference_in_every_layout() {
+/// Every type in `LAYOUTS[i]`. One test per layout, so the test threads compile their
+/// pipelines side by side (on lavapipe, compiling them is most of this file's time).
+fn every_ggml_type_matches_the_reference_in(i: usize) {
     let reference = common::read_json(&dir().join("reference.json"));
     let input = common::ids(&reference["input_ids"]);
     let mut report = Vec::new();
-    for layout in &LAYOUTS {
+    {
+        let layout = &LAYOUTS[i];
         let ctx = common::gpu_with(&DeviceOptions { max_binding_size: layout.binding, kernels: layout.kernels, ..Default::default() });
         for ty in TYPES {
             let r = &reference["types"][ty];
@@ -115,4 +117,29 @@ fn every_ggml_type_matches_the_reference_in_every_layout() {
     for line in report {
         eprintln!("{line}");
     }
+}
+
+macro_rules! layout_tests {
+    ($($name:ident => $i:expr),* $(,)?) => {$(
+        #[test]
+        fn $name() {
+            every_ggml_type_matches_the_reference_in($i);
+        }
+    )*};
+}
+
+layout_tests! {
+    every_ggml_type_in_the_default_layout => 0,
+    every_ggml_type_in_the_default_layout_with_16_kib_bindings => 1,
+    every_ggml_type_in_rows4_xbcast => 2,
+    every_ggml_type_in_rows4_blocked => 3,
+    every_ggml_type_in_multirow_tiled => 4,
+    every_ggml_type_in_multirow_tiled_with_16_kib_bindings => 5,
+    every_ggml_type_in_wg64_tiled => 6,
+}
+
+#[test]
+fn the_layout_tests_cover_every_layout() {
+    // layout_tests! above names one test per entry of LAYOUTS.
+    assert_eq!(LAYOUTS.len(), 7);
 }
