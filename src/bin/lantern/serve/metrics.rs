@@ -253,6 +253,13 @@ pub fn render(shared: &Shared) -> String {
         (s.stats.prompt_tokens_computed + s.stats.prompt_tokens_cached) as f64,
     );
     vllm("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", s.stats.prompt_tokens_cached as f64);
+    let queried = s.stats.prompt_tokens_computed + s.stats.prompt_tokens_cached;
+    vllm(
+        "gpu_prefix_cache_hit_rate",
+        "gauge",
+        "vLLM's older gauge: prefix_cache_hits_total / prefix_cache_queries_total (0 before any prompt).",
+        if queried == 0 { 0.0 } else { s.stats.prompt_tokens_cached as f64 / queried as f64 },
+    );
     let _ = writeln!(o, "# HELP vllm:request_success_total Finished requests by reason.\n# TYPE vllm:request_success_total counter");
     for (reason, outcome) in [("stop", "stop"), ("length", "length"), ("abort", "cancelled")] {
         let v = m.outcomes.get(outcome).copied().unwrap_or(0);

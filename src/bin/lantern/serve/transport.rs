@@ -544,6 +544,7 @@ fn route_label(path: &str) -> &'static str {
         "/api/show" => "/api/show",
         "/api/ps" => "/api/ps",
         "/api/version" => "/api/version",
+        "/version" => "/version",
         _ => "other",
     }
 }
@@ -656,6 +657,9 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/api/show", post(ollama::show).fallback(refuse("POST")))
         .route("/api/ps", get(ollama::ps).fallback(refuse(GET)))
         .route("/api/version", get(ollama::version).fallback(refuse(GET)))
+        // vLLM's version probe, the same body: routers that find it (SGLang's gateway) treat the
+        // replica as vLLM-compatible and read its load from the vLLM-named metrics.
+        .route("/version", get(ollama::version).fallback(refuse(GET)))
         .fallback(|req: Request<Body>| async move {
             api_error(ApiError::new(404, "invalid_request_error", format!("no route {}", req.uri().path())).code("not_found"))
         })
@@ -676,7 +680,14 @@ fn method_not_allowed(method: &Method, allowed: &'static str) -> Response {
 }
 
 fn model_object(shared: &Shared) -> serde_json::Value {
-    serde_json::json!({"id": shared.model.model_id, "object": "model", "created": shared.created, "owned_by": "lantern"})
+    // `max_model_len` as vLLM lists it: routers (SGLang's gateway) read a replica's context from it.
+    serde_json::json!({
+        "id": shared.model.model_id,
+        "object": "model",
+        "created": shared.created,
+        "owned_by": "lantern",
+        "max_model_len": shared.model.context,
+    })
 }
 
 async fn health(State(shared): State<Arc<Shared>>) -> Response {
