@@ -29,9 +29,11 @@ cargo clippy --release --all-targets -- -D warnings
 
 # The official OpenAI, Anthropic and Ollama Python clients, which tests/serve.rs drives the
 # server with (PyPI, in a virtual environment of its own; once).
-if [ ! -x target/pyenv/bin/python ] || ! target/pyenv/bin/python -c "import openai, anthropic, ollama" 2>/dev/null; then
+# SGLang's model gateway (smg, a Rust binary on PyPI) is the router tests/serve.rs puts in
+# front of Lantern replicas.
+if [ ! -x target/pyenv/bin/python ] || [ ! -x target/pyenv/bin/smg ] || ! target/pyenv/bin/python -c "import openai, anthropic, ollama" 2>/dev/null; then
     python3 -m venv target/pyenv
-    target/pyenv/bin/pip install --quiet "openai==3.57.0" "anthropic==2.17.0" "ollama==0.6.3"
+    target/pyenv/bin/pip install --quiet "openai==3.57.0" "anthropic==2.17.0" "ollama==0.6.3" "smg==1.13.0"
 fi
 export LANTERN_PYTHON="$root/target/pyenv/bin/python"
 

@@ -1684,3 +1684,186 @@ fn embeddings_on_every_route_and_bad_input() {
     assert_eq!(r.status, 400, "{}", r.text());
     server.wait_idle(Duration::from_secs(10));
 }
+
+/// SGLang's model gateway (`smg`, PyPI, a Rust binary; scripts/test.sh installs it into
+/// target/pyenv), launched against replicas on loopback ports, killed on drop.
+struct Gateway {
+    child: Child,
+    addr: String,
+    log: PathBuf,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+impl Gateway {
+    fn start(policy: &str, replicas: &[&Server]) -> Gateway {
+        let python = PathBuf::from(std::env::var("LANTERN_PYTHON").unwrap_or_else(|_| "python3".into()));
+        let smg = python.parent().map(|d| d.join("smg")).filter(|p| p.exists()).unwrap_or_else(|| {
+            panic!("no smg next to {}: run scripts/test.sh (it installs smg into target/pyenv) or set LANTERN_PYTHON", python.display())
+        });
+        let (port, prom) = (free_port(), free_port());
+        let log = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("smg-{}-{port}.log", std::process::id()));
+        let mut cmd = Command::new(smg);
+        cmd.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy])
+            .args(["--prometheus-host", "127.0.0.1", "--prometheus-port", &prom.to_string(), "--log-level", "warn"])
+            .arg("--worker-urls")
+            .args(replicas.iter().map(|r| format!("http://{}", r.addr)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(std::fs::File::create(&log).expect("gateway log")))
+            .stderr(Stdio::null());
+        let gw = Gateway { child: cmd.spawn().expect("start smg"), addr: format!("127.0.0.1:{port}"), log };
+        // Ready when every replica is registered, healthy and recognised as vLLM-compatible (it
+        // answers /version), so the gateway reads its load from the vLLM-named metrics.
+        let t0 = Instant::now();
+        loop {
+            let workers = TcpStream::connect(&gw.addr).ok().map(|_| http(&gw.addr, "GET", "/workers", &[], b""));
+            if let Some(w) = workers.filter(|w| w.status == 200) {
+                let w = w.json();
+                let ready = w["workers"].as_array().is_some_and(|ws| {
+                    ws.len() == replicas.len() && ws.iter().all(|x| x["is_healthy"] == json!(true) && x["runtime_type"] == json!("vllm"))
+                });
+                if ready {
+                    return gw;
+                }
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "smg did not register the replicas; its log:\n{}", gw.log_text());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn chat(&self, system: &str, user: &str, max_tokens: usize, stream: bool) -> Response {
+        let body = json!({"model": MODEL_ID, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream});
+        http(&self.addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], body.to_string().as_bytes())
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Four system prompts of about a hundred tokens, each starting with its own words (so no two
+/// share a KV page), three questions each, sent one after another through the gateway: the
+/// prompt tokens all replicas found in their prefix caches, and the requests each replica finished.
+fn shared_prefix_workload(gw: &Gateway, replicas: &[&Server], tag: &str) -> (f64, Vec<f64>) {
+    let hits = |s: &Server| s.metric(&format!("vllm:prefix_cache_hits_total{{model_name=\"{MODEL_ID}\"}}"));
+    // Absent until a request of that outcome finished.
+    let done = |s: &Server| {
+        let text = s.get("/metrics").text();
+        text.lines().find_map(|l| l.strip_prefix("lantern_requests_total{outcome=\"length\"} ")).map_or(0.0, |v| v.trim().parse().unwrap())
+    };
+    let before: Vec<(f64, f64)> = replicas.iter().map(|s| (hits(s), done(s))).collect();
+    let topics = ["lighthouses", "volcanoes", "glaciers", "orchards"];
+    for (g, topic) in topics.iter().enumerate() {
+        let system = format!(
+            "{tag} {topic} desk {g}. You are a patient assistant who answers questions about {topic}. Keep every answer \
+             short, use plain words, mention one fact about {topic} that a child would enjoy, avoid lists and headings, \
+             never invent numbers, and say so when you are not sure. The reader is curious but busy."
+        );
+        for q in 0..3 {
+            let r = gw.chat(&system, &format!("Question {q}: why?"), 2, false);
+            assert_eq!(r.status, 200, "through the gateway: {}\n{}", r.text(), gw.log_text());
+            assert_eq!(r.json()["choices"][0]["finish_reason"], "length", "{}", r.text());
+        }
+    }
+    let hit_total = replicas.iter().zip(&before).map(|(s, b)| hits(s) - b.0).sum();
+    (hit_total, replicas.iter().zip(&before).map(|(s, b)| done(s) - b.1).collect())
+}
+
+/// Replicas behind an existing router (SGLang's model gateway from PyPI), loopback only: it
+/// recognises them by /version and reads their load from the vLLM-named metrics; round robin
+/// spreads requests over both; cache-aware routing finds more prompt tokens in the replicas'
+/// prefix caches than round robin on a workload with shared prefixes; a replica killed while
+/// requests run on it loses none (the gateway retries them on the other); and a replica drained
+/// with SIGTERM ends every stream the gateway passes through with a final chunk and `[DONE]`.
+#[test]
+fn replicas_behind_sglang_model_gateway() {
+    let _s = serial();
+    let mut a = Server::start(&[]);
+    let mut b = Server::start(&[]);
+
+    let gw = Gateway::start("round_robin", &[&a, &b]);
+    let (rr_hits, spread) = shared_prefix_workload(&gw, &[&a, &b], "Round robin");
+    assert_eq!(spread.iter().sum::<f64>(), 12.0, "every request finished on a replica: {spread:?}");
+    assert!(spread.iter().all(|&n| n >= 4.0), "round robin spreads requests over both replicas: {spread:?}");
+    drop(gw);
+
+    let gw = Gateway::start("cache_aware", &[&a, &b]);
+    let (ca_hits, spread) = shared_prefix_workload(&gw, &[&a, &b], "Cache aware");
+    assert_eq!(spread.iter().sum::<f64>(), 12.0, "{spread:?}");
+    eprintln!("prefix-cache hits over 12 requests: round robin {rr_hits} tokens, cache-aware {ca_hits}");
+    assert!(ca_hits > rr_hits, "cache-aware routing finds more cached prompt tokens ({ca_hits}) than round robin ({rr_hits})");
+
+    // Eight requests at once, round robin so that half go to replica b, which is killed while it
+    // runs some of them.
+    drop(gw);
+    let gw = Gateway::start("round_robin", &[&a, &b]);
+    let requests: Vec<_> = (0..8)
+        .map(|i| {
+            let addr = gw.addr.clone();
+            std::thread::spawn(move || {
+                let body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": format!("Count to {i}.")}], "max_tokens": 32, "temperature": 0});
+                http(&addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], body.to_string().as_bytes())
+            })
+        })
+        .collect();
+    let t0 = Instant::now();
+    while b.metric("lantern_requests_running") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "no request reached replica b");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    b.child.kill().expect("kill replica b");
+    let _ = b.child.wait();
+    for (i, r) in requests.into_iter().map(|t| t.join().unwrap()).enumerate() {
+        assert_eq!(r.status, 200, "request {i} was lost with replica b: {}\n{}", r.text(), gw.log_text());
+        let finish = r.json()["choices"][0]["finish_reason"].clone();
+        assert!(finish == "length" || finish == "stop", "request {i}: {}", r.text());
+    }
+
+    // Two streams through the gateway on replica a, which is then drained with SIGTERM: both
+    // finish (they fit in its shutdown deadline) and end with their final chunk and [DONE].
+    let streams: Vec<_> = (0..2)
+        .map(|i| {
+            let addr = gw.addr.clone();
+            std::thread::spawn(move || {
+                let body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": format!("Name {i} colours.")}], "max_tokens": 16, "temperature": 0, "stream": true});
+                http(&addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], body.to_string().as_bytes())
+            })
+        })
+        .collect();
+    let t0 = Instant::now();
+    while a.metric("lantern_requests_running") < 2.0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the streams never ran on replica a");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(Command::new("kill").args(["-TERM", &a.child.id().to_string()]).status().unwrap().success());
+    for (i, r) in streams.into_iter().map(|t| t.join().unwrap()).enumerate() {
+        assert_eq!(r.status, 200, "stream {i}: {}", r.text());
+        let events = r.events();
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "stream {i} has no final event: {events:?}");
+        let finish = events
+            .iter()
+            .rev()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .find_map(|v| v["choices"][0]["finish_reason"].as_str().map(String::from));
+        assert!(matches!(finish.as_deref(), Some("length" | "stop")), "stream {i} did not finish: {events:?}");
+    }
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = a.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "replica a did not exit after draining");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "replica a's exit status {status}");
+}
