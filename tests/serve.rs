@@ -10,6 +10,9 @@
 //! connections trickling header bytes and a body trickled byte by byte do not keep a normal
 //! client waiting), and SIGTERM during four streams (each ends with a final event, the
 //! process exits 0 within its deadline, the queued request heard keep-alive comments).
+//! Two replicas behind SGLang's model gateway (smg from PyPI): spread, cache-aware routing
+//! against round robin, a replica killed or drained mid-load; and the deployment files'
+//! flags, ports and probe paths against the real binary.
 //!
 //! The tests of this file run one at a time (each starts its own server, and lavapipe
 //! shares two cores).
@@ -1866,4 +1869,75 @@ fn replicas_behind_sglang_model_gateway() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "replica a's exit status {status}");
+}
+
+/// The `lantern` argument list a deployment file gives after `key: [`, a JSON-compatible flow
+/// sequence that may span lines.
+fn deploy_args(file: &str, key: &str) -> Vec<String> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy").join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let start = text.find(&format!("{key}: [\"serve\"")).unwrap_or_else(|| panic!("{file} has no `{key}: [\"serve\", ...]`"));
+    let list = &text[start + key.len() + 2..];
+    let list = &list[..=list.find(']').expect("a closing ]")];
+    serde_json::from_str(&list.lines().map(str::trim).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|e| panic!("{file}: {key}: {e}: {list}"))
+}
+
+/// deploy/kubernetes.yaml and deploy/compose.yaml start replicas with flags `lantern serve`
+/// accepts, on the port their probes, scrape annotations and the gateway use, with a catalogue
+/// model, and /health and /metrics answer what the probes and Prometheus expect.
+#[test]
+fn deployment_files_name_real_flags_ports_and_paths() {
+    let _s = serial();
+    let k8s = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/kubernetes.yaml")).unwrap();
+    let catalogue = Command::new(env!("CARGO_BIN_EXE_lantern")).arg("models").env("LANTERN_OFFLINE", "1").output().unwrap();
+    let catalogue = String::from_utf8_lossy(&catalogue.stdout).into_owned();
+    for (file, key) in [("kubernetes.yaml", "args"), ("compose.yaml", "command")] {
+        let args = deploy_args(file, key);
+        let value =
+            |flag: &str| args.iter().position(|a| a == flag).map(|i| args[i + 1].clone()).unwrap_or_else(|| panic!("{file}: no {flag}"));
+        assert_eq!(value("--host"), "0.0.0.0", "{file}: a replica must listen beyond its container's loopback");
+        assert_eq!(value("--port"), "8080", "{file}: the port the probes, annotations and gateway use");
+        let model = value("--model");
+        assert!(model.starts_with("${MODEL:-") || catalogue.contains(&model), "{file}: {model} is not in `lantern models`:\n{catalogue}");
+        // The rest of the flags, on the test model and a free loopback port.
+        let mut rest: Vec<&str> = Vec::new();
+        let mut it = args[1..].iter();
+        while let Some(a) = it.next() {
+            if ["--host", "--port", "--model"].contains(&a.as_str()) {
+                it.next();
+            } else {
+                rest.push(a);
+            }
+        }
+        let server = Server::start(&rest);
+        let health = server.get("/health");
+        assert_eq!(health.status, 200, "{file}: the readiness probe's /health: {}", health.text());
+        let name = value("--model-name");
+        let models = server.get("/v1/models").json();
+        assert_eq!(models["data"][0]["id"], json!(name), "{file}: the gateway and clients ask for --model-name");
+        let metrics = server.get("/metrics").text();
+        assert!(
+            metrics.contains("vllm:num_requests_running") && metrics.contains("vllm:kv_cache_usage_perc"),
+            "{file}: /metrics: {metrics}"
+        );
+        drop(server);
+    }
+    for needle in [
+        "path: /health",
+        "prometheus.io/path: \"/metrics\"",
+        "prometheus.io/port: \"8080\"",
+        "containerPort: 8080",
+        "--service-discovery-port\", \"8080\"",
+    ] {
+        assert!(k8s.contains(needle), "deploy/kubernetes.yaml lacks {needle}");
+    }
+    let grace: u64 =
+        k8s.lines().find_map(|l| l.trim().strip_prefix("terminationGracePeriodSeconds: ")).expect("a grace period").parse().unwrap();
+    let drain: u64 = deploy_args("kubernetes.yaml", "args")
+        .windows(2)
+        .find(|w| w[0] == "--shutdown-timeout")
+        .map(|w| w[1].parse().unwrap())
+        .expect("--shutdown-timeout");
+    assert!(grace > drain + 5, "the pod's grace period ({grace} s) must cover preStop's 5 s and the drain's {drain} s");
 }
