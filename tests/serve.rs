@@ -1696,6 +1696,12 @@ struct Gateway {
     log: PathBuf,
 }
 
+/// A greedy chat completion sent to `addr` (a replica or the gateway).
+fn chat_at(addr: &str, messages: Value, max_tokens: usize, stream: bool) -> Response {
+    let body = json!({"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream});
+    http(addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], body.to_string().as_bytes())
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
 }
@@ -1741,9 +1747,7 @@ impl Gateway {
     }
 
     fn chat(&self, system: &str, user: &str, max_tokens: usize, stream: bool) -> Response {
-        let body = json!({"model": MODEL_ID, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": stream});
-        http(&self.addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], body.to_string().as_bytes())
+        chat_at(&self.addr, json!([{"role": "system", "content": system}, {"role": "user", "content": user}]), max_tokens, stream)
     }
 }
 
@@ -1813,10 +1817,7 @@ fn replicas_behind_sglang_model_gateway() {
     let requests: Vec<_> = (0..8)
         .map(|i| {
             let addr = gw.addr.clone();
-            std::thread::spawn(move || {
-                let body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": format!("Count to {i}.")}], "max_tokens": 32, "temperature": 0});
-                http(&addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], body.to_string().as_bytes())
-            })
+            std::thread::spawn(move || chat_at(&addr, json!([{"role": "user", "content": format!("Count to {i}.")}]), 32, false))
         })
         .collect();
     let t0 = Instant::now();
@@ -1837,10 +1838,7 @@ fn replicas_behind_sglang_model_gateway() {
     let streams: Vec<_> = (0..2)
         .map(|i| {
             let addr = gw.addr.clone();
-            std::thread::spawn(move || {
-                let body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": format!("Name {i} colours.")}], "max_tokens": 16, "temperature": 0, "stream": true});
-                http(&addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], body.to_string().as_bytes())
-            })
+            std::thread::spawn(move || chat_at(&addr, json!([{"role": "user", "content": format!("Name {i} colours.")}]), 16, true))
         })
         .collect();
     let t0 = Instant::now();
