@@ -21,6 +21,7 @@ pub mod anthropic;
 pub mod embeddings;
 pub mod ollama;
 pub mod responses;
+pub mod stream;
 pub mod tokenize;
 pub mod tools;
 
@@ -958,7 +959,7 @@ impl Job {
     }
 
     /// A streamed choice's parser of tool calls (with tools).
-    pub fn call_stream(&self, index: usize) -> Option<CallStream<'_>> {
+    pub fn call_stream(&self, index: usize) -> Option<CallStream> {
         Some(CallStream::new(self.tools.as_ref()?, &format!("{}-{index}", self.id)))
     }
 

@@ -133,8 +133,8 @@ enum StreamState {
 /// generated (OpenAI's streamed `tool_calls` deltas). The calls it reports are the ones
 /// [`Tools::parse`] finds in the whole text: tagged calls to a declared function with an
 /// object of arguments, or a whole message that is an untagged call.
-pub struct CallStream<'a> {
-    tools: &'a Tools,
+pub struct CallStream {
+    tools: Tools,
     id_prefix: String,
     buf: String,
     state: StreamState,
@@ -143,9 +143,18 @@ pub struct CallStream<'a> {
     sent_text: bool,
 }
 
-impl<'a> CallStream<'a> {
-    pub fn new(tools: &'a Tools, id_prefix: &str) -> CallStream<'a> {
-        CallStream { tools, id_prefix: id_prefix.to_string(), buf: String::new(), state: StreamState::Text, calls: 0, sent_text: false }
+impl CallStream {
+    /// A parser for a choice's text against `tools` (cloned: the stream owns what it parses
+    /// against, so it can live beside the job it answers).
+    pub fn new(tools: &Tools, id_prefix: &str) -> CallStream {
+        CallStream {
+            tools: tools.clone(),
+            id_prefix: id_prefix.to_string(),
+            buf: String::new(),
+            state: StreamState::Text,
+            calls: 0,
+            sent_text: false,
+        }
     }
 
     /// Calls reported so far.

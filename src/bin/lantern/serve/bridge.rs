@@ -301,17 +301,11 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
     let (tx, rx) = mpsc::channel::<SseEvent>(STREAM_BUFFER);
     let keepalive = run.shared.sse_keepalive;
     tokio::spawn(async move {
-        // Per choice: text bytes streamed so far (completions' `text_offset`).
-        let mut offsets = vec![0usize; run.done.len()];
-        // With tools, per choice: its text parsed into content and tool-call deltas as it
-        // arrives (the job outlives the task's borrows: it is cloned out of `run`).
-        let job = run.job.clone();
-        let mut calls: Vec<Option<openai::tools::CallStream<'_>>> = (0..run.done.len()).map(|i| job.call_stream(i)).collect();
-        if run.job.endpoint == Endpoint::Chat {
-            for i in 0..run.done.len() {
-                if tx.send(data(&run.job.chunk(i, None, true, None))).await.is_err() {
-                    return;
-                }
+        // The job outlives the task's borrows of `run`: the chunker owns a clone.
+        let mut chunks = openai::stream::ChunkStream::new(run.job.clone(), run.done.len());
+        for c in chunks.opening() {
+            if tx.send(data(&c)).await.is_err() {
+                return;
             }
         }
         loop {
@@ -319,37 +313,8 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
                 w = run.next() => w,
                 _ = tx.closed() => return,
             };
-            let (i, text, lp) = match w {
-                Wait::Event(i, Event::Token { text, logprob, .. }) => (i, text, logprob),
-                Wait::Event(i, Event::Text(text)) => (i, text, None),
-                Wait::Event(i, Event::Done(g)) => {
-                    let last = match calls[i].take() {
-                        Some(cs) => {
-                            let made = cs.calls();
-                            let rest = cs.finish();
-                            let made = made > 0 || rest.iter().any(|p| matches!(p, openai::tools::StreamPiece::Call(_)));
-                            for p in rest {
-                                if tx.send(data(&job.piece_chunk(i, p))).await.is_err() {
-                                    return;
-                                }
-                            }
-                            job.tools_finish_chunk(i, &g, made)
-                        }
-                        None => run.job.chunk(i, None, false, Some(openai::finish_reason(g.finish_reason))),
-                    };
-                    if tx.send(data(&last)).await.is_err() {
-                        return;
-                    }
-                    if !run.all_done() {
-                        continue;
-                    }
-                    let gens = run.finished();
-                    if include_usage {
-                        let _ = tx.send(data(&run.job.usage_chunk(&gens))).await;
-                    }
-                    let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-                    return;
-                }
+            let (i, e) = match w {
+                Wait::Event(i, e @ (Event::Token { .. } | Event::Text(_) | Event::Done(_))) => (i, e),
                 w => {
                     let e = run.fail(&w);
                     let _ = tx.send(SseEvent::default().data(e.body())).await;
@@ -357,24 +322,17 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
                     return;
                 }
             };
-            if let Some(cs) = calls[i].as_mut() {
-                for p in cs.push(&text) {
-                    if tx.send(data(&job.piece_chunk(i, p))).await.is_err() {
-                        return;
-                    }
+            for c in chunks.event(i, &e) {
+                if tx.send(data(&c)).await.is_err() {
+                    return;
                 }
-                continue;
             }
-            // With logprobs every token gets its chunk (its text may be empty: part of a
-            // character); without, empty pieces are not sent.
-            if text.is_empty() && lp.is_none() {
-                continue;
-            }
-            let offset = offsets[i];
-            offsets[i] +=
-                lp.as_ref().and_then(|t| run.job.token_bytes.as_ref().map(|w| w.get(t.id as usize).map_or(0, Vec::len))).unwrap_or(0);
-            let chunk = run.job.chunk_with(i, Some(&text), false, None, lp.as_deref().map(|t| (t, offset)));
-            if tx.send(data(&chunk)).await.is_err() {
+            if matches!(e, Event::Done(_)) && run.all_done() {
+                let gens = run.finished();
+                if include_usage {
+                    let _ = tx.send(data(&run.job.usage_chunk(&gens))).await;
+                }
+                let _ = tx.send(SseEvent::default().data("[DONE]")).await;
                 return;
             }
         }
