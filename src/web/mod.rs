@@ -22,6 +22,8 @@
 //!
 //! Everything is async and single-threaded: no blocking call, no filesystem, no threads.
 
+mod engine;
+
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -61,11 +63,13 @@ fn report(progress: &Option<Function>, phase: &str, done: f64, total: f64) {
 
 /// Options for loading (all optional): `{ context, kvDtype: "f32"|"f16"|"q8", weights:
 /// "native"|"f32"|"f16", memoryBudget: bytes }` (browsers report no GPU memory size, so
-/// without a budget the KV cache holds one full context).
+/// without a budget the KV cache holds one full context per sequence).
 #[derive(serde::Deserialize, Default)]
 #[serde(rename_all = "camelCase", default)]
-struct LoadOptions {
+pub(crate) struct LoadOptions {
     context: Option<usize>,
+    /// Sequences the KV cache serves at once (the `Engine` class; `Lantern` uses one).
+    max_seqs: Option<usize>,
     memory_budget: Option<u64>,
     kv_dtype: Option<String>,
     weights: Option<String>,
@@ -112,6 +116,15 @@ struct SpecOptions {
 struct Turn {
     role: String,
     content: String,
+}
+
+impl LoadOptions {
+    pub(crate) fn from_js(options: JsValue) -> Result<LoadOptions, Failure> {
+        if options.is_undefined() || options.is_null() {
+            return Ok(LoadOptions::default());
+        }
+        serde_wasm_bindgen::from_value(options).map_err(|e| Failure::new("invalid_options", format!("load options: {e}")))
+    }
 }
 
 impl Default for GenOptions {
@@ -193,8 +206,6 @@ impl Lantern {
         Self::load_blob(blob, name, "bytes".into(), options, progress).await
     }
 
-    /// The streamed load: header from the first bytes (grown until it holds the metadata),
-    /// then one layer's tensors at a time read from `blob` by byte range.
     async fn load_blob(
         blob: web_sys::Blob,
         name: String,
@@ -202,59 +213,18 @@ impl Lantern {
         options: JsValue,
         progress: Option<Function>,
     ) -> Result<Lantern, JsError> {
-        let opts: LoadOptions = if options.is_undefined() || options.is_null() {
-            LoadOptions::default()
-        } else {
-            serde_wasm_bindgen::from_value(options).map_err(|e| JsError::new(&format!("load options: {e}")))?
-        };
-        let total = blob.size() as u64;
-        let file_bytes = total;
-        let ctx = GpuContext::new(&DeviceOptions { backend: Some("webgpu".into()), ..Default::default() }).await.map_err(js_err)?;
-        let kv_dtype = match opts.kv_dtype.as_deref() {
-            None | Some("f32") => crate::kv::plan::KvDtype::F32,
-            Some("f16") => crate::kv::plan::KvDtype::F16,
-            Some("q8") => crate::kv::plan::KvDtype::Q8,
-            Some(o) => return Err(JsError::new(&format!("kvDtype must be f32, f16 or q8, not {o}"))),
-        };
-        let precision = match opts.weights.as_deref() {
-            None | Some("native") => WeightPrecision::Native,
-            Some("f32") => WeightPrecision::F32,
-            Some("f16") => WeightPrecision::F16,
-            Some(o) => return Err(JsError::new(&format!("weights must be native, f32 or f16, not {o}"))),
-        };
-        let options = ModelOptions {
-            context: opts.context,
-            max_seqs: 1,
-            kv_dtype,
-            weights: precision,
-            memory_budget: opts.memory_budget,
-            ..Default::default()
-        };
-        let mut read = async |start: u64, end: u64| -> crate::Result<Vec<u8>> {
-            read_range(&blob, start, end).await.map_err(|e| crate::LanternError::Read { source_name: name.clone(), reason: e })
-        };
-        let (model, tokenizer) =
-            crate::model::load::load_gguf_streamed(ctx.clone(), &name, total, options, &mut read, &mut |done, total| {
-                report(&progress, "upload", done as f64, total as f64)
-            })
-            .await
-            .map_err(|e| match e {
-                crate::LanternError::Gguf(_)
-                | crate::LanternError::Config { .. }
-                | crate::LanternError::UnsupportedArchitecture { .. }
-                | crate::LanternError::Load(_) => JsError::new(&format!("{name} is not a usable GGUF model: {e}")),
-                crate::LanternError::Tokenizer(_) => JsError::new(&format!("{name}: no usable tokenizer: {e}")),
-                other => js_err(other),
-            })?;
+        let opts = LoadOptions::from_js(options)?;
+        // One sequence at a time: `generate` runs one request (the `Engine` class batches).
+        let l = load_blob(blob, name, source, LoadOptions { max_seqs: Some(1), ..opts }, &progress).await?;
         Ok(Lantern {
-            model: RefCell::new(Some(model)),
+            model: RefCell::new(Some(l.model)),
             draft: RefCell::new(None),
-            tokenizer: Arc::new(tokenizer),
-            ctx,
+            tokenizer: Arc::new(l.tokenizer),
+            ctx: l.ctx,
             cancel: Rc::new(Cell::new(false)),
-            name,
-            file_bytes,
-            source,
+            name: l.name,
+            file_bytes: l.file_bytes,
+            source: l.source,
         })
     }
 
@@ -417,8 +387,7 @@ impl Lantern {
             "memory": model.memory(),
             "weightBytes": model.weight_bytes(),
             "kvCacheBytes": model.kv.bytes(),
-            // The wasm heap as it stands (it grows to the load's peak and never shrinks).
-            "wasmMemoryBytes": wasm_bindgen::memory().unchecked_into::<js_sys::WebAssembly::Memory>().buffer().unchecked_into::<js_sys::ArrayBuffer>().byte_length(),
+            "wasmMemoryBytes": wasm_memory_bytes(),
         });
         to_js(&v)
     }
@@ -427,6 +396,117 @@ impl Lantern {
     pub fn info(&self) -> Result<JsValue, JsError> {
         to_js(&self.ctx.adapter_json())
     }
+}
+
+/// A failed call's message and the `code` JavaScript sees on its error (`no_adapter`,
+/// `download_failed`, `bad_model`, `out_of_memory`, `invalid_options`, ...).
+pub(crate) struct Failure {
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl Failure {
+    pub(crate) fn new(code: &'static str, message: impl Into<String>) -> Failure {
+        Failure { code, message: message.into() }
+    }
+
+    /// A JavaScript `Error` with `code` set.
+    pub(crate) fn into_js(self) -> JsValue {
+        let e = js_sys::Error::new(&self.message);
+        let _ = js_sys::Reflect::set(&e, &"code".into(), &self.code.into());
+        e.into()
+    }
+}
+
+impl From<Failure> for JsError {
+    fn from(f: Failure) -> JsError {
+        JsError::new(&f.message)
+    }
+}
+
+/// A model on the GPU, as loaded from a GGUF `Blob`.
+pub(crate) struct Loaded {
+    pub model: GpuModel,
+    pub tokenizer: Tokenizer,
+    pub ctx: Arc<GpuContext>,
+    pub name: String,
+    pub file_bytes: u64,
+    /// `network`, `cache`, `file` or `bytes`.
+    pub source: String,
+}
+
+/// The streamed load: header from the first bytes (grown until it holds the metadata), then
+/// one layer's tensors at a time read from `blob` by byte range.
+pub(crate) async fn load_blob(
+    blob: web_sys::Blob,
+    name: String,
+    source: String,
+    opts: LoadOptions,
+    progress: &Option<Function>,
+) -> Result<Loaded, Failure> {
+    let total = blob.size() as u64;
+    if !webgpu_present() {
+        return Err(Failure::new(
+            "no_adapter",
+            "This browser has no WebGPU (navigator.gpu is missing). Use a recent Chrome or Edge, or Firefox/Safari with WebGPU enabled.",
+        ));
+    }
+    let ctx = GpuContext::new(&DeviceOptions { backend: Some("webgpu".into()), ..Default::default() })
+        .await
+        .map_err(|e| Failure::new("no_adapter", format!("no usable WebGPU adapter: {e}")))?;
+    let bad = |what: &str, o: &str, allowed: &str| Failure::new("invalid_options", format!("{what} must be {allowed}, not {o}"));
+    let kv_dtype = match opts.kv_dtype.as_deref() {
+        None | Some("f32") => crate::kv::plan::KvDtype::F32,
+        Some("f16") => crate::kv::plan::KvDtype::F16,
+        Some("q8") => crate::kv::plan::KvDtype::Q8,
+        Some(o) => return Err(bad("kvDtype", o, "f32, f16 or q8")),
+    };
+    let precision = match opts.weights.as_deref() {
+        None | Some("native") => WeightPrecision::Native,
+        Some("f32") => WeightPrecision::F32,
+        Some("f16") => WeightPrecision::F16,
+        Some(o) => return Err(bad("weights", o, "native, f32 or f16")),
+    };
+    let max_seqs = opts.max_seqs.unwrap_or(1);
+    if !(1..=64).contains(&max_seqs) {
+        return Err(Failure::new("invalid_options", format!("maxSeqs must be 1 to 64, not {max_seqs}")));
+    }
+    let options = ModelOptions {
+        context: opts.context,
+        max_seqs,
+        kv_dtype,
+        weights: precision,
+        memory_budget: opts.memory_budget,
+        ..Default::default()
+    };
+    let mut read = async |start: u64, end: u64| -> crate::Result<Vec<u8>> {
+        read_range(&blob, start, end).await.map_err(|e| crate::LanternError::Read { source_name: name.clone(), reason: e })
+    };
+    let (model, tokenizer) = crate::model::load::load_gguf_streamed(ctx.clone(), &name, total, options, &mut read, &mut |done, total| {
+        report(progress, "upload", done as f64, total as f64)
+    })
+    .await
+    .map_err(|e| match e {
+        crate::LanternError::Gguf(_)
+        | crate::LanternError::Config { .. }
+        | crate::LanternError::UnsupportedArchitecture { .. }
+        | crate::LanternError::Read { .. }
+        | crate::LanternError::Load(_) => Failure::new("bad_model", format!("{name} is not a usable GGUF model: {e}")),
+        crate::LanternError::Tokenizer(_) => Failure::new("bad_model", format!("{name}: no usable tokenizer: {e}")),
+        e @ (crate::LanternError::MemoryBudget { .. } | crate::LanternError::Gpu(crate::gpu::GpuError::Allocation { .. })) => {
+            Failure::new("out_of_memory", format!("{name} does not fit: {e}"))
+        }
+        crate::LanternError::Gpu(crate::gpu::GpuError::BindingTooLarge { .. }) => {
+            Failure::new("out_of_memory", format!("{name} does not fit this adapter: {e}"))
+        }
+        other => Failure::new("load_failed", format!("loading {name}: {other}")),
+    })?;
+    Ok(Loaded { model, tokenizer, ctx, name, file_bytes: total, source })
+}
+
+/// The wasm heap as it stands (it grows to the load's peak and never shrinks).
+fn wasm_memory_bytes() -> u32 {
+    wasm_bindgen::memory().unchecked_into::<js_sys::WebAssembly::Memory>().buffer().unchecked_into::<js_sys::ArrayBuffer>().byte_length()
 }
 
 fn webgpu_present() -> bool {
@@ -471,9 +551,9 @@ struct CountingBody {
     _pull: Closure<dyn FnMut(JsValue) -> js_sys::Promise>,
 }
 
-fn counting_body(resp: &web_sys::Response, phase: &'static str, progress: &Option<Function>) -> Result<CountingBody, JsError> {
+fn counting_body(resp: &web_sys::Response, phase: &'static str, progress: &Option<Function>) -> Result<CountingBody, Failure> {
     let total = resp.headers().get("content-length").ok().flatten().and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
-    let body = resp.body().ok_or_else(|| JsError::new("the response has no body"))?;
+    let body = resp.body().ok_or_else(|| Failure::new("download_failed", "the response has no body"))?;
     let reader: web_sys::ReadableStreamDefaultReader = body.get_reader().unchecked_into();
     let count = Rc::new(Cell::new(0u64));
     let failed = Rc::new(RefCell::new(None));
@@ -501,22 +581,23 @@ fn counting_body(resp: &web_sys::Response, phase: &'static str, progress: &Optio
         })
     });
     let source = js_sys::Object::new();
-    js_sys::Reflect::set(&source, &"pull".into(), pull.as_ref()).map_err(|e| JsError::new(&format!("{e:?}")))?;
-    let stream = web_sys::ReadableStream::new_with_underlying_source(&source).map_err(|e| JsError::new(&format!("{e:?}")))?;
+    js_sys::Reflect::set(&source, &"pull".into(), pull.as_ref()).map_err(|e| Failure::new("download_failed", format!("{e:?}")))?;
+    let stream =
+        web_sys::ReadableStream::new_with_underlying_source(&source).map_err(|e| Failure::new("download_failed", format!("{e:?}")))?;
     Ok(CountingBody { stream, count, total, failed, _pull: pull })
 }
 
-async fn response_blob(resp: &web_sys::Response, url: &str) -> Result<web_sys::Blob, JsError> {
-    let b = JsFuture::from(resp.blob().map_err(|e| JsError::new(&format!("{url}: {e:?}")))?)
+async fn response_blob(resp: &web_sys::Response, url: &str) -> Result<web_sys::Blob, Failure> {
+    let b = JsFuture::from(resp.blob().map_err(|e| Failure::new("download_failed", format!("{url}: {e:?}")))?)
         .await
-        .map_err(|e| JsError::new(&format!("{url}: {e:?}")))?;
+        .map_err(|e| Failure::new("download_failed", format!("{url}: {e:?}")))?;
     Ok(b.unchecked_into())
 }
 
 /// `url` as a `Blob`: from Cache Storage when present ("cache"), else downloaded into it
 /// ("network"; the body streams into the cache while a clone of it counts the progress) and
 /// read back from there. Without Cache Storage the response itself is the blob.
-async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(web_sys::Blob, String), JsError> {
+async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(web_sys::Blob, String), Failure> {
     let cache = match cache_storage() {
         Some(cs) => JsFuture::from(cs.open(CACHE_NAME)).await.ok().map(|c| c.unchecked_into::<web_sys::Cache>()),
         None => None,
@@ -531,27 +612,33 @@ async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(web_sys
         }
     }
     let g = js_sys::global();
-    let fetch: Function = js_sys::Reflect::get(&g, &"fetch".into()).map_err(|_| JsError::new("no fetch"))?.unchecked_into();
-    let resp =
-        JsFuture::from(js_sys::Promise::from(fetch.call1(&g, &url.into()).map_err(|e| JsError::new(&format!("fetching {url}: {e:?}")))?))
-            .await
-            .map_err(|e| JsError::new(&format!("could not download {url}: {e:?}")))?;
+    let fetch: Function =
+        js_sys::Reflect::get(&g, &"fetch".into()).map_err(|_| Failure::new("download_failed", "no fetch"))?.unchecked_into();
+    let resp = JsFuture::from(js_sys::Promise::from(
+        fetch.call1(&g, &url.into()).map_err(|e| Failure::new("download_failed", format!("fetching {url}: {e:?}")))?,
+    ))
+    .await
+    .map_err(|e| Failure::new("download_failed", format!("could not download {url}: {e:?}")))?;
     let resp: web_sys::Response = resp.unchecked_into();
     if !resp.ok() {
-        return Err(JsError::new(&format!("could not download {url}: HTTP {} {}", resp.status(), resp.status_text())));
+        return Err(Failure::new("download_failed", format!("could not download {url}: HTTP {} {}", resp.status(), resp.status_text())));
     }
     if let Some(c) = &cache {
         // The download streams into the cache and is read back from there (on disk).
         let body = counting_body(&resp, "download", progress)?;
-        let counted = web_sys::Response::new_with_opt_readable_stream(Some(&body.stream)).map_err(|e| JsError::new(&format!("{e:?}")))?;
+        let counted = web_sys::Response::new_with_opt_readable_stream(Some(&body.stream))
+            .map_err(|e| Failure::new("download_failed", format!("{e:?}")))?;
         let put = JsFuture::from(c.put_with_str(url, &counted)).await;
         if let Some(e) = body.failed.borrow().as_ref() {
             let _ = JsFuture::from(c.delete_with_str(url)).await;
-            return Err(JsError::new(&format!("download of {url} interrupted after {} bytes: {e}", body.count.get())));
+            return Err(Failure::new("download_failed", format!("download of {url} interrupted after {} bytes: {e}", body.count.get())));
         }
         if body.total > 0 && body.count.get() < body.total {
             let _ = JsFuture::from(c.delete_with_str(url)).await;
-            return Err(JsError::new(&format!("download of {url} truncated: {} of {} bytes", body.count.get(), body.total)));
+            return Err(Failure::new(
+                "download_failed",
+                format!("download of {url} truncated: {} of {} bytes", body.count.get(), body.total),
+            ));
         }
         // Failing to store (quota) only costs a download next time: read the response again.
         if put.is_ok() {
@@ -562,10 +649,10 @@ async fn fetch_cached(url: &str, progress: &Option<Function>) -> Result<(web_sys
             }
         }
         let again = JsFuture::from(js_sys::Promise::from(
-            fetch.call1(&g, &url.into()).map_err(|e| JsError::new(&format!("fetching {url}: {e:?}")))?,
+            fetch.call1(&g, &url.into()).map_err(|e| Failure::new("download_failed", format!("fetching {url}: {e:?}")))?,
         ))
         .await
-        .map_err(|e| JsError::new(&format!("could not download {url}: {e:?}")))?;
+        .map_err(|e| Failure::new("download_failed", format!("could not download {url}: {e:?}")))?;
         return Ok((response_blob(&again.unchecked_into(), url).await?, "network".into()));
     }
     Ok((response_blob(&resp, url).await?, "network".into()))
