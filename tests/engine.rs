@@ -540,3 +540,123 @@ fn sampled_decode_ahead_gives_the_step_at_a_time_tokens() {
     // Rounding can make a draw differ now and then; not most of the time.
     assert!(redraws < 10, "{redraws} GPU draws differed from the sampler's");
 }
+
+/// Requests whose streams end in every way while a step past their end is in flight: by
+/// length, by a stop id and a stop string taken from their plain outputs, at the context's
+/// end; one arrives mid-run (the chain breaks for its admission) and one samples (no step
+/// runs ahead while it is running).
+fn chain_requests(plain: Option<&[Generation]>) -> Vec<GenerateRequest> {
+    let greedy = |prompt: Vec<u32>, max_tokens: usize| GenerateRequest { prompt_ids: prompt, max_tokens, ..Default::default() };
+    let mut reqs = vec![
+        greedy(vec![5, 77, 301, 9, 18], 24),
+        greedy(vec![7, 7, 120, 44], 30),
+        greedy(vec![300, 12, 9], 30),
+        greedy((0..52).map(|i| 3 + i * 7).collect(), 40),
+        greedy(vec![11, 12, 13, 14, 15, 16], 9),
+    ];
+    if let Some(p) = plain {
+        reqs[1].stop_ids = vec![p[1].output_ids[13]];
+        let t = &p[2].text;
+        reqs[2].stop_strings = vec![t.chars().skip(t.chars().count() * 2 / 3).take(3).collect()];
+    }
+    reqs.push(GenerateRequest {
+        prompt_ids: vec![40, 41, 42],
+        max_tokens: 6,
+        sampling: SamplingParams { temperature: 0.9, top_k: 20, top_p: 0.9, seed: 5 },
+        ..Default::default()
+    });
+    reqs
+}
+
+/// Run `reqs` on an engine whose model keeps `decode_ahead` steps in flight: all but the
+/// last two at once, the fifth after 6 steps, the sampled one after 30. Returns each
+/// request's generation, the engine's totals and the host's counts over the run.
+fn run_chained(decode_ahead: usize, reqs: &[GenerateRequest]) -> (Vec<Generation>, lantern::engine::EngineStats, lantern::gpu::HostCounts) {
+    let opts = ModelOptions { decode_ahead, ..model_opts(4, None) };
+    let mut e = engine(opts, EngineOptions { step_tokens: 32, prefill_chunk: 32, max_waiting: 16 });
+    let before = e.model.ctx.host_counts();
+    let mut handles: Vec<RequestHandle> = reqs[..4].iter().map(|r| e.submit(r.clone()).expect("submit")).collect();
+    let mut steps = 0;
+    while !e.is_idle() || handles.len() < reqs.len() {
+        if steps == 6 && handles.len() == 4 {
+            handles.push(e.submit(reqs[4].clone()).expect("submit"));
+        }
+        if steps == 30 && handles.len() == 5 {
+            handles.push(e.submit(reqs[5].clone()).expect("submit"));
+        }
+        pollster::block_on(e.step()).expect("step");
+        steps += 1;
+    }
+    let host = e.model.ctx.host_counts().since(&before);
+    assert_eq!(e.model.kv.alloc.free_pages(), e.model.kv.alloc.total_pages(), "every page back (decode_ahead {decode_ahead})");
+    let gens = handles
+        .iter_mut()
+        .map(|h| {
+            let (g, streamed) = collect(h);
+            assert_eq!(streamed, g.text, "streamed text = final text");
+            g
+        })
+        .collect();
+    (gens, e.stats().clone(), host)
+}
+
+#[test]
+fn engine_decodes_ahead_with_the_step_at_a_time_tokens() {
+    // The engine submits the next greedy decode step of every running sequence, its ids
+    // copied on the GPU from the previous step's argmax, before it reads that step's tokens.
+    let (plain, _, _) = run_chained(0, &chain_requests(None));
+    let reqs = chain_requests(Some(&plain));
+    let (want, want_stats, want_host) = run_chained(0, &reqs);
+    let (got, stats, host) = run_chained(3, &reqs);
+    eprintln!("one step at a time: {want_stats:?} {want_host:?}\nahead: {stats:?} {host:?}");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.output_ids, w.output_ids, "request {i}: tokens");
+        assert_eq!(g.text, w.text, "request {i}: text");
+        assert_eq!(g.finish_reason, w.finish_reason, "request {i}: finish reason");
+    }
+    // Every way of ending was exercised.
+    let reasons: Vec<FinishReason> = want.iter().map(|g| g.finish_reason).collect();
+    assert_eq!(
+        reasons[..5],
+        [FinishReason::Length, FinishReason::Stop, FinishReason::Stop, FinishReason::ContextFull, FinishReason::Length]
+    );
+    assert_eq!(want_stats.steps_ahead, 0);
+    // (Prefill chunks, the arrival, the sampled request and the last tokens of each request
+    // break the chain; the decode steps between them run ahead.)
+    assert!(stats.steps_ahead >= 5, "decode steps ran ahead: {stats:?}");
+    // Every step one at a time leaves the device idle while the host reads it; a step
+    // landed with the next one queued behind it does not.
+    assert_eq!(want_host.stalls, want_stats.steps, "{want_host:?}");
+    assert_eq!(host.stalls, stats.steps - stats.steps_ahead, "{host:?}");
+}
+
+#[test]
+fn engine_steps_ahead_on_the_noop_backend_create_nothing_and_never_stall() {
+    // Sixteen sequences decoding together on wgpu's noop backend (a discrete GPU's layouts;
+    // tokens are zeros): in steady state each engine step is one submission and one
+    // readback, with no buffer or bind group created and no wait leaving the device idle.
+    let ctx = common::gpu_with(&lantern::gpu::DeviceOptions { backend: Some("noop".into()), ..Default::default() });
+    let opts = ModelOptions { context: Some(128), max_seqs: 16, max_batch_tokens: 64, max_logit_rows: 16, ..Default::default() };
+    let m = pollster::block_on(GpuModel::load(ctx, weights(), opts)).expect("load");
+    let mut e = Engine::new(m, tokenizer(), EngineOptions { step_tokens: 64, prefill_chunk: 64, max_waiting: 16 });
+    let mut handles: Vec<RequestHandle> = (0..16u32)
+        .map(|i| e.submit(GenerateRequest { prompt_ids: vec![1 + i, 2, 3], max_tokens: 48, ..Default::default() }).expect("submit"))
+        .collect();
+    // Prefill and the first decode steps, then the steady state.
+    for _ in 0..4 {
+        pollster::block_on(e.step()).expect("step");
+    }
+    let (before, steps0) = (e.model.ctx.host_counts(), e.stats().steps);
+    for _ in 0..32 {
+        pollster::block_on(e.step()).expect("step");
+    }
+    let c = e.model.ctx.host_counts().since(&before);
+    let steps = e.stats().steps - steps0;
+    assert_eq!(steps, 32);
+    assert_eq!((c.buffers, c.bind_groups), (0, 0), "{c:?}");
+    assert_eq!((c.submits, c.readbacks, c.stalls), (32, 32, 0), "{c:?}");
+    pollster::block_on(e.run_until_idle()).expect("run");
+    for h in &mut handles {
+        assert_eq!(collect(h).0.output_ids, vec![0; 48]);
+    }
+}

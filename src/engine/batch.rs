@@ -25,7 +25,7 @@ use super::metrics::RequestTimings;
 use super::sampler::{Dist, Sampler, TokenLogprob};
 use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats};
 use crate::kv::KvError;
-use crate::model::forward::{GpuModel, LogitOps, Want};
+use crate::model::forward::{BatchFlight, GpuModel, LogitOps, Want};
 use crate::model::tokenizer::Tokenizer;
 use crate::{LanternError, Result};
 
@@ -180,6 +180,17 @@ struct Scheduled {
     want: Want,
     sampling: Vec<(u64, usize, Option<usize>, usize)>,
     started: Instant,
+    /// Its time is one step's cost (not a step submitted ahead, whose time includes the
+    /// step before it).
+    timed: bool,
+}
+
+/// A greedy decode step of every running sequence on the GPU whose tokens the host has not
+/// read yet (decoding ahead in the engine: see [`Engine::step`]).
+struct Chain {
+    sch: Scheduled,
+    flight: BatchFlight,
+    report: StepReport,
 }
 
 /// What a host gives Lantern out of one frame: a time budget (wall time inside the call)
@@ -227,6 +238,9 @@ pub struct EngineStats {
     pub prompt_tokens_computed: u64,
     pub prompt_tokens_cached: u64,
     pub output_tokens: u64,
+    /// Steps submitted before the tokens of the step before them were read (decoding
+    /// ahead: the device had the step queued while the host completed the previous one).
+    pub steps_ahead: u64,
 }
 
 /// Many requests served together on one model.
@@ -241,6 +255,8 @@ pub struct Engine {
     stats: EngineStats,
     /// A frame-budgeted step on the GPU (`step_within`).
     pending: Option<(Scheduled, crate::model::forward::PendingStep, StepReport)>,
+    /// A decode step submitted ahead whose tokens have not been read.
+    chain: Option<Chain>,
     /// The draft model for draft-model speculation ([`Engine::set_draft`]).
     draft: Option<GpuModel>,
 }
@@ -266,6 +282,7 @@ impl Engine {
             next_id: 0,
             stats: EngineStats::default(),
             pending: None,
+            chain: None,
             draft: None,
         }
     }
@@ -317,6 +334,7 @@ impl Engine {
         self.model.warm_up().await
     }
 
+    /// (A decode step still in flight ahead is abandoned: its tokens are never read.)
     pub fn into_model(self) -> GpuModel {
         self.model
     }
@@ -366,12 +384,16 @@ impl Engine {
         if self.pending.is_some() {
             return Err(LanternError::InvalidRequest("an embedding cannot run while a frame-budgeted step is in flight".into()));
         }
+        // A decode step ahead lands first: the embedding's steps share the workspace.
+        if let Some(c) = self.chain.take() {
+            self.land_chain(c, false).await?;
+        }
         self.model.embedding(tokens, pooling).await
     }
 
     /// No request left (and no step on the GPU).
     pub fn is_idle(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty() && self.pending.is_none()
+        self.running.is_empty() && self.waiting.is_empty() && self.pending.is_none() && self.chain.is_none()
     }
 
     /// Queue a request. Refused at once (typed error, nothing queued) when the prompt is
@@ -617,10 +639,21 @@ impl Engine {
             };
             return self.complete(sch, out, report);
         }
+        if let Some(c) = self.chain.take() {
+            return self.land_chain(c, true).await;
+        }
         self.draft_with_model().await;
         let (report, sch) = self.schedule()?;
         let Some(mut sch) = sch else { return Ok(report) };
         sch.started = Instant::now();
+        if self.chains(&sch) {
+            // A plain greedy decode step of every running sequence: submitted without
+            // waiting, and the next one goes in behind it before its tokens are read.
+            return match self.model.submit_decode_batch(Some(&sch.ids), &sch.positions, &sch.seqs) {
+                Ok(flight) => self.land_chain(Chain { sch, flight, report }, true).await,
+                Err(e) => self.complete(sch, Err(e), report),
+            };
+        }
         let bias = step_bias(&self.running, &sch.sampling, sch.rows.len());
         let out = if guided(&self.running, &sch.sampling) {
             // The masks are computed while the GPU runs the step's layers.
@@ -633,6 +666,131 @@ impl Engine {
             self.model.step_batch_with(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, ops).await
         };
         self.complete(sch, out, report)
+    }
+
+    /// Whether a scheduled step can start decoding ahead: the model keeps batched steps in
+    /// flight, and the step is one greedy decode token (row `i` for token `i`) of every
+    /// running sequence, each of them plain (see [`plain_decode`]).
+    fn chains(&self, sch: &Scheduled) -> bool {
+        self.model.decodes_batches_ahead()
+            && sch.want == Want::Argmax
+            && sch.sampling.len() == self.running.len()
+            && sch.ids.len() == sch.sampling.len()
+            && sch.sampling.iter().enumerate().all(|(i, &(id, take, row, n_rows))| {
+                take == 1 && row == Some(i) && n_rows == 1 && self.running.get(i).is_some_and(|s| s.id == id && plain_decode(s))
+            })
+    }
+
+    /// The step after `prev` (a chained step still in flight), submitted before `prev`'s
+    /// tokens are read, where it can be planned without them: the same sequences in the same
+    /// order, none cancelled, nobody waiting for admission, each still plain with room for
+    /// two more tokens (the one `prev` brings and this one's), and a page for each without
+    /// preempting anyone. Its ids are `prev`'s argmax rows, copied on the GPU. `None` when
+    /// it cannot (the engine then schedules anew once `prev` has landed).
+    fn chain_next(&mut self, prev: &Scheduled) -> Option<Chain> {
+        let context = self.model.kv.alloc.config.context;
+        if !self.waiting.is_empty() || self.running.len() != prev.sampling.len() {
+            return None;
+        }
+        let fits = self.running.iter().zip(&prev.sampling).all(|(s, p)| {
+            s.id == p.0 && !s.cancelled() && plain_decode(s) && s.out.len() + 2 <= s.req.max_tokens && s.tokens.len() + 2 <= context
+        });
+        if !fits {
+            return None;
+        }
+        let (mut positions, mut seqs) = (Vec::with_capacity(prev.sampling.len()), Vec::with_capacity(prev.sampling.len()));
+        for s in &self.running {
+            let slot = s.slot.expect("running sequences hold a slot");
+            match self.model.kv.alloc.append(slot, 1) {
+                Ok(pos) => {
+                    positions.push(pos as u32);
+                    seqs.push(slot as u32);
+                }
+                Err(_) => {
+                    self.unreserve(&seqs, &positions);
+                    return None;
+                }
+            }
+        }
+        let flight = match self.model.submit_decode_batch(None, &positions, &seqs) {
+            Ok(f) => f,
+            Err(_) => {
+                self.unreserve(&seqs, &positions);
+                return None;
+            }
+        };
+        self.stats.steps_ahead += 1;
+        let n = seqs.len();
+        let sampling = prev.sampling.iter().enumerate().map(|(i, p)| (p.0, 1, Some(i), 1)).collect();
+        let sch = Scheduled {
+            ids: Vec::new(),
+            positions,
+            seqs,
+            rows: (0..n as u32).collect(),
+            want: Want::Argmax,
+            sampling,
+            started: Instant::now(),
+            timed: false,
+        };
+        let report = StepReport { tokens: n, sequences: n, ..StepReport::default() };
+        Some(Chain { sch, flight, report })
+    }
+
+    /// Give back the positions `chain_next` reserved (`seqs[i]` had `positions[i]` appended).
+    fn unreserve(&mut self, seqs: &[u32], positions: &[u32]) {
+        for (&slot, &pos) in seqs.iter().zip(positions) {
+            let _ = self.model.kv.alloc.truncate(slot as usize, pos as usize);
+        }
+    }
+
+    /// Land a chained step: with `next`, first submit the step after it where it can be
+    /// planned without its tokens ([`Self::chain_next`]), so the device never waits for the
+    /// host between them; then read its tokens and complete it. Sequences that finish on this
+    /// step's tokens leave the running list, and the step after it computed a token past
+    /// their end: that token is never read (its sequence is gone when it lands) and its KV
+    /// page went back with the sequence.
+    async fn land_chain(&mut self, c: Chain, next: bool) -> Result<StepReport> {
+        let after = if next { self.chain_next(&c.sch) } else { None };
+        let out = self.model.land_decode_batch(c.flight, after.is_none()).await;
+        let mut report = self.complete(c.sch, out, c.report);
+        match after {
+            Some(a) if report.is_ok() => self.chain = Some(a),
+            Some(a) => {
+                // The step failed and its sequences with it (the same as this one's): drain.
+                let _ = self.model.land_decode_batch(a.flight, true).await;
+            }
+            None => {
+                // Nothing behind it: cancellations end now, as a step at a time would.
+                if let Ok(r) = report.as_mut() {
+                    self.sweep_cancelled(r);
+                }
+            }
+        }
+        report
+    }
+
+    /// End cancelled and abandoned (handle dropped) requests, freeing their pages.
+    fn sweep_cancelled(&mut self, report: &mut StepReport) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancelled() {
+                let s = self.running.remove(i);
+                self.finish(s, FinishReason::Cancelled);
+                report.finished += 1;
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if self.waiting[i].cancelled() {
+                let s = self.waiting.remove(i).expect("index in range");
+                self.finish(s, FinishReason::Cancelled);
+                report.finished += 1;
+            } else {
+                i += 1;
+            }
+        }
     }
 
     /// The draft tokens a speculative sequence in decode may take this step: at most its
@@ -716,6 +874,11 @@ impl Engine {
     /// frames), so draft-model requests decode without drafts on this path.
     pub async fn step_within(&mut self, budget: impl Into<FrameBudget>) -> Result<FrameReport> {
         let budget = budget.into();
+        if let Some(c) = self.chain.take() {
+            // A step decoded ahead by `step` lands first (this path never decodes ahead).
+            let r = self.land_chain(c, false).await?;
+            return Ok(FrameReport { step: Some(r), in_flight: false, submitted: 0 });
+        }
         let now = web_time::Instant::now();
         let deadline = now.checked_add(budget.time).unwrap_or(now + std::time::Duration::from_secs(3600));
         let (sch, mut p, report) = match self.pending.take() {
@@ -771,26 +934,7 @@ impl Engine {
             return Err(LanternError::Gpu(e));
         }
         // Cancelled or abandoned (handle dropped) requests free their pages first.
-        let mut i = 0;
-        while i < self.running.len() {
-            if self.running[i].cancelled() {
-                let s = self.running.remove(i);
-                self.finish(s, FinishReason::Cancelled);
-                report.finished += 1;
-            } else {
-                i += 1;
-            }
-        }
-        let mut i = 0;
-        while i < self.waiting.len() {
-            if self.waiting[i].cancelled() {
-                let s = self.waiting.remove(i).expect("index in range");
-                self.finish(s, FinishReason::Cancelled);
-                report.finished += 1;
-            } else {
-                i += 1;
-            }
-        }
+        self.sweep_cancelled(&mut report);
 
         // Parallel samples fork their first sequence's pages once it has computed all but the
         // prompt's last token (those without a free sequence slot try again next step).
@@ -959,7 +1103,7 @@ impl Engine {
         }
         report.tokens = ids.len();
         report.sequences = plan.len();
-        Ok((report, Some(Scheduled { ids, positions, seqs, rows, want, sampling, started: Instant::now() })))
+        Ok((report, Some(Scheduled { ids, positions, seqs, rows, want, sampling, started: Instant::now(), timed: true })))
     }
 
     /// The drafts running sequence `idx` takes into this step (at most `most`): prompt lookup
@@ -982,7 +1126,7 @@ impl Engine {
     /// The completing half of a step: sampling (or verifying drafts, rolling rejected ones
     /// back), streaming, stop checks, finishing.
     fn complete(&mut self, sch: Scheduled, out: Result<crate::model::forward::StepOutput>, mut report: StepReport) -> Result<StepReport> {
-        let sampling = sch.sampling;
+        let (sampling, timed) = (sch.sampling, sch.timed);
         let step_ms = sch.started.elapsed().as_secs_f64() * 1e3;
         let out = match out {
             Ok(o) => o,
@@ -1004,7 +1148,7 @@ impl Engine {
         // A step of one sequence in decode measures what a step of its width costs (the
         // prior of later requests' draft lengths).
         if let [(_, take, Some(_), n_rows)] = sampling[..] {
-            if take == n_rows {
+            if take == n_rows && timed {
                 self.model.record_step_ms(take, step_ms);
             }
         }
@@ -1121,6 +1265,20 @@ impl Engine {
             None => false,
         }
     }
+}
+
+/// Whether a running sequence's decode steps can be chained ahead of the host: greedy, in
+/// decode, neither speculative, constrained, biased nor asking for logprobs, and holding no
+/// parallel samples still to fork (each of those needs the host between its steps).
+fn plain_decode(s: &Seq) -> bool {
+    s.req.sampling.is_greedy()
+        && s.spec.is_none()
+        && s.guide.is_none()
+        && s.bias.is_none()
+        && s.req.logprobs.is_none()
+        && s.held.is_empty()
+        && s.slot.is_some()
+        && s.computed + 1 == s.tokens.len()
 }
 
 /// Whether a request decodes speculatively: asked for, and neither constrained, biased nor

@@ -12,7 +12,7 @@ pub mod step_costs;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod worker;
 
-pub use batch::{Engine, EngineOptions, Event, FrameBudget, FrameReport, RequestHandle};
+pub use batch::{Engine, EngineOptions, EngineStats, Event, FrameBudget, FrameReport, RequestHandle};
 pub use constraint::{Constraint, Guide};
 pub use generate::{FinishReason, GenerateRequest, Generation};
 pub use logit_bias::LogitBias;

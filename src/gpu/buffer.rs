@@ -309,6 +309,13 @@ impl Readback {
         rx
     }
 
+    /// Give up on a [`Self::start_map`] whose result will never be taken: a pending map is
+    /// aborted (its receiver gets an error) and a completed one unmapped, so the buffer can
+    /// be copied into again.
+    pub fn abandon(&self) {
+        self.buffer.unmap();
+    }
+
     /// The bytes of a completed [`Self::start_map`], unmapping the buffer.
     pub fn take_mapped(&self, bytes: u64) -> Result<Vec<u8>, GpuError> {
         let bytes = (bytes.div_ceil(4) * 4).min(self.size).max(4);

@@ -86,6 +86,11 @@ pub struct BenchArgs {
     /// turns the batched matvec off, for comparisons).
     #[arg(long)]
     pub batch_max_tokens: Option<usize>,
+    /// Engine steps kept in flight ahead of the host: a greedy decode step of every running
+    /// sequence is submitted, its ids copied on the GPU from the step before, before that
+    /// step's tokens are read. 0 or 1: one step at a time (for comparisons).
+    #[arg(long, default_value_t = 3)]
+    pub decode_ahead: usize,
     /// Write every request's timestamps and the summary as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -261,6 +266,39 @@ fn drive(engine: &mut Engine, plan: Vec<Planned>, concurrency: Option<usize>, pb
     Ok((records, timeline))
 }
 
+/// The host's work per engine step over a run (see `gpu::HostCounts`).
+#[derive(Debug, Clone, serde::Serialize)]
+struct StepHost {
+    dispatches: f64,
+    submits: f64,
+    writes: f64,
+    readbacks: f64,
+    /// Waits with nothing queued behind them: the device idles until the host submits again.
+    stalls: f64,
+    bind_groups: f64,
+    buffers: f64,
+    /// Steps submitted before the step before them was read.
+    steps_ahead: u64,
+    steps: u64,
+}
+
+impl StepHost {
+    fn of(c: &lantern::gpu::HostCounts, stats: &lantern::engine::EngineStats) -> StepHost {
+        let per = |v: u64| v as f64 / stats.steps.max(1) as f64;
+        StepHost {
+            dispatches: per(c.dispatches),
+            submits: per(c.submits),
+            writes: per(c.writes),
+            readbacks: per(c.readbacks),
+            stalls: per(c.stalls),
+            bind_groups: per(c.bind_groups),
+            buffers: per(c.buffers),
+            steps_ahead: stats.steps_ahead,
+            steps: stats.steps,
+        }
+    }
+}
+
 fn print_summary(s: &WorkloadSummary, label: &str) {
     println!("{label}");
     println!(
@@ -320,6 +358,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             matvec_max_tokens: a.matvec_max_tokens,
             eight_token_matvec: a.no_eight_token_matvec.then_some(false),
             batch_max_tokens: a.batch_max_tokens,
+            decode_ahead: a.decode_ahead,
             ..Default::default()
         },
         &mut |_, _| {},
@@ -362,13 +401,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
         let label = if a.rate.is_some() { format!("rate {}", a.rate.unwrap_or_default()) } else { format!("concurrency {c}") };
         bar.set_message(label.clone());
+        let before = ctx.host_counts();
         let (records, timeline) = drive(&mut engine, plan, if a.rate.is_some() { None } else { Some(c) }, &bar)?;
         bar.finish_and_clear();
         let stats = engine.stats().clone();
+        let host = StepHost::of(&ctx.host_counts().since(&before), &stats);
         model = engine.into_model();
         let summary = WorkloadSummary::of(&records, a.slo_ttft_ms, a.slo_tpot_ms);
         print_summary(&summary, &format!("{label}: {} preemptions, {} engine steps", stats.preemptions, stats.steps));
-        all.push((label, c, summary, records, timeline));
+        println!(
+            "  host per engine step: {:.1} dispatches, {:.2} submits, {:.2} writes, {:.2} waits leaving the device idle, {:.2} bind groups, {:.2} buffers; {} of {} steps submitted ahead of the host",
+            host.dispatches, host.submits, host.writes, host.stalls, host.bind_groups, host.buffers, stats.steps_ahead, stats.steps
+        );
+        all.push((label, c, summary, records, timeline, host));
         if a.rate.is_some() {
             break;
         }
@@ -380,7 +425,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "  {:>11} {:>12} {:>8} {:>10} {:>10} {:>10} {:>10}",
             "concurrency", "output tok/s", "x c=1st", "TTFT p50", "TTFT p95", "TPOT p50", "E2E p50"
         );
-        for (_, c, s, _, _) in &all {
+        for (_, c, s, _, _, _) in &all {
             println!(
                 "  {:>11} {:>12.1} {:>8.2} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
                 c,
@@ -396,7 +441,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(path) = &a.json {
         let runs: Vec<serde_json::Value> = all
             .iter()
-            .map(|(label, c, s, r, _)| serde_json::json!({ "label": label, "concurrency": if a.rate.is_some() { None } else { Some(c) }, "rate": a.rate, "summary": s, "requests": r }))
+            .map(|(label, c, s, r, _, h)| serde_json::json!({ "label": label, "concurrency": if a.rate.is_some() { None } else { Some(c) }, "rate": a.rate, "summary": s, "host_per_step": h, "requests": r }))
             .collect();
         let v = serde_json::json!({
             "model": model_path.display().to_string(),
@@ -404,7 +449,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "workload": {
                 "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len, "shared_prefix": a.shared_prefix,
                 "rate": a.rate, "seed": a.seed, "kv_dtype": model.options.kv_dtype, "max_seqs": max_seqs, "context": context,
-                "step_tokens": a.step_tokens, "prefill_chunk": a.prefill_chunk,
+                "step_tokens": a.step_tokens, "prefill_chunk": a.prefill_chunk, "decode_ahead": a.decode_ahead,
             },
             "runs": runs,
         });
@@ -412,7 +457,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("wrote {}", path.display());
     }
     if let Some(path) = &a.plot {
-        let runs: Vec<plot::Run> = all.iter().map(|(label, _, s, r, t)| plot::Run { label, summary: s, records: r, timeline: t }).collect();
+        let runs: Vec<plot::Run> =
+            all.iter().map(|(label, _, s, r, t, _)| plot::Run { label, summary: s, records: r, timeline: t }).collect();
         std::fs::write(path, plot::svg(&runs)).with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }

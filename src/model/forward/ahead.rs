@@ -14,6 +14,12 @@
 //! and reads the pairs back beside the token, so the caller can check the draw against its
 //! own sampler and restart from its token where f32 rounding made them differ.
 //!
+//! The batching engine decodes ahead the same way, a step at a time for all its sequences
+//! ([`GpuModel::submit_decode_batch`]): a greedy decode step of every running sequence is
+//! submitted with its ids copied on the GPU from the previous step's argmax rows before the
+//! host reads that step's tokens, so the device has the next step queued while the host
+//! streams, checks stops and schedules.
+//!
 //! Per step the host writes the position (4 bytes; and the draw when sampling), the step
 //! uniform when the key splits change, and the sequence's block-table row when its pages
 //! change; the bind groups are the load-time ones, and no buffer is created.
@@ -209,6 +215,17 @@ impl GpuModel {
     /// Wait for a submitted step and read its token, and with `top` the top-k row it was
     /// drawn from (`idle`: nothing else is queued behind it).
     async fn land(&self, f: Flight, idle: bool, top: bool) -> Result<AheadToken> {
+        let slot = f.slot;
+        let bytes = self.await_flight(f, idle, &self.ahead_slots[slot], if top { SLOT_BYTES } else { 4 }).await?;
+        let token = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        let top = top.then(|| self.parse_output(&bytes[4..SLOT_BYTES as usize], 1, Want::TopK));
+        Ok(AheadToken { token, top })
+    }
+
+    /// Wait for a submitted step (native: for its submission only; `idle`: nothing else is
+    /// queued behind it, so the wait leaves the device idle) and take `bytes` from its
+    /// readback `rb`.
+    async fn await_flight(&self, f: Flight, idle: bool, rb: &Readback, bytes: u64) -> Result<Vec<u8>> {
         let ctx = &self.ctx;
         #[cfg(not(target_arch = "wasm32"))]
         ctx.wait_idle(Some(f.submission), idle).map_err(gpu_err)?;
@@ -223,10 +240,7 @@ impl GpuModel {
             Err(_) => return Err(LanternError::Gpu(GpuError::Readback("map callback dropped (device lost?)".into()))),
         }
         ctx.counters.read_back();
-        let bytes = self.ahead_slots[f.slot].take_mapped(if top { SLOT_BYTES } else { 4 }).map_err(gpu_err)?;
-        let token = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-        let top = top.then(|| self.parse_output(&bytes[4..SLOT_BYTES as usize], 1, Want::TopK));
-        Ok(AheadToken { token, top })
+        rb.take_mapped(bytes).map_err(gpu_err)
     }
 
     /// Encode and submit the run's next step (`u`: its uniform draw when sampling).
@@ -284,5 +298,99 @@ impl GpuModel {
         a.flights.push_back(Flight { slot, submission, map, errors });
         a.submitted += 1;
         Ok(())
+    }
+}
+
+/// One batched decode step submitted by [`GpuModel::submit_decode_batch`] whose tokens have
+/// not been read: one argmax per sequence, in the order the step was given them.
+pub(crate) struct BatchFlight {
+    flight: Flight,
+    rows: usize,
+}
+
+/// Readback slots for the engine's batched steps ahead (two: one step on the GPU while the
+/// host completes the one before), each holding one argmax per logit row.
+pub(super) fn batch_slots(ctx: &crate::gpu::GpuContext, depth: usize, logit_rows: usize) -> Vec<Readback> {
+    if depth < 2 {
+        return Vec::new();
+    }
+    (0..2).map(|_| Readback::new(ctx, "batched decode-ahead readback", logit_rows as u64 * 4)).collect()
+}
+
+impl GpuModel {
+    /// Whether batched decode steps can be submitted ahead (`ModelOptions::decode_ahead` of
+    /// at least 2).
+    pub(crate) fn decodes_batches_ahead(&self) -> bool {
+        !self.batch_slots.is_empty()
+    }
+
+    /// Submit a greedy decode step of one token per sequence (token `i` at `positions[i]` of
+    /// sequence `seqs[i]`, its pages reserved; logit row `i`) without waiting for it, and
+    /// return it in flight; [`Self::land_decode_batch`] reads its argmax rows. `ids` gives
+    /// the tokens, or with `None` each sequence's token is the argmax row of the same index
+    /// of the step submitted just before this one, copied on the GPU (the engine submits the
+    /// same sequences, in the same order, before reading that step), so the host needs no
+    /// token to encode the next step. Per step the host writes the step's inputs; no buffer
+    /// or bind group is created.
+    pub(crate) fn submit_decode_batch(&mut self, ids: Option<&[u32]>, positions: &[u32], seqs: &[u32]) -> Result<BatchFlight> {
+        let n = seqs.len();
+        if self.batch_slots.is_empty() {
+            return Err(LanternError::InvalidRequest("batched decoding ahead is off for this model (decode_ahead < 2)".into()));
+        }
+        if ids.is_some_and(|ids| ids.len() != n) || positions.len() != n {
+            return Err(LanternError::InvalidRequest(format!(
+                "submit_decode_batch: {} ids, {} positions, {n} sequences",
+                ids.map_or(n, <[u32]>::len),
+                positions.len()
+            )));
+        }
+        let rows: Vec<u32> = (0..n as u32).collect();
+        let from_gpu;
+        let checked = match ids {
+            Some(ids) => ids,
+            None => {
+                // Argmax rows are always inside the vocabulary.
+                from_gpu = vec![0u32; n];
+                &from_gpu
+            }
+        };
+        self.validate_batch(checked, positions, seqs, &rows)?;
+        self.ctx.check_lost().map_err(LanternError::Gpu)?;
+        let ctx = self.ctx.clone();
+        let s = self.write_batch_inputs_from(ids, positions, seqs, &rows);
+        let slot = self.next_batch_slot;
+        self.next_batch_slot = (slot + 1) % self.batch_slots.len();
+        if std::mem::replace(&mut self.batch_unlanded[slot], true) {
+            // A flight dropped without landing (its engine was taken apart): abort its map.
+            self.batch_slots[slot].abandon();
+        }
+        let bytes = n as u64 * 4;
+        let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("batched decode step ahead") });
+        if ids.is_none() {
+            enc.copy_buffer_to_buffer(&self.ws.argmax, 0, &self.ws.ids, 0, bytes);
+        }
+        self.encode_pending_copies(&mut enc);
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("forward"), timestamp_writes: None });
+            let dispatches = self.step_dispatches(&s, Want::Argmax, false, false, false);
+            ctx.counters.dispatched(kernels::encode_all(&mut pass, dispatches, &s));
+        }
+        let rb = &self.batch_slots[slot];
+        rb.copy_from(&mut enc, &self.ws.argmax, 0, bytes);
+        let submission = ctx.submit([enc.finish()]);
+        let errors: ErrorFuture = Box::pin(scope.pop());
+        let map = rb.start_map(bytes);
+        Ok(BatchFlight { flight: Flight { slot, submission, map, errors }, rows: n })
+    }
+
+    /// Wait for a batched step submitted by [`Self::submit_decode_batch`] and read its argmax
+    /// rows (`idle`: no step is queued behind it).
+    pub(crate) async fn land_decode_batch(&mut self, f: BatchFlight, idle: bool) -> Result<StepOutput> {
+        let slot = f.flight.slot;
+        let bytes = self.await_flight(f.flight, idle, &self.batch_slots[slot], f.rows as u64 * 4).await?;
+        // (On an error the slot stays marked: its next step aborts whatever map is left.)
+        self.batch_unlanded[slot] = false;
+        Ok(self.parse_output(&bytes[..f.rows * 4], f.rows as u32, Want::Argmax))
     }
 }

@@ -44,6 +44,7 @@ mod step;
 mod upload;
 
 pub use ahead::AheadToken;
+pub(crate) use ahead::BatchFlight;
 pub use memory::{DtypeBytes, MemoryReport};
 pub use options::{KvWindow, ModelOptions, StepOutput, Want, WeightPrecision};
 pub use pooled::{l2_normalized, Pooling};
@@ -114,6 +115,11 @@ pub struct GpuModel {
     /// flight; none where runs ahead are off).
     ahead: Option<ahead::Ahead>,
     ahead_slots: Vec<Readback>,
+    /// The engine's batched decode steps ahead: their readback slots (none where runs ahead
+    /// are off), the next one to use, and which hold a step not yet landed.
+    batch_slots: Vec<Readback>,
+    next_batch_slot: usize,
+    batch_unlanded: Vec<bool>,
     /// The final norm's weight on the host and the readback of a step's hidden states, made
     /// at the first embedding (`pooled.rs`).
     final_norm_host: Option<Vec<f32>>,
@@ -264,6 +270,7 @@ impl GpuModel {
         let (plans, batch_max_tokens) = plan::build_plans(&ctx, &c, &options, &ws, &kv, kv_cfg, &w).await?;
         let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size.max(kernels::topk::TOPK_ROW_WORDS) * 4) as u64);
         let ahead_slots = if options.decode_ahead >= 2 { ahead::slots(&ctx, options.decode_ahead) } else { Vec::new() };
+        let batch_slots = ahead::batch_slots(&ctx, options.decode_ahead, r);
         // CPU adapters: the blocked matmul already beats one matvec per token at 2 tokens
         // (SmolLM2-135M on lavapipe, layer linears: 1.67 s blocked vs 2 x 1.04 s matvec).
         // Where batched plans exist (the four-token packed matvec) they take every step
@@ -321,6 +328,9 @@ impl GpuModel {
             draft_memory: DraftMemory::default(),
             ahead: None,
             ahead_slots,
+            batch_unlanded: vec![false; batch_slots.len()],
+            batch_slots,
+            next_batch_slot: 0,
             final_norm_host: None,
             hidden_readback: None,
         })

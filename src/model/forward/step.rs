@@ -366,13 +366,21 @@ impl GpuModel {
     /// [`Self::write_step_inputs`] for tokens of any sequences: id, position and sequence per
     /// token.
     fn write_batch_inputs(&self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32]) -> StepUniform {
+        self.write_batch_inputs_from(Some(ids), positions, seqs, rows)
+    }
+
+    /// [`Self::write_batch_inputs`]; with `ids` `None` the ids are not written (the step's
+    /// commands copy them from the previous step's argmax).
+    pub(super) fn write_batch_inputs_from(&self, ids: Option<&[u32]>, positions: &[u32], seqs: &[u32], rows: &[u32]) -> StepUniform {
         let ctx = &self.ctx;
-        let n = ids.len() as u32;
+        let n = positions.len() as u32;
         let max_keys = positions.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
         let mut step = StepUniform::new(n, rows.len() as u32);
-        step.n_splits = self.splits_for(ids.len(), max_keys) as u32;
+        step.n_splits = self.splits_for(positions.len(), max_keys) as u32;
         ctx.write(&self.ws.step, 0, bytemuck::bytes_of(&step));
-        ctx.write(&self.ws.ids, 0, bytemuck::cast_slice(ids));
+        if let Some(ids) = ids {
+            ctx.write(&self.ws.ids, 0, bytemuck::cast_slice(ids));
+        }
         ctx.write(&self.ws.positions, 0, bytemuck::cast_slice(positions));
         ctx.write(&self.ws.token_seq, 0, bytemuck::cast_slice(seqs));
         ctx.write(&self.ws.block_table, 0, bytemuck::cast_slice(&self.kv.alloc.block_table()));
@@ -434,7 +442,7 @@ impl GpuModel {
     /// `positions[i]` of sequence `seqs[i]`, whose pages must already be reserved
     /// (`kv.alloc.append`); argmax (and logits with `Want::Logits`) of the tokens at indices
     /// `rows`. At most `options.max_batch_tokens` tokens and `logit_rows` rows.
-    fn validate_batch(&self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32]) -> Result<()> {
+    pub(super) fn validate_batch(&self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32]) -> Result<()> {
         let bad = |m: String| Err(LanternError::InvalidRequest(m));
         if ids.is_empty() || ids.len() != positions.len() || ids.len() != seqs.len() {
             return bad(format!("step_batch: {} ids, {} positions, {} sequence indices", ids.len(), positions.len(), seqs.len()));
