@@ -2,7 +2,10 @@
 # The browser build and demo, from a fresh machine (idempotent):
 #   scripts/web.sh            build web/pkg (wasm + JS bindings, wasm-opt'd), report its size
 #   scripts/web.sh serve      ...then fetch the default model and serve the demo on localhost
-#   scripts/web.sh test-deps  ...and install Chromium: what the browser tests need (test.sh)
+#   scripts/web.sh pack       ...and pack the npm package: web/dist/lantern-web-<version>.tgz
+#   scripts/web.sh test-deps  ...pack, install Chromium and the package's test app (tests/
+#                             web-package: the tarball, esbuild, the openai client): what
+#                             the browser tests need (test.sh)
 #   scripts/web.sh e2e        ...then run the end-to-end test in Debian's Chromium
 # Installs what it needs: the wasm32 target, wasm-bindgen-cli at exactly the version the
 # crate pins, Node packages (binaryen's wasm-opt, playwright-core), and for e2e Debian's
@@ -54,9 +57,30 @@ ensure_chromium() {
     fi
 }
 
+# The npm package: web/package's module, worker and types with the wasm build, versioned
+# as the crate.
+pack() {
+    local stage=target/npm/lantern-web version
+    version="$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)"
+    rm -rf "$stage" && mkdir -p "$stage" web/dist
+    cp web/package/index.js web/package/index.d.ts web/package/worker.js web/package/README.md web/pkg/lantern.js web/pkg/lantern_bg.wasm "$stage"/
+    node -e 'const f=process.argv[1], p=JSON.parse(require("fs").readFileSync(f)); p.version=process.argv[2]; require("fs").writeFileSync(process.argv[3], JSON.stringify(p, null, 2) + "\n")' \
+        web/package/package.json "$version" "$stage/package.json"
+    rm -f web/dist/lantern-web-*.tgz
+    (cd "$stage" && npm pack --pack-destination "$root/web/dist" --loglevel=error >/dev/null)
+    echo "web.sh: web/dist/lantern-web-$version.tgz ($(stat -c %s "web/dist/lantern-web-$version.tgz") bytes)" >&2
+}
+
 case "$mode" in
     build) ;;
-    test-deps) ensure_chromium ;;
+    pack) pack ;;
+    test-deps)
+        pack
+        ensure_chromium
+        # The test app installs the tarball as any app would (npm's copy, not a link).
+        (cd tests/web-package && npm install --no-audit --no-fund --loglevel=error \
+            && npm install --no-save --no-audit --no-fund --loglevel=error "$root"/web/dist/lantern-web-*.tgz)
+        ;;
     serve)
         cargo build --release --bin lantern
         ./target/release/lantern fetch >/dev/null
@@ -69,5 +93,5 @@ case "$mode" in
         LANTERN_SMOLLM2_GGUF="${LANTERN_SMOLLM2_GGUF:-$(./target/release/lantern fetch 2>/dev/null)}" \
             exec cargo test --release --test web -- --nocapture
         ;;
-    *) echo "usage: scripts/web.sh [build|serve|test-deps|e2e]" >&2; exit 2 ;;
+    *) echo "usage: scripts/web.sh [build|pack|serve|test-deps|e2e]" >&2; exit 2 ;;
 esac

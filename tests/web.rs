@@ -271,3 +271,95 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
     assert!(wasm_mb < file_mb, "wasm heap {wasm_mb} MB after loading a {file_mb:.0} MB file: was it streamed?");
     assert!(root.join("target/test-artifacts/web-demo.png").is_file());
 }
+
+/// The native runtime's answer to an OpenAI chat body, validated and turned into a request
+/// by the same code the browser package runs (`openai::parse_request`).
+fn native_chat(model: &Path, body: &serde_json::Value) -> lantern::engine::Generation {
+    let loaded = lantern::model::load::load_path(model).unwrap();
+    let tok = std::sync::Arc::new(loaded.tokenizer.unwrap());
+    let mut m =
+        pollster::block_on(GpuModel::load(common::gpu(), &loaded.weights, ModelOptions { max_seqs: 1, ..Default::default() })).unwrap();
+    let a = &m.kv.alloc;
+    let served = lantern::openai::ServedModel {
+        template: tok.chat_template().map_err(|e| e.to_string()),
+        stop_ids: lantern::engine::generate::default_stop_ids(&m.config.eos_token_ids, &tok),
+        vocab: m.config.vocab_size,
+        context: a.config.context,
+        kv_pages_total: a.total_pages(),
+        page_size: a.config.page_size.max(1),
+        aliases: vec![],
+        model_id: "native".into(),
+        speculation: Default::default(),
+        max_seqs: 1,
+        embedding_dims: m.config.hidden_size,
+        token_bytes: Default::default(),
+        tokenizer: tok.clone(),
+    };
+    let v = lantern::openai::parse_request(&served, lantern::openai::Endpoint::Chat, &serde_json::to_vec(body).unwrap()).unwrap();
+    let req = v.request(&served, 0);
+    pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap()
+}
+
+#[test]
+fn npm_package_in_an_app_in_chromium_answers_as_native_does() {
+    // The packed tarball (scripts/web.sh test-deps packs it and installs it into
+    // tests/web-package as an app would), bundled with esbuild by the app's own build, driven
+    // in Chromium: a streamed chat answer, json_schema, a forced tool call, an aborted stream,
+    // two requests at once, the official openai client through engine.fetch, typed errors.
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let app = root.join("tests/web-package");
+    assert!(
+        app.join("node_modules/lantern-web/lantern_bg.wasm").is_file(),
+        "the lantern-web tarball is not installed in tests/web-package: scripts/web.sh test-deps does it"
+    );
+    let build = Command::new("node").arg(app.join("build.mjs")).output().expect("node");
+    assert!(build.status.success(), "esbuild: {}", String::from_utf8_lossy(&build.stderr));
+
+    let dir = root.join("target/test-artifacts/web-package-models");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let smol = dir.join(common::SMOLLM2_FILE);
+    std::fs::hard_link(common::smollm2_gguf(), &smol).or_else(|_| std::fs::copy(common::smollm2_gguf(), &smol).map(|_| ())).unwrap();
+    let bytes = std::fs::read(&smol).unwrap();
+    std::fs::write(dir.join("truncated.gguf"), &bytes[..bytes.len() / 30]).unwrap();
+    let prompt = "What is the capital of France?";
+    let config = serde_json::json!({ "model": "smollm2-135m", "prompt": prompt, "maxTokens": 8, "truncated": "truncated.gguf" });
+    let config_path = dir.join("config.json");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+
+    let out = Command::new("node")
+        .arg(app.join("run.mjs"))
+        .arg("--models")
+        .arg(&dir)
+        .arg("--config")
+        .arg(&config_path)
+        // Chromium finds SwiftShader by itself; a Vulkan ICD pin would hide its adapter.
+        .env_remove("VK_DRIVER_FILES")
+        .env_remove("VK_ICD_FILENAMES")
+        .output()
+        .expect("node");
+    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("the package test printed no report ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    assert!(out.status.success() && report["failed"].is_null(), "package test failed: {}", report["failed"]);
+    let c = &report["checks"];
+
+    // Greedy answers equal the native runtime's for the same OpenAI body.
+    let body = |max_tokens: usize| serde_json::json!({ "model": "native", "messages": [{ "role": "user", "content": prompt }], "max_tokens": max_tokens, "temperature": 0 });
+    let native8 = native_chat(&smol, &body(8)).text;
+    let native4 = native_chat(&smol, &body(4)).text;
+    eprintln!("native: {native8:?} / {native4:?}");
+    assert_eq!(c["stream"]["text"], native8.as_str(), "streamed chat answer");
+    assert_eq!(c["openai_client"]["text"], native8.as_str(), "openai client, whole");
+    assert_eq!(c["openai_client"]["streamed"], native8.as_str(), "openai client, streamed");
+    assert_eq!(c["two_at_once"]["a"], native4.as_str(), "one of two requests batched together");
+    assert_eq!(c["tool_call"]["finish"], "tool_calls");
+    assert_eq!(c["abort"]["code"], "aborted");
+    let e = &c["errors"];
+    assert_eq!(
+        (e["missing"]["code"].as_str(), e["truncated"]["code"].as_str(), e["tooSmall"]["code"].as_str()),
+        (Some("download_failed"), Some("bad_model"), Some("out_of_memory")),
+        "{e}"
+    );
+    assert!(e["tooSmall"]["message"].as_str().unwrap_or("").contains("does not fit"), "{e}");
+}

@@ -1,6 +1,7 @@
 // A small static server for the demo: web/ at /, and the models folder at /models/ (so the
 // page loads the default model from its own origin). Loopback only unless --host says
-// otherwise. Usage: node web/serve.mjs [--port 8080] [--host 127.0.0.1] [--models DIR]
+// otherwise. Usage: node web/serve.mjs [--port 8080] [--host 127.0.0.1] [--models DIR] [--root DIR]
+// (--root: serve another folder at / instead of web/, e.g. the npm package's test app).
 import { createServer } from 'node:http';
 import { createReadStream, statSync } from 'node:fs';
 import { extname, join, normalize, resolve, sep } from 'node:path';
@@ -9,7 +10,7 @@ import { fileURLToPath } from 'node:url';
 
 const args = process.argv.slice(2);
 const opt = (name, dflt) => { const i = args.indexOf(`--${name}`); return i >= 0 ? args[i + 1] : dflt; };
-const root = resolve(fileURLToPath(new URL('.', import.meta.url)));
+const root = resolve(opt('root', fileURLToPath(new URL('.', import.meta.url))));
 const cacheRoot = process.env.LANTERN_CACHE_DIR || (process.env.XDG_CACHE_HOME ? join(process.env.XDG_CACHE_HOME, 'lantern') : join(homedir(), '.cache', 'lantern'));
 const models = resolve(opt('models', join(cacheRoot, 'models')));
 const port = Number(opt('port', process.env.PORT || 8080));
