@@ -10,11 +10,12 @@
 // CASES.json: [{ "model": "file.gguf", "prompt": "...", "maxTokens": 8, "expect": [ids] }]
 // The last case is the one reloaded for the cache check.
 import { spawn } from 'node:child_process';
-import { readFileSync, readdirSync, mkdirSync, rmSync, mkdtempSync } from 'node:fs';
+import { readFileSync, mkdirSync, rmSync, mkdtempSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { tmpdir } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
+import { samplePeaks } from './procmem.mjs';
 
 const args = process.argv.slice(2);
 const opt = (name, dflt) => { const i = args.indexOf(`--${name}`); return i >= 0 ? args[i + 1] : dflt; };
@@ -37,42 +38,6 @@ function startServer() {
 
 const log = (...a) => console.error('[e2e]', ...a);
 
-// Resident memory (MB) of the browser's processes by type (renderer, gpu-process, ...): the
-// processes whose command line names this run's profile, and their descendants (Linux /proc).
-function processMemory(profile) {
-  const procs = [];
-  for (const d of readdirSync('/proc')) {
-    if (!/^\d+$/.test(d)) continue;
-    try {
-      const cmd = readFileSync(`/proc/${d}/cmdline`, 'utf8').split('\0');
-      const stat = readFileSync(`/proc/${d}/stat`, 'utf8');
-      const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
-      const rss = Number((readFileSync(`/proc/${d}/status`, 'utf8').match(/VmRSS:\s+(\d+)/) || [0, 0])[1]) / 1024;
-      procs.push({ pid: Number(d), ppid, cmd, rss });
-    } catch { /* gone */ }
-  }
-  const ours = new Set(procs.filter((p) => p.cmd.some((a) => a.includes(profile))).map((p) => p.pid));
-  for (let grew = true; grew;) {
-    grew = false;
-    for (const p of procs) if (!ours.has(p.pid) && ours.has(p.ppid)) { ours.add(p.pid); grew = true; }
-  }
-  const by = {};
-  for (const p of procs.filter((p) => ours.has(p.pid))) {
-    // Chromium's children rewrite their command line into one space-separated string.
-    const t = (p.cmd.join(' ').match(/--type=(\S+)/) || [null, 'browser'])[1];
-    by[t] = Math.max(by[t] || 0, p.rss);
-  }
-  return by;
-}
-
-// Samples processMemory every 100 ms until stopped; the peak per process type.
-function samplePeaks(profile) {
-  const peak = {};
-  const take = () => { for (const [t, v] of Object.entries(processMemory(profile))) peak[t] = Math.max(peak[t] || 0, v); };
-  take();
-  const timer = setInterval(take, 100);
-  return () => { clearInterval(timer); take(); return Object.fromEntries(Object.entries(peak).map(([k, v]) => [k, Math.round(v)])); };
-}
 let failed = false;
 const server = await startServer();
 log('server', server.url);

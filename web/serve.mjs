@@ -1,7 +1,8 @@
 // A small static server for the demo: web/ at /, and the models folder at /models/ (so the
 // page loads the default model from its own origin). Loopback only unless --host says
 // otherwise. Usage: node web/serve.mjs [--port 8080] [--host 127.0.0.1] [--models DIR] [--root DIR]
-// (--root: serve another folder at / instead of web/, e.g. the npm package's test app).
+// (--root: serve another folder at / instead of web/, e.g. the npm package's test app;
+// --isolate: cross-origin isolation headers, which multi-threaded wasm such as wllama's needs).
 import { createServer } from 'node:http';
 import { createReadStream, statSync } from 'node:fs';
 import { extname, join, normalize, resolve, sep } from 'node:path';
@@ -15,6 +16,7 @@ const cacheRoot = process.env.LANTERN_CACHE_DIR || (process.env.XDG_CACHE_HOME ?
 const models = resolve(opt('models', join(cacheRoot, 'models')));
 const port = Number(opt('port', process.env.PORT || 8080));
 const host = opt('host', '127.0.0.1');
+const isolate = args.includes('--isolate');
 
 const types = { '.html': 'text/html; charset=utf-8', '.js': 'text/javascript', '.mjs': 'text/javascript', '.css': 'text/css', '.wasm': 'application/wasm', '.json': 'application/json', '.png': 'image/png', '.gguf': 'application/octet-stream' };
 
@@ -34,7 +36,8 @@ const server = createServer((req, res) => {
     res.end(`not found: ${url.pathname}\n`);
     return;
   }
-  res.writeHead(200, { 'content-type': types[extname(file)] || 'application/octet-stream', 'content-length': st.size, 'cache-control': 'no-cache' });
+  const isolation = isolate ? { 'cross-origin-opener-policy': 'same-origin', 'cross-origin-embedder-policy': 'require-corp' } : {};
+  res.writeHead(200, { 'content-type': types[extname(file)] || 'application/octet-stream', 'content-length': st.size, 'cache-control': 'no-cache', ...isolation });
   if (req.method === 'HEAD') { res.end(); return; }
   createReadStream(file).pipe(res);
 });
