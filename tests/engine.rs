@@ -543,46 +543,55 @@ fn sampled_decode_ahead_gives_the_step_at_a_time_tokens() {
 
 /// Requests whose streams end in every way while a step past their end is in flight: by
 /// length, by a stop id and a stop string taken from their plain outputs, at the context's
-/// end; one arrives mid-run (the chain breaks for its admission) and one samples (no step
-/// runs ahead while it is running).
+/// end; two sample on the GPU with the same parameters (so they chain with the greedy ones),
+/// one samples with others (no step runs ahead while it runs), one arrives mid-run (the
+/// chain breaks for its admission).
 fn chain_requests(plain: Option<&[Generation]>) -> Vec<GenerateRequest> {
     let greedy = |prompt: Vec<u32>, max_tokens: usize| GenerateRequest { prompt_ids: prompt, max_tokens, ..Default::default() };
+    let sampled = |prompt: Vec<u32>, max_tokens: usize, temperature: f32, seed: u64| GenerateRequest {
+        prompt_ids: prompt,
+        max_tokens,
+        sampling: SamplingParams { temperature, top_k: 20, top_p: 0.9, seed },
+        ..Default::default()
+    };
     let mut reqs = vec![
         greedy(vec![5, 77, 301, 9, 18], 24),
         greedy(vec![7, 7, 120, 44], 30),
         greedy(vec![300, 12, 9], 30),
         greedy((0..52).map(|i| 3 + i * 7).collect(), 40),
+        sampled(vec![90, 91, 92], 26, 0.9, 9),
+        sampled(vec![61, 62, 63, 64], 20, 0.9, 10),
         greedy(vec![11, 12, 13, 14, 15, 16], 9),
+        sampled(vec![40, 41, 42], 6, 1.3, 5),
     ];
     if let Some(p) = plain {
         reqs[1].stop_ids = vec![p[1].output_ids[13]];
         let t = &p[2].text;
         reqs[2].stop_strings = vec![t.chars().skip(t.chars().count() * 2 / 3).take(3).collect()];
     }
-    reqs.push(GenerateRequest {
-        prompt_ids: vec![40, 41, 42],
-        max_tokens: 6,
-        sampling: SamplingParams { temperature: 0.9, top_k: 20, top_p: 0.9, seed: 5 },
-        ..Default::default()
-    });
     reqs
 }
 
-/// Run `reqs` on an engine whose model keeps `decode_ahead` steps in flight: all but the
-/// last two at once, the fifth after 6 steps, the sampled one after 30. Returns each
-/// request's generation, the engine's totals and the host's counts over the run.
-fn run_chained(decode_ahead: usize, reqs: &[GenerateRequest]) -> (Vec<Generation>, lantern::engine::EngineStats, lantern::gpu::HostCounts) {
-    let opts = ModelOptions { decode_ahead, ..model_opts(4, None) };
-    let mut e = engine(opts, EngineOptions { step_tokens: 32, prefill_chunk: 32, max_waiting: 16 });
+/// Run `reqs` on an engine whose model keeps `decode_ahead` steps in flight (its GPU draws
+/// skewed with `skew`): all but the last two at once, the seventh after 6 steps, the eighth
+/// after 40. Returns each request's generation, the engine's totals and the host's counts.
+fn run_chained(
+    decode_ahead: usize,
+    skew: bool,
+    reqs: &[GenerateRequest],
+) -> (Vec<Generation>, lantern::engine::EngineStats, lantern::gpu::HostCounts) {
+    let opts = ModelOptions { decode_ahead, ..model_opts(6, None) };
+    let mut e = engine(opts, EngineOptions { step_tokens: 40, prefill_chunk: 40, max_waiting: 16 });
+    e.skew_gpu_draws(skew);
     let before = e.model.ctx.host_counts();
-    let mut handles: Vec<RequestHandle> = reqs[..4].iter().map(|r| e.submit(r.clone()).expect("submit")).collect();
+    let mut handles: Vec<RequestHandle> = reqs[..6].iter().map(|r| e.submit(r.clone()).expect("submit")).collect();
     let mut steps = 0;
     while !e.is_idle() || handles.len() < reqs.len() {
-        if steps == 6 && handles.len() == 4 {
-            handles.push(e.submit(reqs[4].clone()).expect("submit"));
+        if steps == 6 && handles.len() == 6 {
+            handles.push(e.submit(reqs[6].clone()).expect("submit"));
         }
-        if steps == 30 && handles.len() == 5 {
-            handles.push(e.submit(reqs[5].clone()).expect("submit"));
+        if steps == 40 && handles.len() == 7 {
+            handles.push(e.submit(reqs[7].clone()).expect("submit"));
         }
         pollster::block_on(e.step()).expect("step");
         steps += 1;
@@ -602,28 +611,32 @@ fn run_chained(decode_ahead: usize, reqs: &[GenerateRequest]) -> (Vec<Generation
 
 #[test]
 fn engine_decodes_ahead_with_the_step_at_a_time_tokens() {
-    // The engine submits the next greedy decode step of every running sequence, its ids
-    // copied on the GPU from the previous step's argmax, before it reads that step's tokens.
-    let (plain, _, _) = run_chained(0, &chain_requests(None));
+    // The engine submits the next decode step of every running sequence, its input tokens
+    // copied on the GPU from the previous step's argmax rows or GPU draws, before it reads
+    // that step's tokens.
+    let (plain, _, _) = run_chained(0, false, &chain_requests(None));
     let reqs = chain_requests(Some(&plain));
-    let (want, want_stats, want_host) = run_chained(0, &reqs);
-    let (got, stats, host) = run_chained(3, &reqs);
-    eprintln!("one step at a time: {want_stats:?} {want_host:?}\nahead: {stats:?} {host:?}");
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(g.output_ids, w.output_ids, "request {i}: tokens");
-        assert_eq!(g.text, w.text, "request {i}: text");
-        assert_eq!(g.finish_reason, w.finish_reason, "request {i}: finish reason");
+    let (want, want_stats, want_host) = run_chained(0, false, &reqs);
+    let (got, stats, host) = run_chained(3, false, &reqs);
+    // Most GPU draws differ from the samplers': the redraw path, same output.
+    let (skewed, skewed_stats, _) = run_chained(3, true, &reqs);
+    eprintln!("one step at a time: {want_stats:?} {want_host:?}\nahead: {stats:?} {host:?}\nskewed draws: {skewed_stats:?}");
+    for (i, w) in want.iter().enumerate() {
+        for (how, g) in [("ahead", &got[i]), ("skewed draws", &skewed[i])] {
+            assert_eq!(g.output_ids, w.output_ids, "request {i}, {how}: tokens");
+            assert_eq!(g.text, w.text, "request {i}, {how}: text");
+            assert_eq!(g.finish_reason, w.finish_reason, "request {i}, {how}: finish reason");
+        }
     }
     // Every way of ending was exercised.
     let reasons: Vec<FinishReason> = want.iter().map(|g| g.finish_reason).collect();
-    assert_eq!(
-        reasons[..5],
-        [FinishReason::Length, FinishReason::Stop, FinishReason::Stop, FinishReason::ContextFull, FinishReason::Length]
-    );
+    assert_eq!(reasons[..4], [FinishReason::Length, FinishReason::Stop, FinishReason::Stop, FinishReason::ContextFull]);
     assert_eq!(want_stats.steps_ahead, 0);
-    // (Prefill chunks, the arrival, the sampled request and the last tokens of each request
-    // break the chain; the decode steps between them run ahead.)
-    assert!(stats.steps_ahead >= 5, "decode steps ran ahead: {stats:?}");
+    // (Prefill chunks, the arrivals, the request sampling with other parameters and the
+    // last tokens of each request break the chain; the decode steps between them run ahead.)
+    assert!(stats.steps_ahead >= 5 && stats.sampled_steps_ahead >= 3, "decode steps ran ahead: {stats:?}");
+    assert_eq!(stats.redraws, 0, "{stats:?}");
+    assert!(skewed_stats.redraws >= 3 && skewed_stats.sampled_steps_ahead >= 1, "{skewed_stats:?}");
     // Every step one at a time leaves the device idle while the host reads it; a step
     // landed with the next one queued behind it does not.
     assert_eq!(want_host.stalls, want_stats.steps, "{want_host:?}");

@@ -1,45 +1,114 @@
-//! Decoding ahead in the engine: a greedy decode step of every running sequence is
-//! submitted before the previous step's tokens are read, its ids copied on the GPU
-//! (ARCHITECTURE.md, "The batching engine decodes ahead too").
+//! Decoding ahead in the engine: a decode step of every running sequence is submitted before
+//! the previous step's tokens are read, its input tokens copied on the GPU from that step's
+//! argmax rows or GPU draws (ARCHITECTURE.md, "The batching engine decodes ahead too").
 
 use super::*;
+use crate::kernels::sample::SampleParams;
+use crate::model::forward::{BatchLanded, BatchSampling};
 
-/// A greedy decode step of every running sequence on the GPU whose tokens the host has not
-/// read yet (decoding ahead in the engine: see [`Engine::step`]).
+/// A decode step of every running sequence on the GPU whose tokens the host has not read
+/// yet (decoding ahead in the engine: see [`Engine::step`]).
 pub(super) struct Chain {
     sch: Scheduled,
     flight: BatchFlight,
     report: StepReport,
 }
 
+/// How the rows of a chained step get their tokens: every sequence greedy (the argmax), or
+/// drawn on the GPU with the one set of parameters every sampled sequence shares (greedy rows
+/// then draw with the number 0, which takes their best pair, the argmax).
+#[derive(Clone, Copy, PartialEq)]
+enum Rows {
+    Argmax,
+    Drawn(SampleParams),
+}
+
+/// The GPU sampling parameters of a sampled sequence that can draw on the GPU: a top-k of
+/// 1 to 64 (the GPU's top-k pairs hold the whole candidate set), a positive temperature and
+/// top-p; `None` for anything else.
+fn gpu_params(s: &Seq) -> Option<SampleParams> {
+    let p = &s.req.sampling;
+    let positive = |v: f32| v.is_finite() && v > 0.0;
+    (s.sampler.fits_top(crate::kernels::topk::TOPK_MAX) && positive(p.temperature) && positive(p.top_p)).then_some(SampleParams {
+        temperature: p.temperature,
+        top_k: p.top_k as u32,
+        top_p: p.top_p,
+        _pad: 0,
+    })
+}
+
 impl Engine {
+    /// How the running sequences' rows can be decoded ahead, if they can: each is plain (see
+    /// [`plain_decode`]), and the sampled ones draw on the GPU with the same parameters.
+    fn chain_rows(&self) -> Option<Rows> {
+        let mut rows = Rows::Argmax;
+        for s in &self.running {
+            if !plain_decode(s) || s.stale {
+                return None;
+            }
+            if s.req.sampling.is_greedy() {
+                continue;
+            }
+            let p = gpu_params(s)?;
+            match rows {
+                Rows::Argmax => rows = Rows::Drawn(p),
+                Rows::Drawn(q) if q == p => {}
+                Rows::Drawn(_) => return None,
+            }
+        }
+        Some(rows)
+    }
+
     /// Whether a scheduled step can start decoding ahead: the model keeps batched steps in
-    /// flight, and the step is one greedy decode token (row `i` for token `i`) of every
-    /// running sequence, each of them plain (see [`plain_decode`]).
+    /// flight, and the step is one decode token (row `i` for token `i`) of every running
+    /// sequence, whose rows can be decoded ahead ([`Self::chain_rows`]).
     pub(super) fn chains(&self, sch: &Scheduled) -> bool {
         self.model.decodes_batches_ahead()
-            && sch.want == Want::Argmax
+            && sch.want != Want::Logits
             && sch.sampling.len() == self.running.len()
             && sch.ids.len() == sch.sampling.len()
             && sch.sampling.iter().enumerate().all(|(i, &(id, take, row, n_rows))| {
-                take == 1 && row == Some(i) && n_rows == 1 && self.running.get(i).is_some_and(|s| s.id == id && plain_decode(s))
+                take == 1 && row == Some(i) && n_rows == 1 && self.running.get(i).is_some_and(|s| s.id == id)
             })
+            && self.chain_rows().is_some()
+    }
+
+    /// The numbers the GPU draws the next chained step's rows with (0 for greedy rows), from
+    /// each sampled sequence's copy of its sampler (`fresh`: a new copy, at a chain's start).
+    fn next_draws(&mut self, fresh: bool) -> Vec<f32> {
+        let skew = if self.skew_draws { 0.5 } else { 0.0 };
+        self.running
+            .iter_mut()
+            .map(|s| {
+                if s.req.sampling.is_greedy() {
+                    return 0.0;
+                }
+                if fresh || s.draws.is_none() {
+                    s.draws = Some(s.sampler.clone());
+                }
+                s.draws.as_mut().map_or(0.0, |d| ((d.uniform() + skew) % 1.0) as f32)
+            })
+            .collect()
     }
 
     /// The step after `prev` (a chained step still in flight), submitted before `prev`'s
     /// tokens are read, where it can be planned without them: the same sequences in the same
-    /// order, none cancelled, nobody waiting for admission, each still plain with room for
-    /// two more tokens (the one `prev` brings and this one's), and a page for each without
-    /// preempting anyone. Its ids are `prev`'s argmax rows, copied on the GPU. `None` when
-    /// it cannot (the engine then schedules anew once `prev` has landed).
+    /// order, none cancelled, nobody waiting for admission, the rows still decodable ahead,
+    /// each sequence with room for two more tokens (the one `prev` brings and this one's)
+    /// and a page for each without preempting anyone. Its input tokens are `prev`'s argmax
+    /// rows or GPU draws, copied on the GPU. `None` when it cannot (the engine then schedules
+    /// anew once `prev` has landed).
     pub(super) fn chain_next(&mut self, prev: &Scheduled) -> Option<Chain> {
         let context = self.model.kv.alloc.config.context;
         if !self.waiting.is_empty() || self.running.len() != prev.sampling.len() {
             return None;
         }
-        let fits = self.running.iter().zip(&prev.sampling).all(|(s, p)| {
-            s.id == p.0 && !s.cancelled() && plain_decode(s) && s.out.len() + 2 <= s.req.max_tokens && s.tokens.len() + 2 <= context
-        });
+        let fits = self
+            .running
+            .iter()
+            .zip(&prev.sampling)
+            .all(|(s, p)| s.id == p.0 && !s.cancelled() && s.out.len() + 2 <= s.req.max_tokens && s.tokens.len() + 2 <= context);
+        let rows = self.chain_rows()?;
         if !fits {
             return None;
         }
@@ -57,28 +126,47 @@ impl Engine {
                 }
             }
         }
-        let flight = match self.model.submit_decode_batch(None, &positions, &seqs) {
+        let flight = match self.submit_chained(None, &positions, &seqs, rows, false) {
             Ok(f) => f,
             Err(_) => {
                 self.unreserve(&seqs, &positions);
                 return None;
             }
         };
-        self.stats.steps_ahead += 1;
         let n = seqs.len();
         let sampling = prev.sampling.iter().enumerate().map(|(i, p)| (p.0, 1, Some(i), 1)).collect();
+        let want = if rows == Rows::Argmax { Want::Argmax } else { Want::TopK };
         let sch = Scheduled {
             ids: Vec::new(),
             positions,
             seqs,
             rows: (0..n as u32).collect(),
-            want: Want::Argmax,
+            want,
             sampling,
             started: Instant::now(),
             timed: false,
         };
         let report = StepReport { tokens: n, sequences: n, ..StepReport::default() };
         Some(Chain { sch, flight, report })
+    }
+
+    /// Submit a chained step with `rows`' way of choosing tokens (`fresh`: the chain's first
+    /// step, whose draws come from new copies of the samplers), counting it.
+    fn submit_chained(&mut self, ids: Option<&[u32]>, positions: &[u32], seqs: &[u32], rows: Rows, fresh: bool) -> Result<BatchFlight> {
+        let flight = match rows {
+            Rows::Argmax => self.model.submit_decode_batch(ids, positions, seqs, None)?,
+            Rows::Drawn(params) => {
+                let draws = self.next_draws(fresh);
+                self.model.submit_decode_batch(ids, positions, seqs, Some(BatchSampling { params, draws: &draws }))?
+            }
+        };
+        if ids.is_none() {
+            self.stats.steps_ahead += 1;
+            if let Rows::Drawn(_) = rows {
+                self.stats.sampled_steps_ahead += 1;
+            }
+        }
+        Ok(flight)
     }
 
     /// Give back the positions `chain_next` reserved (`seqs[i]` had `positions[i]` appended).
@@ -91,7 +179,8 @@ impl Engine {
     /// Start decoding ahead with `sch` (a step [`Self::chains`] accepts): it is submitted
     /// without waiting, and the next one goes in behind it before its tokens are read.
     pub(super) async fn start_chain(&mut self, sch: Scheduled, report: StepReport) -> Result<StepReport> {
-        match self.model.submit_decode_batch(Some(&sch.ids), &sch.positions, &sch.seqs) {
+        let rows = self.chain_rows().unwrap_or(Rows::Argmax);
+        match self.submit_chained(Some(&sch.ids), &sch.positions, &sch.seqs, rows, true) {
             Ok(flight) => self.land_chain(Chain { sch, flight, report }, true).await,
             Err(e) => self.complete(sch, Err(e), report),
         }
@@ -102,11 +191,25 @@ impl Engine {
     /// host between them; then read its tokens and complete it. Sequences that finish on this
     /// step's tokens leave the running list, and the step after it computed a token past
     /// their end: that token is never read (its sequence is gone when it lands) and its KV
-    /// page went back with the sequence.
+    /// page went back with the sequence. A sampled row whose GPU draw differs from the
+    /// request's sampler (the sampler's token is kept) makes the sequence stale: its row of
+    /// the step behind ran on the GPU's token, so that row is dropped when it lands and its
+    /// position is computed again by the next scheduled step.
     pub(super) async fn land_chain(&mut self, c: Chain, next: bool) -> Result<StepReport> {
         let after = if next { self.chain_next(&c.sch) } else { None };
-        let out = self.model.land_decode_batch(c.flight, after.is_none()).await;
-        let mut report = self.complete(c.sch, out, c.report);
+        let landed = self.model.land_decode_batch(c.flight, after.is_none()).await;
+        let mut report = match landed {
+            Ok(BatchLanded { out, fed }) => {
+                let mut sch = c.sch;
+                self.drop_stale_rows(&mut sch);
+                // (sequence, the token the GPU fed its next step) for the rows read.
+                let fed: Vec<(u64, u32)> = sch.sampling.iter().filter_map(|&(id, _, row, _)| Some((id, *fed.get(row?)?))).collect();
+                let r = self.complete(sch, Ok(out), c.report);
+                self.mark_redraws(&fed);
+                r
+            }
+            Err(e) => self.complete(c.sch, Err(e), c.report),
+        };
         match after {
             Some(a) if report.is_ok() => self.chain = Some(a),
             Some(a) => {
@@ -122,14 +225,45 @@ impl Engine {
         }
         report
     }
+
+    /// Rows of stale sequences leave the landed step unread (no token, no number drawn from
+    /// their samplers), and the position each reserved goes back.
+    fn drop_stale_rows(&mut self, sch: &mut Scheduled) {
+        let running = &mut self.running;
+        let alloc = &mut self.model.kv.alloc;
+        sch.sampling.retain(|&(id, ..)| match running.iter_mut().find(|s| s.id == id) {
+            Some(s) if s.stale => {
+                s.stale = false;
+                s.draws = None;
+                if let Some(slot) = s.slot {
+                    let _ = alloc.truncate(slot, s.computed);
+                }
+                false
+            }
+            _ => true,
+        });
+    }
+
+    /// After a chained step completed: each of its sequences still running whose token
+    /// differs from the one the GPU fed its next step (`fed`: sequence, token) is stale.
+    fn mark_redraws(&mut self, fed: &[(u64, u32)]) {
+        for &(id, token) in fed {
+            if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
+                if s.tokens.last() != Some(&token) {
+                    s.stale = true;
+                    self.stats.redraws += 1;
+                }
+            }
+        }
+    }
 }
 
-/// Whether a running sequence's decode steps can be chained ahead of the host: greedy, in
-/// decode, neither speculative, constrained, biased nor asking for logprobs, and holding no
-/// parallel samples still to fork (each of those needs the host between its steps).
+/// Whether a running sequence's decode steps can be chained ahead of the host: in decode,
+/// greedy or sampled (the sampling is checked by [`Engine::chain_rows`]), neither
+/// speculative, constrained, biased nor asking for logprobs, and holding no parallel samples
+/// still to fork (each of those needs the host between its steps).
 fn plain_decode(s: &Seq) -> bool {
-    s.req.sampling.is_greedy()
-        && s.spec.is_none()
+    s.spec.is_none()
         && s.guide.is_none()
         && s.bias.is_none()
         && s.req.logprobs.is_none()

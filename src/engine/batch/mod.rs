@@ -136,6 +136,12 @@ struct Seq {
     guide: Option<Guide>,
     /// Logit bias and penalties: what is added to the sequence's logit rows.
     bias: Option<BiasState>,
+    /// While its steps are decoded ahead with GPU draws: a copy of `sampler` that gave those
+    /// draws their numbers, ahead of the sampler itself.
+    draws: Option<Sampler>,
+    /// Its row of the step in flight was fed a token the host's sampler did not draw: the
+    /// row is dropped and its position given back when that step lands.
+    stale: bool,
 }
 
 /// A speculative sequence's state in the engine.
@@ -240,6 +246,11 @@ pub struct EngineStats {
     /// Steps submitted before the tokens of the step before them were read (decoding
     /// ahead: the device had the step queued while the host completed the previous one).
     pub steps_ahead: u64,
+    /// Of those, steps whose sampled rows were drawn on the GPU.
+    pub sampled_steps_ahead: u64,
+    /// Tokens the GPU drew that the request's sampler did not (f32 rounding at a boundary):
+    /// the sequence's row of the step behind was dropped and computed again.
+    pub redraws: u64,
 }
 
 /// Many requests served together on one model.
@@ -256,6 +267,9 @@ pub struct Engine {
     pending: Option<(Scheduled, crate::model::forward::PendingStep, StepReport)>,
     /// A decode step submitted ahead whose tokens have not been read.
     chain: Option<Chain>,
+    /// Tests only: the GPU draws chained steps' sampled rows with other numbers than the
+    /// samplers', so that the redraw path runs ([`Engine::skew_gpu_draws`]).
+    skew_draws: bool,
     /// The draft model for draft-model speculation ([`Engine::set_draft`]).
     draft: Option<GpuModel>,
 }
@@ -282,6 +296,7 @@ impl Engine {
             stats: EngineStats::default(),
             pending: None,
             chain: None,
+            skew_draws: false,
             draft: None,
         }
     }
@@ -331,6 +346,15 @@ impl Engine {
             return Err(LanternError::InvalidRequest("warm_up needs an idle engine (call it before submitting)".into()));
         }
         self.model.warm_up().await
+    }
+
+    /// For tests of decoding ahead: with `on`, chained steps draw their sampled rows on the
+    /// GPU with numbers shifted by a half from the samplers' own, so most GPU draws differ
+    /// from the requests' samplers and every one of them takes the redraw path (the output
+    /// must not change).
+    #[doc(hidden)]
+    pub fn skew_gpu_draws(&mut self, on: bool) {
+        self.skew_draws = on;
     }
 
     /// (A decode step still in flight ahead is abandoned: its tokens are never read.)
@@ -534,6 +558,8 @@ impl Engine {
             tx,
             cancel: cancel.clone(),
             held: Vec::new(),
+            draws: None,
+            stale: false,
             logprobs: Vec::new(),
         };
         (seq, RequestHandle { id, events: rx, cancel })

@@ -302,19 +302,39 @@ impl GpuModel {
 }
 
 /// One batched decode step submitted by [`GpuModel::submit_decode_batch`] whose tokens have
-/// not been read: one argmax per sequence, in the order the step was given them.
+/// not been read: one token per sequence, in the order the step was given them.
 pub(crate) struct BatchFlight {
     flight: Flight,
     rows: usize,
+    /// Tokens were drawn on the GPU from top-k rows, which were read back with them.
+    sampled: bool,
 }
 
+/// A landed batched step: its output (argmax rows, or the top-k rows the tokens were drawn
+/// from) and the token the GPU fed each sequence's next step.
+pub(crate) struct BatchLanded {
+    pub out: StepOutput,
+    pub fed: Vec<u32>,
+}
+
+/// Sampling for a batched step decoded ahead: the parameters every sampled row shares and
+/// one uniform number per row (0 for a greedy row: the draw is then the row's best pair, its
+/// argmax).
+pub(crate) struct BatchSampling<'a> {
+    pub params: SampleParams,
+    pub draws: &'a [f32],
+}
+
+/// Bytes of a batched readback slot per row: the token, and the top-k row it was drawn from.
+const BATCH_ROW_BYTES: u64 = 4 + TOPK_ROW_WORDS as u64 * 4;
+
 /// Readback slots for the engine's batched steps ahead (two: one step on the GPU while the
-/// host completes the one before), each holding one argmax per logit row.
+/// host completes the one before), each holding a token and a top-k row per logit row.
 pub(super) fn batch_slots(ctx: &crate::gpu::GpuContext, depth: usize, logit_rows: usize) -> Vec<Readback> {
     if depth < 2 {
         return Vec::new();
     }
-    (0..2).map(|_| Readback::new(ctx, "batched decode-ahead readback", logit_rows as u64 * 4)).collect()
+    (0..2).map(|_| Readback::new(ctx, "batched decode-ahead readback", logit_rows as u64 * BATCH_ROW_BYTES)).collect()
 }
 
 impl GpuModel {
@@ -324,24 +344,34 @@ impl GpuModel {
         !self.batch_slots.is_empty()
     }
 
-    /// Submit a greedy decode step of one token per sequence (token `i` at `positions[i]` of
+    /// Submit a decode step of one token per sequence (token `i` at `positions[i]` of
     /// sequence `seqs[i]`, its pages reserved; logit row `i`) without waiting for it, and
-    /// return it in flight; [`Self::land_decode_batch`] reads its argmax rows. `ids` gives
-    /// the tokens, or with `None` each sequence's token is the argmax row of the same index
-    /// of the step submitted just before this one, copied on the GPU (the engine submits the
-    /// same sequences, in the same order, before reading that step), so the host needs no
-    /// token to encode the next step. Per step the host writes the step's inputs; no buffer
-    /// or bind group is created.
-    pub(crate) fn submit_decode_batch(&mut self, ids: Option<&[u32]>, positions: &[u32], seqs: &[u32]) -> Result<BatchFlight> {
+    /// return it in flight; [`Self::land_decode_batch`] reads it. Each row's token is its
+    /// argmax, or with `sampling` a draw on the GPU from the row's top-k pairs
+    /// (`kernels::sample`, one uniform number per row; the top-k rows are read back so the
+    /// caller can check each draw against its own sampler). `ids` gives the step's input
+    /// tokens, or with `None` each sequence's input is the token of the same row of the step
+    /// submitted just before this one, copied on the GPU (the engine submits the same
+    /// sequences, in the same order, before reading that step), so the host needs no token
+    /// to encode the next step. Per step the host writes the step's inputs (and the draws);
+    /// no buffer or bind group is created.
+    pub(crate) fn submit_decode_batch(
+        &mut self,
+        ids: Option<&[u32]>,
+        positions: &[u32],
+        seqs: &[u32],
+        sampling: Option<BatchSampling<'_>>,
+    ) -> Result<BatchFlight> {
         let n = seqs.len();
         if self.batch_slots.is_empty() {
             return Err(LanternError::InvalidRequest("batched decoding ahead is off for this model (decode_ahead < 2)".into()));
         }
-        if ids.is_some_and(|ids| ids.len() != n) || positions.len() != n {
+        if ids.is_some_and(|ids| ids.len() != n) || positions.len() != n || sampling.as_ref().is_some_and(|s| s.draws.len() != n) {
             return Err(LanternError::InvalidRequest(format!(
-                "submit_decode_batch: {} ids, {} positions, {n} sequences",
+                "submit_decode_batch: {} ids, {} positions, {} draws, {n} sequences",
                 ids.map_or(n, <[u32]>::len),
-                positions.len()
+                positions.len(),
+                sampling.as_ref().map_or(n, |s| s.draws.len())
             )));
         }
         let rows: Vec<u32> = (0..n as u32).collect();
@@ -349,48 +379,81 @@ impl GpuModel {
         let checked = match ids {
             Some(ids) => ids,
             None => {
-                // Argmax rows are always inside the vocabulary.
+                // The tokens a step feeds the next are always inside the vocabulary.
                 from_gpu = vec![0u32; n];
                 &from_gpu
             }
         };
         self.validate_batch(checked, positions, seqs, &rows)?;
+        if let Some(sp) = &sampling {
+            let p = &sp.params;
+            let positive = |v: f32| v.is_finite() && v > 0.0;
+            if !positive(p.temperature) || p.top_k == 0 || p.top_k as usize > kernels::topk::TOPK_MAX || !positive(p.top_p) {
+                return Err(LanternError::InvalidRequest(format!(
+                    "sampling on the GPU needs a positive temperature, a top-k of 1 to {} and top-p above 0 (got {p:?})",
+                    kernels::topk::TOPK_MAX
+                )));
+            }
+        }
         self.ctx.check_lost().map_err(LanternError::Gpu)?;
         let ctx = self.ctx.clone();
         let s = self.write_batch_inputs_from(ids, positions, seqs, &rows);
+        if let Some(sp) = &sampling {
+            ctx.write(&self.ws.sample_params, 0, bytemuck::bytes_of(&sp.params));
+            ctx.write(&self.ws.draws, 0, bytemuck::cast_slice(sp.draws));
+        }
         let slot = self.next_batch_slot;
         self.next_batch_slot = (slot + 1) % self.batch_slots.len();
         if std::mem::replace(&mut self.batch_unlanded[slot], true) {
             // A flight dropped without landing (its engine was taken apart): abort its map.
             self.batch_slots[slot].abandon();
         }
-        let bytes = n as u64 * 4;
+        let id_bytes = n as u64 * 4;
         let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("batched decode step ahead") });
         if ids.is_none() {
-            enc.copy_buffer_to_buffer(&self.ws.argmax, 0, &self.ws.ids, 0, bytes);
+            enc.copy_buffer_to_buffer(&self.ws.argmax, 0, &self.ws.ids, 0, id_bytes);
         }
         self.encode_pending_copies(&mut enc);
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("forward"), timestamp_writes: None });
-            let dispatches = self.step_dispatches(&s, Want::Argmax, false, false, false);
+            let want = if sampling.is_some() { Want::TopK } else { Want::Argmax };
+            let mut dispatches = self.step_dispatches(&s, want, false, false, false);
+            if sampling.is_some() {
+                // The draws overwrite the argmax rows with the sampled ids.
+                dispatches.push(&self.plans.sample);
+            }
             ctx.counters.dispatched(kernels::encode_all(&mut pass, dispatches, &s));
         }
         let rb = &self.batch_slots[slot];
-        rb.copy_from(&mut enc, &self.ws.argmax, 0, bytes);
+        let bytes = if sampling.is_some() {
+            rb.copy_to(&mut enc, &self.ws.argmax, 0, 0, id_bytes);
+            rb.copy_to(&mut enc, &self.ws.topk, 0, id_bytes, n as u64 * (BATCH_ROW_BYTES - 4));
+            n as u64 * BATCH_ROW_BYTES
+        } else {
+            rb.copy_from(&mut enc, &self.ws.argmax, 0, id_bytes);
+            id_bytes
+        };
         let submission = ctx.submit([enc.finish()]);
         let errors: ErrorFuture = Box::pin(scope.pop());
         let map = rb.start_map(bytes);
-        Ok(BatchFlight { flight: Flight { slot, submission, map, errors }, rows: n })
+        Ok(BatchFlight { flight: Flight { slot, submission, map, errors }, rows: n, sampled: sampling.is_some() })
     }
 
-    /// Wait for a batched step submitted by [`Self::submit_decode_batch`] and read its argmax
-    /// rows (`idle`: no step is queued behind it).
-    pub(crate) async fn land_decode_batch(&mut self, f: BatchFlight, idle: bool) -> Result<StepOutput> {
-        let slot = f.flight.slot;
-        let bytes = self.await_flight(f.flight, idle, &self.batch_slots[slot], f.rows as u64 * 4).await?;
+    /// Wait for a batched step submitted by [`Self::submit_decode_batch`] and read it
+    /// (`idle`: no step is queued behind it).
+    pub(crate) async fn land_decode_batch(&mut self, f: BatchFlight, idle: bool) -> Result<BatchLanded> {
+        let (slot, n, sampled) = (f.flight.slot, f.rows, f.sampled);
+        let bytes = if sampled { n as u64 * BATCH_ROW_BYTES } else { n as u64 * 4 };
+        let data = self.await_flight(f.flight, idle, &self.batch_slots[slot], bytes).await?;
         // (On an error the slot stays marked: its next step aborts whatever map is left.)
         self.batch_unlanded[slot] = false;
-        Ok(self.parse_output(&bytes[..f.rows * 4], f.rows as u32, Want::Argmax))
+        let fed: Vec<u32> = data[..n * 4].chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let out = if sampled {
+            self.parse_output(&data[n * 4..bytes as usize], n as u32, Want::TopK)
+        } else {
+            self.parse_output(&data[..n * 4], n as u32, Want::Argmax)
+        };
+        Ok(BatchLanded { out, fed })
     }
 }
