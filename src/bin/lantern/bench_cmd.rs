@@ -86,6 +86,16 @@ pub struct BenchArgs {
     /// turns the batched matvec off, for comparisons).
     #[arg(long)]
     pub batch_max_tokens: Option<usize>,
+    /// Sample the workload's requests at this temperature (each request seeded from --seed
+    /// and its index; 0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Sample among the best K tokens (0: the whole vocabulary); with --temperature.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling: the fewest best tokens whose probability reaches P; with --temperature.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
     /// Engine steps kept in flight ahead of the host: a greedy decode step of every running
     /// sequence is submitted, its ids copied on the GPU from the step before, before that
     /// step's tokens are read. 0 or 1: one step at a time (for comparisons).
@@ -159,7 +169,11 @@ fn workload(a: &BenchArgs, vocab: usize, seed: u64) -> Result<Vec<Planned>> {
     let mut arrivals = Rng::new(seed ^ 0x5151);
     let mut t = 0.0;
     let mut out = Vec::with_capacity(a.requests);
-    for _ in 0..a.requests {
+    let valid = a.temperature >= 0.0 && a.temperature.is_finite() && a.top_p > 0.0 && a.top_p <= 1.0;
+    if !valid {
+        bail!("--temperature must be 0 or more and --top-p in (0, 1]");
+    }
+    for i in 0..a.requests {
         let n = draw(p0, p1);
         let m = draw(o0, o1);
         let mut prompt = prefix.clone();
@@ -173,7 +187,7 @@ fn workload(a: &BenchArgs, vocab: usize, seed: u64) -> Result<Vec<Planned>> {
             req: GenerateRequest {
                 prompt_ids: prompt,
                 max_tokens: m,
-                sampling: SamplingParams::default(),
+                sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: seed.wrapping_add(i as u64) },
                 stop_ids: vec![],
                 stop_strings: vec![],
                 speculation: Default::default(),
@@ -450,6 +464,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len, "shared_prefix": a.shared_prefix,
                 "rate": a.rate, "seed": a.seed, "kv_dtype": model.options.kv_dtype, "max_seqs": max_seqs, "context": context,
                 "step_tokens": a.step_tokens, "prefill_chunk": a.prefill_chunk, "decode_ahead": a.decode_ahead,
+                "temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p,
             },
             "runs": runs,
         });
