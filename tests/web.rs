@@ -314,6 +314,14 @@ fn npm_package_in_an_app_in_chromium_answers_as_native_does() {
     );
     let build = Command::new("node").arg(app.join("build.mjs")).output().expect("node");
     assert!(build.status.success(), "esbuild: {}", String::from_utf8_lossy(&build.stderr));
+    // The package's types: a TypeScript app's calls type-check (strict) against index.d.ts.
+    let tsc = Command::new(app.join("node_modules/.bin/tsc"))
+        .current_dir(&app)
+        .args(["--noEmit", "--strict", "--target", "es2022", "--module", "es2022", "--moduleResolution", "bundler"])
+        .args(["--lib", "es2022,dom,dom.asynciterable", "typed.ts"])
+        .output()
+        .expect("tsc (tests/web-package's devDependencies)");
+    assert!(tsc.status.success(), "typed.ts does not type-check: {}", String::from_utf8_lossy(&tsc.stdout));
 
     let dir = root.join("target/test-artifacts/web-package-models");
     let _ = std::fs::remove_dir_all(&dir);
