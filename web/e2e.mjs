@@ -9,13 +9,12 @@
 // checks (the large-model run).
 // CASES.json: [{ "model": "file.gguf", "prompt": "...", "maxTokens": 8, "expect": [ids] }]
 // The last case is the one reloaded for the cache check.
-import { spawn } from 'node:child_process';
 import { readFileSync, mkdirSync, rmSync, mkdtempSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { tmpdir } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
-import { samplePeaks } from './procmem.mjs';
+import { launchChromium, samplePeaks, startServer } from './testkit.mjs';
 
 const args = process.argv.slice(2);
 const opt = (name, dflt) => { const i = args.indexOf(`--${name}`); return i >= 0 ? args[i + 1] : dflt; };
@@ -25,29 +24,13 @@ const shot = opt('screenshot', join(here, '..', 'target', 'test-artifacts', 'web
 const timeout = Number(opt('timeout-s', 600)) * 1000;
 const casesOnly = args.includes('--cases-only');
 
-function startServer() {
-  return new Promise((resolve, reject) => {
-    const p = spawn(process.execPath, [join(here, 'serve.mjs'), '--port', '0', '--models', opt('models')], { stdio: ['ignore', 'pipe', 'inherit'] });
-    p.stdout.on('data', (d) => {
-      const m = String(d).match(/http:\/\/[^ ]+\//);
-      if (m) resolve({ proc: p, url: m[0] });
-    });
-    p.on('exit', (c) => reject(new Error(`demo server exited with ${c}`)));
-  });
-}
-
 const log = (...a) => console.error('[e2e]', ...a);
 
 let failed = false;
-const server = await startServer();
+const server = await startServer(['--models', opt('models')]);
 log('server', server.url);
 const profile = mkdtempSync(join(tmpdir(), 'lantern-e2e-'));
-const ctx = await chromium.launchPersistentContext(profile, {
-  executablePath: opt('chromium', '/usr/bin/chromium'),
-  headless: true,
-  args: ['--enable-unsafe-webgpu', '--no-sandbox', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-  viewport: { width: 1100, height: 900 },
-});
+const ctx = await launchChromium(chromium, profile, opt('chromium'), { viewport: { width: 1100, height: 900 } });
 const results = [];
 try {
   const page = ctx.pages()[0] || await ctx.newPage();

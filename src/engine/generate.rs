@@ -415,12 +415,7 @@ async fn run(
     // GPU draw another token, the run restarts from this one, so the output is the
     // step-at-a-time output. Anything else that needs the host between tokens (grammars,
     // biases, drafts, sampling without a top-k of at most 64) steps one token at a time.
-    let gpu_sampling = (want == Want::TopK).then_some(crate::kernels::sample::SampleParams {
-        temperature: sampler.params.temperature,
-        top_k: sampler.params.top_k as u32,
-        top_p: sampler.params.top_p,
-        _pad: 0,
-    });
+    let gpu_sampling = (want == Want::TopK).then(|| sampler.gpu_params());
     // Speculative requests run ahead too while they choose not to draft (k = 0): their plain
     // steps cost what a plain request's do. When a step is to carry drafts, the run submits
     // no more steps, its steps in flight are taken (valid plain steps: neither greedy nor

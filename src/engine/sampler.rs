@@ -114,6 +114,13 @@ impl Sampler {
         !self.params.is_greedy() && self.params.top_k > 0 && self.params.top_k <= k
     }
 
+    /// These parameters as `kernels::sample` takes them, for drawing on the GPU from a row's
+    /// top-k pairs.
+    pub fn gpu_params(&self) -> crate::kernels::sample::SampleParams {
+        let p = &self.params;
+        crate::kernels::sample::SampleParams { temperature: p.temperature, top_k: p.top_k as u32, top_p: p.top_p, _pad: 0 }
+    }
+
     /// Draw a token from a row's best (id, logit) pairs (the GPU top-k); the same draw as
     /// `sample` on the full row when `fits_top` holds for the number of pairs given.
     pub fn sample_top(&mut self, top: &[(u32, f32)]) -> u32 {

@@ -19,6 +19,21 @@ pub struct SampleParams {
     pub _pad: u32,
 }
 
+impl SampleParams {
+    /// Whether the kernel can draw with these: a positive temperature, a top-k of at most
+    /// `TOPK_MAX` (0: all of them) and a top-p above 0; else what is wrong, in words.
+    pub fn check(&self) -> Result<(), String> {
+        let positive = |v: f32| v.is_finite() && v > 0.0;
+        if positive(self.temperature) && self.top_k as usize <= super::topk::TOPK_MAX && positive(self.top_p) {
+            return Ok(());
+        }
+        Err(format!(
+            "sampling on the GPU needs a positive temperature, top-k of at most {} and top-p above 0 (got {self:?})",
+            super::topk::TOPK_MAX
+        ))
+    }
+}
+
 /// The dispatch drawing `ids[r]` for the step's `n_out` rows from `top` (topk.wgsl's rows)
 /// with `params` (a uniform the caller writes per request) and `u` (one f32 per row).
 pub async fn build(

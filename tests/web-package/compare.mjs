@@ -2,17 +2,16 @@
 // (llama.cpp in wasm, from npm: its WebGPU backend and its CPU build) on the same GGUF files,
 // one fresh Chromium each, served with cross-origin isolation so wllama can use threads.
 // Prints a Markdown table and one JSON line per run; peak resident memory is sampled from
-// /proc (web/procmem.mjs).
+// /proc (web/testkit.mjs).
 //
 // node tests/web-package/compare.mjs --models DIR [--runs lantern,wllama-gpu,wllama-cpu]
 //      [--prompt TEXT] [--max-tokens N] [--chromium PATH] FILE.gguf...
-import { spawn } from 'node:child_process';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { tmpdir } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
-import { samplePeaks } from '../../web/procmem.mjs';
+import { launchChromium, samplePeaks, startServer } from '../../web/testkit.mjs';
 
 const args = process.argv.slice(2);
 const opt = (name, dflt) => { const i = args.indexOf(`--${name}`); return i >= 0 ? args[i + 1] : dflt; };
@@ -24,22 +23,14 @@ const prompt = opt('prompt', 'def quicksort(arr):\n    """Sort a list of numbers
 const maxTokens = Number(opt('max-tokens', 32));
 const log = (...a) => console.error('[compare]', ...a);
 
-const server = await new Promise((resolve, reject) => {
-  const p = spawn(process.execPath, [join(here, '..', '..', 'web', 'serve.mjs'), '--port', '0', '--root', here, '--models', opt('models'), '--isolate'], { stdio: ['ignore', 'pipe', 'inherit'] });
-  p.stdout.on('data', (d) => { const m = String(d).match(/http:\/\/[^ ]+\//); if (m) resolve({ proc: p, url: m[0] }); });
-  p.on('exit', (c) => reject(new Error(`server exited with ${c}`)));
-});
+const server = await startServer(['--root', here, '--models', opt('models'), '--isolate']);
 
 const rows = [];
 try {
   for (const file of files) {
     for (const run of runs) {
       const profile = mkdtempSync(join(tmpdir(), 'lantern-compare-'));
-      const ctx = await chromium.launchPersistentContext(profile, {
-        executablePath: opt('chromium', '/usr/bin/chromium'),
-        headless: true,
-        args: ['--enable-unsafe-webgpu', '--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-      });
+      const ctx = await launchChromium(chromium, profile, opt('chromium'));
       try {
         const page = ctx.pages()[0] || await ctx.newPage();
         page.setDefaultTimeout(1_800_000);

@@ -7,12 +7,12 @@
 //                "truncated": "file name of a truncated GGUF in DIR" }
 // Each check runs in the page the way an app would call the package; a check that throws
 // fails the run (exit 1) with its name.
-import { spawn } from 'node:child_process';
 import { readFileSync, mkdtempSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { tmpdir } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
+import { launchChromium, startServer } from '../../web/testkit.mjs';
 
 const args = process.argv.slice(2);
 const opt = (name, dflt) => { const i = args.indexOf(`--${name}`); return i >= 0 ? args[i + 1] : dflt; };
@@ -20,24 +20,8 @@ const here = dirname(fileURLToPath(import.meta.url));
 const config = JSON.parse(readFileSync(opt('config'), 'utf8'));
 const log = (...a) => console.error('[web-package]', ...a);
 
-function startServer() {
-  return new Promise((resolve, reject) => {
-    const serve = join(here, '..', '..', 'web', 'serve.mjs');
-    const p = spawn(process.execPath, [serve, '--port', '0', '--root', here, '--models', opt('models')], { stdio: ['ignore', 'pipe', 'inherit'] });
-    p.stdout.on('data', (d) => {
-      const m = String(d).match(/http:\/\/[^ ]+\//);
-      if (m) resolve({ proc: p, url: m[0] });
-    });
-    p.on('exit', (c) => reject(new Error(`server exited with ${c}`)));
-  });
-}
-
-const server = await startServer();
-const ctx = await chromium.launchPersistentContext(mkdtempSync(join(tmpdir(), 'lantern-pkg-')), {
-  executablePath: opt('chromium', '/usr/bin/chromium'),
-  headless: true,
-  args: ['--enable-unsafe-webgpu', '--no-sandbox', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-});
+const server = await startServer(['--root', here, '--models', opt('models')]);
+const ctx = await launchChromium(chromium, mkdtempSync(join(tmpdir(), 'lantern-pkg-')), opt('chromium'));
 const report = { checks: {} };
 let failed = null;
 try {

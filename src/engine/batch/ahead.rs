@@ -18,23 +18,17 @@ pub(super) struct Chain {
 /// drawn on the GPU with the one set of parameters every sampled sequence shares (greedy rows
 /// then draw with the number 0, which takes their best pair, the argmax).
 #[derive(Clone, Copy, PartialEq)]
-enum Rows {
+pub(super) enum Rows {
     Argmax,
     Drawn(SampleParams),
 }
 
 /// The GPU sampling parameters of a sampled sequence that can draw on the GPU: a top-k of
-/// 1 to 64 (the GPU's top-k pairs hold the whole candidate set), a positive temperature and
-/// top-p; `None` for anything else.
+/// 1 to 64 (the GPU's top-k pairs hold the whole candidate set) and parameters the kernel
+/// takes; `None` for anything else.
 fn gpu_params(s: &Seq) -> Option<SampleParams> {
-    let p = &s.req.sampling;
-    let positive = |v: f32| v.is_finite() && v > 0.0;
-    (s.sampler.fits_top(crate::kernels::topk::TOPK_MAX) && positive(p.temperature) && positive(p.top_p)).then_some(SampleParams {
-        temperature: p.temperature,
-        top_k: p.top_k as u32,
-        top_p: p.top_p,
-        _pad: 0,
-    })
+    let p = s.sampler.gpu_params();
+    (s.sampler.fits_top(crate::kernels::topk::TOPK_MAX) && p.check().is_ok()).then_some(p)
 }
 
 impl Engine {
@@ -62,15 +56,20 @@ impl Engine {
     /// Whether a scheduled step can start decoding ahead: the model keeps batched steps in
     /// flight, and the step is one decode token (row `i` for token `i`) of every running
     /// sequence, whose rows can be decoded ahead ([`Self::chain_rows`]).
-    pub(super) fn chains(&self, sch: &Scheduled) -> bool {
-        self.model.decodes_batches_ahead()
+    /// Returns how its rows get their tokens.
+    pub(super) fn chains(&self, sch: &Scheduled) -> Option<Rows> {
+        let decode_of_all = self.model.decodes_batches_ahead()
             && sch.want != Want::Logits
             && sch.sampling.len() == self.running.len()
             && sch.ids.len() == sch.sampling.len()
             && sch.sampling.iter().enumerate().all(|(i, &(id, take, row, n_rows))| {
                 take == 1 && row == Some(i) && n_rows == 1 && self.running.get(i).is_some_and(|s| s.id == id)
-            })
-            && self.chain_rows().is_some()
+            });
+        if decode_of_all {
+            self.chain_rows()
+        } else {
+            None
+        }
     }
 
     /// The numbers the GPU draws the next chained step's rows with (0 for greedy rows), from
@@ -176,10 +175,9 @@ impl Engine {
         }
     }
 
-    /// Start decoding ahead with `sch` (a step [`Self::chains`] accepts): it is submitted
+    /// Start decoding ahead with `sch` (a step [`Self::chains`] accepts, with its `rows`): it is submitted
     /// without waiting, and the next one goes in behind it before its tokens are read.
-    pub(super) async fn start_chain(&mut self, sch: Scheduled, report: StepReport) -> Result<StepReport> {
-        let rows = self.chain_rows().unwrap_or(Rows::Argmax);
+    pub(super) async fn start_chain(&mut self, sch: Scheduled, rows: Rows, report: StepReport) -> Result<StepReport> {
         match self.submit_chained(Some(&sch.ids), &sch.positions, &sch.seqs, rows, true) {
             Ok(flight) => self.land_chain(Chain { sch, flight, report }, true).await,
             Err(e) => self.complete(sch, Err(e), report),

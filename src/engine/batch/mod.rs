@@ -671,8 +671,8 @@ impl Engine {
         let (report, sch) = self.schedule()?;
         let Some(mut sch) = sch else { return Ok(report) };
         sch.started = Instant::now();
-        if self.chains(&sch) {
-            return self.start_chain(sch, report).await;
+        if let Some(rows) = self.chains(&sch) {
+            return self.start_chain(sch, rows, report).await;
         }
         let bias = step_bias(&self.running, &sch.sampling, sch.rows.len());
         let out = if guided(&self.running, &sch.sampling) {

@@ -120,13 +120,7 @@ impl GpuModel {
         ctx.write(&self.ws.token_seq, 0, bytemuck::bytes_of(&(seq as u32)));
         ctx.write(&self.ws.logit_rows, 0, bytemuck::bytes_of(&0u32));
         if let Some(p) = &sampling {
-            let positive = |v: f32| v.is_finite() && v > 0.0;
-            if !positive(p.temperature) || p.top_k as usize > kernels::topk::TOPK_MAX || !positive(p.top_p) {
-                return Err(LanternError::InvalidRequest(format!(
-                    "sampling on the GPU needs a positive temperature, top-k of at most {} and top-p above 0 (got {p:?})",
-                    kernels::topk::TOPK_MAX
-                )));
-            }
+            p.check().map_err(LanternError::InvalidRequest)?;
             ctx.write(&self.ws.sample_params, 0, bytemuck::bytes_of(p));
         }
         self.ahead = Some(Ahead {
@@ -366,34 +360,14 @@ impl GpuModel {
         if self.batch_slots.is_empty() {
             return Err(LanternError::InvalidRequest("batched decoding ahead is off for this model (decode_ahead < 2)".into()));
         }
-        if ids.is_some_and(|ids| ids.len() != n) || positions.len() != n || sampling.as_ref().is_some_and(|s| s.draws.len() != n) {
-            return Err(LanternError::InvalidRequest(format!(
-                "submit_decode_batch: {} ids, {} positions, {} draws, {n} sequences",
-                ids.map_or(n, <[u32]>::len),
-                positions.len(),
-                sampling.as_ref().map_or(n, |s| s.draws.len())
-            )));
-        }
         let rows: Vec<u32> = (0..n as u32).collect();
-        let from_gpu;
-        let checked = match ids {
-            Some(ids) => ids,
-            None => {
-                // The tokens a step feeds the next are always inside the vocabulary.
-                from_gpu = vec![0u32; n];
-                &from_gpu
-            }
-        };
-        self.validate_batch(checked, positions, seqs, &rows)?;
+        // (Without ids, the tokens a step feeds the next are always inside the vocabulary.)
+        self.validate_batch(ids, positions, seqs, &rows)?;
         if let Some(sp) = &sampling {
-            let p = &sp.params;
-            let positive = |v: f32| v.is_finite() && v > 0.0;
-            if !positive(p.temperature) || p.top_k == 0 || p.top_k as usize > kernels::topk::TOPK_MAX || !positive(p.top_p) {
-                return Err(LanternError::InvalidRequest(format!(
-                    "sampling on the GPU needs a positive temperature, a top-k of 1 to {} and top-p above 0 (got {p:?})",
-                    kernels::topk::TOPK_MAX
-                )));
+            if sp.draws.len() != n {
+                return Err(LanternError::InvalidRequest(format!("submit_decode_batch: {} draws for {n} sequences", sp.draws.len())));
             }
+            sp.params.check().map_err(LanternError::InvalidRequest)?;
         }
         self.ctx.check_lost().map_err(LanternError::Gpu)?;
         let ctx = self.ctx.clone();

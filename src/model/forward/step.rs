@@ -442,24 +442,29 @@ impl GpuModel {
     /// `positions[i]` of sequence `seqs[i]`, whose pages must already be reserved
     /// (`kv.alloc.append`); argmax (and logits with `Want::Logits`) of the tokens at indices
     /// `rows`. At most `options.max_batch_tokens` tokens and `logit_rows` rows.
-    pub(super) fn validate_batch(&self, ids: &[u32], positions: &[u32], seqs: &[u32], rows: &[u32]) -> Result<()> {
+    /// `ids` `None`: the step's ids come from the GPU (one per position).
+    pub(super) fn validate_batch(&self, ids: Option<&[u32]>, positions: &[u32], seqs: &[u32], rows: &[u32]) -> Result<()> {
         let bad = |m: String| Err(LanternError::InvalidRequest(m));
-        if ids.is_empty() || ids.len() != positions.len() || ids.len() != seqs.len() {
-            return bad(format!("step_batch: {} ids, {} positions, {} sequence indices", ids.len(), positions.len(), seqs.len()));
+        let n = positions.len();
+        let n_ids = ids.map_or(n, <[u32]>::len);
+        if n == 0 || n_ids != n || n != seqs.len() {
+            return bad(format!("step_batch: {n_ids} ids, {n} positions, {} sequence indices", seqs.len()));
         }
-        if ids.len() > self.options.max_batch_tokens.max(1) || rows.len() > self.logit_rows {
+        if n > self.options.max_batch_tokens.max(1) || rows.len() > self.logit_rows {
             return bad(format!(
                 "step_batch: {} tokens and {} logit rows exceed the step's {} tokens / {} rows",
-                ids.len(),
+                n,
                 rows.len(),
                 self.options.max_batch_tokens,
                 self.logit_rows
             ));
         }
-        if let Some(&r) = rows.iter().find(|&&r| r as usize >= ids.len()) {
-            return bad(format!("step_batch: logit row {r} outside the step's {} tokens", ids.len()));
+        if let Some(&r) = rows.iter().find(|&&r| r as usize >= n) {
+            return bad(format!("step_batch: logit row {r} outside the step's {n} tokens"));
         }
-        self.check_ids(ids)?;
+        if let Some(ids) = ids {
+            self.check_ids(ids)?;
+        }
         for (&s, &p) in seqs.iter().zip(positions) {
             let len = self.kv.alloc.len(s as usize).map_err(LanternError::Kv)?;
             if p as usize >= len {
@@ -485,7 +490,7 @@ impl GpuModel {
         want: Want,
         ops: LogitOps<'_>,
     ) -> Result<StepOutput> {
-        self.validate_batch(ids, positions, seqs, rows)?;
+        self.validate_batch(Some(ids), positions, seqs, rows)?;
         let s = self.write_batch_inputs(ids, positions, seqs, rows);
         self.run_step(s, want, false, ops).await
     }
@@ -689,7 +694,7 @@ impl GpuModel {
         ops: LogitOps<'_>,
     ) -> Result<PendingStep> {
         self.ctx.check_lost().map_err(LanternError::Gpu)?;
-        self.validate_batch(ids, positions, seqs, rows)?;
+        self.validate_batch(Some(ids), positions, seqs, rows)?;
         let s = self.write_batch_inputs(ids, positions, seqs, rows);
         let biased = ops.biased() && s.n_out > 0;
         if biased {

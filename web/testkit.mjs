@@ -1,6 +1,36 @@
-// Resident memory of a headless Chromium's processes, for the browser tests and benchmarks
-// (Linux /proc): which processes belong to a run is told by its profile folder.
+// What the browser tests and benchmarks share (web/e2e.mjs, tests/web-package/run.mjs and
+// compare.mjs): the static server on loopback, headless Chromium with WebGPU, and the
+// resident memory of its processes (Linux /proc; a run's processes are told by its profile).
+import { spawn } from 'node:child_process';
 import { readFileSync, readdirSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const here = dirname(fileURLToPath(import.meta.url));
+
+// Start web/serve.mjs on a free loopback port with `args` (--models, --root, --isolate):
+// resolves to { proc, url } once it listens.
+export function startServer(args) {
+  return new Promise((resolve, reject) => {
+    const p = spawn(process.execPath, [join(here, 'serve.mjs'), '--port', '0', ...args], { stdio: ['ignore', 'pipe', 'inherit'] });
+    p.stdout.on('data', (d) => {
+      const m = String(d).match(/http:\/\/[^ ]+\//);
+      if (m) resolve({ proc: p, url: m[0] });
+    });
+    p.on('exit', (c) => reject(new Error(`the static server exited with ${c}`)));
+  });
+}
+
+// Headless Chromium (playwright-core's `chromium`, from the caller's node_modules) with
+// WebGPU on, in the persistent profile folder `profile`; `options` adds to playwright's.
+export function launchChromium(chromium, profile, executablePath, options = {}) {
+  return chromium.launchPersistentContext(profile, {
+    executablePath: executablePath ?? '/usr/bin/chromium',
+    headless: true,
+    args: ['--enable-unsafe-webgpu', '--no-sandbox', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+    ...options,
+  });
+}
 
 // Resident memory (MB) of the browser's processes by type (renderer, gpu-process, ...): the
 // processes whose command line names this run's profile, and their descendants (Linux /proc).
