@@ -22,13 +22,18 @@ struct Params {
 @group(0) @binding(0) var<uniform> step: Step;
 @group(0) @binding(1) var<uniform> p: Params;
 @group(0) @binding(2) var<storage, read> top: array<u32>;          // (n_out, ROW)
-@group(0) @binding(3) var<storage, read> u: array<f32>;            // (n_out) uniform draws in [0, 1)
+@group(0) @binding(3) var<storage, read> u: array<f32>;            // (n_out) uniform draws in [0, 1), or -1
 @group(0) @binding(4) var<storage, read_write> ids: array<u32>;    // (n_out) drawn ids
 
 @compute @workgroup_size(WG)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let r = gid.x;
     if (r >= step.n_out) {
+        return;
+    }
+    // A negative number: the row keeps the argmax kernel's choice (a draw from the whole
+    // vocabulary, for a request without top-k).
+    if (u[r] < 0.0) {
         return;
     }
     let b = r * ROW;

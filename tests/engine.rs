@@ -541,6 +541,48 @@ fn sampled_decode_ahead_gives_the_step_at_a_time_tokens() {
     assert!(redraws < 10, "{redraws} GPU draws differed from the sampler's");
 }
 
+/// Sampling from the whole vocabulary (no top-k, no top-p: OpenAI's default) draws on the
+/// GPU by the Gumbel-max rule, keyed by the seed and the token's index: the same tokens a step
+/// at a time and decoded ahead (in `generate` and in the engine, chained beside greedy and
+/// top-k sampled rows), one readback of 4 bytes per token, other seeds other tokens.
+#[test]
+fn whole_vocabulary_draws_are_the_same_ahead_and_a_step_at_a_time() {
+    let hot = |seed: u64, temperature: f32| SamplingParams { temperature, top_k: 0, top_p: 1.0, seed };
+    let other = GenerateRequest { prompt_ids: vec![5, 77, 301, 9, 40, 41], max_tokens: 12, ..Default::default() };
+    let req = |sampling| GenerateRequest { prompt_ids: vec![5, 77, 301, 9, 18], max_tokens: 30, sampling, ..Default::default() };
+    let (want, want_next) = generate_pair(0, &req(hot(3, 1.0)), &other);
+    let (greedy, _) = generate_pair(0, &req(SamplingParams::default()), &other);
+    let (reseeded, _) = generate_pair(0, &req(hot(4, 1.0)), &other);
+    assert_ne!(want.output_ids, greedy.output_ids, "a draw at temperature 1 is not the argmax");
+    assert_ne!(want.output_ids, reseeded.output_ids, "another seed, other tokens");
+    for depth in [2, 3] {
+        let (got, got_next) = generate_pair(depth, &req(hot(3, 1.0)), &other);
+        assert_eq!(got.output_ids, want.output_ids, "depth {depth}");
+        assert_eq!(got_next.output_ids, want_next.output_ids, "the next request, depth {depth}");
+        let h = got.host.expect("host costs");
+        assert_eq!((h.submits_per_token, h.readbacks_per_token, h.redraws), (1.0, 1.0, 0), "{h:?}");
+        assert!(h.stalls_per_token <= 1.0 / 29.0 + 1e-9, "decoded ahead: {h:?}");
+    }
+    // The engine: the chain's requests with two of them sampling from the whole vocabulary.
+    let mut reqs = chain_requests(None);
+    reqs[0].sampling = hot(21, 0.9);
+    reqs[6].sampling = hot(22, 1.4);
+    let (plain, plain_stats, _) = run_chained(0, false, &reqs);
+    let (ahead, stats, _) = run_chained(3, false, &reqs);
+    for (i, (w, g)) in plain.iter().zip(&ahead).enumerate() {
+        assert_eq!(g.output_ids, w.output_ids, "request {i}");
+        assert_eq!(g.finish_reason, w.finish_reason, "request {i}");
+    }
+    eprintln!("one step at a time: {plain_stats:?}\nahead: {stats:?}");
+    assert!(stats.steps_ahead >= 5, "whole-vocabulary rows chain: {stats:?}");
+    assert_eq!(stats.redraws, 0, "the GPU's draw is the token: {stats:?}");
+    // Alone in the engine, a request draws what `generate` draws.
+    let mut e = engine(model_opts(2, None), EngineOptions { step_tokens: 32, prefill_chunk: 32, max_waiting: 8 });
+    let mut h = e.submit(req(hot(3, 1.0))).expect("submit");
+    pollster::block_on(e.run_until_idle()).expect("run");
+    assert_eq!(collect(&mut h).0.output_ids, want.output_ids, "the engine and generate");
+}
+
 /// Requests whose streams end in every way while a step past their end is in flight: by
 /// length, by a stop id and a stop string taken from their plain outputs, at the context's
 /// end; two sample on the GPU with the same parameters (so they chain with the greedy ones),

@@ -13,6 +13,7 @@ use half::f16;
 use lantern::gpu::buffer::{create_storage, create_storage_window, create_zeroed, read_buffer, read_f32};
 use lantern::gpu::shader::{flags, Features, WeightFormat};
 use lantern::gpu::{DeviceOptions, GpuContext, GpuError, PipelineKey, ShaderOp};
+use lantern::kernels::argmax::RowDraw;
 use lantern::kernels::attention::{AttentionIo, AttentionParams, KvBinding};
 use lantern::kernels::linear::{self, GpuLinear, HostMatrix, LinearIo};
 use lantern::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
@@ -1144,12 +1145,7 @@ fn rmsnorm_residual_and_in_place_head_modes() {
 /// Argmax of every `n`-wide row of `logits` on the GPU against `ops::argmax`.
 fn check_argmax(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], n: usize) {
     let rows = logits.len() / n;
-    let step = step_buffer(ctx);
-    let lb = buf_f32(ctx, "logits", logits);
-    let out = create_zeroed(ctx, "argmax", (rows * 4) as u64).unwrap();
-    let d = block_on(kernels::argmax::build(ctx, &step, &lb, &out, n)).expect("build argmax");
-    submit(ctx, &step, rows as u32, rows as u32, std::slice::from_ref(&d));
-    let got = read_u32s(ctx, &out, rows);
+    let got = run_argmax(ctx, logits, n, &vec![RowDraw::ARGMAX; rows]);
     for (r, row) in logits.chunks(n).enumerate() {
         let want = ops::argmax(row);
         let at = |i: u32| row.get(i as usize).copied().unwrap_or(f32::NAN);
@@ -1160,6 +1156,40 @@ fn check_argmax(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], n: usize) {
             got[r],
             at(got[r]),
             at(want)
+        );
+    }
+}
+
+/// The argmax kernel's token for every `n`-wide row of `logits`, row `r` chosen as `draws[r]`.
+fn run_argmax(ctx: &Arc<GpuContext>, logits: &[f32], n: usize, draws: &[RowDraw]) -> Vec<u32> {
+    let rows = logits.len() / n;
+    let step = step_buffer(ctx);
+    let lb = buf_f32(ctx, "logits", logits);
+    let out = create_zeroed(ctx, "argmax", (rows * 4) as u64).unwrap();
+    let db = create_storage(ctx, "row_draws", bytemuck::cast_slice(draws)).unwrap();
+    let d = block_on(kernels::argmax::build(ctx, &step, &lb, &out, &db, n)).expect("build argmax");
+    submit(ctx, &step, rows as u32, rows as u32, std::slice::from_ref(&d));
+    read_u32s(ctx, &out, rows)
+}
+
+/// Gumbel-max draws on the GPU against the CPU reference (`kernels::argmax::choose`): the same
+/// token, or (f32 logarithms differ by an ulp or two between adapters) one whose score is
+/// within 1e-4 of the reference's pick.
+fn check_draws(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], n: usize, draws: &[RowDraw]) {
+    let got = run_argmax(ctx, logits, n, draws);
+    for (r, row) in logits.chunks(n).enumerate() {
+        let want = kernels::argmax::choose(row, &draws[r]);
+        if got[r] == want {
+            continue;
+        }
+        let score = |i: u32| draws[r].score(row[i as usize], i);
+        assert!(
+            (got[r] as usize) < n && (score(got[r]) - score(want)).abs() < 1e-4,
+            "{what}: row {r} (n {n}, {:?}): GPU drew {} (score {}), the reference {want} (score {})",
+            draws[r],
+            got[r],
+            if (got[r] as usize) < n { score(got[r]) } else { f32::NAN },
+            score(want)
         );
     }
 }
@@ -1274,6 +1304,52 @@ fn argmax_all_nan_or_all_neg_inf_row_gives_zero() {
     let mut logits = vec![f32::NAN; n];
     logits.extend(vec![f32::NEG_INFINITY; n]);
     check_argmax(&ctx, "all nan / all -inf", &logits, n);
+}
+
+#[test]
+fn argmax_draws_from_the_whole_vocabulary_as_the_reference_does() {
+    let ctx = gpu();
+    for (i, &n) in [1usize, 7, 255, 257, 1000, 4099].iter().enumerate() {
+        let mut rng = Rng::new(500 + i as u64);
+        let rows = 6;
+        let mut logits: Vec<f32> = rng.vec(rows * n).iter().map(|v| v * 8.0).collect();
+        // A masked row (every token but three at -inf), and a NaN among the values.
+        for (j, v) in logits[n..2 * n].iter_mut().enumerate() {
+            if j % 97 != 3 {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+        logits[2 * n] = f32::NAN;
+        // Greedy rows between sampled ones, temperatures low and high, indices far apart.
+        let draws: Vec<RowDraw> = (0..rows)
+            .map(|r| if r == 4 { RowDraw::ARGMAX } else { RowDraw::sampled([0.3, 1.0, 2.0][r % 3], 42 + r as u64, (r * 1000) as u64) })
+            .collect();
+        check_draws(&ctx, "random", &logits, n, &draws);
+        // (Rows of 3 tokens or fewer are wholly masked: their token is 0, as the argmax's.)
+        let masked = run_argmax(&ctx, &logits, n, &draws)[1] as usize;
+        assert!(if n > 3 { masked % 97 == 3 } else { masked == 0 }, "n {n}: a masked-out token ({masked}) was drawn");
+    }
+}
+
+/// The GPU's Gumbel-max draws follow softmax(logits / T): 4,096 draws (one row each, one
+/// index each) of a six-token row, each token's count within 5 standard deviations of what
+/// its probability gives, and a -inf token never drawn.
+#[test]
+fn argmax_draws_follow_the_softmax() {
+    let ctx = gpu();
+    let row = [2.0f32, 1.0, 0.0, -1.0, f32::NEG_INFINITY, 1.5];
+    let (rows, t) = (4096usize, 0.8f32);
+    let logits: Vec<f32> = (0..rows).flat_map(|_| row).collect();
+    let draws: Vec<RowDraw> = (0..rows).map(|i| RowDraw::sampled(t, 7, i as u64)).collect();
+    let got = run_argmax(&ctx, &logits, row.len(), &draws);
+    let e: Vec<f64> = row.iter().map(|&v| ((v / t) as f64).exp()).collect();
+    let z: f64 = e.iter().sum();
+    for (tok, &ei) in e.iter().enumerate() {
+        let p = ei / z;
+        let count = got.iter().filter(|&&g| g as usize == tok).count() as f64;
+        let (mean, sd) = (p * rows as f64, (p * (1.0 - p) * rows as f64).sqrt());
+        assert!((count - mean).abs() <= 5.0 * sd + 1e-9, "token {tok}: drawn {count} times, expected {mean:.1} (sd {sd:.1})");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1953,7 +2029,8 @@ fn check_logit_mask(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], mask: &[u
     let mb = buf_u32(ctx, "mask", mask);
     let out = create_zeroed(ctx, "argmax", (rows * 4) as u64).unwrap();
     let m = block_on(kernels::logit_mask::build(ctx, &step, &mb, &lb, n)).expect("build logit_mask");
-    let a = block_on(kernels::argmax::build(ctx, &step, &lb, &out, n)).expect("build argmax");
+    let db = create_zeroed(ctx, "row_draws", (rows * std::mem::size_of::<RowDraw>()) as u64).unwrap();
+    let a = block_on(kernels::argmax::build(ctx, &step, &lb, &out, &db, n)).expect("build argmax");
     submit(ctx, &step, rows as u32, rows as u32, &[m, a]);
     let got = read_f32s(ctx, &lb, rows * n);
     let mut want = logits.to_vec();
@@ -2097,5 +2174,18 @@ fn sample_draws_match_the_host_mirror() {
             let k = if params.top_k == 0 { TOPK_MAX } else { params.top_k as usize };
             assert!(pairs.iter().take(k).any(|p| p.0 == got[r]), "row {r}: {} is not among the top {k}", got[r]);
         }
+    }
+    // A negative number keeps the row's id (the argmax kernel's draw from the whole
+    // vocabulary), and the other rows still draw.
+    let params = SampleParams { temperature: 0.8, top_k: 40, top_p: 0.95, _pad: 0 };
+    let u: Vec<f32> = (0..rows).map(|r| if r % 2 == 0 { -1.0 } else { (r as f32 * 0.37) % 1.0 }).collect();
+    let (ub, pb) = (buf_f32(&ctx, "u", &u), lantern::gpu::buffer::create_uniform(&ctx, "sample.params", &params));
+    let kept = buf_u32(&ctx, "ids", &vec![123_456; rows]);
+    let d = block_on(kernels::sample::build(&ctx, &step, &pb, &top, &ub, &kept)).unwrap();
+    submit(&ctx, &step, rows as u32, rows as u32, std::slice::from_ref(&d));
+    for (r, got) in read_u32s(&ctx, &kept, rows).into_iter().enumerate() {
+        let pairs = decode_row(&words[r * TOPK_ROW_WORDS..][..TOPK_ROW_WORDS], TOPK_MAX);
+        let want = if r % 2 == 0 { 123_456 } else { draw(&pairs, &params, u[r]) };
+        assert_eq!(got, want, "row {r}, u {}", u[r]);
     }
 }

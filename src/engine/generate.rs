@@ -1,6 +1,7 @@
 //! The generation loop for one sequence: prefill the prompt, then decode token by token,
 //! streaming text pieces, until EOS, a stop string, the token limit or the context's end.
 
+use crate::kernels::argmax::RowDraw;
 use web_time::Instant;
 
 use super::constraint::{Constraint, Guide};
@@ -262,7 +263,7 @@ async fn next_tokens(
     let last = *history.last().expect("a sampled token");
     let Some((len_ctl, stats)) = spec.as_mut() else {
         let t0 = Instant::now();
-        let out = forward_guided(model, seq, &[last], want, guide, bias).await?;
+        let out = forward_guided(model, seq, &[last], want, guide, bias, sampler.row_draw(out_len)).await?;
         model.record_step_ms(1, t0.elapsed().as_secs_f64() * 1e3);
         return Ok(vec![sampler.sample_step(&out, 0, model.config.vocab_size)]);
     };
@@ -283,7 +284,7 @@ async fn next_tokens(
     let t0 = Instant::now();
     let drafts = match (req.speculation.drafter, drafting.as_mut()) {
         (Drafter::Model, Some((d, ds))) if k > 0 => {
-            let mut jobs = [DraftJob { slot: *ds, history, k, sampler: sampler.clone(), tokens: Vec::new() }];
+            let mut jobs = [DraftJob { slot: *ds, history, k, sampler: sampler.clone(), index: out_len, tokens: Vec::new() }];
             speculative::draft_tokens(d, &mut jobs).await?;
             let [j] = jobs;
             j.tokens
@@ -295,7 +296,8 @@ async fn next_tokens(
     let t1 = Instant::now();
     let cache_len = history.len() - 1;
     let verdict = if drafts.is_empty() {
-        let out = model.forward(seq, &[last], want).await?;
+        let draws = vec![sampler.row_draw(out_len)];
+        let out = model.forward_with(seq, &[last], want, LogitOps { draws, ..LogitOps::default() }).await?;
         let token = sampler.sample_step(&out, 0, model.config.vocab_size);
         len_ctl.observe_lookup(&req.speculation, history, token);
         speculative::Verdict { accepted: 0, tokens: vec![token] }
@@ -303,8 +305,10 @@ async fn next_tokens(
         let mut input = Vec::with_capacity(drafts.len() + 1);
         input.push(last);
         input.extend_from_slice(&drafts);
-        let out = model.forward_rows(seq, &input, speculative::want_for(sampler)).await?;
-        let v = if sampler.params.is_greedy() {
+        // Drawing from the whole vocabulary, row i draws output token out_len + i on the GPU.
+        let draws = (0..input.len()).map(|i| sampler.row_draw(out_len + i)).collect();
+        let out = model.forward_rows_with(seq, &input, speculative::want_for(sampler), LogitOps { draws, ..LogitOps::default() }).await?;
+        let v = if sampler.params.is_greedy() || sampler.draws_whole_vocab() {
             speculative::verify_greedy(&drafts, &out.argmax)
         } else {
             let vocab = model.config.vocab_size;
@@ -331,7 +335,9 @@ async fn next_tokens(
 }
 
 /// A forward step whose sampled row is biased by `bias` and masked by `guide`'s allowed
-/// tokens (computed while the GPU runs the step's layers), or a plain one without either.
+/// tokens (computed while the GPU runs the step's layers), or a plain one without either;
+/// its token is chosen on the GPU as `draw` says.
+#[allow(clippy::too_many_arguments)]
 async fn forward_guided(
     model: &mut GpuModel,
     seq: usize,
@@ -339,11 +345,13 @@ async fn forward_guided(
     want: Want,
     guide: &mut Option<Guide>,
     bias: &Option<BiasState>,
+    draw: RowDraw,
 ) -> Result<StepOutput> {
     let bias = bias.as_ref().map(|b| vec![b.row()]).unwrap_or_default();
+    let draws = vec![draw];
     match guide.as_mut() {
-        Some(g) => model.forward_with(seq, tokens, want, LogitOps { bias, mask: Some(&mut || g.mask()) }).await,
-        None => model.forward_with(seq, tokens, want, LogitOps { bias, mask: None }).await,
+        Some(g) => model.forward_with(seq, tokens, want, LogitOps { bias, mask: Some(&mut || g.mask()), draws }).await,
+        None => model.forward_with(seq, tokens, want, LogitOps { bias, mask: None, draws }).await,
     }
 }
 
@@ -362,8 +370,9 @@ async fn run(
     let context = model.kv.alloc.config.context;
     let mut timings = RequestTimings::new(arrival);
     let mut sampler = Sampler::new(req.sampling);
-    // Greedy: the GPU argmax (4 bytes); top-k sampling within the GPU top-k: its pairs
-    // (512 bytes); anything else: the logits row.
+    // Greedy and sampling from the whole vocabulary: the argmax kernel's choice (4 bytes);
+    // top-k sampling within the GPU top-k: its pairs (512 bytes); anything else: the logits
+    // row.
     let want = speculative::want_for(&sampler);
     let mut spec = req.speculation.enabled().then(|| {
         let memory = speculative::memory(req.speculation.drafter, model, drafting.as_ref().map(|(d, _)| &**d));
@@ -391,7 +400,7 @@ async fn run(
         });
     }
     let mut bias = BiasState::new(&req.bias);
-    let out = forward_guided(model, seq, &req.prompt_ids[cached..], want, &mut guide, &bias).await?;
+    let out = forward_guided(model, seq, &req.prompt_ids[cached..], want, &mut guide, &bias, sampler.row_draw(0)).await?;
     if model.options.prefix_cache {
         model.cache_prefix(seq, &req.prompt_ids)?;
     }
@@ -424,6 +433,8 @@ async fn run(
     let ahead = guide.is_none() && bias.is_none() && (want == Want::Argmax || want == Want::TopK) && model.decode_ahead_depth() >= 2;
     // The draws the GPU's steps take, ahead of the request's sampler (a copy of it).
     let mut draws = sampler.clone();
+    // The output index of the token the run's next submitted step draws (`Sampler::row_draw`).
+    let mut draw_index = 0usize;
     let mut ahead_open = false;
     let mut redraws = 0usize;
     let mut last_arrival = Instant::now();
@@ -483,8 +494,16 @@ async fn run(
                     model.begin_ahead(seq, *history.last().expect("a sampled token"), limit, gpu_sampling).await?;
                     ahead_open = true;
                     draws = sampler.clone();
+                    // The run's first step draws the output's next token.
+                    draw_index = out_ids.len();
                 }
-                let step = model.ahead_next(&mut || draws.uniform() as f32).await?;
+                let step = model
+                    .ahead_next(&mut || {
+                        let row = sampler.row_draw(draw_index);
+                        draw_index += 1;
+                        (row, if gpu_sampling.is_some() { draws.uniform() as f32 } else { 0.0 })
+                    })
+                    .await?;
                 let token = match &step.top {
                     Some(top) => sampler.sample_step(top, 0, model.config.vocab_size),
                     None => step.token,

@@ -559,10 +559,12 @@ pub fn verify_sampled(drafts: &[u32], p: &[Dist], sampler: &mut Sampler) -> Verd
     Verdict { accepted: drafts.len(), tokens }
 }
 
-/// What a step must read back to give `sampler` its distribution: the argmax for greedy,
-/// the GPU top-k when the sampler's top-k fits in it, else the logits.
+/// What a step must read back for `sampler`'s tokens, drafted and verified tokens
+/// included: the argmax kernel's choices alone when greedy or drawing from the whole
+/// vocabulary on the GPU (verification then compares the drafts with those draws), the GPU
+/// top-k when the sampler's top-k fits in it, else the logits.
 pub fn want_for(sampler: &Sampler) -> Want {
-    if sampler.params.is_greedy() {
+    if sampler.params.is_greedy() || sampler.draws_whole_vocab() {
         Want::Argmax
     } else if sampler.fits_top(crate::kernels::topk::TOPK_MAX) {
         Want::TopK
@@ -608,15 +610,20 @@ pub struct DraftJob<'a> {
     pub history: &'a [u32],
     pub k: usize,
     pub sampler: Sampler,
+    /// The output index of the first drafted token (the request's output length): a sampler
+    /// drawing from the whole vocabulary drafts with the draws the target verifies with.
+    pub index: usize,
     pub tokens: Vec<u32>,
 }
 
 /// Draft `job.k` tokens for each job on the draft model, batched: the tokens each draft
 /// cache lacks go in one step (long catch-ups, such as a prompt, first run alone in chunks),
 /// then one token per job per step. A job whose draft cache is full stops drafting (it
-/// keeps what it has). Drafts follow each job's sampler: the argmax when greedy, else a draw
-/// from the sampler's distribution over the draft's logits with the generator's next number
-/// (the one [`verify_sampled`] gives the target at that position).
+/// keeps what it has). Drafts follow each job's sampler: the argmax when greedy; when drawing
+/// from the whole vocabulary, the draft's Gumbel-max draw with the noise the target's draw
+/// at that position takes (coupled draws: where the two models agree the draft is the
+/// target's token); else a draw from the sampler's distribution over the draft's logits
+/// with the generator's next number (the one [`verify_sampled`] gives the target there).
 /// Bring each draft sequence up to its history but the last token where it lags by more
 /// than a step's catch-up (a new request's prompt): the draft model's prefill, which callers
 /// run before timing [`draft_tokens`] so it does not count as the cost of draft tokens (it
@@ -662,6 +669,7 @@ pub async fn draft_tokens(draft: &mut GpuModel, jobs: &mut [DraftJob<'_>]) -> Re
     for round in 0..rounds {
         let (mut ids, mut positions, mut seqs, mut rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut want = Want::Argmax;
+        let mut draws = Vec::new();
         let mut members = Vec::new();
         for (i, j) in jobs.iter_mut().enumerate() {
             if !active[i] || j.tokens.len() >= j.k || rows.len() >= draft.logit_rows {
@@ -685,15 +693,17 @@ pub async fn draft_tokens(draft: &mut GpuModel, jobs: &mut [DraftJob<'_>]) -> Re
             }
             rows.push(ids.len() as u32 - 1);
             want = wider(want, want_for(&j.sampler));
+            draws.push(j.sampler.row_draw(j.index + round));
             members.push(i);
         }
         if members.is_empty() {
             break;
         }
-        let out = draft.step_batch(&ids, &positions, &seqs, &rows, want).await?;
+        let ops = crate::model::forward::LogitOps { draws, ..Default::default() };
+        let out = draft.step_batch_with(&ids, &positions, &seqs, &rows, want, ops).await?;
         for (r, &i) in members.iter().enumerate() {
             let j = &mut jobs[i];
-            let t = if j.sampler.params.is_greedy() {
+            let t = if j.sampler.params.is_greedy() || j.sampler.draws_whole_vocab() {
                 out.argmax[r]
             } else {
                 let dist = dist_at(&out, r, vocab, &j.sampler);

@@ -1,4 +1,15 @@
-//! Greedy sampling on the GPU (`shaders/argmax.wgsl`): 4 bytes per row come back.
+//! The token of each logit row on the GPU (`shaders/argmax.wgsl`): the argmax (greedy), or a
+//! draw from the whole vocabulary's softmax by the Gumbel-max rule for rows with a
+//! [`RowDraw`]. 4 bytes per row come back.
+//!
+//! Gumbel-max: `argmax_i(logit_i / T + g_i)` with `g_i` independent standard Gumbel noise is
+//! an exact draw from `softmax(logits / T)`. The noise is a hash of (the row's key, `i`), and
+//! the key a hash of the request's seed and the token's index in its output, so a draw
+//! depends on nothing the host holds between steps: the GPU's token is the request's token
+//! on every path, and sampling without a top-k decodes ahead of the host as greedy decoding
+//! does, reading back 4 bytes instead of a logits row. The uniform numbers lie on a 2^-24
+//! grid, so the noise lies in about [-2.8, 17.3]: a token more than about 20 nats below the
+//! row's best (probability under 2e-9 at T = 1) is never drawn.
 
 use crate::gpu::buffer::create_uniform;
 use crate::gpu::{GpuContext, GpuError, PipelineKey, ShaderOp};
@@ -13,17 +24,91 @@ pub struct ArgmaxParams {
     pub _pad: [u32; 3],
 }
 
-/// `out[r] = argmax(logits[r, :n])` for the step's `n_out` rows.
+/// Mirrors `struct Draw` in argmax.wgsl: how one logit row's token is chosen. The default
+/// (zeroes) is the plain argmax.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct RowDraw {
+    /// 1 / temperature; 0 for the argmax.
+    pub inv_t: f32,
+    pub key0: u32,
+    pub key1: u32,
+    pub _pad: u32,
+}
+
+/// SplitMix64's finaliser.
+fn mix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// `mix32` in argmax.wgsl.
+fn mix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+impl RowDraw {
+    /// The plain argmax.
+    pub const ARGMAX: RowDraw = RowDraw { inv_t: 0.0, key0: 0, key1: 0, _pad: 0 };
+
+    /// The draw of token `index` of an output sampled at `temperature` (> 0) with `seed`.
+    pub fn sampled(temperature: f32, seed: u64, index: u64) -> RowDraw {
+        let k = mix64(seed ^ mix64(index));
+        RowDraw { inv_t: 1.0 / temperature, key0: k as u32, key1: (k >> 32) as u32, _pad: 0 }
+    }
+
+    /// The standard Gumbel noise of token `i` (`gumbel` in argmax.wgsl, in f32).
+    pub fn noise(&self, i: u32) -> f32 {
+        let h = mix32(mix32(i ^ self.key0).wrapping_add(self.key1));
+        let u = ((h >> 8) as f32 + 0.5) * (1.0 / 16_777_216.0);
+        -(-u.ln()).ln()
+    }
+
+    /// Token `i`'s score in the kernel's comparison (the logit itself for the argmax).
+    pub fn score(&self, v: f32, i: u32) -> f32 {
+        if self.inv_t > 0.0 && v > -f32::MAX {
+            v * self.inv_t + self.noise(i)
+        } else {
+            v
+        }
+    }
+}
+
+/// The kernel's choice for one row on the CPU (its tests compare with it): the argmax of
+/// the row's scores, lowest index on ties, NaN never winning, 0 for a row of NaN and -inf only.
+pub fn choose(row: &[f32], d: &RowDraw) -> u32 {
+    let mut best: Option<(f32, u32)> = None;
+    for (i, &v) in row.iter().enumerate() {
+        let s = d.score(v, i as u32);
+        if s.is_nan() || s == f32::NEG_INFINITY {
+            continue;
+        }
+        if best.is_none_or(|(bv, _)| s > bv) {
+            best = Some((s, i as u32));
+        }
+    }
+    best.map_or(0, |b| b.1)
+}
+
+/// `out[r]` = the token of logit row `r` (of `n` values) for the step's `n_out` rows, chosen
+/// as `draws[r]` says (a [`RowDraw`] per row).
 pub async fn build(
     ctx: &GpuContext,
     step: &wgpu::Buffer,
     logits: &wgpu::Buffer,
     out: &wgpu::Buffer,
+    draws: &wgpu::Buffer,
     n: usize,
 ) -> Result<Dispatch, GpuError> {
     let key = PipelineKey::new(ShaderOp::Argmax, 256);
     let pipe = pipeline(ctx, key).await?;
     let ubuf = create_uniform(ctx, "argmax.params", &ArgmaxParams { n: n as u32, _pad: [0; 3] });
-    let bg = bind(ctx, "argmax", &pipe, &[(0, step), (1, &ubuf), (2, logits), (3, out)]);
+    let bg = bind(ctx, "argmax", &pipe, &[(0, step), (1, &ubuf), (2, logits), (3, out), (4, draws)]);
     Ok(Dispatch { label: "argmax".into(), pipeline: pipe, bind_group: bg, grid: [Dim::Out, Dim::Const(1), Dim::Const(1)] })
 }

@@ -3,6 +3,7 @@
 //! argmax rows or GPU draws (ARCHITECTURE.md, "The batching engine decodes ahead too").
 
 use super::*;
+use crate::kernels::argmax::RowDraw;
 use crate::kernels::sample::SampleParams;
 use crate::model::forward::{BatchLanded, BatchSampling};
 
@@ -14,9 +15,11 @@ pub(super) struct Chain {
     report: StepReport,
 }
 
-/// How the rows of a chained step get their tokens: every sequence greedy (the argmax), or
-/// drawn on the GPU with the one set of parameters every sampled sequence shares (greedy rows
-/// then draw with the number 0, which takes their best pair, the argmax).
+/// How the rows of a chained step get their tokens: from the argmax kernel (greedy rows, and
+/// rows drawing from the whole vocabulary by the Gumbel-max rule), or also drawn on the GPU
+/// from the top-k pairs with the one set of parameters every top-k sampled sequence shares
+/// (greedy rows then draw with the number 0, which takes their best pair, the argmax; rows
+/// drawing from the whole vocabulary keep the argmax kernel's draw).
 #[derive(Clone, Copy, PartialEq)]
 pub(super) enum Rows {
     Argmax,
@@ -40,7 +43,7 @@ impl Engine {
             if !plain_decode(s) || s.stale {
                 return None;
             }
-            if s.req.sampling.is_greedy() {
+            if s.req.sampling.is_greedy() || s.sampler.draws_whole_vocab() {
                 continue;
             }
             let p = gpu_params(s)?;
@@ -72,8 +75,10 @@ impl Engine {
         }
     }
 
-    /// The numbers the GPU draws the next chained step's rows with (0 for greedy rows), from
-    /// each sampled sequence's copy of its sampler (`fresh`: a new copy, at a chain's start).
+    /// The numbers the GPU draws the next chained step's rows with from their top-k pairs
+    /// (0 for greedy rows; -1, keep the argmax kernel's draw, for rows drawing from the whole
+    /// vocabulary), from each sampled sequence's copy of its sampler (`fresh`: a new copy, at
+    /// a chain's start).
     fn next_draws(&mut self, fresh: bool) -> Vec<f32> {
         let skew = if self.skew_draws { 0.5 } else { 0.0 };
         self.running
@@ -81,6 +86,9 @@ impl Engine {
             .map(|s| {
                 if s.req.sampling.is_greedy() {
                     return 0.0;
+                }
+                if s.sampler.draws_whole_vocab() {
+                    return -1.0;
                 }
                 if fresh || s.draws.is_none() {
                     s.draws = Some(s.sampler.clone());
@@ -150,13 +158,17 @@ impl Engine {
     }
 
     /// Submit a chained step with `rows`' way of choosing tokens (`fresh`: the chain's first
-    /// step, whose draws come from new copies of the samplers), counting it.
+    /// step, whose draws come from new copies of the samplers; else the step behind one in
+    /// flight, whose token each sequence has not taken yet), counting it.
     fn submit_chained(&mut self, ids: Option<&[u32]>, positions: &[u32], seqs: &[u32], rows: Rows, fresh: bool) -> Result<BatchFlight> {
+        // The argmax kernel's draws: each row's token index in its output.
+        let ahead = usize::from(!fresh);
+        let row_draws: Vec<RowDraw> = self.running.iter().map(|s| s.sampler.row_draw(s.out.len() + ahead)).collect();
         let flight = match rows {
-            Rows::Argmax => self.model.submit_decode_batch(ids, positions, seqs, None)?,
+            Rows::Argmax => self.model.submit_decode_batch(ids, positions, seqs, &row_draws, None)?,
             Rows::Drawn(params) => {
                 let draws = self.next_draws(fresh);
-                self.model.submit_decode_batch(ids, positions, seqs, Some(BatchSampling { params, draws: &draws }))?
+                self.model.submit_decode_batch(ids, positions, seqs, &row_draws, Some(BatchSampling { params, draws: &draws }))?
             }
         };
         if ids.is_none() {

@@ -69,7 +69,9 @@ impl Engine {
                 }
                 vec![(token, lp)]
             } else {
-                let v = if s.req.sampling.is_greedy() {
+                let v = if s.req.sampling.is_greedy() || s.sampler.draws_whole_vocab() {
+                    // The argmax rows are the target's tokens (its draws, when sampling from
+                    // the whole vocabulary).
                     speculative::verify_greedy(&drafts, &out.argmax[r..r + n_rows])
                 } else {
                     let p: Vec<Dist> = (r..r + n_rows).map(|row| speculative::dist_at(&out, row, vocab, &s.sampler)).collect();

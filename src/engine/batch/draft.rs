@@ -55,7 +55,7 @@ impl Engine {
         for (i, s) in self.running.iter_mut().enumerate() {
             let Some(&(_, k)) = picks.iter().find(|p| p.0 == i) else { continue };
             let Some(slot) = s.spec.as_ref().and_then(|sp| sp.draft_slot) else { continue };
-            jobs.push(DraftJob { slot, history: &s.tokens, k, sampler: s.sampler.clone(), tokens: Vec::new() });
+            jobs.push(DraftJob { slot, history: &s.tokens, k, sampler: s.sampler.clone(), index: s.out.len(), tokens: Vec::new() });
             owners.push(i);
         }
         let r = match caught {

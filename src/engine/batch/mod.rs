@@ -24,6 +24,7 @@ use super::logit_bias::BiasState;
 use super::metrics::RequestTimings;
 use super::sampler::{Dist, Sampler, TokenLogprob};
 use super::speculative::{self, DraftJob, DraftLength, Drafter, SpecStats};
+use crate::kernels::argmax::RowDraw;
 use crate::kv::KvError;
 use crate::model::forward::{BatchFlight, GpuModel, LogitOps, Want};
 use crate::model::tokenizer::Tokenizer;
@@ -675,14 +676,15 @@ impl Engine {
             return self.start_chain(sch, rows, report).await;
         }
         let bias = step_bias(&self.running, &sch.sampling, sch.rows.len());
+        let draws = step_draws(&self.running, &sch.sampling, sch.rows.len());
         let out = if guided(&self.running, &sch.sampling) {
             // The masks are computed while the GPU runs the step's layers.
             let (running, sampling, n_rows, vocab) = (&mut self.running, &sch.sampling, sch.rows.len(), self.model.config.vocab_size);
             let mut masks = || Ok(step_masks(running, sampling, n_rows, vocab));
-            let ops = LogitOps { bias, mask: Some(&mut masks) };
+            let ops = LogitOps { bias, mask: Some(&mut masks), draws };
             self.model.step_batch_with(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, ops).await
         } else {
-            let ops = LogitOps { bias, mask: None };
+            let ops = LogitOps { bias, mask: None, draws };
             self.model.step_batch_with(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, ops).await
         };
         self.complete(sch, out, report)
@@ -712,14 +714,15 @@ impl Engine {
                 sch.started = Instant::now();
                 // This path submits a step over several calls: the masks are computed first.
                 let bias = step_bias(&self.running, &sch.sampling, sch.rows.len());
+                let draws = step_draws(&self.running, &sch.sampling, sch.rows.len());
                 let r = if guided(&self.running, &sch.sampling) {
                     let (running, sampling, n_rows, vocab) =
                         (&mut self.running, &sch.sampling, sch.rows.len(), self.model.config.vocab_size);
                     let mut masks = || Ok(step_masks(running, sampling, n_rows, vocab));
-                    let ops = LogitOps { bias, mask: Some(&mut masks) };
+                    let ops = LogitOps { bias, mask: Some(&mut masks), draws };
                     self.model.begin_step_batch_with(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, ops)
                 } else {
-                    let ops = LogitOps { bias, mask: None };
+                    let ops = LogitOps { bias, mask: None, draws };
                     self.model.begin_step_batch_with(&sch.ids, &sch.positions, &sch.seqs, &sch.rows, sch.want, ops)
                 };
                 match r {
@@ -762,6 +765,25 @@ fn step_bias(running: &[Seq], sampling: &[(u64, usize, Option<usize>, usize)], n
         let pairs = b.row();
         for row in &mut rows[r..r + n] {
             row.clone_from(&pairs);
+        }
+    }
+    rows
+}
+
+/// How the GPU chooses each logit row's token (in row order; empty when every row takes the
+/// argmax): a sequence sampling from the whole vocabulary draws its next tokens there
+/// ([`Sampler::row_draw`] from its output's length on: one row, or one per verified
+/// position).
+fn step_draws(running: &[Seq], sampling: &[(u64, usize, Option<usize>, usize)], n_rows: usize) -> Vec<RowDraw> {
+    let mut rows = Vec::new();
+    for &(id, _, row, n) in sampling {
+        let Some(r) = row else { continue };
+        let Some(s) = running.iter().find(|s| s.id == id).filter(|s| s.sampler.draws_whole_vocab()) else { continue };
+        if rows.is_empty() {
+            rows = vec![RowDraw::ARGMAX; n_rows];
+        }
+        for (j, d) in rows[r..r + n].iter_mut().enumerate() {
+            *d = s.sampler.row_draw(s.out.len() + j);
         }
     }
     rows

@@ -190,8 +190,9 @@ impl Engine {
                 seqs.push(slot as u32);
             }
             // Sequences whose chunk reaches the end of what they hold sample next: one row,
-            // or with drafts a row per verified position. The GPU argmax serves greedy rows,
-            // the GPU top-k top-k sampling, other sampling the logits.
+            // or with drafts a row per verified position. The argmax kernel serves greedy
+            // rows and draws from the whole vocabulary, the GPU top-k top-k sampling, other
+            // sampling (and verification) the logits.
             let (row, n_rows) = if s.computed + take >= held {
                 let n_rows = s.computed + take - held + 1;
                 let first = rows.len();
@@ -200,8 +201,11 @@ impl Engine {
                 }
                 want = speculative::wider(want, speculative::want_for(&s.sampler));
                 if s.req.logprobs.is_some() {
-                    // The GPU's top pairs and logsumexp (or the logits when those are read).
-                    want = speculative::wider(want, Want::TopK);
+                    // The GPU's top pairs and logsumexp (or the logits when those are read); a
+                    // draw from the whole vocabulary may fall outside the top pairs, so its
+                    // log-probability needs the logits.
+                    let need = if s.sampler.draws_whole_vocab() { Want::Logits } else { Want::TopK };
+                    want = speculative::wider(want, need);
                 }
                 (Some(first), n_rows)
             } else {

@@ -29,6 +29,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use crate::gpu::{GpuError, Readback};
+use crate::kernels::argmax::RowDraw;
 use crate::kernels::sample::SampleParams;
 use crate::kernels::topk::TOPK_ROW_WORDS;
 use crate::kernels::{self, StepUniform};
@@ -140,10 +141,11 @@ impl GpuModel {
     }
 
     /// The next token of the run ahead: submits steps until the run's depth is in flight (or
-    /// its limit is reached), then waits for the oldest step's token. When the run samples,
-    /// `draw` gives each submitted step its uniform number in [0, 1) (in step order). An
-    /// error once the run has taken `limit` tokens.
-    pub async fn ahead_next(&mut self, draw: &mut dyn FnMut() -> f32) -> Result<AheadToken> {
+    /// its limit is reached), then waits for the oldest step's token. `draw` gives each
+    /// submitted step (in step order) how the argmax kernel chooses its token (the argmax,
+    /// or a draw from the whole vocabulary) and, when the run samples from the top-k pairs,
+    /// its uniform number in [0, 1). An error once the run has taken `limit` tokens.
+    pub async fn ahead_next(&mut self, draw: &mut dyn FnMut() -> (RowDraw, f32)) -> Result<AheadToken> {
         let Some(mut a) = self.ahead.take() else {
             return Err(LanternError::InvalidRequest("ahead_next without begin_ahead".into()));
         };
@@ -152,10 +154,10 @@ impl GpuModel {
         r
     }
 
-    async fn next_of(&mut self, a: &mut Ahead, draw: &mut dyn FnMut() -> f32) -> Result<AheadToken> {
+    async fn next_of(&mut self, a: &mut Ahead, draw: &mut dyn FnMut() -> (RowDraw, f32)) -> Result<AheadToken> {
         while a.flights.len() < self.ahead_slots.len() && a.submitted < a.limit && !a.hold {
-            let u = if a.sampling { Some(draw()) } else { None };
-            self.submit_ahead(a, u)?;
+            let (row, u) = draw();
+            self.submit_ahead(a, row, a.sampling.then_some(u))?;
         }
         let Some(f) = a.flights.pop_front() else {
             return Err(LanternError::InvalidRequest(format!("ahead_next past the run's limit of {} tokens", a.limit)));
@@ -212,7 +214,7 @@ impl GpuModel {
         let slot = f.slot;
         let bytes = self.await_flight(f, idle, &self.ahead_slots[slot], if top { SLOT_BYTES } else { 4 }).await?;
         let token = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-        let top = top.then(|| self.parse_output(&bytes[4..SLOT_BYTES as usize], 1, Want::TopK));
+        let top = top.then(|| self.parse_output(&bytes[..SLOT_BYTES as usize], 1, Want::TopK));
         Ok(AheadToken { token, top })
     }
 
@@ -237,9 +239,11 @@ impl GpuModel {
         rb.take_mapped(bytes).map_err(gpu_err)
     }
 
-    /// Encode and submit the run's next step (`u`: its uniform draw when sampling).
-    fn submit_ahead(&mut self, a: &mut Ahead, u: Option<f32>) -> Result<()> {
+    /// Encode and submit the run's next step (`row`: how the argmax kernel chooses its token;
+    /// `u`: its uniform draw when sampling from the top-k pairs).
+    fn submit_ahead(&mut self, a: &mut Ahead, row: RowDraw, u: Option<f32>) -> Result<()> {
         let ctx = self.ctx.clone();
+        self.upload_draws(&[row], 1)?;
         let pos = self.kv.alloc.append(a.seq, 1).map_err(LanternError::Kv)?;
         debug_assert_eq!(pos, a.base + a.submitted);
         let mut s = StepUniform::new(1, 1);
@@ -341,9 +345,10 @@ impl GpuModel {
     /// Submit a decode step of one token per sequence (token `i` at `positions[i]` of
     /// sequence `seqs[i]`, its pages reserved; logit row `i`) without waiting for it, and
     /// return it in flight; [`Self::land_decode_batch`] reads it. Each row's token is its
-    /// argmax, or with `sampling` a draw on the GPU from the row's top-k pairs
-    /// (`kernels::sample`, one uniform number per row; the top-k rows are read back so the
-    /// caller can check each draw against its own sampler). `ids` gives the step's input
+    /// argmax kernel's choice (the argmax, or the draw `row_draws` gives the row), or with
+    /// `sampling` a draw on the GPU from the row's top-k pairs (`kernels::sample`, one
+    /// uniform number per row, negative to keep the argmax kernel's choice; the top-k rows
+    /// are read back so the caller can check each draw against its own sampler). `ids` gives the step's input
     /// tokens, or with `None` each sequence's input is the token of the same row of the step
     /// submitted just before this one, copied on the GPU (the engine submits the same
     /// sequences, in the same order, before reading that step), so the host needs no token
@@ -354,6 +359,7 @@ impl GpuModel {
         ids: Option<&[u32]>,
         positions: &[u32],
         seqs: &[u32],
+        row_draws: &[RowDraw],
         sampling: Option<BatchSampling<'_>>,
     ) -> Result<BatchFlight> {
         let n = seqs.len();
@@ -371,6 +377,7 @@ impl GpuModel {
         }
         self.ctx.check_lost().map_err(LanternError::Gpu)?;
         let ctx = self.ctx.clone();
+        self.upload_draws(row_draws, n as u32)?;
         let s = self.write_batch_inputs_from(ids, positions, seqs, &rows);
         if let Some(sp) = &sampling {
             ctx.write(&self.ws.sample_params, 0, bytemuck::bytes_of(&sp.params));
@@ -422,12 +429,8 @@ impl GpuModel {
         let data = self.await_flight(f.flight, idle, &self.batch_slots[slot], bytes).await?;
         // (On an error the slot stays marked: its next step aborts whatever map is left.)
         self.batch_unlanded[slot] = false;
-        let fed: Vec<u32> = data[..n * 4].chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        let out = if sampled {
-            self.parse_output(&data[n * 4..bytes as usize], n as u32, Want::TopK)
-        } else {
-            self.parse_output(&data[..n * 4], n as u32, Want::Argmax)
-        };
+        let out = self.parse_output(&data[..bytes as usize], n as u32, if sampled { Want::TopK } else { Want::Argmax });
+        let fed = out.argmax.clone();
         Ok(BatchLanded { out, fed })
     }
 }

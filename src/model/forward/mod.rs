@@ -124,6 +124,8 @@ pub struct GpuModel {
     /// at the first embedding (`pooled.rs`).
     final_norm_host: Option<Vec<f32>>,
     hidden_readback: Option<Readback>,
+    /// Leading rows of `ws.row_draws` that hold a draw (the rest hold the argmax).
+    row_draws_set: usize,
 }
 
 /// What speculative decoding learned on a model across requests, so a new request starts
@@ -268,7 +270,7 @@ impl GpuModel {
 
         let (ws, r) = plan::Workspace::new(&ctx, &c, &options, kv_cfg, context, partials_bytes, x_tex)?;
         let (plans, batch_max_tokens) = plan::build_plans(&ctx, &c, &options, &ws, &kv, kv_cfg, &w).await?;
-        let readback = Readback::new(&ctx, "logits readback", (r * c.vocab_size.max(kernels::topk::TOPK_ROW_WORDS) * 4) as u64);
+        let readback = Readback::new(&ctx, "logits readback", (r * (1 + c.vocab_size.max(kernels::topk::TOPK_ROW_WORDS)) * 4) as u64);
         let ahead_slots = if options.decode_ahead >= 2 { ahead::slots(&ctx, options.decode_ahead) } else { Vec::new() };
         let batch_slots = ahead::batch_slots(&ctx, options.decode_ahead, r);
         // CPU adapters: the blocked matmul already beats one matvec per token at 2 tokens
@@ -333,6 +335,7 @@ impl GpuModel {
             next_batch_slot: 0,
             final_norm_host: None,
             hidden_readback: None,
+            row_draws_set: 0,
         })
     }
 

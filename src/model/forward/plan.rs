@@ -37,6 +37,9 @@ pub(super) struct Workspace {
     /// uniform draw per logit row.
     pub sample_params: wgpu::Buffer,
     pub draws: wgpu::Buffer,
+    /// How each logit row's token is chosen by the argmax kernel (`kernels::argmax::RowDraw`:
+    /// the argmax, or a Gumbel-max draw from the whole vocabulary).
+    pub row_draws: wgpu::Buffer,
     /// Constrained decoding: the allowed-token bitmask of each logit row (`r x ceil(vocab / 32)`).
     pub token_mask: wgpu::Buffer,
     /// OpenAI's logit_bias and penalties: each logit row's sparse (token, delta) pairs
@@ -148,6 +151,7 @@ impl Workspace {
             topk: create_zeroed(ctx, "topk", (r * kernels::topk::TOPK_ROW_WORDS * 4) as u64).map_err(gpu_err)?,
             sample_params: crate::gpu::buffer::create_uniform(ctx, "sample.params", &kernels::sample::SampleParams::default()),
             draws: create_zeroed(ctx, "draws", (r * 4) as u64).map_err(gpu_err)?,
+            row_draws: create_zeroed(ctx, "row_draws", (r * std::mem::size_of::<kernels::argmax::RowDraw>()) as u64).map_err(gpu_err)?,
             token_mask: create_zeroed(ctx, "token_mask", (r * kernels::logit_mask::words(c.vocab_size) * 4) as u64).map_err(gpu_err)?,
             logit_bias: create_zeroed(ctx, "logit_bias", kernels::logit_bias::initial_bytes(r)).map_err(gpu_err)?,
             rope: create_storage(
@@ -196,6 +200,7 @@ impl Workspace {
             &self.argmax,
             &self.topk,
             &self.draws,
+            &self.row_draws,
             &self.token_mask,
             &self.logit_bias,
             &self.rope,
@@ -313,7 +318,7 @@ pub(super) async fn build_plans(
     )
     .await
     .map_err(gpu_err)?;
-    let argmax = kernels::argmax::build(ctx, &ws.step, &ws.logits, &ws.argmax, c.vocab_size).await.map_err(gpu_err)?;
+    let argmax = kernels::argmax::build(ctx, &ws.step, &ws.logits, &ws.argmax, &ws.row_draws, c.vocab_size).await.map_err(gpu_err)?;
     let topk = kernels::topk::build(ctx, &ws.step, &ws.logits, &ws.topk, c.vocab_size, kernels::topk::TOPK_MAX).await.map_err(gpu_err)?;
     let sample = kernels::sample::build(ctx, &ws.step, &ws.sample_params, &ws.topk, &ws.draws, &ws.argmax).await.map_err(gpu_err)?;
     let logit_mask = kernels::logit_mask::build(ctx, &ws.step, &ws.token_mask, &ws.logits, c.vocab_size).await.map_err(gpu_err)?;

@@ -3,6 +3,7 @@
 //! per-dispatch profiling.
 
 use crate::gpu::GpuError;
+use crate::kernels::argmax::RowDraw;
 use crate::kernels::{self, Dispatch, StepUniform};
 use crate::kv::KvError;
 use crate::{LanternError, Result};
@@ -41,6 +42,10 @@ pub struct LogitOps<'a> {
     /// so the host computes them while the GPU runs those; the frame-budgeted
     /// [`GpuModel::begin_step_batch_with`] asks up front.
     pub mask: Option<MaskFn<'a>>,
+    /// How each logit row's token is chosen, in the step's row order: the argmax, or a
+    /// Gumbel-max draw from the whole vocabulary (`kernels::argmax::RowDraw`; rows past the
+    /// end take the argmax). After the bias and the mask, so a draw respects both.
+    pub draws: Vec<RowDraw>,
 }
 
 impl LogitOps<'_> {
@@ -268,6 +273,12 @@ impl GpuModel {
     /// verify step. At most `options.max_batch_tokens` tokens and `logit_rows` rows; the
     /// pages are released again if the step fails.
     pub async fn forward_rows(&mut self, seq: usize, tokens: &[u32], want: Want) -> Result<StepOutput> {
+        self.forward_rows_with(seq, tokens, want, LogitOps::default()).await
+    }
+
+    /// [`Self::forward_rows`] with `ops` on its logit rows (one per token: the speculative
+    /// verify step of a request drawing from the whole vocabulary draws each row's token).
+    pub async fn forward_rows_with(&mut self, seq: usize, tokens: &[u32], want: Want, ops: LogitOps<'_>) -> Result<StepOutput> {
         if tokens.is_empty() || tokens.len() > self.options.max_batch_tokens.max(1) || tokens.len() > self.logit_rows {
             return Err(LanternError::InvalidRequest(format!(
                 "forward_rows: {} tokens (a step takes 1 to {} tokens with at most {} logit rows)",
@@ -279,7 +290,7 @@ impl GpuModel {
         self.check_ids(tokens)?;
         let start = self.kv.alloc.append(seq, tokens.len()).map_err(LanternError::Kv)?;
         let rows: Vec<u32> = (0..tokens.len() as u32).collect();
-        match self.step(seq, tokens, start, &rows, want, false, LogitOps::default()).await {
+        match self.step(seq, tokens, start, &rows, want, false, ops).await {
             Ok(o) => Ok(o),
             Err(e) => {
                 let _ = self.kv.alloc.truncate(seq, start);
@@ -535,37 +546,53 @@ impl GpuModel {
         v
     }
 
-    /// What a step reads back: (source buffer, bytes).
-    fn readback_source(&self, n_out: u32, want: Want) -> (&wgpu::Buffer, u64) {
+    /// Bytes a step reads back: each row's token (the argmax kernel's choice), then with
+    /// `Want::TopK` each row's top-k pairs, or with `Want::Logits` each row's logits.
+    fn readback_bytes(&self, n_out: u32, want: Want) -> u64 {
         let n = n_out as u64;
-        match want {
-            Want::Logits => (&self.ws.logits, n * self.config.vocab_size as u64 * 4),
-            Want::TopK => (&self.ws.topk, n * kernels::topk::TOPK_ROW_WORDS as u64 * 4),
-            Want::Argmax => (&self.ws.argmax, n * 4),
-        }
+        n * 4
+            + match want {
+                Want::Logits => n * self.config.vocab_size as u64 * 4,
+                Want::TopK => n * kernels::topk::TOPK_ROW_WORDS as u64 * 4,
+                Want::Argmax => 0,
+            }
     }
 
-    /// The step's output from the bytes read back.
+    /// Copy a step's output into the readback (the layout [`Self::parse_output`] reads);
+    /// returns its bytes.
+    fn encode_readback(&self, enc: &mut wgpu::CommandEncoder, n_out: u32, want: Want) -> u64 {
+        let n = n_out as u64;
+        self.readback.copy_from(enc, &self.ws.argmax, 0, n * 4);
+        let rows = self.readback_bytes(n_out, want) - n * 4;
+        match want {
+            Want::Logits => self.readback.copy_to(enc, &self.ws.logits, 0, n * 4, rows),
+            Want::TopK => self.readback.copy_to(enc, &self.ws.topk, 0, n * 4, rows),
+            Want::Argmax => {}
+        }
+        n * 4 + rows
+    }
+
+    /// The step's output from the bytes read back: `n_out` tokens (the argmax kernel's
+    /// choices: the argmax, or a row's Gumbel-max draw), then the rows `want` asks for.
     pub(super) fn parse_output(&self, bytes: &[u8], n_out: u32, want: Want) -> StepOutput {
         if n_out == 0 {
             return StepOutput::default();
         }
+        let (ids, rows) = bytes.split_at(n_out as usize * 4);
+        let argmax: Vec<u32> = bytemuck::pod_collect_to_vec(ids);
         match want {
             Want::Logits => {
-                let logits: Vec<f32> = bytemuck::cast_slice(bytes).to_vec();
-                let argmax = logits.chunks_exact(self.config.vocab_size).map(crate::model::argmax).collect();
+                let logits: Vec<f32> = bytemuck::pod_collect_to_vec(rows);
                 StepOutput { argmax, logits: Some(logits), top: None, lse: None }
             }
             Want::TopK => {
-                let words: &[u32] = bytemuck::cast_slice(bytes);
+                let words: Vec<u32> = bytemuck::pod_collect_to_vec(rows);
                 let rows = words.chunks_exact(kernels::topk::TOPK_ROW_WORDS);
                 let top: Vec<Vec<(u32, f32)>> = rows.clone().map(|w| kernels::topk::decode_row(w, kernels::topk::TOPK_MAX)).collect();
                 let lse = rows.map(kernels::topk::row_logsumexp).collect();
-                // The best pair is the argmax (same order: value, then lower id).
-                let argmax = top.iter().map(|t| t.first().map_or(0, |p| p.0)).collect();
                 StepOutput { argmax, logits: None, top: Some(top), lse: Some(lse) }
             }
-            Want::Argmax => StepOutput { argmax: bytemuck::cast_slice(bytes).to_vec(), logits: None, top: None, lse: None },
+            Want::Argmax => StepOutput { argmax, logits: None, top: None, lse: None },
         }
     }
 
@@ -580,6 +607,30 @@ impl GpuModel {
             )));
         }
         self.ctx.write(&self.ws.token_mask, 0, bytemuck::cast_slice(mask));
+        Ok(())
+    }
+
+    /// Check a step's row draws (at most one per logit row, inverse temperatures finite and
+    /// not negative) and upload them; rows a previous step drew and this one does not go
+    /// back to the argmax.
+    pub(super) fn upload_draws(&mut self, draws: &[RowDraw], n_out: u32) -> Result<()> {
+        if draws.len() > n_out as usize {
+            return Err(LanternError::InvalidRequest(format!("row draws for {} rows in a step of {n_out} logit rows", draws.len())));
+        }
+        if let Some((r, d)) = draws.iter().enumerate().find(|(_, d)| !(d.inv_t.is_finite() && d.inv_t >= 0.0)) {
+            return Err(LanternError::InvalidRequest(format!(
+                "row draw {r}: inverse temperature {} (want a finite value of at least 0)",
+                d.inv_t
+            )));
+        }
+        let set = draws.iter().rposition(|d| *d != RowDraw::ARGMAX).map_or(0, |i| i + 1);
+        let write = set.max(self.row_draws_set).min(self.logit_rows);
+        if write > 0 {
+            let mut rows = draws[..set].to_vec();
+            rows.resize(write, RowDraw::ARGMAX);
+            self.ctx.write(&self.ws.row_draws, 0, bytemuck::cast_slice(&rows));
+        }
+        self.row_draws_set = set;
         Ok(())
     }
 
@@ -625,6 +676,9 @@ impl GpuModel {
 
     async fn run_step_inner(&mut self, s: StepUniform, want: Want, all_rows: bool, ops: LogitOps<'_>) -> Result<StepOutput> {
         let ctx = self.ctx.clone();
+        if s.n_out > 0 {
+            self.upload_draws(&ops.draws, s.n_out)?;
+        }
         let biased = ops.biased() && s.n_out > 0;
         if biased {
             self.upload_bias(&ops.bias, s.n_out)?;
@@ -659,10 +713,7 @@ impl GpuModel {
             ctx.counters.dispatched(kernels::encode_all(&mut pass, dispatches[split..].iter().copied(), &s));
         }
         drop(dispatches);
-        let (src, bytes) = self.readback_source(s.n_out, want);
-        if s.n_out > 0 {
-            self.readback.copy_from(&mut enc, src, 0, bytes);
-        }
+        let bytes = if s.n_out > 0 { self.encode_readback(&mut enc, s.n_out, want) } else { 0 };
         ctx.submit([enc.finish()]);
         if let Some(e) = scope.pop().await {
             return Err(LanternError::Gpu(GpuError::Validation { context: "forward step".into(), message: e.to_string() }));
@@ -696,6 +747,9 @@ impl GpuModel {
         self.ctx.check_lost().map_err(LanternError::Gpu)?;
         self.validate_batch(Some(ids), positions, seqs, rows)?;
         let s = self.write_batch_inputs(ids, positions, seqs, rows);
+        if s.n_out > 0 {
+            self.upload_draws(&ops.draws, s.n_out)?;
+        }
         let biased = ops.biased() && s.n_out > 0;
         if biased {
             self.upload_bias(&ops.bias, s.n_out)?;
@@ -746,8 +800,7 @@ impl GpuModel {
                 ctx.counters.dispatched(kernels::encode_all(&mut pass, dispatches[p.next..end].iter().copied(), &p.s));
             }
             if end == total && p.s.n_out > 0 {
-                let (src, bytes) = self.readback_source(p.s.n_out, p.want);
-                self.readback.copy_from(&mut enc, src, 0, bytes);
+                self.encode_readback(&mut enc, p.s.n_out, p.want);
             }
             ctx.submit([enc.finish()]);
             if let Some(e) = scope.pop().await {
@@ -775,7 +828,7 @@ impl GpuModel {
         if p.s.n_out == 0 {
             return Ok(Some(StepOutput::default()));
         }
-        let (_, bytes) = self.readback_source(p.s.n_out, p.want);
+        let bytes = self.readback_bytes(p.s.n_out, p.want);
         if p.mapping.is_none() {
             p.mapping = Some(self.readback.start_map(bytes));
         }
