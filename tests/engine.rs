@@ -541,13 +541,15 @@ fn sampled_decode_ahead_gives_the_step_at_a_time_tokens() {
     assert!(redraws < 10, "{redraws} GPU draws differed from the sampler's");
 }
 
-/// Sampling from the whole vocabulary (no top-k, no top-p: OpenAI's default) draws on the
-/// GPU by the Gumbel-max rule, keyed by the seed and the token's index: the same tokens a step
-/// at a time and decoded ahead (in `generate` and in the engine, chained beside greedy and
-/// top-k sampled rows), one readback of 4 bytes per token, other seeds other tokens.
+/// Sampling without a top-k (OpenAI's default, with or without a top-p) draws on the GPU by
+/// the Gumbel-max rule over the vocabulary or its nucleus, keyed by the seed and the token's
+/// index: the same tokens a step at a time and decoded ahead (in `generate` and in the
+/// engine, chained beside greedy and top-k sampled rows), one readback of 4 bytes per token,
+/// other seeds other tokens.
 #[test]
 fn whole_vocabulary_draws_are_the_same_ahead_and_a_step_at_a_time() {
     let hot = |seed: u64, temperature: f32| SamplingParams { temperature, top_k: 0, top_p: 1.0, seed };
+    let nucleus = |seed: u64, top_p: f32| SamplingParams { temperature: 1.0, top_k: 0, top_p, seed };
     let other = GenerateRequest { prompt_ids: vec![5, 77, 301, 9, 40, 41], max_tokens: 12, ..Default::default() };
     let req = |sampling| GenerateRequest { prompt_ids: vec![5, 77, 301, 9, 18], max_tokens: 30, sampling, ..Default::default() };
     let (want, want_next) = generate_pair(0, &req(hot(3, 1.0)), &other);
@@ -563,9 +565,15 @@ fn whole_vocabulary_draws_are_the_same_ahead_and_a_step_at_a_time() {
         assert_eq!((h.submits_per_token, h.readbacks_per_token, h.redraws), (1.0, 1.0, 0), "{h:?}");
         assert!(h.stalls_per_token <= 1.0 / 29.0 + 1e-9, "decoded ahead: {h:?}");
     }
-    // The engine: the chain's requests with two of them sampling from the whole vocabulary.
+    // A nucleus: its own tokens, the same ahead.
+    let (cut, _) = generate_pair(0, &req(nucleus(3, 0.5)), &other);
+    assert_ne!(cut.output_ids, want.output_ids, "a top-p of 0.5 draws from fewer tokens");
+    let (cut_ahead, _) = generate_pair(3, &req(nucleus(3, 0.5)), &other);
+    assert_eq!(cut_ahead.output_ids, cut.output_ids, "top-p 0.5 ahead");
+    // The engine: the chain's requests with three of them sampling without a top-k.
     let mut reqs = chain_requests(None);
     reqs[0].sampling = hot(21, 0.9);
+    reqs[3].sampling = nucleus(23, 0.9);
     reqs[6].sampling = hot(22, 1.4);
     let (plain, plain_stats, _) = run_chained(0, false, &reqs);
     let (ahead, stats, _) = run_chained(3, false, &reqs);

@@ -1172,24 +1172,26 @@ fn run_argmax(ctx: &Arc<GpuContext>, logits: &[f32], n: usize, draws: &[RowDraw]
     read_u32s(ctx, &out, rows)
 }
 
-/// Gumbel-max draws on the GPU against the CPU reference (`kernels::argmax::choose`): the same
-/// token, or (f32 logarithms differ by an ulp or two between adapters) one whose score is
-/// within 1e-4 of the reference's pick.
+/// Gumbel-max draws on the GPU against the CPU reference (`kernels::argmax::choose`): the
+/// token the GPU drew is a candidate (inside the nucleus for a top-p 1e-4 higher: the GPU sums
+/// probabilities in f32), and no candidate (inside the nucleus for a top-p 1e-4 lower) beats
+/// its score by more than 1e-4 (f32 logarithms differ by an ulp or two between adapters).
 fn check_draws(ctx: &Arc<GpuContext>, what: &str, logits: &[f32], n: usize, draws: &[RowDraw]) {
+    use lantern::kernels::argmax::{choose, nucleus_floor};
     let got = run_argmax(ctx, logits, n, draws);
     for (r, row) in logits.chunks(n).enumerate() {
-        let want = kernels::argmax::choose(row, &draws[r]);
-        if got[r] == want {
-            continue;
-        }
-        let score = |i: u32| draws[r].score(row[i as usize], i);
+        let d = draws[r];
+        let with_p = |dp: f32| RowDraw { top_p: if d.nucleus() { (d.top_p + dp).min(0.999_999) } else { d.top_p }, ..d };
+        let (wide, narrow) = (nucleus_floor(row, &with_p(1e-4)), nucleus_floor(row, &with_p(-1e-4)));
+        let want = choose(row, &d, narrow);
+        let t = got[r] as usize;
+        let score = |i: usize| d.score(row[i], i as u32);
+        let ok = t == want as usize || (t < n && row[t] >= wide && score(t) >= score(want as usize) - 1e-4);
         assert!(
-            (got[r] as usize) < n && (score(got[r]) - score(want)).abs() < 1e-4,
-            "{what}: row {r} (n {n}, {:?}): GPU drew {} (score {}), the reference {want} (score {})",
-            draws[r],
-            got[r],
-            if (got[r] as usize) < n { score(got[r]) } else { f32::NAN },
-            score(want)
+            ok,
+            "{what}: row {r} (n {n}, {d:?}): GPU drew {t} (logit {}), the reference {want} (logit {}); nucleus floors {wide}..{narrow}",
+            row.get(t).copied().unwrap_or(f32::NAN),
+            row[want as usize]
         );
     }
 }
@@ -1320,9 +1322,13 @@ fn argmax_draws_from_the_whole_vocabulary_as_the_reference_does() {
             }
         }
         logits[2 * n] = f32::NAN;
-        // Greedy rows between sampled ones, temperatures low and high, indices far apart.
+        // Greedy rows between sampled ones, temperatures low and high, nuclei narrow and wide,
+        // indices far apart.
         let draws: Vec<RowDraw> = (0..rows)
-            .map(|r| if r == 4 { RowDraw::ARGMAX } else { RowDraw::sampled([0.3, 1.0, 2.0][r % 3], 42 + r as u64, (r * 1000) as u64) })
+            .map(|r| match r {
+                4 => RowDraw::ARGMAX,
+                _ => RowDraw::sampled([0.3, 1.0, 2.0][r % 3], [1.0, 0.9, 1.0, 0.5, 1.0, 0.95][r], 42 + r as u64, (r * 1000) as u64),
+            })
             .collect();
         check_draws(&ctx, "random", &logits, n, &draws);
         // (Rows of 3 tokens or fewer are wholly masked: their token is 0, as the argmax's.)
@@ -1331,24 +1337,32 @@ fn argmax_draws_from_the_whole_vocabulary_as_the_reference_does() {
     }
 }
 
-/// The GPU's Gumbel-max draws follow softmax(logits / T): 4,096 draws (one row each, one
-/// index each) of a six-token row, each token's count within 5 standard deviations of what
-/// its probability gives, and a -inf token never drawn.
+/// The GPU's Gumbel-max draws follow softmax(logits / T), and with a top-p the renormalised
+/// nucleus: 4,096 draws (one row each, one index each) of a six-token row, each token's count
+/// within 5 standard deviations of what its probability gives; a -inf token, and with a top-p
+/// a token outside the nucleus, never drawn.
 #[test]
 fn argmax_draws_follow_the_softmax() {
     let ctx = gpu();
     let row = [2.0f32, 1.0, 0.0, -1.0, f32::NEG_INFINITY, 1.5];
     let (rows, t) = (4096usize, 0.8f32);
     let logits: Vec<f32> = (0..rows).flat_map(|_| row).collect();
-    let draws: Vec<RowDraw> = (0..rows).map(|i| RowDraw::sampled(t, 7, i as u64)).collect();
-    let got = run_argmax(&ctx, &logits, row.len(), &draws);
-    let e: Vec<f64> = row.iter().map(|&v| ((v / t) as f64).exp()).collect();
-    let z: f64 = e.iter().sum();
-    for (tok, &ei) in e.iter().enumerate() {
-        let p = ei / z;
-        let count = got.iter().filter(|&&g| g as usize == tok).count() as f64;
-        let (mean, sd) = (p * rows as f64, (p * (1.0 - p) * rows as f64).sqrt());
-        assert!((count - mean).abs() <= 5.0 * sd + 1e-9, "token {tok}: drawn {count} times, expected {mean:.1} (sd {sd:.1})");
+    // p = [.519, .149, .043, .012, 0, .278] at T = 0.8: a top-p of 0.8 keeps tokens 0, 5 and 1
+    // (.519 + .278 < 0.8 <= .519 + .278 + .149).
+    for (top_p, nucleus) in [(1.0f32, vec![0usize, 1, 2, 3, 5]), (0.8, vec![0, 1, 5])] {
+        let draws: Vec<RowDraw> = (0..rows).map(|i| RowDraw::sampled(t, top_p, 7, i as u64)).collect();
+        let got = run_argmax(&ctx, &logits, row.len(), &draws);
+        let e: Vec<f64> = row.iter().enumerate().map(|(i, &v)| if nucleus.contains(&i) { ((v / t) as f64).exp() } else { 0.0 }).collect();
+        let z: f64 = e.iter().sum();
+        for (tok, &ei) in e.iter().enumerate() {
+            let p = ei / z;
+            let count = got.iter().filter(|&&g| g as usize == tok).count() as f64;
+            let (mean, sd) = (p * rows as f64, (p * (1.0 - p) * rows as f64).sqrt());
+            assert!(
+                (count - mean).abs() <= 5.0 * sd + 1e-9,
+                "top-p {top_p}, token {tok}: drawn {count} times, expected {mean:.1} (sd {sd:.1})"
+            );
+        }
     }
 }
 

@@ -305,10 +305,10 @@ async fn next_tokens(
         let mut input = Vec::with_capacity(drafts.len() + 1);
         input.push(last);
         input.extend_from_slice(&drafts);
-        // Drawing from the whole vocabulary, row i draws output token out_len + i on the GPU.
+        // Drawing on the GPU (no top-k), row i draws output token out_len + i.
         let draws = (0..input.len()).map(|i| sampler.row_draw(out_len + i)).collect();
         let out = model.forward_rows_with(seq, &input, speculative::want_for(sampler), LogitOps { draws, ..LogitOps::default() }).await?;
-        let v = if sampler.params.is_greedy() || sampler.draws_whole_vocab() {
+        let v = if sampler.params.is_greedy() || sampler.draws_on_gpu() {
             speculative::verify_greedy(&drafts, &out.argmax)
         } else {
             let vocab = model.config.vocab_size;
@@ -370,7 +370,7 @@ async fn run(
     let context = model.kv.alloc.config.context;
     let mut timings = RequestTimings::new(arrival);
     let mut sampler = Sampler::new(req.sampling);
-    // Greedy and sampling from the whole vocabulary: the argmax kernel's choice (4 bytes);
+    // Greedy, and sampling without a top-k: the argmax kernel's choice (4 bytes);
     // top-k sampling within the GPU top-k: its pairs (512 bytes); anything else: the logits
     // row.
     let want = speculative::want_for(&sampler);

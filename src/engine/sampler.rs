@@ -97,32 +97,32 @@ impl Sampler {
         self.draw(cand)
     }
 
-    /// Whether this sampler's tokens are drawn on the GPU from the whole vocabulary
-    /// (`kernels::argmax`'s Gumbel-max rule): sampling with neither a top-k nor a top-p, the
-    /// OpenAI default. Its steps must carry [`Self::row_draw`] for the row it samples.
-    pub fn draws_whole_vocab(&self) -> bool {
+    /// Whether this sampler's tokens are drawn on the GPU (`kernels::argmax`'s Gumbel-max
+    /// rule, over the whole vocabulary or its top-p nucleus): sampling without a top-k, as
+    /// OpenAI's and Anthropic's APIs do. Its steps must carry [`Self::row_draw`] for the row it
+    /// samples.
+    pub fn draws_on_gpu(&self) -> bool {
         let p = &self.params;
-        !p.is_greedy() && p.temperature.is_finite() && p.top_k == 0 && p.top_p >= 1.0
+        !p.is_greedy() && p.temperature.is_finite() && p.top_k == 0 && p.top_p > 0.0
     }
 
     /// How the GPU chooses this sampler's token number `index` of its output (0 for the
-    /// first): a Gumbel-max draw keyed by the seed and `index` when it draws from the whole
-    /// vocabulary ([`Self::draws_whole_vocab`]), else the argmax (greedy; other sampling draws
-    /// on the host).
+    /// first): a Gumbel-max draw keyed by the seed and `index` when it draws on the GPU
+    /// ([`Self::draws_on_gpu`]), else the argmax (greedy; top-k sampling draws on the host).
     pub fn row_draw(&self, index: usize) -> crate::kernels::argmax::RowDraw {
-        if self.draws_whole_vocab() {
-            crate::kernels::argmax::RowDraw::sampled(self.params.temperature, self.params.seed, index as u64)
+        if self.draws_on_gpu() {
+            crate::kernels::argmax::RowDraw::sampled(self.params.temperature, self.params.top_p, self.params.seed, index as u64)
         } else {
             crate::kernels::argmax::RowDraw::ARGMAX
         }
     }
 
-    /// The token of row `r` of a step's output: the GPU's choice when greedy or drawing from
-    /// the whole vocabulary (the step carried [`Self::row_draw`]), else a draw from the row's
+    /// The token of row `r` of a step's output: the GPU's choice when greedy or drawing on the
+    /// GPU (the step carried [`Self::row_draw`]), else a draw from the row's
     /// top-k pairs or logits (whichever the step read back).
     pub fn sample_step(&mut self, out: &crate::model::forward::StepOutput, r: usize, vocab: usize) -> u32 {
         match (&out.top, &out.logits) {
-            _ if self.params.is_greedy() || self.draws_whole_vocab() => out.argmax[r],
+            _ if self.params.is_greedy() || self.draws_on_gpu() => out.argmax[r],
             (Some(t), _) => self.sample_top(&t[r]),
             (None, Some(l)) => self.sample(&l[r * vocab..(r + 1) * vocab]),
             (None, None) => out.argmax[r],

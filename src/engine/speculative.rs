@@ -564,7 +564,7 @@ pub fn verify_sampled(drafts: &[u32], p: &[Dist], sampler: &mut Sampler) -> Verd
 /// vocabulary on the GPU (verification then compares the drafts with those draws), the GPU
 /// top-k when the sampler's top-k fits in it, else the logits.
 pub fn want_for(sampler: &Sampler) -> Want {
-    if sampler.params.is_greedy() || sampler.draws_whole_vocab() {
+    if sampler.params.is_greedy() || sampler.draws_on_gpu() {
         Want::Argmax
     } else if sampler.fits_top(crate::kernels::topk::TOPK_MAX) {
         Want::TopK
@@ -611,7 +611,7 @@ pub struct DraftJob<'a> {
     pub k: usize,
     pub sampler: Sampler,
     /// The output index of the first drafted token (the request's output length): a sampler
-    /// drawing from the whole vocabulary drafts with the draws the target verifies with.
+    /// drawing on the GPU drafts with the draws the target verifies with.
     pub index: usize,
     pub tokens: Vec<u32>,
 }
@@ -620,7 +620,7 @@ pub struct DraftJob<'a> {
 /// cache lacks go in one step (long catch-ups, such as a prompt, first run alone in chunks),
 /// then one token per job per step. A job whose draft cache is full stops drafting (it
 /// keeps what it has). Drafts follow each job's sampler: the argmax when greedy; when drawing
-/// from the whole vocabulary, the draft's Gumbel-max draw with the noise the target's draw
+/// on the GPU (no top-k), the draft's Gumbel-max draw with the noise the target's draw
 /// at that position takes (coupled draws: where the two models agree the draft is the
 /// target's token); else a draw from the sampler's distribution over the draft's logits
 /// with the generator's next number (the one [`verify_sampled`] gives the target there).
@@ -703,7 +703,7 @@ pub async fn draft_tokens(draft: &mut GpuModel, jobs: &mut [DraftJob<'_>]) -> Re
         let out = draft.step_batch_with(&ids, &positions, &seqs, &rows, want, ops).await?;
         for (r, &i) in members.iter().enumerate() {
             let j = &mut jobs[i];
-            let t = if j.sampler.params.is_greedy() || j.sampler.draws_whole_vocab() {
+            let t = if j.sampler.params.is_greedy() || j.sampler.draws_on_gpu() {
                 out.argmax[r]
             } else {
                 let dist = dist_at(&out, r, vocab, &j.sampler);

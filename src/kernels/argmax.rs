@@ -1,9 +1,12 @@
 //! The token of each logit row on the GPU (`shaders/argmax.wgsl`): the argmax (greedy), or a
-//! draw from the whole vocabulary's softmax by the Gumbel-max rule for rows with a
-//! [`RowDraw`]. 4 bytes per row come back.
+//! draw from the softmax by the Gumbel-max rule for rows with a [`RowDraw`], over the whole
+//! vocabulary or its top-p nucleus. 4 bytes per row come back.
 //!
 //! Gumbel-max: `argmax_i(logit_i / T + g_i)` with `g_i` independent standard Gumbel noise is
-//! an exact draw from `softmax(logits / T)`. The noise is a hash of (the row's key, `i`), and
+//! an exact draw from `softmax(logits / T)`, and taken over a subset of the tokens, an exact
+//! draw from the renormalised subset: the nucleus (the fewest best tokens whose probability
+//! reaches top-p) is the set of tokens whose logit is at least a threshold, which the kernel
+//! finds by bisection over the logits' order (one pass over the row per step, at most 32). The noise is a hash of (the row's key, `i`), and
 //! the key a hash of the request's seed and the token's index in its output, so a draw
 //! depends on nothing the host holds between steps: the GPU's token is the request's token
 //! on every path, and sampling without a top-k decodes ahead of the host as greedy decoding
@@ -33,7 +36,8 @@ pub struct RowDraw {
     pub inv_t: f32,
     pub key0: u32,
     pub key1: u32,
-    pub _pad: u32,
+    /// Nucleus sampling's p in (0, 1); anything else: every token is a candidate.
+    pub top_p: f32,
 }
 
 /// SplitMix64's finaliser.
@@ -55,12 +59,18 @@ fn mix32(mut x: u32) -> u32 {
 
 impl RowDraw {
     /// The plain argmax.
-    pub const ARGMAX: RowDraw = RowDraw { inv_t: 0.0, key0: 0, key1: 0, _pad: 0 };
+    pub const ARGMAX: RowDraw = RowDraw { inv_t: 0.0, key0: 0, key1: 0, top_p: 0.0 };
 
-    /// The draw of token `index` of an output sampled at `temperature` (> 0) with `seed`.
-    pub fn sampled(temperature: f32, seed: u64, index: u64) -> RowDraw {
+    /// The draw of token `index` of an output sampled at `temperature` (> 0) with `seed`,
+    /// from the nucleus of `top_p` (1: the whole vocabulary).
+    pub fn sampled(temperature: f32, top_p: f32, seed: u64, index: u64) -> RowDraw {
         let k = mix64(seed ^ mix64(index));
-        RowDraw { inv_t: 1.0 / temperature, key0: k as u32, key1: (k >> 32) as u32, _pad: 0 }
+        RowDraw { inv_t: 1.0 / temperature, key0: k as u32, key1: (k >> 32) as u32, top_p }
+    }
+
+    /// Whether the candidates are cut to a nucleus.
+    pub fn nucleus(&self) -> bool {
+        self.inv_t > 0.0 && self.top_p > 0.0 && self.top_p < 1.0
     }
 
     /// The standard Gumbel noise of token `i` (`gumbel` in argmax.wgsl, in f32).
@@ -80,11 +90,37 @@ impl RowDraw {
     }
 }
 
-/// The kernel's choice for one row on the CPU (its tests compare with it): the argmax of
-/// the row's scores, lowest index on ties, NaN never winning, 0 for a row of NaN and -inf only.
-pub fn choose(row: &[f32], d: &RowDraw) -> u32 {
+/// The nucleus threshold of a row for `d` on the CPU, in f64: the largest logit `L` such that
+/// the tokens at or above it hold a probability mass of at least `top_p` (every finite
+/// logit counts when `d` has no nucleus: -f32::MAX).
+pub fn nucleus_floor(row: &[f32], d: &RowDraw) -> f32 {
+    if !d.nucleus() {
+        return -f32::MAX;
+    }
+    let mut v: Vec<f32> = row.iter().copied().filter(|v| *v >= -f32::MAX).collect();
+    v.sort_by(|a, b| b.total_cmp(a));
+    let Some(&mx) = v.first() else { return -f32::MAX };
+    let w = |x: f32| ((x as f64 - mx as f64) * d.inv_t as f64).exp();
+    let z: f64 = v.iter().map(|&x| w(x)).sum();
+    let mut acc = 0.0;
+    for &x in &v {
+        acc += w(x);
+        if acc >= d.top_p as f64 * z {
+            return x;
+        }
+    }
+    *v.last().expect("not empty")
+}
+
+/// The kernel's choice for one row on the CPU (its tests compare with it): the argmax of the
+/// scores of the candidates (tokens at or above `floor`: see [`nucleus_floor`]), lowest
+/// index on ties, NaN never winning, 0 for a row without a candidate.
+pub fn choose(row: &[f32], d: &RowDraw, floor: f32) -> u32 {
     let mut best: Option<(f32, u32)> = None;
     for (i, &v) in row.iter().enumerate() {
+        if v < floor {
+            continue;
+        }
         let s = d.score(v, i as u32);
         if s.is_nan() || s == f32::NEG_INFINITY {
             continue;

@@ -16,10 +16,10 @@ pub(super) struct Chain {
 }
 
 /// How the rows of a chained step get their tokens: from the argmax kernel (greedy rows, and
-/// rows drawing from the whole vocabulary by the Gumbel-max rule), or also drawn on the GPU
+/// rows sampling without a top-k, by the Gumbel-max rule), or also drawn on the GPU
 /// from the top-k pairs with the one set of parameters every top-k sampled sequence shares
 /// (greedy rows then draw with the number 0, which takes their best pair, the argmax; rows
-/// drawing from the whole vocabulary keep the argmax kernel's draw).
+/// sampling without a top-k keep the argmax kernel's draw).
 #[derive(Clone, Copy, PartialEq)]
 pub(super) enum Rows {
     Argmax,
@@ -43,7 +43,7 @@ impl Engine {
             if !plain_decode(s) || s.stale {
                 return None;
             }
-            if s.req.sampling.is_greedy() || s.sampler.draws_whole_vocab() {
+            if s.req.sampling.is_greedy() || s.sampler.draws_on_gpu() {
                 continue;
             }
             let p = gpu_params(s)?;
@@ -76,8 +76,8 @@ impl Engine {
     }
 
     /// The numbers the GPU draws the next chained step's rows with from their top-k pairs
-    /// (0 for greedy rows; -1, keep the argmax kernel's draw, for rows drawing from the whole
-    /// vocabulary), from each sampled sequence's copy of its sampler (`fresh`: a new copy, at
+    /// (0 for greedy rows; -1, keep the argmax kernel's draw, for rows sampling without a
+    /// top-k), from each sampled sequence's copy of its sampler (`fresh`: a new copy, at
     /// a chain's start).
     fn next_draws(&mut self, fresh: bool) -> Vec<f32> {
         let skew = if self.skew_draws { 0.5 } else { 0.0 };
@@ -87,7 +87,7 @@ impl Engine {
                 if s.req.sampling.is_greedy() {
                     return 0.0;
                 }
-                if s.sampler.draws_whole_vocab() {
+                if s.sampler.draws_on_gpu() {
                     return -1.0;
                 }
                 if fresh || s.draws.is_none() {

@@ -69,9 +69,9 @@ impl Engine {
                 }
                 vec![(token, lp)]
             } else {
-                let v = if s.req.sampling.is_greedy() || s.sampler.draws_whole_vocab() {
+                let v = if s.req.sampling.is_greedy() || s.sampler.draws_on_gpu() {
                     // The argmax rows are the target's tokens (its draws, when sampling from
-                    // the whole vocabulary).
+                    // the GPU).
                     speculative::verify_greedy(&drafts, &out.argmax[r..r + n_rows])
                 } else {
                     let p: Vec<Dist> = (r..r + n_rows).map(|row| speculative::dist_at(&out, row, vocab, &s.sampler)).collect();

@@ -771,14 +771,14 @@ fn step_bias(running: &[Seq], sampling: &[(u64, usize, Option<usize>, usize)], n
 }
 
 /// How the GPU chooses each logit row's token (in row order; empty when every row takes the
-/// argmax): a sequence sampling from the whole vocabulary draws its next tokens there
+/// argmax): a sequence sampling without a top-k draws its next tokens there
 /// ([`Sampler::row_draw`] from its output's length on: one row, or one per verified
 /// position).
 fn step_draws(running: &[Seq], sampling: &[(u64, usize, Option<usize>, usize)], n_rows: usize) -> Vec<RowDraw> {
     let mut rows = Vec::new();
     for &(id, _, row, n) in sampling {
         let Some(r) = row else { continue };
-        let Some(s) = running.iter().find(|s| s.id == id).filter(|s| s.sampler.draws_whole_vocab()) else { continue };
+        let Some(s) = running.iter().find(|s| s.id == id).filter(|s| s.sampler.draws_on_gpu()) else { continue };
         if rows.is_empty() {
             rows = vec![RowDraw::ARGMAX; n_rows];
         }

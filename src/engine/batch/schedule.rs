@@ -191,7 +191,7 @@ impl Engine {
             }
             // Sequences whose chunk reaches the end of what they hold sample next: one row,
             // or with drafts a row per verified position. The argmax kernel serves greedy
-            // rows and draws from the whole vocabulary, the GPU top-k top-k sampling, other
+            // rows and sampling without a top-k, the GPU top-k top-k sampling, other
             // sampling (and verification) the logits.
             let (row, n_rows) = if s.computed + take >= held {
                 let n_rows = s.computed + take - held + 1;
@@ -202,9 +202,9 @@ impl Engine {
                 want = speculative::wider(want, speculative::want_for(&s.sampler));
                 if s.req.logprobs.is_some() {
                     // The GPU's top pairs and logsumexp (or the logits when those are read); a
-                    // draw from the whole vocabulary may fall outside the top pairs, so its
+                    // draw on the GPU (no top-k) may fall outside the top pairs, so its
                     // log-probability needs the logits.
-                    let need = if s.sampler.draws_whole_vocab() { Want::Logits } else { Want::TopK };
+                    let need = if s.sampler.draws_on_gpu() { Want::Logits } else { Want::TopK };
                     want = speculative::wider(want, need);
                 }
                 (Some(first), n_rows)

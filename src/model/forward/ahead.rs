@@ -143,7 +143,7 @@ impl GpuModel {
     /// The next token of the run ahead: submits steps until the run's depth is in flight (or
     /// its limit is reached), then waits for the oldest step's token. `draw` gives each
     /// submitted step (in step order) how the argmax kernel chooses its token (the argmax,
-    /// or a draw from the whole vocabulary) and, when the run samples from the top-k pairs,
+    /// or a Gumbel-max draw) and, when the run samples from the top-k pairs,
     /// its uniform number in [0, 1). An error once the run has taken `limit` tokens.
     pub async fn ahead_next(&mut self, draw: &mut dyn FnMut() -> (RowDraw, f32)) -> Result<AheadToken> {
         let Some(mut a) = self.ahead.take() else {

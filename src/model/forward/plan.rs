@@ -38,7 +38,7 @@ pub(super) struct Workspace {
     pub sample_params: wgpu::Buffer,
     pub draws: wgpu::Buffer,
     /// How each logit row's token is chosen by the argmax kernel (`kernels::argmax::RowDraw`:
-    /// the argmax, or a Gumbel-max draw from the whole vocabulary).
+    /// the argmax, or a Gumbel-max draw from the vocabulary or its top-p nucleus).
     pub row_draws: wgpu::Buffer,
     /// Constrained decoding: the allowed-token bitmask of each logit row (`r x ceil(vocab / 32)`).
     pub token_mask: wgpu::Buffer,

@@ -43,7 +43,7 @@ pub struct LogitOps<'a> {
     /// [`GpuModel::begin_step_batch_with`] asks up front.
     pub mask: Option<MaskFn<'a>>,
     /// How each logit row's token is chosen, in the step's row order: the argmax, or a
-    /// Gumbel-max draw from the whole vocabulary (`kernels::argmax::RowDraw`; rows past the
+    /// Gumbel-max draw, with or without a nucleus (`kernels::argmax::RowDraw`; rows past the
     /// end take the argmax). After the bias and the mask, so a draw respects both.
     pub draws: Vec<RowDraw>,
 }
@@ -277,7 +277,7 @@ impl GpuModel {
     }
 
     /// [`Self::forward_rows`] with `ops` on its logit rows (one per token: the speculative
-    /// verify step of a request drawing from the whole vocabulary draws each row's token).
+    /// verify step of a request drawing on the GPU draws each row's token).
     pub async fn forward_rows_with(&mut self, seq: usize, tokens: &[u32], want: Want, ops: LogitOps<'_>) -> Result<StepOutput> {
         if tokens.is_empty() || tokens.len() > self.options.max_batch_tokens.max(1) || tokens.len() > self.logit_rows {
             return Err(LanternError::InvalidRequest(format!(
