@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The browser build and demo, from a fresh machine (idempotent):
 #   scripts/web.sh            build web/pkg (wasm + JS bindings, wasm-opt'd), report its size
-#   scripts/web.sh serve      ...then fetch the default model and serve the demo on localhost
+#   scripts/web.sh serve      ...then pack the package, build the demo on it (web/site), fetch
+#                             the default model and serve the demo on localhost
 #   scripts/web.sh pack       ...and pack the npm package: web/dist/lantern-web-<version>.tgz
-#   scripts/web.sh test-deps  ...pack, install Chromium and the package's test app (tests/
+#   scripts/web.sh test-deps  ...pack, build the demo, install Chromium and the package's test app (tests/
 #                             web-package: the tarball, esbuild, the openai client): what
 #                             the browser tests need (test.sh)
 #   scripts/web.sh e2e        ...then run the end-to-end test in Debian's Chromium
@@ -33,7 +34,8 @@ if ! command -v node >/dev/null 2>&1; then
     echo "web.sh: installing Node.js" >&2
     $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm >/dev/null
 fi
-if [ ! -x web/node_modules/.bin/wasm-opt ] || [ ! -d web/node_modules/playwright-core ]; then
+if [ ! -x web/node_modules/.bin/wasm-opt ] || [ ! -d web/node_modules/playwright-core ] || [ ! -d web/node_modules/marked ] \
+    || [ ! -d web/node_modules/dompurify ] || [ ! -x web/node_modules/.bin/esbuild ]; then
     (cd web && npm install --no-audit --no-fund --loglevel=error)
 fi
 
@@ -71,17 +73,26 @@ pack() {
     echo "web.sh: web/dist/lantern-web-$version.tgz ($(stat -c %s "web/dist/lantern-web-$version.tgz") bytes)" >&2
 }
 
+# The demo (web/main.js), built on the package as any app would be: the tarball installed
+# into web/ (npm's copy, not a link), bundled into web/site/ by web/build.mjs.
+demo() {
+    pack
+    (cd web && npm install --no-save --no-audit --no-fund --loglevel=error "$root"/web/dist/lantern-web-*.tgz)
+    node web/build.mjs
+}
+
 case "$mode" in
     build) ;;
     pack) pack ;;
     test-deps)
-        pack
+        demo
         ensure_chromium
         # The test app installs the tarball as any app would (npm's copy, not a link).
         (cd tests/web-package && npm install --no-audit --no-fund --loglevel=error \
             && npm install --no-save --no-audit --no-fund --loglevel=error "$root"/web/dist/lantern-web-*.tgz)
         ;;
     serve)
+        demo
         cargo build --release --bin lantern
         ./target/release/lantern fetch >/dev/null
         exec node web/serve.mjs "${@:2}"

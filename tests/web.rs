@@ -2,8 +2,9 @@
 //! README's test command runs first) served on loopback, the real page driven in Debian's
 //! Chromium by `web/e2e.mjs` (playwright-core), a tiny generated model, SmolLM2, Gemma 3 270M
 //! and Qwen2.5-Coder-1.5B (1.1 GB, streamed into the GPU a layer at a time) loaded from the
-//! page and generated from greedily; the browser's token ids must equal the native runtime's
-//! for the same prompts, a second page load must read the model from the browser's cache,
+//! page (the demo, built on the lantern-web package) and continued greedily; the browser's
+//! text must equal the native runtime's answer to the same completions request, a second
+//! page load must read the model from the browser's cache,
 //! and a screenshot is kept as `target/test-artifacts/web-demo.png`.
 
 mod common;
@@ -148,14 +149,15 @@ fn model_over_2gb_loads_in_chromium() {
     // tokens come from the CPU reference (f32 products of the dequantized weights).
     let expect = {
         let loaded = lantern::model::load::load_path(&model).unwrap();
-        let ids = loaded.tokenizer.unwrap().encode(prompt).unwrap();
-        lantern::reference::ReferenceModel::new(&loaded.weights).unwrap().greedy(&ids, 2)
+        let tok = loaded.tokenizer.unwrap();
+        let ids = lantern::reference::ReferenceModel::new(&loaded.weights).unwrap().greedy(&tok.encode(prompt).unwrap(), 2);
+        tok.decode(&ids).unwrap()
     };
     let cases = serde_json::json!([{ "model": "large-web.gguf", "prompt": prompt, "maxTokens": 2, "expect": expect }]);
     let report = run_e2e(&root, &dir, &cases, &["--cases-only", "--timeout-s", "1500"]);
     let results = report["results"].as_array().unwrap();
     assert_eq!(results.len(), 2);
-    assert_eq!(results[0]["ids"], cases[0]["expect"]);
+    assert_eq!(results[0]["text"], cases[0]["expect"]);
     assert_eq!(results[1]["source"], "cache");
     let wasm_mb = results[0]["wasmMb"].as_f64().unwrap();
     eprintln!(
@@ -168,30 +170,12 @@ fn model_over_2gb_loads_in_chromium() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Greedy ids from the native runtime, the request the page's worker makes.
-fn native_ids(model: &Path, prompt: &str, max_tokens: usize) -> Vec<u32> {
-    native_run(model, prompt, max_tokens).output_ids
-}
-
-/// The native runtime's generation of the page worker's request (ids and timings).
+/// The native runtime's greedy continuation of `prompt` (the completions request the demo
+/// page sends), validated and turned into a request by the same code the browser package
+/// runs.
 fn native_run(model: &Path, prompt: &str, max_tokens: usize) -> lantern::engine::Generation {
-    let loaded = lantern::model::load::load_path(model).unwrap();
-    let tok = loaded.tokenizer.unwrap();
-    let mut m =
-        pollster::block_on(GpuModel::load(common::gpu(), &loaded.weights, ModelOptions { max_seqs: 1, ..Default::default() })).unwrap();
-    let stop_ids = lantern::engine::generate::default_stop_ids(&m.config.eos_token_ids, &tok);
-    let req = GenerateRequest {
-        prompt_ids: tok.encode(prompt).unwrap(),
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop_ids,
-        stop_strings: vec![],
-        speculation: Default::default(),
-        constraint: None,
-        logprobs: None,
-        bias: Default::default(),
-    };
-    pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap()
+    let body = serde_json::json!({ "model": "native", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0 });
+    native_api(model, lantern::openai::Endpoint::Completions, &body)
 }
 
 #[test]
@@ -221,24 +205,25 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
     // `web/e2e.mjs --cases-only` with longer runs).
     let gemma_native = native_run(&gemma, "def reverse(s):", 3);
     let qwen_native = native_run(&qwen, "def reverse(s):", 2);
+    let text = |m: &Path, prompt: &str, n: usize| native_run(m, prompt, n).text;
     let cases = serde_json::json!([
-        { "model": "tiny-web.gguf", "prompt": "Hello, browser!", "maxTokens": 12, "expect": native_ids(&dir.join("tiny-web.gguf"), "Hello, browser!", 12) },
-        { "model": gemma_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": gemma_native.output_ids },
+        { "model": "tiny-web.gguf", "prompt": "Hello, browser!", "maxTokens": 12, "expect": text(&dir.join("tiny-web.gguf"), "Hello, browser!", 12) },
+        { "model": gemma_file, "prompt": "def reverse(s):", "maxTokens": 3, "expect": gemma_native.text },
         // A file over 1 GiB, streamed: its prefill and decode take minutes on SwiftShader, so
         // it is loaded and run once.
-        { "model": qwen_file, "prompt": "def reverse(s):", "maxTokens": 2, "expect": qwen_native.output_ids },
+        { "model": qwen_file, "prompt": "def reverse(s):", "maxTokens": 2, "expect": qwen_native.text },
         // Generated twice: plainly and with prompt-lookup speculation. The last case is also
         // reloaded (from Cache Storage) and chatted with (through SmolLM2's chat template;
         // the Gemma 3 270M file is the base model, without one).
         { "model": common::SMOLLM2_FILE, "prompt": "one two three four, one two three four, one two", "maxTokens": 12, "lookup": true,
-          "expect": native_ids(&smol, "one two three four, one two three four, one two", 12) },
+          "expect": text(&smol, "one two three four, one two three four, one two", 12) },
     ]);
     let report = run_e2e(&root, &dir, &cases, &[]);
     let results = report["results"].as_array().unwrap();
     assert_eq!(results.len(), 8);
     for (i, c) in cases.as_array().unwrap().iter().enumerate() {
         assert_eq!(results[i]["model"], c["model"]);
-        assert_eq!(results[i]["ids"], c["expect"], "{}", c["model"]);
+        assert_eq!(results[i]["text"], c["expect"], "{}", c["model"]);
     }
     for (i, native) in [(1, &gemma_native), (2, &qwen_native)] {
         let t = &results[i]["timings"];
@@ -253,10 +238,10 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
             n.tpot_ms.unwrap_or(f64::NAN)
         );
     }
-    assert_eq!(results[3]["lookupIds"], cases[3]["expect"], "prompt lookup in the browser changed the tokens");
+    assert_eq!(results[3]["lookupText"], cases[3]["expect"], "prompt lookup in the browser changed the text");
     let lookup = results[3]["lookupMetrics"].as_str().unwrap_or_default();
     eprintln!("SmolLM2 with prompt lookup in the browser: {lookup}");
-    assert!(lookup.contains("speculative:"), "no speculative statistics on the page: {lookup}");
+    assert!(lookup.contains("speculative (prompt lookup):"), "no speculative statistics on the page: {lookup}");
     assert_eq!(results[7]["chat"], true);
     assert_eq!(results[4]["badFile"], true);
     assert_eq!(results[5]["stop"], true);
@@ -275,6 +260,12 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
 /// The native runtime's answer to an OpenAI chat body, validated and turned into a request
 /// by the same code the browser package runs (`openai::parse_request`).
 fn native_chat(model: &Path, body: &serde_json::Value) -> lantern::engine::Generation {
+    native_api(model, lantern::openai::Endpoint::Chat, body)
+}
+
+/// The native runtime's answer to an OpenAI body for `endpoint`, validated and turned into a
+/// request by the same code the browser package runs (`openai::parse_request`).
+fn native_api(model: &Path, endpoint: lantern::openai::Endpoint, body: &serde_json::Value) -> lantern::engine::Generation {
     let loaded = lantern::model::load::load_path(model).unwrap();
     let tok = std::sync::Arc::new(loaded.tokenizer.unwrap());
     let mut m =
@@ -295,7 +286,7 @@ fn native_chat(model: &Path, body: &serde_json::Value) -> lantern::engine::Gener
         token_bytes: Default::default(),
         tokenizer: tok.clone(),
     };
-    let v = lantern::openai::parse_request(&served, lantern::openai::Endpoint::Chat, &serde_json::to_vec(body).unwrap()).unwrap();
+    let v = lantern::openai::parse_request(&served, endpoint, &serde_json::to_vec(body).unwrap()).unwrap();
     let req = v.request(&served, 0);
     pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap()
 }

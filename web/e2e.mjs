@@ -1,13 +1,14 @@
-// End-to-end test of the demo in a real browser: starts web/serve.mjs on loopback, drives
-// the page with playwright-core in Debian's Chromium (WebGPU on SwiftShader), loads each
-// model of the case file, generates greedily, and checks the token ids against the native
-// runtime's (the case file carries them). Then reloads the page and checks that the model
-// now comes from the browser's cache, and saves a screenshot.
+// End-to-end test of the demo (web/site, built on the lantern-web package by web/build.mjs)
+// in a real browser: starts web/serve.mjs on loopback, drives the page with playwright-core
+// in Debian's Chromium (WebGPU on SwiftShader), loads each model of the case file, continues
+// each prompt greedily, and checks the text against the native runtime's answer to the same
+// completions request (the case file carries it). Then reloads the page and checks that the
+// model now comes from the browser's cache, and saves a screenshot.
 //
 // node web/e2e.mjs --models DIR --cases CASES.json [--screenshot PNG] [--chromium PATH] [--cases-only]
 // --cases-only: the cases and the reload from the cache, without the bad-file, stop and chat
 // checks (the large-model run).
-// CASES.json: [{ "model": "file.gguf", "prompt": "...", "maxTokens": 8, "expect": [ids] }]
+// CASES.json: [{ "model": "file.gguf", "prompt": "...", "maxTokens": 8, "expect": "text" }]
 // The last case is the one reloaded for the cache check.
 import { readFileSync, mkdirSync, rmSync, mkdtempSync } from 'node:fs';
 import { dirname, join } from 'node:path';
@@ -51,12 +52,11 @@ try {
     const err2 = await page.evaluate(() => document.body.dataset.error);
     if (err2) throw new Error(`generating with ${c.model}: ${err2}`);
     const r = await page.evaluate(() => ({
-      ids: JSON.parse(document.body.dataset.outputIds),
+      text: document.body.dataset.outputText,
       timings: JSON.parse(document.body.dataset.timings),
       loadMs: Number(document.body.dataset.loadMs),
       wasmMb: Math.round(Number(document.body.dataset.wasmBytes) / 1e6),
       source: document.body.dataset.source,
-      text: document.getElementById('output').textContent,
       metrics: document.getElementById('metrics').textContent,
       adapter: document.getElementById('adapter').textContent,
     }));
@@ -67,7 +67,7 @@ try {
       await state('done');
       const err3 = await page.evaluate(() => document.body.dataset.error);
       if (err3) throw new Error(`generating with lookup, ${c.model}: ${err3}`);
-      r.lookupIds = await page.evaluate(() => JSON.parse(document.body.dataset.outputIds));
+      r.lookupText = await page.evaluate(() => document.body.dataset.outputText);
       r.lookupMetrics = await page.evaluate(() => document.getElementById('metrics').textContent);
       await page.selectOption('#speculative', 'off');
     }
@@ -75,11 +75,10 @@ try {
   };
   for (const c of cases) {
     const r = await run(c);
-    const ok = JSON.stringify(r.ids) === JSON.stringify(c.expect)
-      && (!c.lookup || JSON.stringify(r.lookupIds) === JSON.stringify(c.expect));
+    const ok = r.text === c.expect && (!c.lookup || r.lookupText === c.expect);
     failed ||= !ok;
     results.push({ model: c.model, ok, ...r, expect: c.expect });
-    log(`${c.model}: ${ok ? 'same tokens as native' : 'MISMATCH'} (${r.source}); loaded in ${(r.loadMs / 1000).toFixed(1)} s, wasm heap ${r.wasmMb} MB, peak resident MB while loading ${JSON.stringify(r.peakMb)}; ${r.metrics}; ${r.adapter}`);
+    log(`${c.model}: ${ok ? 'same text as native' : `MISMATCH: ${JSON.stringify(r.text)} vs ${JSON.stringify(c.expect)}`} (${r.source}); loaded in ${(r.loadMs / 1000).toFixed(1)} s, wasm heap ${r.wasmMb} MB, peak resident MB while loading ${JSON.stringify(r.peakMb)}; ${r.metrics}; ${r.adapter}`);
   }
   // A file that is not a model: a sentence in the error box, and the page still works.
   if (!casesOnly) {
@@ -101,19 +100,20 @@ try {
     await page.fill('#prompt', c.prompt);
     await page.fill('#max-tokens', '200');
     await page.click('#generate');
-    await page.waitForFunction(() => document.getElementById('output').textContent.length > 0, null, { timeout });
+    // Text beyond the prompt has arrived (the continuation shows the prompt first).
+    await page.waitForFunction((p) => document.querySelector('.msg.assistant')?.textContent.length > p.length + 'Assistant'.length, c.prompt, { timeout });
     await page.click('#stop');
     await state('done');
-    const r = await page.evaluate(() => ({ ids: JSON.parse(document.body.dataset.outputIds), metrics: document.getElementById('metrics').textContent }));
-    const ok = r.metrics.includes('finish: cancelled') && r.ids.length < 200;
+    const r = await page.evaluate(() => ({ tokens: JSON.parse(document.body.dataset.timings).tokens, metrics: document.getElementById('metrics').textContent }));
+    const ok = r.metrics.includes('finish: cancelled') && r.tokens < 200;
     failed ||= !ok;
-    results.push({ model: c.model, stop: true, ok, tokens: r.ids.length, metrics: r.metrics });
+    results.push({ model: c.model, stop: true, ok, tokens: r.tokens, metrics: r.metrics });
     log(`stop on ${c.model}: ${r.metrics}${ok ? '' : ' (expected cancelled before 200 tokens)'}`);
   }
   // A second page load: the model must come from Cache Storage, not the network.
   const last = cases[cases.length - 1];
   const again = await run(last);
-  const cached = again.source === 'cache' && JSON.stringify(again.ids) === JSON.stringify(last.expect);
+  const cached = again.source === 'cache' && again.text === last.expect;
   failed ||= !cached;
   results.push({ model: last.model, reload: true, ok: cached, ...again, expect: last.expect });
   log(`reload of ${last.model}: source ${again.source}${cached ? '' : ' (expected cache)'}, loaded in ${(again.loadMs / 1000).toFixed(1)} s, wasm heap ${again.wasmMb} MB, peak resident MB ${JSON.stringify(again.peakMb)}`);
@@ -126,9 +126,13 @@ try {
       await page.click('#generate');
       await state('done');
     }
-    const r = await page.evaluate(() => ({ out: document.getElementById('output').textContent, error: document.body.dataset.error || '' }));
-    const turns = (r.out.match(/Assistant: \S/g) || []).length;
-    const ok = !r.error && r.out.includes('You: What is 2+2?') && r.out.includes('You: And 3+3?') && turns === 2;
+    const r = await page.evaluate(() => ({
+      asked: [...document.querySelectorAll('.msg.user')].map((m) => m.lastChild.textContent),
+      answers: [...document.querySelectorAll('.msg.assistant')].map((m) => m.lastChild.textContent.trim()),
+      out: document.getElementById('messages').innerText,
+      error: document.body.dataset.error || '',
+    }));
+    const ok = !r.error && JSON.stringify(r.asked) === JSON.stringify(['What is 2+2?', 'And 3+3?']) && r.answers.length === 2 && r.answers.every((a) => a.length > 0);
     failed ||= !ok;
     results.push({ model: last.model, chat: true, ok, transcript: r.out, error: r.error });
     log(`chat on ${last.model}: ${JSON.stringify(r.out)}`);

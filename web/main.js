@@ -1,39 +1,76 @@
-// The page: asks the worker for the adapter, loads a model (same-origin URL or a file from
-// disk) with a progress bar, shows the memory plan, streams generated text with TTFT and
-// tokens/s, and stops a generation. Every failure becomes a sentence in the error box.
-const $ = (id) => document.getElementById(id);
-const worker = new Worker(new URL('./worker.js', import.meta.url), { type: 'module' });
-const send = (msg) => worker.postMessage(msg);
+// The demo: a chat page built on the lantern-web package as any app would build it (npm
+// install of the packed tarball, bundled with esbuild by web/build.mjs; marked renders the
+// answers' markdown and DOMPurify cleans it). It names the WebGPU adapter, offers the
+// catalogue with each model's size and cached state (or a GGUF file from disk), shows the
+// download and upload with a progress bar and the memory plan once loaded, streams answers
+// with TTFT and tokens/s, and stops a generation. Every failure becomes a sentence in the
+// error box. The body's data attributes (state, source, loadMs, outputText, timings, error)
+// are for the end-to-end test (web/e2e.mjs) and benchmarks that drive the page.
+import { createEngine, listModels, adapterInfo } from 'lantern-web';
+import { marked } from 'marked';
+import DOMPurify from 'dompurify';
 
+const $ = (id) => document.getElementById(id);
 const mb = (b) => `${(b / 1e6).toFixed(1)} MB`;
+const params = new URLSearchParams(location.search);
+
+let engine = null;
 let loadStarted = 0;
 // The conversation so far in chat mode: [{ role, content }].
 let history = [];
-let asked = '';
+// The stream in progress (its abort ends it).
+let current = null;
 
 function showError(text) {
   $('error').textContent = text;
   $('error').hidden = false;
+  document.body.dataset.error = text;
+}
+
+function clearError() {
+  $('error').hidden = true;
+  delete document.body.dataset.error;
 }
 
 function busy(loading) {
   $('load-url').disabled = loading;
   $('model-file').disabled = loading;
+  $('forget').disabled = loading;
 }
 
-function showPlan(plan, info) {
+// A message in the transcript: the user's text as typed, the model's as markdown (chat) or
+// as plain text (a continuation).
+function addMessage(role, text, markdown) {
+  const div = document.createElement('div');
+  div.className = `msg ${role}${markdown || role === 'user' ? '' : ' text'}`;
+  const who = document.createElement('span');
+  who.className = 'who';
+  who.textContent = role === 'user' ? 'You' : 'Assistant';
+  const body = document.createElement('div');
+  div.append(who, body);
+  $('messages').append(div);
+  const set = (t) => {
+    if (markdown) body.innerHTML = DOMPurify.sanitize(marked.parse(t));
+    else body.textContent = t;
+  };
+  set(text);
+  return set;
+}
+
+function showPlan(plan) {
   const m = plan.memory;
+  const a = plan.adapter;
   const weights = Object.entries(m.weights).map(([k, d]) => `${k} ${mb(d.bytes + d.scale_bytes)}`).join(', ');
   const rows = [
     ['model', `${plan.model} (${plan.config.num_layers} layers, d_model ${plan.config.hidden_size}, vocab ${plan.config.vocab_size})`],
     ['from', plan.source === 'cache' ? 'the browser cache (no download)' : plan.source],
-    ['adapter', `${info.name || '(unnamed)'} · ${info.backend} · shader-f16 ${info.capabilities.shader_f16 ? 'yes' : 'no'} · subgroups ${info.capabilities.subgroups ? 'yes' : 'no'}`],
+    ['adapter', `${a.name || '(unnamed)'} · ${a.backend} · shader-f16 ${a.capabilities.shader_f16 ? 'yes' : 'no'} · subgroups ${a.capabilities.subgroups ? 'yes' : 'no'}`],
     ['weights', `${mb(plan.weightBytes)} (${weights})`],
-    ['KV cache', `${mb(plan.kvCacheBytes)} · ${m.kv_dtype} · ${m.kv_pages} pages of ${m.kv_page_size} tokens` +
+    ['KV cache', `${mb(plan.kvCacheBytes)} · ${m.kv_dtype} · ${m.kv_pages} pages of ${m.kv_page_size} tokens · ${plan.maxSeqs} sequences` +
       (m.kv_window_ring ? ` · sliding layers keep a ${m.kv_window_ring.pages * m.kv_window_ring.page_size}-token ring (${mb(m.kv_ring_bytes)})` : '')],
     ['workspace', mb(m.workspace)],
     ['context', `${plan.context} tokens`],
-    ['budget', m.budget ? `${mb(m.budget)} (${m.budget_source})` : 'browsers do not report GPU memory: the KV cache holds one full context'],
+    ['budget', m.budget ? `${mb(m.budget)} (${m.budget_source})` : 'browsers do not report GPU memory: the KV cache holds what was asked for'],
     ['loaded in', `${((performance.now() - loadStarted) / 1000).toFixed(1)} s`],
   ];
   const t = $('plan');
@@ -49,19 +86,21 @@ function showPlan(plan, info) {
   t.hidden = false;
 }
 
-// The catalogue (the same models `lantern models` lists), each offered when this site serves
-// its file under models/ (a HEAD request says), else named with the command that fetches it.
-async function showCatalogue(models) {
+// The catalogue, each model offered when this site serves its file under models/ (a HEAD
+// request says), with its size and whether the browser has it cached; the others named
+// with the command that fetches them.
+async function showCatalogue() {
   const select = $('model-url');
   const keep = [...select.options].filter((o) => o.dataset.query);
   const missing = [];
   const options = [];
-  for (const m of models) {
-    const url = `models/${m.file}`;
-    const label = `${m.name} (${m.family}, ${m.params}, ${m.format}, ${mb(m.bytes)})`;
-    let here = false;
-    try { here = (await fetch(url, { method: 'HEAD' })).ok; } catch { here = false; }
-    if (here) options.push(new Option(label, url, m.default && !keep.length, m.default && !keep.length));
+  for (const m of await listModels()) {
+    const label = `${m.name} (${m.family}, ${m.params}, ${m.format}, ${mb(m.bytes)}${m.cached ? ', cached' : ''})`;
+    let here = m.cached;
+    if (!here) {
+      try { here = (await fetch(m.url, { method: 'HEAD' })).ok; } catch { here = false; }
+    }
+    if (here) options.push(new Option(label, m.url, m.default && !keep.length, m.default && !keep.length));
     else missing.push(m.name);
   }
   select.replaceChildren(...keep, ...options);
@@ -70,117 +109,140 @@ async function showCatalogue(models) {
     : '';
 }
 
-worker.onmessage = ({ data }) => {
-  switch (data.type) {
-    case 'catalogue':
-      showCatalogue(data.models).then(() => { if (params.get('autoload')) $('load-url').click(); });
-      break;
-    case 'adapter': {
-      const a = data.info;
-      $('adapter').textContent = `WebGPU adapter: ${a.name || '(unnamed)'} (${a.backend}, ${a.device_type}); features: ${a.features.join(', ') || 'none beyond the core'}; largest storage binding ${mb(a.limits.max_storage_buffer_binding_size)}`;
-      break;
-    }
-    case 'progress': {
-      $('progress').hidden = false;
-      $('progress-bar').value = data.total > 0 ? data.done / data.total : 0;
-      const what = { download: 'Downloading', cache: 'Reading from the browser cache', read: 'Reading the file', upload: 'Uploading to the GPU' }[data.phase] || data.phase;
-      const amount = data.phase === 'upload' ? `layer ${data.done} of ${data.total}` : `${mb(data.done)} of ${mb(data.total)}`;
-      $('progress-label').textContent = `${what}: ${amount}`;
-      break;
-    }
-    case 'loaded':
-      busy(false);
-      $('progress-label').textContent = 'Ready.';
-      $('progress-bar').value = 1;
-      showPlan(data.plan, data.info);
-      $('generate').disabled = false;
-      document.body.dataset.state = 'loaded';
-      document.body.dataset.source = data.plan.source;
-      document.body.dataset.loadMs = String(Math.round(performance.now() - loadStarted));
-      document.body.dataset.wasmBytes = String(data.plan.wasmMemoryBytes);
-      break;
-    case 'text':
-      $('output').textContent += data.piece;
-      break;
-    case 'done': {
-      const r = data.result;
-      if ($('chat').checked && r.finishReason !== 'cancelled') {
-        history.push({ role: 'user', content: asked }, { role: 'assistant', content: r.text });
-        $('prompt').value = '';
-        $('output').textContent += '\n\n';
-      }
-      const f = (v, d = 1) => (v == null ? '–' : v.toFixed(d));
-      const spec = r.speculative;
-      const sp = !spec ? ''
-        : spec.plain_reason ? ` · speculative: decoded plainly (${spec.plain_reason})`
-        : ` · speculative: ${spec.accepted}/${spec.proposed} drafts accepted, ${f(spec.tokens_per_step, 2)} tokens per step, gain ${f(spec.expected_gain, 2)}x expected, ${f(spec.measured_gain, 2)}x measured`;
-      $('metrics').textContent = `${r.outputIds.length} tokens · finish: ${r.finishReason} · TTFT ${f(r.ttftMs, 0)} ms · ${f(r.tokensPerS)} tokens/s · TPOT ${f(r.tpotMs)} ms${sp}`;
-      $('generate').disabled = false;
-      $('stop').disabled = true;
-      document.body.dataset.outputIds = JSON.stringify(r.outputIds);
-      // The serving metrics, for tests and benchmarks that drive the page.
-      document.body.dataset.timings = JSON.stringify({ ttftMs: r.ttftMs, tpotMs: r.tpotMs, tokensPerS: r.tokensPerS, host: r.host ?? null });
-      document.body.dataset.state = 'done';
-      break;
-    }
-    case 'error':
-      busy(false);
-      $('generate').disabled = !document.body.dataset.state;
-      $('stop').disabled = true;
-      showError(data.during === 'adapter' ? data.message : `${data.message}`);
-      document.body.dataset.state = document.body.dataset.state === 'generating' ? 'loaded' : (document.body.dataset.state || '');
-      document.body.dataset.error = data.message;
-      break;
-  }
-};
-worker.onerror = (e) => showError(`The worker failed to start: ${e.message}. Was the wasm package built (scripts/web.sh)?`);
+function onProgress(p) {
+  $('progress').hidden = false;
+  $('progress-bar').value = p.total > 0 ? p.done / p.total : 0;
+  const what = { download: 'Downloading', cache: 'Reading from the browser cache', read: 'Reading the file', upload: 'Uploading to the GPU' }[p.phase] || p.phase;
+  const amount = p.phase === 'upload' ? `layer ${p.done} of ${p.total}` : `${mb(p.done)} of ${mb(p.total)}`;
+  $('progress-label').textContent = `${what}: ${amount}`;
+}
 
-function load(msg) {
-  $('error').hidden = true;
+async function load(model) {
+  clearError();
   $('generate').disabled = true;
   busy(true);
   loadStarted = performance.now();
   document.body.dataset.state = 'loading';
-  send(msg);
+  const old = engine;
+  engine = null;
+  if (old) await old.unload().catch(() => {});
+  try {
+    engine = await createEngine({ model, onProgress, contextLength: 4096, maxSeqs: 1 });
+    const plan = await engine.plan();
+    $('progress-label').textContent = 'Ready.';
+    $('progress-bar').value = 1;
+    showPlan(plan);
+    const a = plan.adapter;
+    $('adapter').textContent = `WebGPU adapter: ${a.name || '(unnamed)'} (${a.backend}, ${a.device_type}); largest storage binding ${mb(a.limits.max_storage_buffer_binding_size)}`;
+    $('generate').disabled = false;
+    document.body.dataset.state = 'loaded';
+    document.body.dataset.source = engine.source;
+    document.body.dataset.loadMs = String(Math.round(performance.now() - loadStarted));
+    document.body.dataset.wasmBytes = String(plan.wasmMemoryBytes);
+    showCatalogue().catch(() => {});
+  } catch (e) {
+    document.body.dataset.state = '';
+    showError(`${e.message}${e.code ? ` (${e.code})` : ''}`);
+  } finally {
+    busy(false);
+  }
 }
 
-$('load-url').onclick = () => load({ type: 'loadUrl', url: new URL($('model-url').value, location.href).href });
-$('model-file').onchange = (e) => { if (e.target.files[0]) load({ type: 'loadFile', file: e.target.files[0] }); };
-function transcript() {
-  return history.map((t) => `${t.role === 'user' ? 'You' : 'Assistant'}: ${t.content}\n\n`).join('');
-}
+$('load-url').onclick = () => load($('model-url').value);
+$('model-file').onchange = (e) => { if (e.target.files[0]) load(e.target.files[0]); };
+$('forget').onclick = async () => {
+  const url = $('model-url').value;
+  if (!url || !engine) return;
+  await engine.models.delete(url).catch(() => false);
+  await showCatalogue();
+};
 
-$('generate').onclick = () => {
+async function generate() {
   const chat = $('chat').checked;
-  asked = $('prompt').value;
-  $('error').hidden = true;
-  $('output').textContent = chat ? `${transcript()}You: ${asked}\n\nAssistant: ` : '';
+  const text = $('prompt').value;
+  clearError();
   $('metrics').textContent = '';
   $('generate').disabled = true;
   $('stop').disabled = false;
   document.body.dataset.state = 'generating';
-  send({ type: 'generate', prompt: asked, options: {
-    chat,
-    history: chat ? history : [],
-    maxTokens: Number($('max-tokens').value) || 64,
+  if (!chat) $('messages').replaceChildren();
+  if (chat) addMessage('user', text, false);
+  const show = addMessage('assistant', chat ? '' : text, chat);
+  const common = {
+    max_tokens: Number($('max-tokens').value) || 64,
     temperature: Number($('temperature').value) || 0,
-    // Prompt lookup: drafts from n-gram matches in the prompt and output, checked by the
-    // model in one step (same tokens, fewer steps when the answer repeats the prompt).
-    speculative: $('speculative').value === 'off' ? undefined : { drafter: $('speculative').value },
-  } });
-};
+    stream: true,
+    stream_options: { include_usage: true },
+  };
+  // Prompt lookup: drafts from n-gram matches in the prompt and output, checked by the model
+  // in one step (same tokens, fewer steps when the answer repeats the prompt).
+  if ($('speculative').value !== 'off') common.speculative = { drafter: $('speculative').value };
+  const messages = [...history, { role: 'user', content: text }];
+  const before = (await engine.plan()).stats;
+  const start = performance.now();
+  const arrivals = [];
+  let answer = '';
+  let finish = null;
+  let usage = null;
+  try {
+    current = chat
+      ? await engine.chat.completions.create({ messages, ...common })
+      : await engine.completions.create({ prompt: text, ...common });
+    for await (const chunk of current) {
+      const c = chunk.choices[0];
+      const piece = chat ? c?.delta?.content : c?.text;
+      if (piece) {
+        arrivals.push(performance.now());
+        answer += piece;
+        show(chat ? answer : text + answer);
+      }
+      if (c?.finish_reason) finish = c.finish_reason;
+      if (chunk.usage) usage = chunk.usage;
+    }
+  } catch (e) {
+    if (e.code === 'aborted') finish = 'cancelled';
+    else showError(`${e.message}${e.code ? ` (${e.code})` : ''}`);
+  }
+  current = null;
+  finish ??= 'cancelled';
+  if (chat && finish !== 'cancelled') {
+    history.push({ role: 'user', content: text }, { role: 'assistant', content: answer });
+    $('prompt').value = '';
+  }
+  // Serving metrics from the chunks' arrival: TTFT to the first text, TPOT over the gaps
+  // after it (a chunk carries a token's text, or several when speculation accepts drafts).
+  const tokens = usage?.completion_tokens ?? arrivals.length;
+  const ttft = arrivals.length ? arrivals[0] - start : null;
+  const tpot = arrivals.length > 1 && tokens > 1 ? (arrivals[arrivals.length - 1] - arrivals[0]) / (tokens - 1) : null;
+  const after = (await engine.plan()).stats;
+  const steps = after.steps - before.steps;
+  const f = (v, d = 1) => (v == null ? '–' : v.toFixed(d));
+  const sp = common.speculative ? ` · speculative (prompt lookup): ${tokens} tokens in ${steps} engine steps` : '';
+  $('metrics').textContent = `${tokens} tokens · finish: ${finish} · TTFT ${f(ttft, 0)} ms · ${f(tpot ? 1000 / tpot : null)} tokens/s · TPOT ${f(tpot)} ms${sp}`;
+  $('generate').disabled = false;
+  $('stop').disabled = true;
+  document.body.dataset.outputText = answer;
+  document.body.dataset.timings = JSON.stringify({ ttftMs: ttft, tpotMs: tpot, tokensPerS: tpot ? 1000 / tpot : null, tokens, steps });
+  document.body.dataset.state = 'done';
+}
+
+$('generate').onclick = () => { generate(); };
+$('stop').onclick = () => { if (current) current.abort(); };
 // A new conversation whenever chat is switched, and on "New chat".
-const newChat = () => { history = []; $('output').textContent = ''; $('metrics').textContent = ''; };
+const newChat = () => { history = []; $('messages').replaceChildren(); $('metrics').textContent = ''; };
 $('chat').onchange = newChat;
 $('new-chat').onclick = newChat;
-$('stop').onclick = () => send({ type: 'cancel' });
 
-// Optional query parameters (the end-to-end test uses them): ?model=URL loads it at once.
-const params = new URLSearchParams(location.search);
+// Optional query parameters (the end-to-end test uses them): ?model=URL offers that model
+// first, and &autoload=1 loads it at once.
 if (params.get('model')) {
   const o = new Option(params.get('model'), params.get('model'), true, true);
   o.dataset.query = '1';
   $('model-url').add(o);
 }
-send({ type: 'adapter' });
-send({ type: 'catalogue' });
+adapterInfo()
+  .then((a) => { $('adapter').textContent = `WebGPU adapter: ${a.name || '(unnamed)'} (${a.backend}, ${a.device_type})`; })
+  .catch((e) => showError(e.message));
+showCatalogue()
+  .catch((e) => showError(`The model list failed: ${e.message}`))
+  .finally(() => { if (params.get('autoload')) $('load-url').click(); });

@@ -1,7 +1,8 @@
-// A small static server for the demo: web/ at /, and the models folder at /models/ (so the
-// page loads the default model from its own origin). Loopback only unless --host says
-// otherwise. Usage: node web/serve.mjs [--port 8080] [--host 127.0.0.1] [--models DIR] [--root DIR]
-// (--root: serve another folder at / instead of web/, e.g. the npm package's test app;
+// A small static server for the demo: the built site (web/site/, from web/build.mjs) at /,
+// and the models folder at /models/ (so the page loads the default model from its own
+// origin). Loopback only unless --host says otherwise. Usage: node web/serve.mjs [--port
+// 8080] [--host 127.0.0.1] [--models DIR] [--root DIR]
+// (--root: serve another folder at / instead of web/site/, e.g. the npm package's test app;
 // --isolate: cross-origin isolation headers, which multi-threaded wasm such as wllama's needs).
 import { createServer } from 'node:http';
 import { createReadStream, statSync } from 'node:fs';
@@ -11,7 +12,7 @@ import { fileURLToPath } from 'node:url';
 
 const args = process.argv.slice(2);
 const opt = (name, dflt) => { const i = args.indexOf(`--${name}`); return i >= 0 ? args[i + 1] : dflt; };
-const root = resolve(opt('root', fileURLToPath(new URL('.', import.meta.url))));
+const root = resolve(opt('root', fileURLToPath(new URL('./site/', import.meta.url))));
 const cacheRoot = process.env.LANTERN_CACHE_DIR || (process.env.XDG_CACHE_HOME ? join(process.env.XDG_CACHE_HOME, 'lantern') : join(homedir(), '.cache', 'lantern'));
 const models = resolve(opt('models', join(cacheRoot, 'models')));
 const port = Number(opt('port', process.env.PORT || 8080));

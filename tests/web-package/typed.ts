@@ -1,9 +1,12 @@
 // What a TypeScript app writes against lantern-web: tests/web.rs type-checks it (strict) with
 // tsc against the installed package's index.d.ts; it is never run.
-import { createEngine, LanternError } from 'lantern-web';
+import { adapterInfo, createEngine, listModels, LanternError } from 'lantern-web';
 import OpenAI from 'openai';
 
 async function main(out: HTMLElement) {
+  const adapter = await adapterInfo();
+  const offered = (await listModels()).filter((m) => m.cached || adapter.capabilities.shader_f16);
+  console.log(adapter.name, offered.map((m) => `${m.name} ${m.bytes}`));
   const engine = await createEngine({ model: 'smollm2-135m', onProgress: (p) => console.log(p) });
   const stream = await engine.chat.completions.create({
     messages: [{ role: 'user', content: 'Write a haiku about lanterns.' }],

@@ -186,4 +186,18 @@ export interface Engine {
 }
 
 export declare function createEngine(options: EngineOptions): Promise<Engine>;
+/** The catalogue before any model is loaded, each model with its URL and cached state. */
+export declare function listModels(options?: { modelBase?: string; assetBase?: string }): Promise<CatalogueModel[]>;
+
+export interface AdapterInfo {
+  name: string;
+  backend: string;
+  device_type: string;
+  driver: string;
+  driver_info: string;
+  capabilities: { shader_f16: boolean; subgroups: boolean; [k: string]: unknown };
+  limits: Record<string, number>;
+}
+/** The browser's WebGPU adapter; rejects with a LanternError saying why when there is none. */
+export declare function adapterInfo(options?: { assetBase?: string }): Promise<AdapterInfo>;
 export declare function cachedModels(): Promise<string[]>;

@@ -251,6 +251,32 @@ export async function cachedModels() {
   return keys.map((r) => r.url);
 }
 
+function workerUrl(assetBase) {
+  return assetBase ? new URL('worker.js', new URL(assetBase, defaultBase('.'))) : new URL('./worker.js', import.meta.url);
+}
+
+/** A call into a short-lived worker with no model (the catalogue, the adapter). */
+async function withoutModel(assetBase, op) {
+  const engine = new Engine(new Worker(workerUrl(assetBase), { type: 'module' }));
+  try { return await engine.call(op); } finally { engine.worker.terminate(); }
+}
+
+/** The catalogue (the models `lantern models` lists), before any model is loaded: each with
+ * its URL under `modelBase` (default `models/` beside the page) and whether Cache Storage
+ * holds it. */
+export async function listModels(options = {}) {
+  const base = new URL(options.modelBase ?? 'models/', defaultBase('.')).href;
+  const [list, cached] = await Promise.all([withoutModel(options.assetBase, 'catalogue'), cachedModels()]);
+  const have = new Set(cached);
+  return list.map((m) => { const url = new URL(m.file, base).href; return { ...m, url, cached: have.has(url) }; });
+}
+
+/** The browser's WebGPU adapter (name, backend, features, limits); rejects with a
+ * LanternError saying why when there is none. */
+export async function adapterInfo(options = {}) {
+  return withoutModel(options.assetBase, 'adapter');
+}
+
 /** Load a model in a Web Worker of its own and resolve to its engine. `model`: a catalogue
  * name (fetched from `modelBase`, default `models/` beside the page), a URL, a `File`, a
  * `Blob` or a `Uint8Array`. Failures reject with a LanternError (`no_adapter`,
@@ -258,8 +284,7 @@ export async function cachedModels() {
 export async function createEngine(options = {}) {
   const { model, onProgress, draft, kvDtype, contextLength, memoryBudget, maxSeqs, weights, modelBase, assetBase } = options;
   if (model === undefined || model === null) throw new LanternError('createEngine needs a `model` (a catalogue name, a URL or a File)', 'invalid_options');
-  const workerUrl = assetBase ? new URL('worker.js', new URL(assetBase, defaultBase('.'))) : new URL('./worker.js', import.meta.url);
-  const engine = new Engine(new Worker(workerUrl, { type: 'module' }));
+  const engine = new Engine(new Worker(workerUrl(assetBase), { type: 'module' }));
   engine.modelBase = new URL(modelBase ?? 'models/', defaultBase('.')).href;
   const loadOptions = { context: contextLength, kvDtype, memoryBudget, maxSeqs, weights };
   for (const k of Object.keys(loadOptions)) if (loadOptions[k] === undefined) delete loadOptions[k];
