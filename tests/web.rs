@@ -14,7 +14,6 @@ use std::process::Command;
 
 use common::{GgufWriter, Meta};
 use lantern::engine::generate::generate;
-use lantern::engine::{GenerateRequest, SamplingParams};
 use lantern::model::forward::{GpuModel, ModelOptions};
 
 /// Shapes of a random llama for the browser tests.
