@@ -219,7 +219,7 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
     ]);
     let report = run_e2e(&root, &dir, &cases, &[]);
     let results = report["results"].as_array().unwrap();
-    assert_eq!(results.len(), 8);
+    assert_eq!(results.len(), 9);
     for (i, c) in cases.as_array().unwrap().iter().enumerate() {
         assert_eq!(results[i]["model"], c["model"]);
         assert_eq!(results[i]["text"], c["expect"], "{}", c["model"]);
@@ -241,7 +241,8 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
     let lookup = results[3]["lookupMetrics"].as_str().unwrap_or_default();
     eprintln!("SmolLM2 with prompt lookup in the browser: {lookup}");
     assert!(lookup.contains("speculative (prompt lookup):"), "no speculative statistics on the page: {lookup}");
-    assert_eq!(results[7]["chat"], true);
+    assert_eq!(results[7]["picker"], true, "the model picker lists SmolLM2 with its size, cached");
+    assert_eq!(results[8]["chat"], true);
     assert_eq!(results[4]["badFile"], true);
     assert_eq!(results[5]["stop"], true);
     assert_eq!(results[6]["source"], "cache", "the reload read the model from Cache Storage");

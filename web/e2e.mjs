@@ -117,6 +117,18 @@ try {
   failed ||= !cached;
   results.push({ model: last.model, reload: true, ok: cached, ...again, expect: last.expect });
   log(`reload of ${last.model}: source ${again.source}${cached ? '' : ' (expected cache)'}, loaded in ${(again.loadMs / 1000).toFixed(1)} s, wasm heap ${again.wasmMb} MB, peak resident MB ${JSON.stringify(again.peakMb)}`);
+  // The model picker (the package's listModels): SmolLM2 offered with its size and, now that
+  // the browser holds it, marked cached.
+  if (!casesOnly) {
+    const listed = await page.waitForFunction(
+      () => [...document.querySelectorAll('#model-url option')].some((o) => /^smollm2-135m \(.* MB, cached\)$/.test(o.textContent)),
+      null, { timeout: 60000 },
+    ).then(() => true, () => false);
+    const options = await page.evaluate(() => [...document.querySelectorAll('#model-url option')].map((o) => o.textContent));
+    failed ||= !listed;
+    results.push({ model: last.model, picker: true, ok: listed, options });
+    log(`model picker: ${JSON.stringify(options)}${listed ? '' : ' (expected smollm2-135m with its size, cached)'}`);
+  }
   // Chat: two turns with the model's template; the transcript keeps both.
   if (!casesOnly) {
     await page.check('#chat');
