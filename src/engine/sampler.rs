@@ -3,7 +3,10 @@
 //!
 //! Order of operations (as in Hugging Face `generate` and llama.cpp): temperature scaling,
 //! then top-k, then top-p over the renormalised distribution, then one draw. Temperature 0
-//! means greedy (argmax, lowest id on ties), and greedy runs on the GPU.
+//! means greedy (argmax, lowest id on ties), and greedy runs on the GPU. Sampling without a
+//! top-k draws on the GPU too ([`Sampler::draws_on_gpu`]: a Gumbel-max draw keyed by the
+//! seed and the token's index, `kernels::argmax`); top-k sampling draws here, from the
+//! GPU's top-k pairs or the logits row, with the seeded generator.
 
 /// Sampling parameters of one request.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
