@@ -308,7 +308,7 @@ async fn next_tokens(
         // Drawing on the GPU (no top-k), row i draws output token out_len + i.
         let draws = (0..input.len()).map(|i| sampler.row_draw(out_len + i)).collect();
         let out = model.forward_rows_with(seq, &input, speculative::want_for(sampler), LogitOps { draws, ..LogitOps::default() }).await?;
-        let v = if sampler.params.is_greedy() || sampler.draws_on_gpu() {
+        let v = if sampler.gpu_chooses() {
             speculative::verify_greedy(&drafts, &out.argmax)
         } else {
             let vocab = model.config.vocab_size;

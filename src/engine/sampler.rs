@@ -45,13 +45,12 @@ pub struct Rng {
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
+        // SplitMix64's stream: the finaliser of z, z + g, z + 2g, ...
         let mut z = seed;
         let mut next = || {
+            let x = crate::kernels::argmax::mix64(z);
             z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut x = z;
-            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            x ^ (x >> 31)
+            x
         };
         Rng { s: [next(), next(), next(), next()] }
     }
@@ -109,6 +108,12 @@ impl Sampler {
         !p.is_greedy() && p.temperature.is_finite() && p.top_k == 0 && p.top_p > 0.0
     }
 
+    /// Whether the GPU's choice (the argmax kernel's: the argmax, or [`Self::row_draw`]'s
+    /// draw) is this sampler's token: greedy, or drawing on the GPU.
+    pub fn gpu_chooses(&self) -> bool {
+        self.params.is_greedy() || self.draws_on_gpu()
+    }
+
     /// How the GPU chooses this sampler's token number `index` of its output (0 for the
     /// first): a Gumbel-max draw keyed by the seed and `index` when it draws on the GPU
     /// ([`Self::draws_on_gpu`]), else the argmax (greedy; top-k sampling draws on the host).
@@ -125,7 +130,7 @@ impl Sampler {
     /// top-k pairs or logits (whichever the step read back).
     pub fn sample_step(&mut self, out: &crate::model::forward::StepOutput, r: usize, vocab: usize) -> u32 {
         match (&out.top, &out.logits) {
-            _ if self.params.is_greedy() || self.draws_on_gpu() => out.argmax[r],
+            _ if self.gpu_chooses() => out.argmax[r],
             (Some(t), _) => self.sample_top(&t[r]),
             (None, Some(l)) => self.sample(&l[r * vocab..(r + 1) * vocab]),
             (None, None) => out.argmax[r],

@@ -564,7 +564,7 @@ pub fn verify_sampled(drafts: &[u32], p: &[Dist], sampler: &mut Sampler) -> Verd
 /// vocabulary on the GPU (verification then compares the drafts with those draws), the GPU
 /// top-k when the sampler's top-k fits in it, else the logits.
 pub fn want_for(sampler: &Sampler) -> Want {
-    if sampler.params.is_greedy() || sampler.draws_on_gpu() {
+    if sampler.gpu_chooses() {
         Want::Argmax
     } else if sampler.fits_top(crate::kernels::topk::TOPK_MAX) {
         Want::TopK
@@ -703,7 +703,7 @@ pub async fn draft_tokens(draft: &mut GpuModel, jobs: &mut [DraftJob<'_>]) -> Re
         let out = draft.step_batch_with(&ids, &positions, &seqs, &rows, want, ops).await?;
         for (r, &i) in members.iter().enumerate() {
             let j = &mut jobs[i];
-            let t = if j.sampler.params.is_greedy() || j.sampler.draws_on_gpu() {
+            let t = if j.sampler.gpu_chooses() {
                 out.argmax[r]
             } else {
                 let dist = dist_at(&out, r, vocab, &j.sampler);

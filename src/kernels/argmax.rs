@@ -40,8 +40,9 @@ pub struct RowDraw {
     pub top_p: f32,
 }
 
-/// SplitMix64's finaliser.
-fn mix64(mut x: u64) -> u64 {
+/// SplitMix64's step: the finaliser of `x` plus the golden-ratio increment (the engine's
+/// seeded generator takes its state from the same stream).
+pub fn mix64(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

@@ -43,7 +43,7 @@ impl Engine {
             if !plain_decode(s) || s.stale {
                 return None;
             }
-            if s.req.sampling.is_greedy() || s.sampler.draws_on_gpu() {
+            if s.sampler.gpu_chooses() {
                 continue;
             }
             let p = gpu_params(s)?;
@@ -209,11 +209,11 @@ impl Engine {
         let after = if next { self.chain_next(&c.sch) } else { None };
         let landed = self.model.land_decode_batch(c.flight, after.is_none()).await;
         let mut report = match landed {
-            Ok(BatchLanded { out, fed }) => {
+            Ok(BatchLanded { out }) => {
                 let mut sch = c.sch;
                 self.drop_stale_rows(&mut sch);
                 // (sequence, the token the GPU fed its next step) for the rows read.
-                let fed: Vec<(u64, u32)> = sch.sampling.iter().filter_map(|&(id, _, row, _)| Some((id, *fed.get(row?)?))).collect();
+                let fed: Vec<(u64, u32)> = sch.sampling.iter().filter_map(|&(id, _, row, _)| Some((id, *out.argmax.get(row?)?))).collect();
                 let r = self.complete(sch, Ok(out), c.report);
                 self.mark_redraws(&fed);
                 r

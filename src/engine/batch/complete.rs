@@ -69,7 +69,7 @@ impl Engine {
                 }
                 vec![(token, lp)]
             } else {
-                let v = if s.req.sampling.is_greedy() || s.sampler.draws_on_gpu() {
+                let v = if s.sampler.gpu_chooses() {
                     // The argmax rows are the target's tokens (its draws, when sampling from
                     // the GPU).
                     speculative::verify_greedy(&drafts, &out.argmax[r..r + n_rows])

@@ -308,11 +308,10 @@ pub(crate) struct BatchFlight {
     sampled: bool,
 }
 
-/// A landed batched step: its output (argmax rows, or the top-k rows the tokens were drawn
-/// from) and the token the GPU fed each sequence's next step.
+/// A landed batched step: its output, whose argmax rows are the tokens the GPU fed each
+/// sequence's next step (with the top-k rows they were drawn from, when sampled).
 pub(crate) struct BatchLanded {
     pub out: StepOutput,
-    pub fed: Vec<u32>,
 }
 
 /// Sampling for a batched step decoded ahead: the parameters every sampled row shares and
@@ -430,7 +429,6 @@ impl GpuModel {
         // (On an error the slot stays marked: its next step aborts whatever map is left.)
         self.batch_unlanded[slot] = false;
         let out = self.parse_output(&data[..bytes as usize], n as u32, if sampled { Want::TopK } else { Want::Argmax });
-        let fed = out.argmax.clone();
-        Ok(BatchLanded { out, fed })
+        Ok(BatchLanded { out })
     }
 }
