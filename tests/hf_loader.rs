@@ -362,6 +362,30 @@ fn inconsistent_sizes_are_refused() {
 }
 
 #[test]
+fn a_field_of_the_wrong_type_is_named_by_its_path() {
+    let mut c = config_of("llama3-rope-scaling");
+    c["rope_parameters"]["factor"] = json!("eight");
+    let e = must_fail(parse(&c), "string factor");
+    assert!(matches!(e, LanternError::Config { .. }), "{e:?}");
+    assert_mentions(&e, &["rope_parameters.factor", "config.json"]);
+    let mut c = config_of("llama-gqa");
+    c["num_key_value_heads"] = json!(-2);
+    assert_mentions(&must_fail(parse(&c), "negative kv heads"), &["num_key_value_heads"]);
+    let mut c = config_of("llama-gqa");
+    c["tie_word_embeddings"] = json!("yes");
+    assert_mentions(&must_fail(parse(&c), "string bool"), &["tie_word_embeddings"]);
+    let mut c = config_of("llama-gqa");
+    c["hidden_size"] = json!(64.5);
+    assert_mentions(&must_fail(parse(&c), "fractional size"), &["hidden_size"]);
+    // Keys Lantern does not read are ignored, and null is absent.
+    let mut c = config_of("llama-gqa");
+    c["torch_dtype"] = json!("bfloat16");
+    c["num_key_value_heads"] = json!(null);
+    let p = parse(&c).unwrap();
+    assert_eq!(p.num_kv_heads, p.num_heads);
+}
+
+#[test]
 fn token_ids_accept_int_list_or_null() {
     let mut c = config_of("llama-gqa");
     assert_eq!(parse(&c).unwrap().eos_token_ids, Vec::<u32>::new());
