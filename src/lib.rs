@@ -15,11 +15,11 @@ pub mod quant;
 pub mod reference;
 
 pub use error::{LanternError, Result};
+pub mod api;
 pub mod engine;
 pub mod eval;
 pub mod gpu;
 pub mod kernels;
 pub mod kv;
-pub mod openai;
 #[cfg(all(feature = "web", target_arch = "wasm32"))]
 pub mod web;

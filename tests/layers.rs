@@ -1,6 +1,6 @@
 //! The one-way layering of ARCHITECTURE.md, checked on the source: each rule names a part of
 //! `src/` and the crate modules it must not name (`crate::<module>`, in code; comments are
-//! skipped). Dependencies point down: bin -> openai -> eval -> engine -> model -> kernels ->
+//! skipped). Dependencies point down: bin -> api -> eval -> engine -> model -> kernels ->
 //! kv -> gpu, with the leaves below them (the CPU oracle's ops, the packed-format code of
 //! `quant/`, the error type). Only `gpu/` creates devices, buffers, textures, pipelines and
 //! shader modules. No GPU, no build of the library: the rules are read off the files.
@@ -11,22 +11,22 @@ use std::path::{Path, PathBuf};
 const RULES: &[(&str, &[&str], &str)] = &[
     (
         "gpu",
-        &["kernels", "kv", "model", "engine", "openai", "eval", "web", "reference", "catalogue", "fetch"],
+        &["kernels", "kv", "model", "engine", "api", "eval", "web", "reference", "catalogue", "fetch"],
         "the device layer is the bottom",
     ),
-    ("kv", &["kernels", "model", "engine", "openai", "eval", "web", "reference"], "the cache sits below the kernels that read it"),
-    ("kernels", &["model", "engine", "openai", "eval", "web"], "ops know tensors and the cache layout, not models"),
-    ("model", &["engine", "openai", "eval", "web", "reference"], "the forward pass knows no requests, nor the test oracle"),
-    ("engine", &["openai", "eval", "web", "reference"], "generation knows no HTTP or evaluation, nor the test oracle"),
-    ("eval", &["openai", "web"], "evaluation sits below the server"),
-    ("openai", &["web", "eval"], "the OpenAI types know the engine only"),
+    ("kv", &["kernels", "model", "engine", "api", "eval", "web", "reference"], "the cache sits below the kernels that read it"),
+    ("kernels", &["model", "engine", "api", "eval", "web"], "ops know tensors and the cache layout, not models"),
+    ("model", &["engine", "api", "eval", "web", "reference"], "the forward pass knows no requests, nor the test oracle"),
+    ("engine", &["api", "eval", "web", "reference"], "generation knows no HTTP or evaluation, nor the test oracle"),
+    ("eval", &["api", "web"], "evaluation sits below the server"),
+    ("api", &["web", "eval"], "the API types (OpenAI, Anthropic, Ollama) know the engine only"),
     (
         "reference/ops.rs",
-        &["gpu", "kernels", "kv", "model", "engine", "openai", "eval", "web", "quant"],
+        &["gpu", "kernels", "kv", "model", "engine", "api", "eval", "web", "quant"],
         "the CPU oracle's ops are plain loops",
     ),
-    ("quant/mod.rs", &["gpu", "kernels", "kv", "model", "engine", "openai", "eval", "web"], "packed formats sit below the model"),
-    ("quant/ggml.rs", &["gpu", "kernels", "kv", "model", "engine", "openai", "eval", "web"], "ggml block formats sit below the model"),
+    ("quant/mod.rs", &["gpu", "kernels", "kv", "model", "engine", "api", "eval", "web"], "packed formats sit below the model"),
+    ("quant/ggml.rs", &["gpu", "kernels", "kv", "model", "engine", "api", "eval", "web"], "ggml block formats sit below the model"),
     ("kv/plan.rs", &["gpu"], "KV sizing is plain numbers (the memory plan runs without a GPU)"),
     ("model/plan.rs", &["gpu"], "the memory plan runs without a GPU"),
 ];

@@ -63,7 +63,7 @@ fn qwen_1_5b_q4km_matches_transformers_on_its_first_tokens() {
 /// the call and the tool's answer then go back through the template.
 #[test]
 fn qwen_0_5b_calls_a_tool_through_its_own_template() {
-    use lantern::openai::{parse_request, Endpoint, ServedModel};
+    use lantern::api::{parse_request, Endpoint, ServedModel};
     use serde_json::{json, Value};
     let path = model("LANTERN_QWEN05_GGUF", "qwen2.5-coder-0.5b");
     let l = load_path(&path).expect("load Qwen2.5-Coder-0.5B GGUF");

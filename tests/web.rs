@@ -174,7 +174,7 @@ fn model_over_2gb_loads_in_chromium() {
 /// runs.
 fn native_run(model: &Path, prompt: &str, max_tokens: usize) -> lantern::engine::Generation {
     let body = serde_json::json!({ "model": "native", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0 });
-    native_api(model, lantern::openai::Endpoint::Completions, &body)
+    native_api(model, lantern::api::Endpoint::Completions, &body)
 }
 
 #[test]
@@ -258,20 +258,20 @@ fn demo_page_in_chromium_matches_native_tokens_and_caches_the_model() {
 }
 
 /// The native runtime's answer to an OpenAI chat body, validated and turned into a request
-/// by the same code the browser package runs (`openai::parse_request`).
+/// by the same code the browser package runs (`api::parse_request`).
 fn native_chat(model: &Path, body: &serde_json::Value) -> lantern::engine::Generation {
-    native_api(model, lantern::openai::Endpoint::Chat, body)
+    native_api(model, lantern::api::Endpoint::Chat, body)
 }
 
 /// The native runtime's answer to an OpenAI body for `endpoint`, validated and turned into a
-/// request by the same code the browser package runs (`openai::parse_request`).
-fn native_api(model: &Path, endpoint: lantern::openai::Endpoint, body: &serde_json::Value) -> lantern::engine::Generation {
+/// request by the same code the browser package runs (`api::parse_request`).
+fn native_api(model: &Path, endpoint: lantern::api::Endpoint, body: &serde_json::Value) -> lantern::engine::Generation {
     let loaded = lantern::model::load::load_path(model).unwrap();
     let tok = std::sync::Arc::new(loaded.tokenizer.unwrap());
     let mut m =
         pollster::block_on(GpuModel::load(common::gpu(), &loaded.weights, ModelOptions { max_seqs: 1, ..Default::default() })).unwrap();
     let a = &m.kv.alloc;
-    let served = lantern::openai::ServedModel {
+    let served = lantern::api::ServedModel {
         template: tok.chat_template().map_err(|e| e.to_string()),
         stop_ids: lantern::engine::generate::default_stop_ids(&m.config.eos_token_ids, &tok),
         vocab: m.config.vocab_size,
@@ -286,7 +286,7 @@ fn native_api(model: &Path, endpoint: lantern::openai::Endpoint, body: &serde_js
         token_bytes: Default::default(),
         tokenizer: tok.clone(),
     };
-    let v = lantern::openai::parse_request(&served, endpoint, &serde_json::to_vec(body).unwrap()).unwrap();
+    let v = lantern::api::parse_request(&served, endpoint, &serde_json::to_vec(body).unwrap()).unwrap();
     let req = v.request(&served, 0);
     pollster::block_on(generate(&mut m, &tok, &req, |_| true)).unwrap()
 }

@@ -477,7 +477,7 @@ impl TokenizerRecipe {
 // ---------------------------------------------------------------------------------------
 
 /// `openai_request` target: the bytes as the body of a `/v1/chat/completions` and of a
-/// `/v1/completions` request, through [`lantern::openai::parse_request`] (JSON, the typed
+/// `/v1/completions` request, through [`lantern::api::parse_request`] (JSON, the typed
 /// serde structs, validation against the served model: tokenizer, chat template with tools,
 /// vocabulary, context, KV pool, `response_format` grammars), then the engine request it
 /// makes, and as the body of `/v1/embeddings`, `/api/embed` and `/api/embeddings`. The served
@@ -486,7 +486,7 @@ pub fn openai_request(data: &[u8]) {
     let _ = parse_openai(data);
     // The same bytes as an embeddings request (OpenAI's and Ollama's shapes).
     SERVED.with(|model| {
-        use lantern::openai::embeddings::{parse_ollama, parse_openai};
+        use lantern::api::embeddings::{parse_ollama, parse_openai};
         let _ = parse_openai(model, data, Default::default());
         let _ = parse_ollama(model, data, false, Default::default());
         let _ = parse_ollama(model, data, true, Default::default());
@@ -496,7 +496,7 @@ pub fn openai_request(data: &[u8]) {
 /// What [`openai_request`] makes of a body: per endpoint (chat, completions), the error
 /// message or `Ok`.
 pub fn parse_openai(data: &[u8]) -> [Result<(), String>; 2] {
-    use lantern::openai::{parse_request, Endpoint};
+    use lantern::api::{parse_request, Endpoint};
     SERVED.with(|model| {
         [Endpoint::Chat, Endpoint::Completions].map(|endpoint| match parse_request(model, endpoint, data) {
             Ok(v) => {
@@ -509,7 +509,7 @@ pub fn parse_openai(data: &[u8]) -> [Result<(), String>; 2] {
 }
 
 thread_local! {
-    static SERVED: lantern::openai::ServedModel = served_model();
+    static SERVED: lantern::api::ServedModel = served_model();
 }
 
 /// ChatML with tools, as Qwen's and SmolLM2's templates render them (shortened).
@@ -520,7 +520,7 @@ const SERVED_TEMPLATE: &str = "{% if tools %}<|im_start|>system\n{% for t in too
 
 /// The model `openai_request` validates against: 256 byte-level tokens, a few merges,
 /// ChatML specials, 4096 tokens of context in 64 pages of 16.
-fn served_model() -> lantern::openai::ServedModel {
+fn served_model() -> lantern::api::ServedModel {
     let merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "{ \""];
     let mut kv = byte_level_tokenizer(&merges, &["<|im_start|>", "<|im_end|>", "<|endoftext|>"]);
     let n = 256 + merges.len() + 3;
@@ -531,7 +531,7 @@ fn served_model() -> lantern::openai::ServedModel {
     let g = GgufFile::parse(&bytes, "served.gguf").expect("served GGUF parses");
     let tokenizer = Tokenizer::from_gguf(&g).expect("served tokenizer builds");
     let template = tokenizer.chat_template().map_err(|e| e.to_string());
-    lantern::openai::ServedModel {
+    lantern::api::ServedModel {
         vocab: tokenizer.vocab_size(),
         stop_ids: vec![n as u32 - 2, n as u32 - 1],
         tokenizer: std::sync::Arc::new(tokenizer),

@@ -2,10 +2,10 @@
 //! responses and chunks out, many requests on one model at once.
 //!
 //! The worker drives it: `submit(endpoint, body)` validates an OpenAI body exactly as
-//! `lantern serve` does (`openai::parse_request` against the same [`ServedModel`]) and
+//! `lantern serve` does (`api::parse_request` against the same [`ServedModel`]) and
 //! queues it in [`crate::engine::Engine`] (prefix cache, constrained decoding, speculation),
 //! `step()` runs one scheduler iteration on the GPU, and `drain(id)` hands over what a
-//! request produced since the last call: its stream's chunks (`openai::stream`, the server's
+//! request produced since the last call: its stream's chunks (`api::stream`, the server's
 //! own translation) or, at the end, the whole response. `cancel(id)` drops the request; the
 //! engine frees its KV pages at its next step. Calls must not overlap a running `step()`
 //! (the worker queues messages between steps); one that does gets a `busy` error.
@@ -18,12 +18,12 @@ use js_sys::Function;
 use wasm_bindgen::prelude::*;
 
 use super::{fetch_cached, load_blob, to_js, Failure, LoadOptions};
+use crate::api::stream::ChunkStream;
+use crate::api::{self, ApiError, Endpoint, Job, ServedModel};
 use crate::engine::speculative::{Drafter, Speculation};
 use crate::engine::{Engine as Batch, EngineOptions, Event, Generation, RequestHandle};
 use crate::gpu::GpuContext;
 use crate::kv::KvError;
-use crate::openai::stream::ChunkStream;
-use crate::openai::{self, ApiError, Endpoint, Job, ServedModel};
 use crate::LanternError;
 
 /// A loaded model serving OpenAI requests (`Engine.load`).
@@ -185,7 +185,7 @@ impl Engine {
             "completions" => Endpoint::Completions,
             o => return Err(Failure::new("invalid_request", format!("endpoint must be chat or completions, not {o}")).into_js()),
         };
-        let v = match openai::parse_request(&self.served, endpoint, body.as_bytes()) {
+        let v = match api::parse_request(&self.served, endpoint, body.as_bytes()) {
             Ok(v) => v,
             Err(e) => return api_error(&e),
         };

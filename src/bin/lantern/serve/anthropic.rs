@@ -1,5 +1,5 @@
 //! Anthropic's Messages API on `lantern serve` (`POST /v1/messages`), for the agent harnesses
-//! and SDKs that speak it: translated and validated by `lantern::openai::anthropic`, run
+//! and SDKs that speak it: translated and validated by `lantern::api::anthropic`, run
 //! through the same engine submission as the other routes ([`bridge::submit`]), answered as
 //! one Message or as Anthropic's typed events (`message_start`, `content_block_start`,
 //! `content_block_delta` with `text_delta` or `input_json_delta`, `content_block_stop`,
@@ -17,10 +17,10 @@ use axum::Extension;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
+use lantern::api::anthropic::{self, BlockStream};
+use lantern::api::tools::StreamPiece;
+use lantern::api::ApiError;
 use lantern::engine::Event;
-use lantern::openai::anthropic::{self, BlockStream};
-use lantern::openai::tools::StreamPiece;
-use lantern::openai::ApiError;
 
 use super::bridge::{self, Wait};
 use super::transport::{error_response, read_body, Conn, Shared};

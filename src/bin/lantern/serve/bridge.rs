@@ -19,9 +19,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use tokio::sync::mpsc;
 
+use lantern::api::{self, ApiError, Endpoint, Job, Validated};
 use lantern::engine::{Event, Generation, RequestHandle};
 use lantern::kv::KvError;
-use lantern::openai::{self, ApiError, Endpoint, Job, Validated};
 use lantern::LanternError;
 
 use super::metrics::{random_u64, unix_now};
@@ -49,7 +49,7 @@ async fn generate(
         Ok(b) => b,
         Err(e) => return reject(&shared, e),
     };
-    let v = match openai::parse_request(&shared.model, endpoint, &bytes) {
+    let v = match api::parse_request(&shared.model, endpoint, &bytes) {
         Ok(v) => v,
         Err(e) => return reject(&shared, e),
     };
@@ -302,7 +302,7 @@ fn stream(mut run: Run, include_usage: bool) -> Response {
     let keepalive = run.shared.sse_keepalive;
     tokio::spawn(async move {
         // The job outlives the task's borrows of `run`: the chunker owns a clone.
-        let mut chunks = openai::stream::ChunkStream::new(run.job.clone(), run.done.len());
+        let mut chunks = api::stream::ChunkStream::new(run.job.clone(), run.done.len());
         for c in chunks.opening() {
             if tx.send(data(&c)).await.is_err() {
                 return;

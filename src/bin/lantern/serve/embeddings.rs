@@ -1,5 +1,5 @@
 //! `POST /v1/embeddings` (OpenAI), `POST /api/embed` and `POST /api/embeddings` (Ollama):
-//! every input is validated first (`lantern::openai::embeddings`), then embedded on the
+//! every input is validated first (`lantern::api::embeddings`), then embedded on the
 //! engine thread between decode steps, one input after another; the connection counts as
 //! busy meanwhile, so a draining server finishes it.
 
@@ -11,8 +11,8 @@ use axum::extract::{Extension, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 
-use lantern::openai::embeddings::{self as emb, EmbedRequest};
-use lantern::openai::ApiError;
+use lantern::api::embeddings::{self as emb, EmbedRequest};
+use lantern::api::ApiError;
 use lantern::LanternError;
 
 use super::ollama;

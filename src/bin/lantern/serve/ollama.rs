@@ -2,7 +2,7 @@
 //! Open WebUI, editor plugins): `POST /api/chat` and `POST /api/generate` (one JSON object,
 //! or newline-delimited JSON while tokens arrive), `GET /api/tags`, `POST /api/show`,
 //! `GET /api/ps` and `GET /api/version`. Requests are translated and validated by
-//! `lantern::openai::ollama` and run through the same engine submission as the OpenAI
+//! `lantern::api::ollama` and run through the same engine submission as the OpenAI
 //! routes ([`bridge::submit`]): same admission, deadlines, cancellation when the client goes
 //! away, and metrics. Errors are Ollama's `{"error": "..."}` (a streamed request that fails
 //! after its first line ends with such a line).
@@ -18,10 +18,10 @@ use axum::Extension;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use lantern::api::ollama::{self, Generate};
+use lantern::api::tools::StreamPiece;
+use lantern::api::ApiError;
 use lantern::engine::Event;
-use lantern::openai::ollama::{self, Generate};
-use lantern::openai::tools::StreamPiece;
-use lantern::openai::ApiError;
 
 use super::bridge::{self, Wait};
 use super::transport::{error_response, read_body, Conn, Shared};

@@ -1,5 +1,5 @@
 //! OpenAI's Responses API on `lantern serve` (`POST /v1/responses`), which coding agents
-//! speak: translated and validated by `lantern::openai::responses`, run through the same
+//! speak: translated and validated by `lantern::api::responses`, run through the same
 //! engine submission as the other routes ([`bridge::submit`]), answered as one Response or
 //! as the typed event sequence (`response.created`, `response.in_progress`, output items
 //! opening, growing by `response.output_text.delta` / `response.function_call_arguments.delta`
@@ -19,9 +19,9 @@ use axum::Extension;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use lantern::api::responses::{self, OutputStream};
+use lantern::api::tools::StreamPiece;
 use lantern::engine::Event;
-use lantern::openai::responses::{self, OutputStream};
-use lantern::openai::tools::StreamPiece;
 
 use super::bridge::{self, Wait};
 use super::metrics::unix_now;

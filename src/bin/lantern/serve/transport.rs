@@ -40,9 +40,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify};
 use tower::ServiceExt as _;
 
+use lantern::api::{model_not_found, ApiError, ServedModel};
 use lantern::engine::{Engine, EngineClient, EngineWorker, Speculation};
 use lantern::model::forward::Pooling;
-use lantern::openai::{model_not_found, ApiError, ServedModel};
 
 use super::anthropic;
 use super::bridge;
@@ -501,7 +501,7 @@ async fn reject_busy(shared: Arc<Shared>, mut stream: TcpStream) {
     let head = format!(
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {}\r\nRetry-After: {}\r\nConnection: close\r\n\r\n",
         body.len(),
-        lantern::openai::RETRY_AFTER_S
+        lantern::api::RETRY_AFTER_S
     );
     let write = async {
         stream.write_all(head.as_bytes()).await?;
@@ -596,7 +596,7 @@ fn draining(route: &str) -> Response {
 
 /// `POST /tokenize`: the ids of a prompt or of chat messages (vLLM's shape).
 async fn tokenize(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
-    match read_body(&shared, &headers, body).await.and_then(|b| lantern::openai::tokenize::tokenize(&shared.model, &b)) {
+    match read_body(&shared, &headers, body).await.and_then(|b| lantern::api::tokenize::tokenize(&shared.model, &b)) {
         Ok(v) => json_response(StatusCode::OK, v.to_string()),
         Err(e) => api_error(e),
     }
@@ -604,7 +604,7 @@ async fn tokenize(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: B
 
 /// `POST /detokenize`: the text of ids.
 async fn detokenize(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
-    match read_body(&shared, &headers, body).await.and_then(|b| lantern::openai::tokenize::detokenize(&shared.model, &b)) {
+    match read_body(&shared, &headers, body).await.and_then(|b| lantern::api::tokenize::detokenize(&shared.model, &b)) {
         Ok(v) => json_response(StatusCode::OK, v.to_string()),
         Err(e) => api_error(e),
     }

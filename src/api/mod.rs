@@ -1,4 +1,5 @@
-//! The OpenAI API's request and response types, and the validation that turns a request body
+//! The HTTP APIs `lantern serve` and the browser package speak, as typed requests. First
+//! OpenAI's: its request and response types, and the validation that turns a request body
 //! into a [`GenerateRequest`] (`lantern serve` is the transport around it: src/bin/lantern/serve/).
 //!
 //! Requests are typed serde structs, deserialized through `serde_path_to_error`, so a field

@@ -16,8 +16,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::{typed_body, validate, ApiError, Content, Endpoint, MessageIn, RequestBody, ServedModel, Validated};
+use crate::api::tools::{self, ToolCallDelta, Tools};
 use crate::engine::{FinishReason, Generation};
-use crate::openai::tools::{self, ToolCallDelta, Tools};
 
 /// `POST /v1/responses`. Unknown fields are ignored.
 #[derive(Debug, Default, Deserialize)]

@@ -16,8 +16,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::{typed_body, validate, ApiError, Content, Endpoint, MessageIn, RequestBody, ServedModel, Stop, Validated};
+use crate::api::tools::{self, Tools};
 use crate::engine::{FinishReason, Generation};
-use crate::openai::tools::{self, Tools};
 
 /// `POST /v1/messages`. Unknown fields are ignored.
 #[derive(Debug, Default, Deserialize)]

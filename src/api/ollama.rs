@@ -23,8 +23,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::{typed_body, validate, ApiError, Content, Endpoint, Logprobs, MessageIn, Prompt, RequestBody, ServedModel, Stop, Validated};
+use crate::api::tools::{self, Tools};
 use crate::engine::{Generation, TokenLogprob};
-use crate::openai::tools::{self, Tools};
 
 /// Ollama's sampler defaults (its `api.DefaultOptions`).
 pub const DEFAULT_TEMPERATURE: f64 = 0.8;
