@@ -247,3 +247,49 @@ fn uniform_structs_match_their_wgsl_mirrors() {
     }
     assert!(checked > 100, "{checked}");
 }
+
+/// Every WGSL source stays readable: no `#if` nested more than two deep, and no function
+/// defined twice under different conditions (a layout that needs another version of a
+/// function gets its own file).
+#[test]
+fn sources_nest_conditions_at_most_two_deep_and_define_each_function_once() {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "wgsl") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders"), &mut files);
+    assert!(files.len() >= 30, "found only {} shader files", files.len());
+    let mut broken = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        let (mut depth, mut deepest) = (0usize, 0usize);
+        let mut fns: std::collections::BTreeMap<String, Vec<usize>> = Default::default();
+        for (i, line) in text.lines().enumerate() {
+            let t = line.trim_start();
+            if t.starts_with("#if") {
+                depth += 1;
+                deepest = deepest.max(depth);
+            } else if t.starts_with("#endif") {
+                depth = depth.saturating_sub(1);
+            } else if let Some(rest) = t.strip_prefix("fn ") {
+                let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                fns.entry(name).or_default().push(i + 1);
+            }
+        }
+        let name = f.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap().display().to_string();
+        if deepest > 2 {
+            broken.push(format!("{name}: #if nested {deepest} deep"));
+        }
+        for (fname, lines) in fns.iter().filter(|(_, l)| l.len() > 1) {
+            broken.push(format!("{name}: fn {fname} defined on lines {lines:?}"));
+        }
+    }
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}

@@ -27,51 +27,49 @@ struct Params {
 #else
 @group(0) @binding(2) var<storage, read> x: array<f32>;            // (rows of x, x_stride)
 #endif
+// Weights in storage buffers, unless they are packed in textures (TEX: below).
 #if W_F32
 @group(0) @binding(3) var<storage, read> w: array<f32>;            // (n_rows, k)
+#elif TEX
 #else
-#ifndef TEX
 @group(0) @binding(3) var<storage, read> w: array<u32>;            // (n_rows, k) f16 pairs or codes
-#endif
 #endif
 #if GATED
 #if W_F32
 @group(0) @binding(4) var<storage, read> u: array<f32>;            // (n_rows, k) up
+#elif TEX
 #else
-#ifndef TEX
 @group(0) @binding(4) var<storage, read> u: array<u32>;
 #endif
 #endif
-#endif
-#if NORM
-#ifndef XU
-#ifndef XTEX
+// The norm weight in storage, unless it comes through the uniform window `gu` (XU, XTEX:
+// below).
+#if XU
+#elif XTEX
+#elif NORM
 #if X_VEC4
 @group(0) @binding(5) var<storage, read> g: array<vec4<f32>>;      // (k / 4) norm weight
 #else
 @group(0) @binding(5) var<storage, read> g: array<f32>;            // (k) norm weight
 #endif
 #endif
-#endif
-#endif
 #if BIAS
 @group(0) @binding(6) var<storage, read> bias: array<f32>;         // (n_rows)
 #endif
 @group(0) @binding(7) var<storage, read_write> y: array<f32>;      // (n_tok, out_stride)
-#if W_PACKED
 #if TEX
-// Codes and scales as tiled rgba32uint textures (common/weights.wgsl, TEX).
+// Packed codes and scales as tiled rgba32uint textures (common/weights.wgsl, TEX; only
+// packed formats are held in textures).
 @group(0) @binding(11) var wtex: texture_2d<u32>;
 @group(0) @binding(12) var wstex: texture_2d<u32>;
 #if GATED
 @group(0) @binding(13) var utex: texture_2d<u32>;
 @group(0) @binding(14) var ustex: texture_2d<u32>;
 #endif
-#else
+#elif W_PACKED
 @group(0) @binding(9) var<storage, read> wsc: array<u32>;          // group scales of w
 #if GATED
 @group(0) @binding(10) var<storage, read> usc: array<u32>;         // group scales of u
-#endif
 #endif
 #endif
 #if XU
@@ -108,9 +106,11 @@ fn gelu_tanh(v: f32) -> f32 {
 }
 #endif
 
-#ifndef XTEX
-#if X_VEC4
-#ifndef XU
+// Loads of x from storage (XTEX reads a texture and XU a uniform window instead, in their
+// kernels).
+#if XTEX
+#elif XU
+#elif X_VEC4
 // x'[4 i .. 4 i + 4] of the input row starting at vec4 `xb4`: with NORM scaled by the norm
 // weight, their squares added to `*sum_sq` (which is left alone otherwise).
 fn load_x4(xb4: u32, i: u32, sum_sq: ptr<function, f32>) -> vec4<f32> {
@@ -121,7 +121,6 @@ fn load_x4(xb4: u32, i: u32, sum_sq: ptr<function, f32>) -> vec4<f32> {
 #endif
     return v;
 }
-#endif
 #else
 // x'[k], x'[k + 1] of the input row starting at element `xb`: with NORM scaled by the norm
 // weight, their squares added to `*sum_sq` (which is left alone otherwise).
@@ -143,7 +142,6 @@ fn load_x1(xb: u32, k: u32, sum_sq: ptr<function, f32>) -> f32 {
 #endif
     return v;
 }
-#endif
 #endif
 
 #if XBCAST

@@ -10,9 +10,18 @@ use super::preprocess::{preprocess, PreprocessError};
 pub const SOURCES: &[(&str, &str)] = &[
     ("common/step.wgsl", include_str!("../../shaders/common/step.wgsl")),
     ("common/weights.wgsl", include_str!("../../shaders/common/weights.wgsl")),
+    ("common/weights/dense_f32.wgsl", include_str!("../../shaders/common/weights/dense_f32.wgsl")),
+    ("common/weights/dense_f16.wgsl", include_str!("../../shaders/common/weights/dense_f16.wgsl")),
+    ("common/weights/codes.wgsl", include_str!("../../shaders/common/weights/codes.wgsl")),
+    ("common/weights/scales.wgsl", include_str!("../../shaders/common/weights/scales.wgsl")),
+    ("common/weights/words_buffer.wgsl", include_str!("../../shaders/common/weights/words_buffer.wgsl")),
+    ("common/weights/words_texture.wgsl", include_str!("../../shaders/common/weights/words_texture.wgsl")),
+    ("common/weights/packed.wgsl", include_str!("../../shaders/common/weights/packed.wgsl")),
     ("common/linear.wgsl", include_str!("../../shaders/common/linear.wgsl")),
     ("common/matvec_end.wgsl", include_str!("../../shaders/common/matvec_end.wgsl")),
     ("common/blocked_acc.wgsl", include_str!("../../shaders/common/blocked_acc.wgsl")),
+    ("common/blocked_q.wgsl", include_str!("../../shaders/common/blocked_q.wgsl")),
+    ("common/blocked_q_tex.wgsl", include_str!("../../shaders/common/blocked_q_tex.wgsl")),
     ("common/kv.wgsl", include_str!("../../shaders/common/kv.wgsl")),
     ("common/rank.wgsl", include_str!("../../shaders/common/rank.wgsl")),
     ("common/topk_row.wgsl", include_str!("../../shaders/common/topk_row.wgsl")),
@@ -30,8 +39,12 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matvec_q_wg.wgsl", include_str!("../../shaders/matvec_q_wg.wgsl")),
     ("matvec_q_masked.wgsl", include_str!("../../shaders/matvec_q_masked.wgsl")),
     ("matmul_blocked_q.wgsl", include_str!("../../shaders/matmul_blocked_q.wgsl")),
+    ("matmul_blocked_q_xbcast.wgsl", include_str!("../../shaders/matmul_blocked_q_xbcast.wgsl")),
+    ("matmul_blocked_q_xtex.wgsl", include_str!("../../shaders/matmul_blocked_q_xtex.wgsl")),
     ("rope_kv.wgsl", include_str!("../../shaders/rope_kv.wgsl")),
     ("attention.wgsl", include_str!("../../shaders/attention.wgsl")),
+    ("attention_xbcast.wgsl", include_str!("../../shaders/attention_xbcast.wgsl")),
+    ("common/attention.wgsl", include_str!("../../shaders/common/attention.wgsl")),
     ("attention_reduce.wgsl", include_str!("../../shaders/attention_reduce.wgsl")),
     ("argmax.wgsl", include_str!("../../shaders/argmax.wgsl")),
     ("topk.wgsl", include_str!("../../shaders/topk.wgsl")),
@@ -434,9 +447,14 @@ impl PipelineKey {
     }
 
     /// The shader file of this variant: the packed matvec has one per layout flag (TEX,
-    /// MULTI_ROW, ROW_PER_WORKGROUP; else ROWS4, with or without XBCAST).
+    /// MULTI_ROW, ROW_PER_WORKGROUP; else ROWS4, with or without XBCAST), the packed blocked
+    /// matmul one per way of reading x (XTEX, else XBCAST, else storage), attention one for
+    /// GPUs and one for 8-lane subgroups (XBCAST).
     pub fn file(&self) -> &'static str {
         match self.op {
+            ShaderOp::Attention if self.flags & flags::XBCAST != 0 => "attention_xbcast.wgsl",
+            ShaderOp::MatmulBlockedQ if self.flags & flags::XTEX != 0 => "matmul_blocked_q_xtex.wgsl",
+            ShaderOp::MatmulBlockedQ if self.flags & flags::XBCAST != 0 => "matmul_blocked_q_xbcast.wgsl",
             ShaderOp::MatvecQ if self.flags & flags::TEX != 0 => "matvec_q_tiled.wgsl",
             ShaderOp::MatvecQ if self.flags & flags::MULTI_ROW != 0 => "matvec_q_multi.wgsl",
             ShaderOp::MatvecQ if self.flags & flags::ROW_PER_WORKGROUP != 0 => "matvec_q_wg.wgsl",

@@ -1,0 +1,136 @@
+// Rust dispatch: src/kernels/attention.rs; CPU reference and tests: ARCHITECTURE.md ops table (tests/kernels.rs attention_*, paged_attention_*).
+// Causal grouped-query attention over the paged KV cache for CPU adapters (XBCAST: the
+// workgroup is one 8-lane subgroup), the same work as attention.wgsl (whose header describes
+// batches of query heads, flash-decoding splits and shards) with no workgroup memory and no
+// barriers. Each lane scores its own key of a chunk of 8, getting q by subgroupBroadcast
+// from the lane that loaded it; the chunk max and sum come from subgroupMax/subgroupAdd;
+// for the values every lane owns head_dim / 8 adjacent dims and takes each key's
+// probability and address by broadcast. On lavapipe every divergent load and every barrier
+// is costly, and this touches each K and V word once per lane that needs it.
+#include "common/attention.wgsl"
+
+// Dims lid + 8 i of q (scaled) for the heads of the batch, and the output accumulators of
+// dims lid * dpl + i.
+var<private> qr: array<vec4<f32>, 32>;
+var<private> acc8: array<vec4<f32>, 32>;
+
+// acc8[i..i+4] += pr * V[e..e+4].
+fn vacc(i: u32, pr: vec4<f32>, e: u32) {
+    let v = v4(e);
+    acc8[i] += pr * v.x;
+    acc8[i + 1u] += pr * v.y;
+    acc8[i + 2u] += pr * v.z;
+    acc8[i + 3u] += pr * v.w;
+}
+
+@compute @workgroup_size(8)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let t = wid.y;
+    let group = p.n_heads / p.n_kv_heads;
+    let batches = (group + HB - 1u) / HB;
+    let kvh = wid.x / batches;
+    if (t >= step.n_tokens || kvh >= p.n_kv_heads) {
+        return;
+    }
+    let b = wid.x % batches;
+    let h0 = kvh * group + b * HB;
+    let nh = min(HB, group - b * HB);
+    let hd = p.head_dim;
+    // Dims per lane (head_dim is a multiple of 32 for this variant; the host checks).
+    let dpl = hd / 8u;
+    let qb = t * p.qkv_stride + h0 * hd;
+    for (var i = 0u; i < dpl; i++) {
+        var qv = vec4<f32>(0.0);
+        for (var g = 0u; g < nh; g++) {
+            qv[g] = qkv[qb + g * hd + i * 8u + lid] * p.scale;
+        }
+        qr[i] = qv;
+        acc8[i] = vec4<f32>(0.0);
+    }
+    let n_keys = positions[t] + 1u;
+    let seq = token_seq[t];
+    let range = key_range(n_keys, wid.z, 8u);
+    var m = vec4<f32>(NEG);
+    var l = vec4<f32>(0.0);
+    for (var start = range.x; start < range.y; start += 8u) {
+        let j = start + lid;
+        let th0 = key_th(seq, min(j, range.y - 1u), kvh);
+        let live = j < range.y && th0 != 0xffffffffu;
+        let th = select(0u, th0, live);
+        let addr = th * hd;
+        var dot = vec4<f32>(0.0);
+        for (var i = 0u; i < dpl; i++) {
+            let q = qr[i];
+            let ka = k4(addr + i * 8u);
+            let kb = k4(addr + i * 8u + 4u);
+            dot += subgroupBroadcast(q, 0u) * ka.x;
+            dot += subgroupBroadcast(q, 1u) * ka.y;
+            dot += subgroupBroadcast(q, 2u) * ka.z;
+            dot += subgroupBroadcast(q, 3u) * ka.w;
+            dot += subgroupBroadcast(q, 4u) * kb.x;
+            dot += subgroupBroadcast(q, 5u) * kb.y;
+            dot += subgroupBroadcast(q, 6u) * kb.z;
+            dot += subgroupBroadcast(q, 7u) * kb.w;
+        }
+        let s = select(vec4<f32>(NEG), dot * k_scale(th), live);
+        let cmax = max(m, subgroupMax(s));
+        let corr = exp(m - cmax);
+        m = cmax;
+        let pr = select(vec4<f32>(0.0), exp(s - m), live);
+        l = l * corr + subgroupAdd(pr);
+        // Key by key: its probability (times its V scale) and address from the lane that
+        // scored it.
+        let pv = pr * v_scale(th);
+        let p0 = subgroupBroadcast(pv, 0u);
+        let p1 = subgroupBroadcast(pv, 1u);
+        let p2 = subgroupBroadcast(pv, 2u);
+        let p3 = subgroupBroadcast(pv, 3u);
+        let p4 = subgroupBroadcast(pv, 4u);
+        let p5 = subgroupBroadcast(pv, 5u);
+        let p6 = subgroupBroadcast(pv, 6u);
+        let p7 = subgroupBroadcast(pv, 7u);
+        let own = lid * dpl;
+        let a0 = subgroupBroadcast(addr, 0u) + own;
+        let a1 = subgroupBroadcast(addr, 1u) + own;
+        let a2 = subgroupBroadcast(addr, 2u) + own;
+        let a3 = subgroupBroadcast(addr, 3u) + own;
+        let a4 = subgroupBroadcast(addr, 4u) + own;
+        let a5 = subgroupBroadcast(addr, 5u) + own;
+        let a6 = subgroupBroadcast(addr, 6u) + own;
+        let a7 = subgroupBroadcast(addr, 7u) + own;
+        for (var i = 0u; i < dpl; i += 4u) {
+            acc8[i] *= corr;
+            acc8[i + 1u] *= corr;
+            acc8[i + 2u] *= corr;
+            acc8[i + 3u] *= corr;
+            vacc(i, p0, a0 + i);
+            vacc(i, p1, a1 + i);
+            vacc(i, p2, a2 + i);
+            vacc(i, p3, a3 + i);
+            vacc(i, p4, a4 + i);
+            vacc(i, p5, a5 + i);
+            vacc(i, p6, a6 + i);
+            vacc(i, p7, a7 + i);
+        }
+    }
+    if (n_parts() == 1u) {
+        let ob = t * p.out_stride + h0 * hd + lid * dpl;
+        for (var i = 0u; i < dpl; i++) {
+            let o = acc8[i] / l;
+            for (var g = 0u; g < nh; g++) {
+                out[ob + g * hd + i] = o[g];
+            }
+        }
+        return;
+    }
+    for (var g = 0u; g < nh; g++) {
+        let pb = part_base(t, h0 + g, wid.z);
+        for (var i = 0u; i < dpl; i++) {
+            partials[pb + lid * dpl + i] = acc8[i][g];
+        }
+        if (lid == 0u) {
+            partials[pb + hd] = m[g];
+            partials[pb + hd + 1u] = l[g];
+        }
+    }
+}
