@@ -24,6 +24,12 @@ pub enum Arch {
     /// Phi-3: the Llama block with fused q|k|v and gate|up tensors (split at load) and
     /// LongRoPE scaling on the long-context models.
     Phi3,
+    /// Qwen3-MoE: the Qwen3 block with a mixture of experts for the MLP ([`MoeSpec`]; some
+    /// layers may keep a dense MLP). CPU reference only so far.
+    Qwen3Moe,
+    /// Mixtral: the Mistral block with a mixture of experts for the MLP. CPU reference only
+    /// so far.
+    Mixtral,
 }
 
 impl Arch {
@@ -36,6 +42,9 @@ impl Arch {
             Arch::Gemma3 => "gemma3",
             Arch::Qwen3 => "qwen3",
             Arch::Phi3 => "phi3",
+            Arch::Qwen3Moe => "qwen3moe",
+            // GGUF files of Mixtral say `llama` (with an expert count).
+            Arch::Mixtral => "llama",
         }
     }
 }
@@ -95,6 +104,31 @@ pub struct BlockSpec {
     /// apply `1 + w` (Gemma); Lantern, like GGUF, holds the applied value, so the HF loader
     /// adds this and the HF writer subtracts it. 0 elsewhere.
     pub hf_norm_offset: f32,
+    /// A mixture of experts in place of the dense MLP (Qwen3-MoE, Mixtral).
+    pub moe: Option<MoeSpec>,
+}
+
+/// A mixture-of-experts MLP: a router (`[experts, hidden]`) scores the experts for each
+/// token, the `experts_per_token` most probable (softmax) run their own gated MLP of width
+/// `expert_intermediate`, and their outputs are summed weighted by those probabilities,
+/// renormalised over the chosen experts with `renormalize` (Mixtral always; Qwen3-MoE with
+/// `norm_topk_prob`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MoeSpec {
+    pub experts: usize,
+    pub experts_per_token: usize,
+    pub expert_intermediate: usize,
+    pub renormalize: bool,
+    /// Per layer: whether its MLP is the mixture (false: a dense MLP of `intermediate_size`,
+    /// Qwen3-MoE's `mlp_only_layers`); empty: every layer.
+    pub sparse_layers: Vec<bool>,
+}
+
+impl MoeSpec {
+    /// Whether layer `l`'s MLP is the mixture of experts.
+    pub fn is_sparse(&self, l: usize) -> bool {
+        self.sparse_layers.get(l).copied().unwrap_or(true)
+    }
 }
 
 impl Default for BlockSpec {
@@ -110,6 +144,7 @@ impl Default for BlockSpec {
             sliding_window: None,
             rope_local_theta: None,
             hf_norm_offset: 0.0,
+            moe: None,
         }
     }
 }
@@ -129,6 +164,7 @@ impl BlockSpec {
             sliding_window: Some(window),
             rope_local_theta: Some(local_theta),
             hf_norm_offset: 1.0,
+            moe: None,
         }
     }
 
@@ -146,6 +182,11 @@ impl BlockSpec {
     /// Whether a tensor is a norm weight (what [`BlockSpec::hf_norm_offset`] applies to).
     pub fn is_norm_weight(name: &str) -> bool {
         name.ends_with("norm.weight")
+    }
+
+    /// Layer `l`'s mixture of experts, when its MLP is one.
+    pub fn experts(&self, l: usize) -> Option<&MoeSpec> {
+        self.moe.as_ref().filter(|m| m.is_sparse(l))
     }
 
     /// Layer `l`'s attention kind.
@@ -328,6 +369,15 @@ impl ModelConfig {
             }
         }
         inv
+    }
+
+    /// Expert parameters a token does not read: in each mixture-of-experts layer, the gate,
+    /// up and down projections of the experts the router leaves out (0 for dense models).
+    pub fn idle_expert_parameters(&self) -> u64 {
+        (0..self.num_layers)
+            .filter_map(|l| self.block.experts(l))
+            .map(|m| ((m.experts - m.experts_per_token) * 3 * m.expert_intermediate * self.hidden_size) as u64)
+            .sum()
     }
 
     /// Number of query heads that share one KV head.

@@ -13,7 +13,7 @@ pub mod tensor;
 pub mod tokenizer;
 pub mod validate;
 
-pub use config::{Activation, Arch, BlockSpec, LayerAttention, ModelConfig, NormPlacement, RopeScaling};
+pub use config::{Activation, Arch, BlockSpec, LayerAttention, ModelConfig, MoeSpec, NormPlacement, RopeScaling};
 pub use tensor::{DType, HostTensor, ModelWeights};
 
 /// Errors while loading weights from a safetensors folder or while mapping tensors to the

@@ -55,10 +55,51 @@ pub fn expected_layer_tensors(c: &ModelConfig, l: usize) -> Vec<(String, Vec<usi
         out.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
         out.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
     }
-    out.push((format!("{p}.mlp.gate_proj.weight"), vec![ffn, h]));
-    out.push((format!("{p}.mlp.up_proj.weight"), vec![ffn, h]));
-    out.push((format!("{p}.mlp.down_proj.weight"), vec![h, ffn]));
+    match (c.block.experts(l), expert_names(c, l)) {
+        (Some(moe), Some(names)) => {
+            let ei = moe.expert_intermediate;
+            out.push((names.router, vec![moe.experts, h]));
+            for [gate, up, down] in names.experts {
+                out.push((gate, vec![ei, h]));
+                out.push((up, vec![ei, h]));
+                out.push((down, vec![h, ei]));
+            }
+        }
+        _ => {
+            out.push((format!("{p}.mlp.gate_proj.weight"), vec![ffn, h]));
+            out.push((format!("{p}.mlp.up_proj.weight"), vec![ffn, h]));
+            out.push((format!("{p}.mlp.down_proj.weight"), vec![h, ffn]));
+        }
+    }
     out
+}
+
+/// The tensor names of layer `l`'s mixture of experts, as Hugging Face checkpoints hold them.
+pub struct ExpertNames {
+    /// The router, `[experts, hidden]`.
+    pub router: String,
+    /// Per expert: its gate, up and down projections.
+    pub experts: Vec<[String; 3]>,
+}
+
+/// Layer `l`'s expert tensor names, when its MLP is a mixture of experts: Mixtral's
+/// `block_sparse_moe.{gate, experts.E.w1/w3/w2}`, else `mlp.{gate, experts.E.gate_proj/up_proj/down_proj}`.
+pub fn expert_names(c: &ModelConfig, l: usize) -> Option<ExpertNames> {
+    let moe = c.block.experts(l)?;
+    let p = format!("model.layers.{l}");
+    Some(if c.arch == crate::model::Arch::Mixtral {
+        ExpertNames {
+            router: format!("{p}.block_sparse_moe.gate.weight"),
+            experts: (0..moe.experts).map(|e| ["w1", "w3", "w2"].map(|n| format!("{p}.block_sparse_moe.experts.{e}.{n}.weight"))).collect(),
+        }
+    } else {
+        ExpertNames {
+            router: format!("{p}.mlp.gate.weight"),
+            experts: (0..moe.experts)
+                .map(|e| ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{p}.mlp.experts.{e}.{n}.weight")))
+                .collect(),
+        }
+    })
 }
 
 /// The norm weights of layer `l` in the order the block applies them: the attention

@@ -13,8 +13,8 @@
 
 use super::ops;
 use crate::error::LanternError;
-use crate::model::validate::{layer_norm_names, validate};
-use crate::model::{ModelConfig, ModelWeights};
+use crate::model::validate::{expert_names, layer_norm_names, validate};
+use crate::model::{ModelConfig, ModelWeights, MoeSpec};
 
 /// The linear layers of a decoder block, by the input they share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -68,9 +68,22 @@ pub struct Layer<W> {
     /// The MLP input's norm.
     pub post_norm: W, // (hidden)
     pub window: Option<usize>,
-    pub gate: W, // (intermediate, hidden)
-    pub up: W,   // (intermediate, hidden)
-    pub down: W, // (hidden, intermediate)
+    pub mlp: Mlp<W>,
+}
+
+/// A decoder block's MLP.
+#[derive(Debug, Clone)]
+pub enum Mlp<W> {
+    /// `down(act(gate x) * up x)`.
+    Dense {
+        gate: W, // (intermediate, hidden)
+        up: W,   // (intermediate, hidden)
+        down: W, // (hidden, intermediate)
+    },
+    /// A mixture of experts ([`MoeSpec`](crate::model::MoeSpec)): the router
+    /// `(experts, hidden)` and each expert's gate, up (`(expert_intermediate, hidden)`) and
+    /// down (`(hidden, expert_intermediate)`).
+    Experts { router: W, experts: Vec<[W; 3]> },
 }
 
 impl<W> Layer<W> {
@@ -102,9 +115,17 @@ impl<W> Layer<W> {
             v_bias: bias("v"),
             o: get(&format!("{p}.self_attn.o_proj.weight"))?,
             post_norm: get(&norms.mlp_in)?,
-            gate: get(&format!("{p}.mlp.gate_proj.weight"))?,
-            up: get(&format!("{p}.mlp.up_proj.weight"))?,
-            down: get(&format!("{p}.mlp.down_proj.weight"))?,
+            mlp: match expert_names(c, l) {
+                Some(names) => Mlp::Experts {
+                    router: get(&names.router)?,
+                    experts: names.experts.iter().map(|[g, u, d]| Ok([get(g)?, get(u)?, get(d)?])).collect::<Result<_, E>>()?,
+                },
+                None => Mlp::Dense {
+                    gate: get(&format!("{p}.mlp.gate_proj.weight"))?,
+                    up: get(&format!("{p}.mlp.up_proj.weight"))?,
+                    down: get(&format!("{p}.mlp.down_proj.weight"))?,
+                },
+            },
         })
     }
 }
@@ -127,9 +148,12 @@ impl Layer<Vec<f32>> {
             mlp_out_norm: self.mlp_out_norm.as_deref(),
             post_norm: v(&self.post_norm),
             window: self.window,
-            gate: v(&self.gate),
-            up: v(&self.up),
-            down: v(&self.down),
+            mlp: match &self.mlp {
+                Mlp::Dense { gate, up, down } => Mlp::Dense { gate: v(gate), up: v(up), down: v(down) },
+                Mlp::Experts { router, experts } => {
+                    Mlp::Experts { router: v(router), experts: experts.iter().map(|[g, u, d]| [v(g), v(u), v(d)]).collect() }
+                }
+            },
         }
     }
 }
@@ -164,17 +188,64 @@ fn layer(c: &ModelConfig, l: usize, w: &Layer<&[f32]>, x: &[f32], positions: &[u
     let x = ops::add(x, &out_norm(pass.linear(&a, w.o, None, qd, h), w.attn_out_norm));
 
     let n = ops::rmsnorm(&x, w.post_norm, c.rms_norm_eps);
-    let ffn = c.intermediate_size;
     pass.input(l, LinearInput::GateUp, &n, h);
-    let g = pass.linear(&n, w.gate, None, h, ffn);
-    let u = pass.linear(&n, w.up, None, h, ffn);
-    let act = match c.block.activation {
-        crate::model::Activation::Silu => ops::silu_mul(&g, &u),
-        crate::model::Activation::GeluTanh => ops::gelu_tanh_mul(&g, &u),
+    let m = match &w.mlp {
+        Mlp::Dense { gate, up, down } => {
+            let ffn = c.intermediate_size;
+            let act = gated(c, &pass.linear(&n, gate, None, h, ffn), &pass.linear(&n, up, None, h, ffn));
+            pass.input(l, LinearInput::Down, &act, ffn);
+            pass.linear(&act, down, None, ffn, h)
+        }
+        Mlp::Experts { router, experts } => {
+            let moe = c.block.experts(l).expect("a layer with experts has a MoeSpec");
+            mixture(c, moe, router, experts, &n, pass)
+        }
     };
-    pass.input(l, LinearInput::Down, &act, ffn);
-    let m = pass.linear(&act, w.down, None, ffn, h);
     ops::add(&x, &out_norm(m, w.mlp_out_norm))
+}
+
+/// `act(g) * u` with the block's activation.
+fn gated(c: &ModelConfig, g: &[f32], u: &[f32]) -> Vec<f32> {
+    match c.block.activation {
+        crate::model::Activation::Silu => ops::silu_mul(g, u),
+        crate::model::Activation::GeluTanh => ops::gelu_tanh_mul(g, u),
+    }
+}
+
+/// A mixture of experts over the normed rows `n` (`[T, hidden]`), as transformers'
+/// `Qwen3MoeSparseMoeBlock` / `MixtralSparseMoeBlock`: each token's router logits, their
+/// softmax, the `experts_per_token` most probable experts (the lower index first on a tie),
+/// their probabilities renormalised to sum to 1 with `renormalize`, and the sum of those
+/// experts' gated MLPs weighted by them (in expert order).
+fn mixture(c: &ModelConfig, moe: &MoeSpec, router: &[f32], experts: &[[&[f32]; 3]], n: &[f32], pass: &mut dyn Pass) -> Vec<f32> {
+    let h = c.hidden_size;
+    let ei = moe.expert_intermediate;
+    let logits = pass.linear(n, router, None, h, moe.experts);
+    let mut out = vec![0.0f32; n.len()];
+    for (t, row) in n.chunks(h).enumerate() {
+        let z = &logits[t * moe.experts..(t + 1) * moe.experts];
+        let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let e: Vec<f64> = z.iter().map(|&v| (v as f64 - max).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        let mut order: Vec<usize> = (0..moe.experts).collect();
+        order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
+        let mut chosen: Vec<(usize, f64)> = order[..moe.experts_per_token].iter().map(|&i| (i, e[i] / sum)).collect();
+        if moe.renormalize {
+            let s: f64 = chosen.iter().map(|c| c.1).sum();
+            chosen.iter_mut().for_each(|c| c.1 /= s);
+        }
+        chosen.sort_by_key(|c| c.0);
+        let mut acc = vec![0.0f64; h];
+        for (i, p) in chosen {
+            let [gate, up, down] = experts[i];
+            let act = gated(c, &pass.linear(row, gate, None, h, ei), &pass.linear(row, up, None, h, ei));
+            let y = pass.linear(&act, down, None, ei, h);
+            // transformers weights each expert's output in f32.
+            acc.iter_mut().zip(&y).for_each(|(a, &v)| *a += (v * p as f32) as f64);
+        }
+        out[t * h..(t + 1) * h].iter_mut().zip(&acc).for_each(|(o, &a)| *o = a as f32);
+    }
+    out
 }
 
 /// A full causal pass over `tokens` (positions `0..T`) through the embedding table `embed`

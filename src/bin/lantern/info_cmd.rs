@@ -73,6 +73,8 @@ pub fn info(a: InfoArgs) -> Result<()> {
             "path": path.display().to_string(),
             "config": c,
             "parameters": params,
+            // Mixtures of experts: what one token reads (the chosen experts only).
+            "active_parameters_per_token": params - c.idle_expert_parameters(),
             "file_bytes_by_dtype": file,
             "gpu_weight_bytes_by_dtype": gpu,
             "gpu_weight_bytes": gpu_total,
@@ -105,6 +107,17 @@ pub fn info(a: InfoArgs) -> Result<()> {
         if b.qk_norm {
             parts.push("q/k norms".into());
         }
+        if let Some(m) = &b.moe {
+            let sparse = (0..c.num_layers).filter(|&l| b.experts(l).is_some()).count();
+            parts.push(format!(
+                "{} experts of width {}, {} per token{}, on {sparse} of {} layers",
+                m.experts,
+                m.expert_intermediate,
+                m.experts_per_token,
+                if m.renormalize { " (weights renormalised)" } else { "" },
+                c.num_layers
+            ));
+        }
         if b.activation == lantern::model::Activation::GeluTanh {
             parts.push("GELU-tanh".into());
         }
@@ -127,7 +140,10 @@ pub fn info(a: InfoArgs) -> Result<()> {
         }
         println!("  block: {}", parts.join(", "));
     }
-    println!("  parameters: {:.1} M", params as f64 / 1e6);
+    match c.idle_expert_parameters() {
+        0 => println!("  parameters: {:.1} M", params as f64 / 1e6),
+        idle => println!("  parameters: {:.1} M, {:.1} M of them read per token", params as f64 / 1e6, (params - idle) as f64 / 1e6),
+    }
     println!("  in the file:");
     for (k, r) in &file {
         println!("    {k:<8} {:4} tensors {:9.1} M params {:9.1} MB", r.tensors, r.parameters as f64 / 1e6, mb(r.bytes));

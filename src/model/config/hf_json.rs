@@ -6,7 +6,7 @@
 use serde::de::IgnoredAny;
 use serde::{Deserialize, Serialize};
 
-use super::{Activation, Arch, BlockSpec, LayerAttention, ModelConfig, RopeScaling, MAX_LAYERS};
+use super::{Activation, Arch, BlockSpec, LayerAttention, ModelConfig, MoeSpec, RopeScaling, MAX_LAYERS};
 use crate::error::LanternError;
 use crate::model::LoadError;
 
@@ -84,6 +84,23 @@ struct HfConfig {
     attn_logit_softcapping: Option<IgnoredAny>,
     #[serde(skip_serializing_if = "Option::is_none")]
     use_bidirectional_attention: Option<bool>,
+    /// Mixtures of experts: Qwen3-MoE's `num_experts`, Mixtral's `num_local_experts`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    num_experts: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    num_local_experts: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    num_experts_per_tok: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    moe_intermediate_size: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    norm_topk_prob: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decoder_sparse_step: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mlp_only_layers: Option<Vec<usize>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shared_expert_intermediate_size: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     bos_token_id: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -169,22 +186,26 @@ fn positive_f64(v: f64, field: &str, file: &str) -> Result<f64, LanternError> {
     }
 }
 
-const CAUSAL_LM_CLASSES: [(&str, Arch); 6] = [
+const CAUSAL_LM_CLASSES: [(&str, Arch); 8] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("MistralForCausalLM", Arch::Mistral),
     ("Qwen2ForCausalLM", Arch::Qwen2),
     ("Gemma3ForCausalLM", Arch::Gemma3),
     ("Qwen3ForCausalLM", Arch::Qwen3),
     ("Phi3ForCausalLM", Arch::Phi3),
+    ("Qwen3MoeForCausalLM", Arch::Qwen3Moe),
+    ("MixtralForCausalLM", Arch::Mixtral),
 ];
 
-const MODEL_TYPES: [(&str, Arch); 6] = [
+const MODEL_TYPES: [(&str, Arch); 8] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Mistral),
     ("qwen2", Arch::Qwen2),
     ("gemma3_text", Arch::Gemma3),
     ("qwen3", Arch::Qwen3),
     ("phi3", Arch::Phi3),
+    ("qwen3_moe", Arch::Qwen3Moe),
+    ("mixtral", Arch::Mixtral),
 ];
 
 fn lookup(table: &[(&str, Arch)], key: &str) -> Option<Arch> {
@@ -367,6 +388,8 @@ pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError>
         Arch::Gemma3 => 131072,
         Arch::Qwen3 => 40960,
         Arch::Phi3 => 4096,
+        Arch::Qwen3Moe => 32768,
+        Arch::Mixtral => 4096 * 32,
     };
     let max_position_embeddings = positive(c.max_position_embeddings, "max_position_embeddings", file)?.unwrap_or(default_max_pos);
     let tie_word_embeddings = c.tie_word_embeddings.unwrap_or(false);
@@ -377,9 +400,9 @@ pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError>
     let attention_bias = c.attention_bias == Some(true);
     let qkv_bias = match arch {
         Arch::Qwen2 => true,
-        Arch::Mistral => false,
+        Arch::Mistral | Arch::Mixtral => false,
         // Qwen3's `attention_bias` also biases o_proj; none of these has biases.
-        Arch::Gemma3 | Arch::Qwen3 | Arch::Phi3 if attention_bias => {
+        Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 if attention_bias => {
             return Err(cfg_err(file, "attention_bias", format!("{arch:?} attention biases (o_proj included) are not supported")))
         }
         // In transformers' LlamaAttention `attention_bias` puts a bias on o_proj as well as
@@ -399,7 +422,7 @@ pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError>
     // Phi-3-mini: 2047); Llama has none.
     let mut uniform_window = None;
     match arch {
-        Arch::Mistral | Arch::Phi3 => {
+        Arch::Mistral | Arch::Mixtral | Arch::Phi3 => {
             if let Some(w) = positive(c.sliding_window, "sliding_window", file)? {
                 if w < max_position_embeddings {
                     uniform_window = Some(w);
@@ -411,7 +434,7 @@ pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError>
                 return Err(cfg_err(file, "sliding_window", format!("Llama has no sliding window (got {w})")));
             }
         }
-        Arch::Qwen2 | Arch::Qwen3 => {
+        Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
             if c.use_sliding_window == Some(true) {
                 return Err(cfg_err(
                     file,
@@ -425,8 +448,13 @@ pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError>
     let mut block = match arch {
         Arch::Gemma3 => gemma3_block(&c, file, num_layers, hidden_size, head_dim)?,
         Arch::Qwen3 => BlockSpec { qk_norm: true, ..Default::default() },
+        Arch::Qwen3Moe => BlockSpec { qk_norm: true, moe: Some(moe(&c, file, arch, num_layers, intermediate_size)?), ..Default::default() },
+        Arch::Mixtral => BlockSpec { moe: Some(moe(&c, file, arch, num_layers, intermediate_size)?), ..Default::default() },
         _ => BlockSpec::default(),
     };
+    if arch != Arch::Qwen3Moe && arch != Arch::Mixtral && (c.num_experts.unwrap_or(0) > 0 || c.num_local_experts.unwrap_or(0) > 0) {
+        return Err(cfg_err(file, "num_experts", format!("a {arch:?} model has no experts")));
+    }
     if let Some(w) = uniform_window {
         block = block.uniform_window(num_layers, w);
     }
@@ -479,6 +507,43 @@ pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError>
         eos_token_ids: c.eos_token_id.as_ref().map(OneOrMany::to_vec).unwrap_or_default(),
         block,
     })
+}
+
+/// The mixture of experts of a Qwen3-MoE or Mixtral config (`intermediate`: the dense MLP's
+/// width, which Mixtral's experts share).
+fn moe(c: &HfConfig, file: &str, arch: Arch, num_layers: usize, intermediate: usize) -> Result<MoeSpec, LanternError> {
+    if c.shared_expert_intermediate_size.unwrap_or(0) > 0 {
+        return Err(cfg_err(file, "shared_expert_intermediate_size", "shared experts are not supported"));
+    }
+    // transformers 5 writes `num_local_experts` for every family (Qwen3-MoE's own checkpoints
+    // say `num_experts`).
+    let (experts_field, experts) = match (c.num_experts, c.num_local_experts) {
+        (Some(n), _) => ("num_experts", n),
+        (None, Some(n)) => ("num_local_experts", n),
+        (None, None) if arch == Arch::Mixtral => ("num_local_experts", 8),
+        (None, None) => return Err(cfg_err(file, "num_experts", "missing")),
+    };
+    let (per_token, expert_intermediate, renormalize) = match arch {
+        Arch::Mixtral => (c.num_experts_per_tok.unwrap_or(2), intermediate, true),
+        _ => (
+            required(c.num_experts_per_tok, "num_experts_per_tok", file)?,
+            required(c.moe_intermediate_size, "moe_intermediate_size", file)?,
+            c.norm_topk_prob.unwrap_or(false),
+        ),
+    };
+    if experts == 0 {
+        return Err(cfg_err(file, experts_field, "must be positive, got 0"));
+    }
+    if per_token == 0 || per_token > experts {
+        return Err(cfg_err(file, "num_experts_per_tok", format!("must be between 1 and {experts_field} ({experts}), got {per_token}")));
+    }
+    let step = positive(c.decoder_sparse_step, "decoder_sparse_step", file)?.unwrap_or(1);
+    let dense = c.mlp_only_layers.clone().unwrap_or_default();
+    if let Some(&l) = dense.iter().find(|&&l| l >= num_layers) {
+        return Err(cfg_err(file, "mlp_only_layers", format!("names layer {l} of {num_layers}")));
+    }
+    let sparse_layers = (0..num_layers).map(|l| !dense.contains(&l) && (l + 1) % step == 0).collect();
+    Ok(MoeSpec { experts, experts_per_token: per_token, expert_intermediate, renormalize, sparse_layers })
 }
 
 /// Gemma 3's block from its config: window, layer types (or the 6-layer pattern), local RoPE
@@ -537,6 +602,9 @@ pub(super) fn write(config: &ModelConfig) -> Result<String, LanternError> {
             field: "qkv_bias".into(),
             reason: format!("a {:?} model with q/k/v biases (and no o_proj bias) has no Hugging Face config.json form", m.arch),
         });
+    }
+    if m.block.moe.is_some() {
+        return Err(LanternError::Config { field: "arch".into(), reason: "writing mixture-of-experts folders is not supported".into() });
     }
     if m.arch == Arch::Phi3 {
         // Its folders hold fused qkv_proj / gate_up_proj tensors, which the writer does not
@@ -617,7 +685,7 @@ pub(super) fn write(config: &ModelConfig) -> Result<String, LanternError> {
         Arch::Llama => c.attention_bias = Some(false),
         Arch::Mistral => c.sliding_window = m.block.sliding_window,
         Arch::Qwen2 | Arch::Qwen3 => c.use_sliding_window = Some(false),
-        Arch::Phi3 => {}
+        Arch::Phi3 | Arch::Qwen3Moe | Arch::Mixtral => {}
         Arch::Gemma3 => {
             let b = &m.block;
             let local = b.rope_local_theta.unwrap_or(10000.0);

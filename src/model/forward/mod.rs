@@ -157,6 +157,7 @@ impl GpuModel {
         options: ModelOptions,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<GpuModel> {
+        Self::refuse_unsupported(&weights.config)?;
         let mark = ctx.ledger.mark();
         let textures = Self::weight_textures(&options);
         let w = upload::upload_weights(&ctx, weights, options.weights, textures, progress)?;
@@ -176,6 +177,7 @@ impl GpuModel {
         fetch: &mut impl AsyncFnMut(Part) -> Result<ModelWeights>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<GpuModel> {
+        Self::refuse_unsupported(&config)?;
         let mark = ctx.ledger.mark();
         let textures = Self::weight_textures(&options);
         let keep = options.weights;
@@ -193,6 +195,19 @@ impl GpuModel {
         drop(part);
         let w = upload::GpuWeights { layers, lm_head, embed_own, final_norm };
         Self::finish_load(ctx, config, options, mark, w).await
+    }
+
+    /// What the CPU reference runs but the GPU forward pass does not yet: mixtures of experts.
+    fn refuse_unsupported(config: &ModelConfig) -> Result<()> {
+        if config.block.moe.is_some() {
+            return Err(crate::LanternError::UnsupportedArchitecture {
+                arch: format!(
+                    "{:?}: mixture-of-experts models run on the CPU reference (lantern::reference) only; the GPU expert kernels are not built yet",
+                    config.arch
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The KV cache, workspace, plans and memory report of a load whose weights are up.
