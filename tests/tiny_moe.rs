@@ -1,8 +1,10 @@
 //! Mixtures of experts on tiny random checkpoints made with transformers
 //! (`tests/fixtures/tiny-moe`: Qwen3-MoE with a dense layer among sparse ones, Qwen3-MoE
 //! without renormalised routing, Mixtral), loaded as Hugging Face folders. The CPU reference
-//! must reproduce transformers' float32 logits at every position and its greedy continuation;
-//! the GPU forward pass refuses them with a typed error until its expert kernels exist.
+//! must reproduce transformers' float32 logits at every position and its greedy continuation,
+//! from the folder and from llama.cpp's GGUF conversion of it (3-D expert tensors split per
+//! expert at load); the GPU forward pass refuses them with a typed error until its expert
+//! kernels exist.
 
 mod common;
 
@@ -21,9 +23,13 @@ fn dir(name: &str) -> PathBuf {
 const TOL: f32 = 1e-4;
 
 fn check(name: &str, arch: Arch, sparse: &[bool], renormalize: bool, idle: u64) {
+    check_load(name, &dir(name), arch, sparse, renormalize, idle);
+}
+
+fn check_load(name: &str, path: &std::path::Path, arch: Arch, sparse: &[bool], renormalize: bool, idle: u64) {
     let folder = dir(name);
     let r = common::read_json(&folder.join("reference.json"));
-    let w = load_path(&folder).unwrap_or_else(|e| panic!("{name}: {e}")).weights;
+    let w = load_path(path).unwrap_or_else(|e| panic!("{name}: {e}")).weights;
     assert_eq!(w.config.arch, arch, "{name}");
     let moe = w.config.block.moe.as_ref().expect("a mixture of experts");
     assert_eq!(moe.experts, r["config"]["num_experts"].as_u64().or(r["config"]["num_local_experts"].as_u64()).unwrap() as usize);
@@ -65,6 +71,34 @@ fn qwen3_moe_without_renormalised_routing() {
 #[test]
 fn mixtral() {
     check("mixtral", Arch::Mixtral, &[true, true], true, 2 * 2 * 3 * 160 * 64);
+}
+
+#[test]
+fn mixtral_from_llama_cpp_gguf() {
+    check_load("mixtral", &dir("mixtral").join("model.gguf"), Arch::Mixtral, &[true, true], true, 2 * 2 * 3 * 160 * 64);
+}
+
+/// llama.cpp renormalises Qwen3-MoE's expert weights whatever the checkpoint said (GGUF has
+/// no `norm_topk_prob`), so the GGUF of the unnormalised checkpoint loads renormalised: its
+/// logits equal the folder's run with renormalisation, which checks every expert tensor of
+/// the conversion.
+#[test]
+fn qwen3_moe_from_llama_cpp_gguf_is_renormalised_as_llama_cpp_runs_it() {
+    let folder = dir("qwen3moe-unnormalised");
+    let g = load_path(&folder.join("model.gguf")).expect("gguf").weights;
+    assert_eq!(g.config.arch, Arch::Qwen3Moe);
+    let moe = g.config.block.moe.as_ref().unwrap();
+    assert_eq!((moe.experts, moe.experts_per_token, moe.expert_intermediate, moe.renormalize), (6, 3, 40, true));
+    let mut hf = load_path(&folder).expect("folder").weights;
+    hf.config.block.moe.as_mut().unwrap().renormalize = true;
+    let ids = common::ids(&common::read_json(&folder.join("reference.json"))["input_ids"]);
+    let a = ReferenceModel::new(&g).unwrap().forward(&ids);
+    let b = ReferenceModel::new(&hf).unwrap().forward(&ids);
+    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    assert!(d <= 1e-5, "GGUF and folder (renormalised) differ by {d:e}");
+    // And renormalising changes the logits: the comparison is not vacuous.
+    let want = common::read_f32(&folder.join("logits.f32"));
+    assert!(a.iter().zip(&want).any(|(x, y)| (x - y).abs() > 1e-3));
 }
 
 #[test]

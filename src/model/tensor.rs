@@ -275,9 +275,61 @@ impl ModelWeights {
         Ok(())
     }
 
-    /// Fused tensors of the architecture (Phi-3's `qkv_proj` and `gate_up_proj`) as the
-    /// separate q/k/v and gate/up tensors every other part of Lantern reads.
+    /// Split the 3-D tensor `name` (`[parts.len(), rows, cols]`) into one `[rows, cols]`
+    /// tensor per name in `parts`, replacing it (GGUF's expert tensors). Float and GGUF block
+    /// dtypes split on byte boundaries; a missing tensor is left alone.
+    pub fn split_first_dim(&mut self, name: &str, parts: &[String]) -> Result<(), LoadError> {
+        let Some(t) = self.tensors.remove(name) else {
+            return Ok(());
+        };
+        let invalid = |reason: String| LoadError::Invalid { file: self.source.clone(), reason: format!("tensor `{name}`: {reason}") };
+        let (n, rest) = match t.shape.split_first() {
+            Some((n, rest)) if rest.len() == 2 => (*n, rest.to_vec()),
+            _ => {
+                return Err(LoadError::WrongShape {
+                    file: self.source.clone(),
+                    tensor: name.to_string(),
+                    got: t.shape.clone(),
+                    expected: vec![parts.len(), 0, 0],
+                })
+            }
+        };
+        if n != parts.len() {
+            return Err(LoadError::WrongShape {
+                file: self.source.clone(),
+                tensor: name.to_string(),
+                got: t.shape.clone(),
+                expected: [vec![parts.len()], rest].concat(),
+            });
+        }
+        if matches!(t.dtype, DType::Packed(_)) {
+            return Err(invalid("fused Lantern-packed tensors cannot be split".into()));
+        }
+        let part_bytes = t.dtype.bytes_for_shape(&rest).ok_or_else(|| invalid("rows are not whole blocks".into()))?;
+        if part_bytes * n != t.data.len() {
+            return Err(invalid(format!("holds {} bytes, expected {n} parts of {part_bytes}", t.data.len())));
+        }
+        for (i, part) in parts.iter().enumerate() {
+            let data = t.data[i * part_bytes..(i + 1) * part_bytes].to_vec();
+            self.tensors.insert(part.clone(), HostTensor { name: part.clone(), shape: rest.clone(), dtype: t.dtype, data });
+        }
+        Ok(())
+    }
+
+    /// Fused tensors as the separate tensors every other part of Lantern reads: Phi-3's
+    /// `qkv_proj` and `gate_up_proj`, and GGUF's 3-D expert tensors (one per projection,
+    /// every expert of a layer) as one tensor per expert under the checkpoint's names.
     pub fn unfuse(&mut self) -> Result<(), LoadError> {
+        if self.config.block.moe.is_some() {
+            let c = self.config.clone();
+            for l in 0..c.num_layers {
+                let Some(names) = super::validate::expert_names(&c, l) else { continue };
+                for (i, proj) in ["gate_proj", "up_proj", "down_proj"].iter().enumerate() {
+                    let parts: Vec<String> = names.experts.iter().map(|e| e[i].clone()).collect();
+                    self.split_first_dim(&format!("model.layers.{l}.mlp.experts.{proj}.weight"), &parts)?;
+                }
+            }
+        }
         if self.config.arch != super::Arch::Phi3 {
             return Ok(());
         }

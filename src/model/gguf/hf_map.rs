@@ -40,6 +40,13 @@ pub fn hf_tensor_name(gguf_name: &str, arch: Arch) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        // Mixtures of experts: the router, and every expert's projection in one 3-D tensor
+        // (`[experts, rows, cols]`), which `ModelWeights::unfuse` splits per expert.
+        "ffn_gate_inp" if arch == Arch::Mixtral => "block_sparse_moe.gate",
+        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_exps" => "mlp.experts.gate_proj",
+        "ffn_up_exps" => "mlp.experts.up_proj",
+        "ffn_down_exps" => "mlp.experts.down_proj",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
@@ -93,7 +100,10 @@ fn nonzero(g: &GgufFile<'_>, key: &str) -> Result<usize, LanternError> {
 pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
     let arch_name = g.get_str("general.architecture")?;
     let arch = match arch_name {
+        // llama.cpp writes Mixtral as `llama` with experts.
+        "llama" if g.get_u32_opt("llama.expert_count")?.unwrap_or(0) > 0 => Arch::Mixtral,
         "llama" => Arch::Llama,
+        "qwen3moe" => Arch::Qwen3Moe,
         "mistral" => Arch::Mistral,
         "qwen2" => Arch::Qwen2,
         "gemma3" => Arch::Gemma3,
@@ -195,6 +205,14 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
             BlockSpec::gemma3(num_layers, hidden_size, window, head_dim as f64, local_theta)
         }
         Arch::Qwen3 => BlockSpec { qk_norm: true, ..Default::default() },
+        Arch::Qwen3Moe => BlockSpec { qk_norm: true, moe: Some(moe_from_gguf(g, arch_name, intermediate_size)?), ..Default::default() },
+        Arch::Mixtral => {
+            let moe = Some(moe_from_gguf(g, arch_name, intermediate_size)?);
+            match g.get_u32_opt(&k("attention.sliding_window"))?.filter(|&w| w > 0 && (w as usize) < max_position_embeddings) {
+                Some(w) => BlockSpec { moe, ..BlockSpec::default().uniform_window(num_layers, w as usize) },
+                None => BlockSpec { moe, ..Default::default() },
+            }
+        }
         Arch::Phi3 | Arch::Mistral => {
             // One window on every layer (0 or absent: none).
             match g.get_u32_opt(&k("attention.sliding_window"))?.filter(|&w| w > 0 && (w as usize) < max_position_embeddings) {
@@ -223,6 +241,31 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         eos_token_ids,
         block,
     })
+}
+
+/// The mixture of experts of a GGUF file: `{arch}.expert_count`, `expert_used_count`,
+/// `expert_feed_forward_length` (Mixtral's experts have the model's `feed_forward_length`),
+/// and the renormalisation llama.cpp applies (`expert_weights_norm`; absent: renormalised,
+/// as llama.cpp's Qwen3-MoE and Mixtral graphs do). Every layer is sparse.
+fn moe_from_gguf(g: &GgufFile<'_>, arch: &str, intermediate: usize) -> Result<crate::model::MoeSpec, LanternError> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let experts = nonzero(g, &k("expert_count"))?;
+    let per_token = nonzero(g, &k("expert_used_count"))?;
+    if per_token > experts {
+        return Err(config_err(&k("expert_used_count"), format!("{per_token} is more than the {experts} experts")));
+    }
+    if g.get_u32_opt(&k("expert_shared_count"))?.unwrap_or(0) > 0
+        || g.get_u32_opt(&k("expert_shared_feed_forward_length"))?.unwrap_or(0) > 0
+    {
+        return Err(config_err(&k("expert_shared_count"), "shared experts are not supported"));
+    }
+    let expert_intermediate = match g.get_u32_opt(&k("expert_feed_forward_length"))? {
+        Some(0) => return Err(config_err(&k("expert_feed_forward_length"), "must be greater than zero")),
+        Some(n) => n as usize,
+        None => intermediate,
+    };
+    let renormalize = g.get_bool_opt(&k("expert_weights_norm"))?.unwrap_or(true);
+    Ok(crate::model::MoeSpec { experts, experts_per_token: per_token, expert_intermediate, renormalize, sparse_layers: Vec::new() })
 }
 
 /// RoPE scaling from `{arch}.rope.scaling.*` (linear, llama3) or, for Llama 3.x files that
@@ -379,7 +422,7 @@ pub fn convert_tensor(
         }
         return Ok(None);
     };
-    let permuted = matches!(config.arch, Arch::Llama | Arch::Mistral);
+    let permuted = matches!(config.arch, Arch::Llama | Arch::Mistral | Arch::Mixtral);
     let shape = info.shape();
     if raw.len() as u64 != info.size {
         return Err(LoadError::Invalid {
