@@ -206,19 +206,17 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         }
         Arch::Qwen3 => BlockSpec { qk_norm: true, ..Default::default() },
         Arch::Qwen3Moe => BlockSpec { qk_norm: true, moe: Some(moe_from_gguf(g, arch_name, intermediate_size)?), ..Default::default() },
-        Arch::Mixtral => {
-            let moe = Some(moe_from_gguf(g, arch_name, intermediate_size)?);
-            match g.get_u32_opt(&k("attention.sliding_window"))?.filter(|&w| w > 0 && (w as usize) < max_position_embeddings) {
-                Some(w) => BlockSpec { moe, ..BlockSpec::default().uniform_window(num_layers, w as usize) },
-                None => BlockSpec { moe, ..Default::default() },
-            }
-        }
-        Arch::Phi3 | Arch::Mistral => {
+        Arch::Phi3 | Arch::Mistral | Arch::Mixtral => {
+            let moe = match arch {
+                Arch::Mixtral => Some(moe_from_gguf(g, arch_name, intermediate_size)?),
+                _ => None,
+            };
             // One window on every layer (0 or absent: none).
-            match g.get_u32_opt(&k("attention.sliding_window"))?.filter(|&w| w > 0 && (w as usize) < max_position_embeddings) {
+            let block = match g.get_u32_opt(&k("attention.sliding_window"))?.filter(|&w| w > 0 && (w as usize) < max_position_embeddings) {
                 Some(w) => BlockSpec::default().uniform_window(num_layers, w as usize),
                 None => BlockSpec::default(),
-            }
+            };
+            BlockSpec { moe, ..block }
         }
         _ => BlockSpec::default(),
     };
