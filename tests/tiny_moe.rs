@@ -1,6 +1,6 @@
 //! Mixtures of experts on tiny random checkpoints made with transformers
 //! (`tests/fixtures/tiny-moe`: Qwen3-MoE with a dense layer among sparse ones, Qwen3-MoE
-//! without renormalised routing, Mixtral), loaded as Hugging Face folders. The CPU reference
+//! without renormalised routing, Mixtral, OLMoE), loaded as Hugging Face folders. The CPU reference
 //! must reproduce transformers' float32 logits at every position and its greedy continuation,
 //! from the folder and from llama.cpp's GGUF conversion of it (3-D expert tensors split per
 //! expert at load); the GPU forward pass refuses them with a typed error until its expert
@@ -71,6 +71,11 @@ fn qwen3_moe_without_renormalised_routing() {
 #[test]
 fn mixtral() {
     check("mixtral", Arch::Mixtral, &[true, true], true, 2 * 2 * 3 * 160 * 64);
+}
+
+#[test]
+fn olmoe_with_whole_projection_qk_norms() {
+    check("olmoe", Arch::Olmoe, &[true, true], false, 2 * 6 * 3 * 48 * 64);
 }
 
 #[test]

@@ -30,6 +30,9 @@ pub enum Arch {
     /// Mixtral: the Mistral block with a mixture of experts for the MLP. CPU reference only
     /// so far.
     Mixtral,
+    /// OLMoE: the Llama block with q/k RMSNorms over the whole projection (not each head) and
+    /// a mixture of experts for the MLP. CPU reference only so far.
+    Olmoe,
 }
 
 impl Arch {
@@ -45,6 +48,7 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3moe",
             // GGUF files of Mixtral say `llama` (with an expert count).
             Arch::Mixtral => "llama",
+            Arch::Olmoe => "olmoe",
         }
     }
 }
@@ -87,6 +91,9 @@ pub struct BlockSpec {
     pub norms: NormPlacement,
     /// RMSNorm over each q and k head after the projection, before RoPE (Gemma 3, Qwen3).
     pub qk_norm: bool,
+    /// With `qk_norm`: the norms run over the whole q and k projections instead of each head
+    /// (OLMoE: weights of `n_heads * head_dim` and `n_kv_heads * head_dim`).
+    pub qk_norm_whole: bool,
     pub activation: Activation,
     /// The embedding output is multiplied by this (Gemma: sqrt(hidden) rounded to f32); the
     /// tied LM head reads the unscaled table.
@@ -137,6 +144,7 @@ impl Default for BlockSpec {
         BlockSpec {
             norms: NormPlacement::Pre,
             qk_norm: false,
+            qk_norm_whole: false,
             activation: Activation::Silu,
             embedding_scale: None,
             attention_scale: None,
@@ -156,6 +164,7 @@ impl BlockSpec {
         BlockSpec {
             norms: NormPlacement::Sandwich,
             qk_norm: true,
+            qk_norm_whole: false,
             activation: Activation::GeluTanh,
             // transformers: `torch.tensor(hidden ** 0.5, dtype=float32)`.
             embedding_scale: Some((hidden as f64).sqrt() as f32),

@@ -46,8 +46,9 @@ pub fn expected_layer_tensors(c: &ModelConfig, l: usize) -> Vec<(String, Vec<usi
         out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
     }
     if c.block.qk_norm {
-        out.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
-        out.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+        let (qn, kn) = if c.block.qk_norm_whole { (q, kv) } else { (hd, hd) };
+        out.push((format!("{p}.self_attn.q_norm.weight"), vec![qn]));
+        out.push((format!("{p}.self_attn.k_norm.weight"), vec![kn]));
     }
     out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
     out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));

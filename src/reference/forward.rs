@@ -60,7 +60,8 @@ pub struct Layer<W> {
     pub k_bias: Option<W>, // (n_kv_heads * head_dim)
     pub v_bias: Option<W>, // (n_kv_heads * head_dim)
     pub o: W,              // (hidden, n_heads * head_dim)
-    /// q/k norms over each head (head_dim), with `BlockSpec::qk_norm`.
+    /// q/k norms over each head (head_dim), with `BlockSpec::qk_norm`; over the whole
+    /// projection with `qk_norm_whole` (their width says which).
     pub qk_norm: Option<(W, W)>,
     /// Sandwich norms of the attention and MLP outputs (hidden each).
     pub attn_out_norm: Option<W>,

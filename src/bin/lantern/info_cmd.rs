@@ -105,7 +105,7 @@ pub fn info(a: InfoArgs) -> Result<()> {
             parts.push("sandwich norms".to_string());
         }
         if b.qk_norm {
-            parts.push("q/k norms".into());
+            parts.push(if b.qk_norm_whole { "q/k norms over the whole projection" } else { "q/k norms" }.into());
         }
         if let Some(m) = &b.moe {
             let sparse = (0..c.num_layers).filter(|&l| b.experts(l).is_some()).count();

@@ -101,6 +101,9 @@ struct HfConfig {
     mlp_only_layers: Option<Vec<usize>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     shared_expert_intermediate_size: Option<usize>,
+    /// OLMoE: refused when set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    clip_qkv: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     bos_token_id: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -186,7 +189,7 @@ fn positive_f64(v: f64, field: &str, file: &str) -> Result<f64, LanternError> {
     }
 }
 
-const CAUSAL_LM_CLASSES: [(&str, Arch); 8] = [
+const CAUSAL_LM_CLASSES: [(&str, Arch); 9] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("MistralForCausalLM", Arch::Mistral),
     ("Qwen2ForCausalLM", Arch::Qwen2),
@@ -195,9 +198,10 @@ const CAUSAL_LM_CLASSES: [(&str, Arch); 8] = [
     ("Phi3ForCausalLM", Arch::Phi3),
     ("Qwen3MoeForCausalLM", Arch::Qwen3Moe),
     ("MixtralForCausalLM", Arch::Mixtral),
+    ("OlmoeForCausalLM", Arch::Olmoe),
 ];
 
-const MODEL_TYPES: [(&str, Arch); 8] = [
+const MODEL_TYPES: [(&str, Arch); 9] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Mistral),
     ("qwen2", Arch::Qwen2),
@@ -206,6 +210,7 @@ const MODEL_TYPES: [(&str, Arch); 8] = [
     ("phi3", Arch::Phi3),
     ("qwen3_moe", Arch::Qwen3Moe),
     ("mixtral", Arch::Mixtral),
+    ("olmoe", Arch::Olmoe),
 ];
 
 fn lookup(table: &[(&str, Arch)], key: &str) -> Option<Arch> {
@@ -390,6 +395,7 @@ pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError>
         Arch::Phi3 => 4096,
         Arch::Qwen3Moe => 32768,
         Arch::Mixtral => 4096 * 32,
+        Arch::Olmoe => 4096,
     };
     let max_position_embeddings = positive(c.max_position_embeddings, "max_position_embeddings", file)?.unwrap_or(default_max_pos);
     let tie_word_embeddings = c.tie_word_embeddings.unwrap_or(false);
@@ -402,7 +408,7 @@ pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError>
         Arch::Qwen2 => true,
         Arch::Mistral | Arch::Mixtral => false,
         // Qwen3's `attention_bias` also biases o_proj; none of these has biases.
-        Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 if attention_bias => {
+        Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Olmoe | Arch::Phi3 if attention_bias => {
             return Err(cfg_err(file, "attention_bias", format!("{arch:?} attention biases (o_proj included) are not supported")))
         }
         // In transformers' LlamaAttention `attention_bias` puts a bias on o_proj as well as
@@ -444,15 +450,28 @@ pub(super) fn parse(text: &str, file: &str) -> Result<ModelConfig, LanternError>
             }
         }
         Arch::Gemma3 => {}
+        Arch::Olmoe => {
+            if c.clip_qkv.is_some() {
+                return Err(cfg_err(file, "clip_qkv", "clipping q/k/v is not supported"));
+            }
+        }
     }
     let mut block = match arch {
         Arch::Gemma3 => gemma3_block(&c, file, num_layers, hidden_size, head_dim)?,
         Arch::Qwen3 => BlockSpec { qk_norm: true, ..Default::default() },
         Arch::Qwen3Moe => BlockSpec { qk_norm: true, moe: Some(moe(&c, file, arch, num_layers, intermediate_size)?), ..Default::default() },
         Arch::Mixtral => BlockSpec { moe: Some(moe(&c, file, arch, num_layers, intermediate_size)?), ..Default::default() },
+        Arch::Olmoe => BlockSpec {
+            qk_norm: true,
+            qk_norm_whole: true,
+            moe: Some(moe(&c, file, arch, num_layers, intermediate_size)?),
+            ..Default::default()
+        },
         _ => BlockSpec::default(),
     };
-    if arch != Arch::Qwen3Moe && arch != Arch::Mixtral && (c.num_experts.unwrap_or(0) > 0 || c.num_local_experts.unwrap_or(0) > 0) {
+    if !matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Olmoe)
+        && (c.num_experts.unwrap_or(0) > 0 || c.num_local_experts.unwrap_or(0) > 0)
+    {
         return Err(cfg_err(file, "num_experts", format!("a {arch:?} model has no experts")));
     }
     if let Some(w) = uniform_window {
@@ -525,6 +544,8 @@ fn moe(c: &HfConfig, file: &str, arch: Arch, num_layers: usize, intermediate: us
     };
     let (per_token, expert_intermediate, renormalize) = match arch {
         Arch::Mixtral => (c.num_experts_per_tok.unwrap_or(2), intermediate, true),
+        // OLMoE's experts have the model's intermediate size.
+        Arch::Olmoe => (required(c.num_experts_per_tok, "num_experts_per_tok", file)?, intermediate, c.norm_topk_prob.unwrap_or(false)),
         _ => (
             required(c.num_experts_per_tok, "num_experts_per_tok", file)?,
             required(c.moe_intermediate_size, "moe_intermediate_size", file)?,
@@ -685,7 +706,7 @@ pub(super) fn write(config: &ModelConfig) -> Result<String, LanternError> {
         Arch::Llama => c.attention_bias = Some(false),
         Arch::Mistral => c.sliding_window = m.block.sliding_window,
         Arch::Qwen2 | Arch::Qwen3 => c.use_sliding_window = Some(false),
-        Arch::Phi3 | Arch::Qwen3Moe | Arch::Mixtral => {}
+        Arch::Phi3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Olmoe => {}
         Arch::Gemma3 => {
             let b = &m.block;
             let local = b.rope_local_theta.unwrap_or(10000.0);

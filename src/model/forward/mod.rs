@@ -199,7 +199,8 @@ impl GpuModel {
 
     /// What the CPU reference runs but the GPU forward pass does not yet: mixtures of experts.
     fn refuse_unsupported(config: &ModelConfig) -> Result<()> {
-        if config.block.moe.is_some() {
+        // (OLMoE's whole-projection q/k norms come only with its experts.)
+        if config.block.moe.is_some() || config.block.qk_norm_whole {
             return Err(crate::LanternError::UnsupportedArchitecture {
                 arch: format!(
                     "{:?}: mixture-of-experts models run on the CPU reference (lantern::reference) only; the GPU expert kernels are not built yet",
