@@ -25,16 +25,14 @@ fn vacc(i: u32, pr: vec4<f32>, e: u32) {
 
 @compute @workgroup_size(8)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let t = wid.y;
-    let group = p.n_heads / p.n_kv_heads;
-    let batches = (group + HB - 1u) / HB;
-    let kvh = wid.x / batches;
-    if (t >= step.n_tokens || kvh >= p.n_kv_heads) {
+    let hb = head_batch(wid);
+    if (!hb.live) {
         return;
     }
-    let b = wid.x % batches;
-    let h0 = kvh * group + b * HB;
-    let nh = min(HB, group - b * HB);
+    let t = hb.t;
+    let kvh = hb.kvh;
+    let h0 = hb.h0;
+    let nh = hb.nh;
     let hd = p.head_dim;
     // Dims per lane (head_dim is a multiple of 32 for this variant; the host checks).
     let dpl = hd / 8u;

@@ -13,17 +13,6 @@
 // stored, so there is no early return and control flow stays uniform.
 #include "common/linear.wgsl"
 
-#if BLOCK_M8
-const TM: u32 = 8u;
-#else
-const TM: u32 = 4u;
-#endif
-#if BLOCK_N8
-const TN: u32 = 8u;
-#else
-const TN: u32 = 4u;
-#endif
-
 // Four rows of a weight at k (lo) and k + 1 (hi).
 struct Pair {
     lo: vec4<f32>,

@@ -49,6 +49,25 @@ const NEG: f32 = -0x1.fffffep+127f;
 // (n_tokens, n_heads, n_shards * n_splits, head_dim + 2): output, m, l per part.
 @group(0) @binding(9) var<storage, read_write> partials: array<f32>;
 
+// The query heads workgroup `wid` serves: token t (wid.y), KV head kvh, and the batch of
+// its group's query heads h0 .. h0 + nh (at most HB; wid.x = kvh * batches + batch);
+// `live` is false for workgroups past the step's tokens or the KV heads.
+struct HeadBatch {
+    t: u32,
+    kvh: u32,
+    h0: u32,
+    nh: u32,
+    live: bool,
+}
+
+fn head_batch(wid: vec3<u32>) -> HeadBatch {
+    let group = p.n_heads / p.n_kv_heads;
+    let batches = (group + HB - 1u) / HB;
+    let kvh = wid.x / batches;
+    let b = wid.x % batches;
+    return HeadBatch(wid.y, kvh, kvh * group + b * HB, min(HB, group - b * HB), wid.y < step.n_tokens && kvh < p.n_kv_heads);
+}
+
 // Parts (shard x split) of each token's keys.
 fn n_parts() -> u32 {
     return p.n_shards * max(step.n_splits, 1u);

@@ -1,5 +1,16 @@
 // The accumulators and the store of the register-blocked matmuls (matmul_blocked.wgsl,
-// matmul_blocked_q.wgsl): TM tokens x TN rows per invocation, TN = 8 with BLOCK_N8, else 4.
+// matmul_blocked_q*.wgsl): TM tokens x TN rows per invocation, TM = 8 with BLOCK_M8 and
+// TN = 8 with BLOCK_N8, else 4.
+#if BLOCK_M8
+const TM: u32 = 8u;
+#else
+const TM: u32 = 4u;
+#endif
+#if BLOCK_N8
+const TN: u32 = 8u;
+#else
+const TN: u32 = 4u;
+#endif
 
 // The accumulators of one token: W x' (a) and U x' (c) for rows 0-3 / 4-7, and sum(x^2).
 struct Acc {

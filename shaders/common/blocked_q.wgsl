@@ -3,17 +3,6 @@
 // from a texture). Each of them defines how a step meets x, `x_step(k8, lo, hi)`, and its
 // `main`, which sets up its x rows, calls `run_block` (the walk over K: the rows' scales once
 // per group, their codes dequantized once per 8-element step) and `finish_block`.
-#if BLOCK_M8
-const TM: u32 = 8u;
-#else
-const TM: u32 = 4u;
-#endif
-#if BLOCK_N8
-const TN: u32 = 8u;
-#else
-const TN: u32 = 4u;
-#endif
-
 // Four consecutive dequantized values of four rows (their scales: common/weights.wgsl's
 // Scales4).
 struct R4 {
