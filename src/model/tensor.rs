@@ -276,16 +276,13 @@ impl ModelWeights {
     }
 
     /// Split the 3-D tensor `name` (`[parts.len(), rows, cols]`) into one `[rows, cols]`
-    /// tensor per name in `parts`, replacing it (GGUF's expert tensors). Float and GGUF block
-    /// dtypes split on byte boundaries; a missing tensor is left alone.
+    /// tensor per name in `parts`, replacing it (GGUF's expert tensors): [`Self::split_rows`]
+    /// with one row of the first dimension per part, then that dimension dropped. A missing
+    /// tensor is left alone.
     pub fn split_first_dim(&mut self, name: &str, parts: &[String]) -> Result<(), LoadError> {
-        let Some(t) = self.tensors.remove(name) else {
-            return Ok(());
-        };
-        let invalid = |reason: String| LoadError::Invalid { file: self.source.clone(), reason: format!("tensor `{name}`: {reason}") };
-        let (n, rest) = match t.shape.split_first() {
-            Some((n, rest)) if rest.len() == 2 => (*n, rest.to_vec()),
-            _ => {
+        match self.tensors.get(name) {
+            None => return Ok(()),
+            Some(t) if t.shape.len() != 3 => {
                 return Err(LoadError::WrongShape {
                     file: self.source.clone(),
                     tensor: name.to_string(),
@@ -293,25 +290,14 @@ impl ModelWeights {
                     expected: vec![parts.len(), 0, 0],
                 })
             }
-        };
-        if n != parts.len() {
-            return Err(LoadError::WrongShape {
-                file: self.source.clone(),
-                tensor: name.to_string(),
-                got: t.shape.clone(),
-                expected: [vec![parts.len()], rest].concat(),
-            });
+            Some(_) => {}
         }
-        if matches!(t.dtype, DType::Packed(_)) {
-            return Err(invalid("fused Lantern-packed tensors cannot be split".into()));
-        }
-        let part_bytes = t.dtype.bytes_for_shape(&rest).ok_or_else(|| invalid("rows are not whole blocks".into()))?;
-        if part_bytes * n != t.data.len() {
-            return Err(invalid(format!("holds {} bytes, expected {n} parts of {part_bytes}", t.data.len())));
-        }
-        for (i, part) in parts.iter().enumerate() {
-            let data = t.data[i * part_bytes..(i + 1) * part_bytes].to_vec();
-            self.tensors.insert(part.clone(), HostTensor { name: part.clone(), shape: rest.clone(), dtype: t.dtype, data });
+        let ones: Vec<(String, usize)> = parts.iter().map(|p| (p.clone(), 1)).collect();
+        self.split_rows(name, &ones)?;
+        for part in parts {
+            if let Some(t) = self.tensors.get_mut(part) {
+                t.shape.remove(0);
+            }
         }
         Ok(())
     }
