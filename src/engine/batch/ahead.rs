@@ -5,7 +5,7 @@
 use super::*;
 use crate::kernels::argmax::RowDraw;
 use crate::kernels::sample::SampleParams;
-use crate::model::forward::{BatchLanded, BatchSampling};
+use crate::model::forward::BatchSampling;
 
 /// A decode step of every running sequence on the GPU whose tokens the host has not read
 /// yet (decoding ahead in the engine: see [`Engine::step`]).
@@ -209,7 +209,7 @@ impl Engine {
         let after = if next { self.chain_next(&c.sch) } else { None };
         let landed = self.model.land_decode_batch(c.flight, after.is_none()).await;
         let mut report = match landed {
-            Ok(BatchLanded { out }) => {
+            Ok(out) => {
                 let mut sch = c.sch;
                 self.drop_stale_rows(&mut sch);
                 // (sequence, the token the GPU fed its next step) for the rows read.

@@ -308,12 +308,6 @@ pub(crate) struct BatchFlight {
     sampled: bool,
 }
 
-/// A landed batched step: its output, whose argmax rows are the tokens the GPU fed each
-/// sequence's next step (with the top-k rows they were drawn from, when sampled).
-pub(crate) struct BatchLanded {
-    pub out: StepOutput,
-}
-
 /// Sampling for a batched step decoded ahead: the parameters every sampled row shares and
 /// one uniform number per row (0 for a greedy row: the draw is then the row's best pair, its
 /// argmax).
@@ -421,14 +415,14 @@ impl GpuModel {
     }
 
     /// Wait for a batched step submitted by [`Self::submit_decode_batch`] and read it
-    /// (`idle`: no step is queued behind it).
-    pub(crate) async fn land_decode_batch(&mut self, f: BatchFlight, idle: bool) -> Result<BatchLanded> {
+    /// (`idle`: no step is queued behind it): its argmax rows are the tokens the GPU fed each
+    /// sequence's next step (with the top-k rows they were drawn from, when sampled).
+    pub(crate) async fn land_decode_batch(&mut self, f: BatchFlight, idle: bool) -> Result<StepOutput> {
         let (slot, n, sampled) = (f.flight.slot, f.rows, f.sampled);
         let bytes = if sampled { n as u64 * BATCH_ROW_BYTES } else { n as u64 * 4 };
         let data = self.await_flight(f.flight, idle, &self.batch_slots[slot], bytes).await?;
         // (On an error the slot stays marked: its next step aborts whatever map is left.)
         self.batch_unlanded[slot] = false;
-        let out = self.parse_output(&data[..bytes as usize], n as u32, if sampled { Want::TopK } else { Want::Argmax });
-        Ok(BatchLanded { out })
+        Ok(self.parse_output(&data[..bytes as usize], n as u32, if sampled { Want::TopK } else { Want::Argmax }))
     }
 }

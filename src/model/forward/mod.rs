@@ -44,7 +44,7 @@ mod step;
 mod upload;
 
 pub use ahead::AheadToken;
-pub(crate) use ahead::{BatchFlight, BatchLanded, BatchSampling};
+pub(crate) use ahead::{BatchFlight, BatchSampling};
 pub use memory::{DtypeBytes, MemoryReport};
 pub use options::{KvWindow, ModelOptions, StepOutput, Want, WeightPrecision};
 pub use pooled::{l2_normalized, Pooling};
