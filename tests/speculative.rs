@@ -536,6 +536,51 @@ fn engine_batches_speculative_and_plain_requests_and_each_gets_its_solo_output()
     assert!(e.submit(reqs[2].clone()).is_err());
 }
 
+/// The scheduler budgets logit rows as well as tokens: four sequences verifying four drafts
+/// each want 20 rows from a model with 7, so drafts are trimmed and decode tokens or a prompt's
+/// last token wait a step, and every output is still its solo run's. (On a loaded CI runner
+/// the adaptive k of the test above once asked for 25 rows of 24.)
+#[test]
+fn steps_never_ask_for_more_logit_rows_than_the_model_has() {
+    use lantern::engine::{Engine, EngineOptions};
+    let tw = random_model(Spec { seed: 63, vocab: 40, ..TINY });
+    let opts = |max_seqs: usize| ModelOptions {
+        context: Some(96),
+        max_seqs,
+        page_size: 4,
+        max_batch_tokens: 48,
+        max_logit_rows: 7,
+        batch_invariant: true,
+        prefix_cache: false,
+        ..Default::default()
+    };
+    let tok = tokenizer();
+    let greedy = SamplingParams::default();
+    let hot = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 3 };
+    let reqs: Vec<GenerateRequest> = vec![
+        request(&[9, 3, 9, 3, 9, 3, 9], 28, greedy, fixed(Drafter::Lookup, 4)),
+        request(&[5, 6, 5, 6, 5, 6, 5], 28, greedy, fixed(Drafter::Lookup, 4)),
+        request(&[1, 2, 1, 2, 1, 2, 1, 2, 1], 28, hot, fixed(Drafter::Lookup, 4)),
+        request(&[7, 8, 7, 8, 7], 28, greedy, fixed(Drafter::Lookup, 4)),
+        request(&[10, 11, 12], 20, SamplingParams::default(), Speculation::default()),
+    ];
+    let mut solo_t = up(&tw, opts(1));
+    let solo: Vec<Vec<u32>> =
+        reqs.iter().map(|r| pollster::block_on(generate_with(&mut solo_t, None, &tok, r, |_| true)).unwrap().output_ids).collect();
+    let mut e = Engine::new(up(&tw, opts(5)), tok, EngineOptions { step_tokens: 48, prefill_chunk: 8, max_waiting: 16 });
+    let mut handles: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
+    pollster::block_on(e.run_until_idle()).unwrap();
+    let mut proposed = 0;
+    for (i, h) in handles.iter_mut().enumerate() {
+        let g = done(h);
+        assert_eq!(g.output_ids, solo[i], "request {i}: batched output differs from its solo run");
+        proposed += g.speculative.map_or(0, |s| s.proposed);
+    }
+    assert!(proposed > 0, "lookup drafted nothing");
+    let m = e.into_model();
+    assert_eq!(m.kv.alloc.free_pages(), m.kv.alloc.total_pages(), "pages leaked");
+}
+
 #[test]
 fn window_rings_batch_speculative_plain_and_parallel_requests_like_full_pages() {
     // Gemma-style blocks (a sliding layer with a 5-key window): with steps of up to 8 tokens

@@ -74,18 +74,28 @@ impl Engine {
 
         // Running sequences first, oldest first: each decode token, or its next prompt chunk.
         let mut budget = self.options.step_tokens;
+        // Logit rows are budgeted too: a decode token takes one, and each draft one more (a
+        // verify step reads a row per position); a prompt chunk that ends its prompt takes one.
+        let mut rows_left = self.model.logit_rows;
         // (index into running, tokens this step)
         let mut plan: Vec<(u64, usize)> = Vec::new();
         let mut idx = 0;
         while idx < self.running.len() && budget > 0 {
-            let (id, slot, need) = {
+            let (id, slot, need, to_end) = {
                 let s = &self.running[idx];
-                (s.id, s.slot.expect("running sequences hold a slot"), s.compute_limit() - s.computed)
+                (s.id, s.slot.expect("running sequences hold a slot"), s.compute_limit() - s.computed, s.tokens.len() - s.computed)
             };
             // A speculative sequence in decode carries its drafts (looked up now, or drafted
-            // by the draft model before scheduling), as many as the step's budget leaves.
-            let drafts = if need == 1 { self.drafts_for(idx, budget - 1) } else { 0 };
-            let take = need.min(budget).min(if need > 1 { self.options.prefill_chunk } else { 1 }) + drafts;
+            // by the draft model before scheduling), as many as the step's budgets leave.
+            let drafts = if need == 1 && rows_left > 0 { self.drafts_for(idx, (budget - 1).min(rows_left - 1)) } else { 0 };
+            let mut take = need.min(budget).min(if need > 1 { self.options.prefill_chunk } else { 1 }) + drafts;
+            // Rows as the step's inputs below count them (one per position from the last token
+            // held on). Out of rows, a chunk stops short of its prompt's end (its last token
+            // waits for the next step) and a decode token waits.
+            let rows = (take + 1).saturating_sub(to_end);
+            if rows > rows_left {
+                take = need.min(to_end).saturating_sub(1);
+            }
             if take == 0 {
                 idx += 1;
                 continue;
@@ -120,6 +130,7 @@ impl Engine {
             self.model.kv.alloc.append(slot, take).map_err(LanternError::Kv)?;
             plan.push((id, take));
             budget -= take;
+            rows_left -= (take + 1).saturating_sub(to_end);
             idx += 1;
         }
 
@@ -143,7 +154,12 @@ impl Engine {
                 self.waiting.push_front(s);
                 break;
             }
-            let take = need.min(budget).min(self.options.prefill_chunk);
+            let mut take = need.min(budget).min(self.options.prefill_chunk);
+            let to_end = s.tokens.len() - cached;
+            if take >= to_end && rows_left == 0 {
+                // Its last prompt token waits for a step with a logit row to spare.
+                take = need.saturating_sub(1);
+            }
             if let Err(e) = self.model.kv.alloc.append(slot, take) {
                 self.model.release_sequence(slot);
                 if self.running.is_empty() && plan.is_empty() {
@@ -167,6 +183,7 @@ impl Engine {
                 plan.push((s.id, take));
             }
             budget -= take;
+            rows_left -= usize::from(take >= to_end);
             self.running.push(s);
         }
 
