@@ -241,7 +241,8 @@ fn streamed_loads_write_the_head_a_slice_of_rows_at_a_time() {
 
 /// Every pipeline the runtime asks for is among the variants the shader tests validate,
 /// translate and snapshot (`kernels::all_variants`, tests/shaders.rs). The tiny models
-/// of every architecture (HF folders and llama.cpp GGUFs) and of every GGUF weight format
+/// of every architecture (HF folders and llama.cpp GGUFs, mixtures of experts among them) and
+/// of every GGUF weight format
 /// are loaded under the capabilities of each adapter family the kernels tell apart (CPU
 /// adapters with subgroups of 8 like lavapipe, of 4 or none; GPUs with f16 and fixed or
 /// variable subgroups, and without either), with each weight precision and KV dtype; every
@@ -284,6 +285,12 @@ fn every_pipeline_the_runtime_requests_is_a_validated_variant() {
     for name in ["gemma3", "llama3.2", "phi3", "phi3-longrope", "qwen3"] {
         let l = lantern::model::load::load_path(&archs.join(name).join("model.gguf")).expect(name);
         models.push((format!("{name} GGUF"), l.weights));
+    }
+    // Mixtures of experts: the router and expert kernels.
+    let moe = common::fixtures_dir().join("tiny-moe");
+    for path in [moe.join("qwen3moe"), moe.join("mixtral").join("model.gguf")] {
+        let l = lantern::model::load::load_path(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        models.push((path.display().to_string(), l.weights));
     }
     let types = common::fixtures_dir().join("ggml-types");
     for ty in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"] {

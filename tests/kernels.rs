@@ -2203,3 +2203,174 @@ fn sample_draws_match_the_host_mirror() {
         assert_eq!(got, want, "row {r}, u {}", u[r]);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Mixture of experts: the router's top-k on the GPU against `ops::moe_route`, and the expert
+// matvecs (reading only the routed experts of stacked weights) against dequantize-then-multiply
+// per token-expert pair.
+// ---------------------------------------------------------------------------------------------
+
+/// The route of `t` tokens' router logits (`t x n`), run on the GPU: (expert, weight) pairs.
+fn gpu_route(ctx: &Arc<GpuContext>, logits: &[f32], n: usize, top_k: usize, renormalize: bool) -> (wgpu::Buffer, Vec<(u32, f32)>) {
+    let t = logits.len() / n;
+    let step = step_buffer(ctx);
+    let lb = buf_f32(ctx, "router_logits", logits);
+    let route = create_zeroed(ctx, "route", (t * top_k * kernels::moe::ROUTE_BYTES) as u64).unwrap();
+    let d = block_on(kernels::moe::route(ctx, &step, &lb, &route, n, top_k, renormalize)).expect("route");
+    submit(ctx, &step, t as u32, 0, &[d]);
+    let raw = read_u32s(ctx, &route, 2 * t * top_k);
+    (route, raw.chunks_exact(2).map(|p| (p[0], f32::from_bits(p[1]))).collect())
+}
+
+#[test]
+fn moe_route_matches_reference() {
+    let ctx = gpu();
+    let mut rng = Rng::new(71);
+    // (experts, top_k, tokens, renormalize): one expert, all experts, Qwen3-30B-A3B's 8 of 128.
+    for &(n, k, t, renorm) in &[(8, 1, 3, false), (8, 2, 5, true), (8, 8, 2, true), (6, 3, 7, false), (128, 8, 4, true), (60, 4, 9, false)]
+    {
+        let mut logits: Vec<f32> = rng.vec(t * n).iter().map(|v| 3.0 * v).collect();
+        // A tie for first place in token 0: the lower index wins.
+        logits[n - 1] = 5.0;
+        logits[1] = 5.0;
+        let (_, got) = gpu_route(&ctx, &logits, n, k, renorm);
+        for (ti, z) in logits.chunks_exact(n).enumerate() {
+            let want = ops::moe_route(z, k, renorm);
+            for (j, &(e, w)) in want.iter().enumerate() {
+                let (ge, gw) = got[ti * k + j];
+                assert_eq!(ge as usize, e, "n {n} k {k}: token {ti} pick {j}");
+                assert!((gw as f64 - w).abs() <= 1e-6, "n {n} k {k}: token {ti} pick {j} weight {gw} vs {w}");
+            }
+        }
+        assert_eq!((got[0].0, got.get(1).map(|g| g.0).filter(|_| k > 1)), (1, (k > 1).then_some(n as u32 - 1)), "tie order");
+    }
+    // Bad shapes are typed errors.
+    let step = step_buffer(&ctx);
+    let b = buf_f32(&ctx, "x", &[0.0; 8]);
+    assert!(matches!(block_on(kernels::moe::route(&ctx, &step, &b, &b, 4, 5, true)), Err(GpuError::Validation { .. })));
+    assert!(matches!(block_on(kernels::moe::route(&ctx, &step, &b, &b, 4, 0, true)), Err(GpuError::Validation { .. })));
+}
+
+/// One expert-matvec case, `shape` = (n, top_k, t, rows, d): `n` experts of `rows` x `d`
+/// (gate, up) and `d` x `rows` (down) in `format`, `top_k` per token, `t` tokens.
+fn check_experts(ctx: &Arc<GpuContext>, seed: u64, shape: (usize, usize, usize, usize, usize), format: WeightFormat, group: u32) {
+    let (n, top_k, t, rows, d) = shape;
+    let mut rng = Rng::new(seed);
+    let what = format!("experts {n} x ({rows} x {d}) {} top-{top_k}, {t} tokens", format.name());
+    let x = rng.vec(t * d);
+    let g: Vec<f32> = rng.vec(d).iter().map(|v| 1.0 + 0.2 * v).collect();
+    let y0 = rng.vec(t * d);
+    let logits: Vec<f32> = rng.vec(t * n).iter().map(|v| 2.0 * v).collect();
+    let gate = HostWeight::random(&mut rng, n * rows, d, format, group);
+    let up = HostWeight::random(&mut rng, n * rows, d, format, group);
+    let down = HostWeight::random(&mut rng, n * d, rows, format, group);
+    let gate_up = GpuLinear::upload_with(ctx, "experts.gate_up", gate.matrix(), Some(up.matrix()), None, n * rows, d, false).unwrap();
+    let down_l = GpuLinear::upload_with(ctx, "experts.down", down.matrix(), None, None, n * d, rows, false).unwrap();
+    // The oracle.
+    let normed = ops::rmsnorm(&x, &g, EPS);
+    let mut want_act = Vec::new();
+    let mut want_y = y0.clone();
+    let mut used = vec![false; n];
+    for ti in 0..t {
+        let nt = &normed[ti * d..(ti + 1) * d];
+        for (e, w) in ops::moe_route(&logits[ti * n..(ti + 1) * n], top_k, true) {
+            used[e] = true;
+            let a = ops::linear(nt, &gate.values[e * rows * d..(e + 1) * rows * d], None, d, rows);
+            let b = ops::linear(nt, &up.values[e * rows * d..(e + 1) * rows * d], None, d, rows);
+            let act = ops::silu_mul(&a, &b);
+            let out = ops::linear(&act, &down.values[e * d * rows..(e + 1) * d * rows], None, rows, d);
+            for (yv, o) in want_y[ti * d..(ti + 1) * d].iter_mut().zip(&out) {
+                *yv += (w as f32) * o;
+            }
+            want_act.extend(act);
+        }
+    }
+    if t * top_k < n {
+        assert!(used.iter().any(|u| !u), "{what}: some expert gets no token");
+    }
+    let sgs: &[bool] = if ctx.caps.subgroups { &[false, true] } else { &[false] };
+    for &sg in sgs {
+        let (route, _) = gpu_route(ctx, &logits, n, top_k, true);
+        let step = step_buffer(ctx);
+        let xb = buf_f32(ctx, "x", &x);
+        let gb = buf_f32(ctx, "norm", &g);
+        let act = create_zeroed(ctx, "act", (t * top_k * rows * 4) as u64).unwrap();
+        let y = buf_f32(ctx, "y", &y0);
+        let io = kernels::moe::ExpertIo {
+            step: &step,
+            x: &xb,
+            x_stride: d,
+            norm: Some(&gb),
+            eps: EPS,
+            route: &route,
+            top_k,
+            y: &act,
+            out_stride: rows,
+            residual: false,
+        };
+        let d1 = block_on(kernels::moe::experts_with(ctx, &gate_up, n, &io, sg)).expect("gate|up");
+        let io2 = kernels::moe::ExpertIo { x: &act, x_stride: rows, norm: None, y: &y, out_stride: d, residual: true, ..io };
+        let d2 = block_on(kernels::moe::experts_with(ctx, &down_l, n, &io2, sg)).expect("down");
+        submit(ctx, &step, t as u32, 0, &[d1, d2]);
+        assert_close(&format!("{what} (subgroups {sg}): act"), &read_f32s(ctx, &act, t * top_k * rows), &want_act, LINEAR_TOL);
+        assert_close(&format!("{what} (subgroups {sg}): y"), &read_f32s(ctx, &y, t * d), &want_y, LINEAR_TOL);
+    }
+}
+
+#[test]
+fn moe_experts_match_reference_in_every_format() {
+    let ctx = gpu();
+    // (experts, top_k, tokens, expert rows, hidden): one pick per token; 2 of 8; every expert
+    // for every token; 3 of 6 for 7 tokens; and tokens few enough that experts go unused.
+    let shapes = [(4, 1, 3, 24, 64), (8, 2, 5, 40, 72), (8, 8, 2, 16, 64), (6, 3, 7, 48, 96), (16, 2, 3, 32, 64)];
+    for (i, &shape) in shapes.iter().enumerate() {
+        for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8, WeightFormat::Q4, WeightFormat::Q4Sym] {
+            check_experts(&ctx, 80 + i as u64, shape, format, 8);
+        }
+    }
+    // Every other packed format on rows of whole super-blocks.
+    for format in WeightFormat::packed() {
+        check_experts(&ctx, 90, (3, 2, 3, 256, 256), format, 32);
+    }
+}
+
+#[test]
+fn moe_experts_refuse_what_they_cannot_read() {
+    let ctx = gpu();
+    let mut rng = Rng::new(5);
+    let step = step_buffer(&ctx);
+    let b = buf_f32(&ctx, "b", &[0.0; 64]);
+    let io = kernels::moe::ExpertIo {
+        step: &step,
+        x: &b,
+        x_stride: 12,
+        norm: None,
+        eps: EPS,
+        route: &b,
+        top_k: 2,
+        y: &b,
+        out_stride: 12,
+        residual: true,
+    };
+    // k not a multiple of 8.
+    let w = HostWeight::random(&mut rng, 4 * 12, 12, WeightFormat::F32, 8);
+    let lin = GpuLinear::upload_with(&ctx, "odd", w.matrix(), None, None, 4 * 12, 12, false).unwrap();
+    let e = block_on(kernels::moe::experts(&ctx, &lin, 4, &io)).err().expect("k = 12 refused");
+    assert!(e.to_string().contains("multiple of 8"), "{e}");
+    // Rows not a whole number of experts; more picks than experts.
+    let w = HostWeight::random(&mut rng, 4 * 16, 16, WeightFormat::F32, 8);
+    let lin = GpuLinear::upload_with(&ctx, "rows", w.matrix(), None, None, 4 * 16, 16, false).unwrap();
+    let e = block_on(kernels::moe::experts(&ctx, &lin, 3, &io)).err().expect("64 rows are not 3 experts");
+    assert!(e.to_string().contains("3 experts"), "{e}");
+    let e = block_on(kernels::moe::experts(&ctx, &lin, 1, &io)).err().expect("2 picks of 1 expert");
+    assert!(e.to_string().contains("experts per token"), "{e}");
+    // Stacked experts over more than one binding.
+    let small = gpu_small();
+    let w = HostWeight::random(&mut rng, 8 * 64, 64, WeightFormat::F32, 8);
+    let lin = GpuLinear::upload_with(&small, "big", w.matrix(), None, None, 8 * 64, 64, false).unwrap();
+    let step_s = step_buffer(&small);
+    let bs = buf_f32(&small, "b", &[0.0; 64]);
+    let io_s = kernels::moe::ExpertIo { step: &step_s, x: &bs, route: &bs, y: &bs, ..io };
+    let e = block_on(kernels::moe::experts(&small, &lin, 8, &io_s)).err().expect("split experts refused");
+    assert!(e.to_string().contains("max_storage_buffer_binding_size"), "{e}");
+}

@@ -225,6 +225,8 @@ fn uniform_structs_match_their_wgsl_mirrors() {
                 (0, 1) => lantern::kernels::params_size(key.op) as u32,
                 // XU: the 64 KiB windows of x and the norm weight the Rust side binds.
                 (0, 15) | (0, 16) => lantern::kernels::linear::XU_WINDOW,
+                // The expert matvec's experts per token.
+                (0, 19) => lantern::kernels::moe::MOE_UNIFORM_BYTES,
                 other => panic!("{}: unexpected uniform at {other:?}", key.label()),
             };
             assert_eq!(size, want, "{}: uniform at binding {} is {size} bytes in WGSL, {want} in Rust", key.label(), b.binding);

@@ -3,14 +3,15 @@
 //! without renormalised routing, Mixtral, OLMoE), loaded as Hugging Face folders. The CPU reference
 //! must reproduce transformers' float32 logits at every position and its greedy continuation,
 //! from the folder and from llama.cpp's GGUF conversion of it (3-D expert tensors split per
-//! expert at load); the GPU forward pass refuses them with a typed error until its expert
-//! kernels exist.
+//! expert at load). The GPU forward pass (router, route and expert matvecs on the GPU) must do
+//! the same, unquantized and with its experts quantized to packed formats; OLMoE's
+//! whole-projection q/k norms are refused there with a typed error until they run.
 
 mod common;
 
 use std::path::PathBuf;
 
-use lantern::model::forward::{GpuModel, ModelOptions};
+use lantern::model::forward::{GpuModel, ModelOptions, Want};
 use lantern::model::load::load_path;
 use lantern::model::Arch;
 use lantern::reference::ReferenceModel;
@@ -38,6 +39,10 @@ fn check_load(name: &str, path: &std::path::Path, arch: Arch, sparse: &[bool], r
     let layers: Vec<bool> = (0..w.config.num_layers).map(|l| w.config.block.experts(l).is_some()).collect();
     assert_eq!(layers, sparse, "{name}: which layers are sparse");
     assert_eq!(w.config.idle_expert_parameters(), idle, "{name}: parameters a token does not read");
+    // The memory plan counts from the config what the file holds.
+    let pc = lantern::model::plan::param_count(&w.config);
+    let held: u64 = w.tensors.values().map(|t| t.shape.iter().product::<usize>() as u64).sum();
+    assert_eq!((pc.total, pc.active), (held, held - idle), "{name}: parameters counted from the config");
 
     let ids = common::ids(&r["input_ids"]);
     let want = common::read_f32(&folder.join(r["logits"]["file"].as_str().unwrap()));
@@ -50,11 +55,37 @@ fn check_load(name: &str, path: &std::path::Path, arch: Arch, sparse: &[bool], r
     assert_eq!(reference.greedy(&ids, greedy.len()), greedy, "{name}: greedy continuation");
     eprintln!("{name}: {} positions within {d:e} of transformers, {} greedy tokens exact", ids.len(), greedy.len());
 
-    match pollster::block_on(GpuModel::load(common::gpu(), &w, ModelOptions { context: Some(64), ..Default::default() })) {
-        Err(e @ LanternError::UnsupportedArchitecture { .. }) => assert!(e.to_string().contains("mixture-of-experts"), "{e}"),
-        Err(e) => panic!("{name}: the GPU load failed otherwise: {e}"),
-        Ok(_) => panic!("{name}: the GPU load of a mixture of experts must be refused until it runs"),
+    if w.config.block.qk_norm_whole {
+        // OLMoE's q/k norms over the whole projection are not on the GPU yet.
+        match pollster::block_on(GpuModel::load(common::gpu(), &w, ModelOptions { context: Some(64), ..Default::default() })) {
+            Err(e @ LanternError::UnsupportedArchitecture { .. }) => assert!(e.to_string().contains("whole projection"), "{e}"),
+            Err(e) => panic!("{name}: the GPU load failed otherwise: {e}"),
+            Ok(_) => panic!("{name}: the GPU load of whole-projection q/k norms must be refused until it runs"),
+        }
+        return;
     }
+    check_gpu(name, &w, &ids, &want, &greedy, TOL);
+}
+
+/// The GPU forward pass of `w` (expert kernels: router, route and expert matvecs on the GPU):
+/// every position's logits within `tol` of `want`, prefill in chunks (the matmul shapes) and
+/// then a token per step (the matvec shapes) giving `greedy`.
+fn check_gpu(name: &str, w: &lantern::model::ModelWeights, ids: &[u32], want: &[f32], greedy: &[u32], tol: f32) {
+    let opts = ModelOptions { context: Some(64), max_batch_tokens: 16, max_logit_rows: 16, page_size: 4, ..Default::default() };
+    let mut m = pollster::block_on(GpuModel::load(common::gpu(), w, opts)).unwrap_or_else(|e| panic!("{name}: GPU load: {e}"));
+    let seq = m.new_sequence().unwrap();
+    let gpu = pollster::block_on(m.forward_all_logits(seq, ids)).expect("forward");
+    let d = gpu.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(d <= tol, "{name}: GPU logits differ by {d:e}");
+    m.release_sequence(seq);
+    let seq = m.new_sequence().unwrap();
+    let mut out = vec![pollster::block_on(m.forward(seq, ids, Want::Argmax)).unwrap().argmax[0]];
+    while out.len() < greedy.len() {
+        let t = *out.last().unwrap();
+        out.push(pollster::block_on(m.forward(seq, &[t], Want::Argmax)).unwrap().argmax[0]);
+    }
+    assert_eq!(out, greedy, "{name}: GPU greedy continuation");
+    eprintln!("{name}: GPU logits within {d:e}, {} greedy tokens exact", greedy.len());
 }
 
 #[test]
@@ -80,7 +111,20 @@ fn olmoe_with_whole_projection_qk_norms() {
 
 #[test]
 fn mixtral_from_llama_cpp_gguf() {
-    check_load("mixtral", &dir("mixtral").join("model.gguf"), Arch::Mixtral, &[true, true], true, 2 * 2 * 3 * 160 * 64);
+    let gguf = dir("mixtral").join("model.gguf");
+    check_load("mixtral", &gguf, Arch::Mixtral, &[true, true], true, 2 * 2 * 3 * 160 * 64);
+    // As `lantern run` loads a GGUF: streamed a layer at a time, its 3-D expert tensors split
+    // and stacked again per layer.
+    let r = common::read_json(&dir("mixtral").join("reference.json"));
+    let ids = common::ids(&r["input_ids"]);
+    let want = common::read_f32(&dir("mixtral").join("logits.f32"));
+    let opts = ModelOptions { context: Some(64), max_batch_tokens: 16, max_logit_rows: 16, page_size: 4, ..Default::default() };
+    let (mut m, _) =
+        pollster::block_on(lantern::model::load::load_to_gpu(common::gpu(), &gguf, opts, &mut |_, _| {})).expect("streamed load");
+    let seq = m.new_sequence().unwrap();
+    let got = pollster::block_on(m.forward_all_logits(seq, &ids)).unwrap();
+    let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(d <= TOL, "mixtral GGUF streamed: GPU logits differ by {d:e}");
 }
 
 /// llama.cpp renormalises Qwen3-MoE's expert weights whatever the checkpoint said (GGUF has
@@ -104,6 +148,91 @@ fn qwen3_moe_from_llama_cpp_gguf_is_renormalised_as_llama_cpp_runs_it() {
     // And renormalising changes the logits: the comparison is not vacuous.
     let want = common::read_f32(&folder.join("logits.f32"));
     assert!(a.iter().zip(&want).any(|(x, y)| (x - y).abs() > 1e-3));
+    // The GPU runs the GGUF as the reference does.
+    let greedy = ReferenceModel::new(&g).unwrap().greedy(&ids, 8);
+    check_gpu("qwen3moe-unnormalised GGUF", &g, &ids, &a, &greedy, TOL);
+}
+
+/// Experts quantized to packed formats (round-to-nearest in groups of 16; the router stays
+/// f32, as llama.cpp keeps it) run on the GPU as the CPU reference runs the same packed
+/// weights: the expert matvec dequantizes every format in the shader.
+#[test]
+fn quantized_experts_on_the_gpu_match_the_reference() {
+    use lantern::quant::quantize::{quantize_model, QuantizeOptions};
+    use lantern::quant::QuantKind;
+    let w = load_path(&dir("qwen3moe")).unwrap().weights;
+    let ids = common::ids(&common::read_json(&dir("qwen3moe").join("reference.json"))["input_ids"]);
+    for kind in [QuantKind::Q8, QuantKind::Q4, QuantKind::Q4Sym] {
+        let mut o = QuantizeOptions::new(kind);
+        o.group = 16;
+        let q = quantize_model(&w, &o, None, &mut |_| {}).unwrap().weights;
+        let packed = |n: &str| q.tensors[n].dtype.quant_kind().is_some();
+        assert!(packed("model.layers.2.mlp.experts.7.down_proj.weight") && packed("model.layers.1.mlp.up_proj.weight"), "{kind:?}");
+        assert!(!packed("model.layers.0.mlp.gate.weight"), "the router stays float");
+        let r = ReferenceModel::new(&q).unwrap();
+        let (want, greedy) = (r.forward(&ids), r.greedy(&ids, 8));
+        check_gpu(&format!("qwen3moe {kind:?}"), &q, &ids, &want, &greedy, TOL);
+    }
+}
+
+/// Sixteen sequences decoded together by the engine give each its own single run's tokens:
+/// each token's route and experts are its own, whatever else the step holds.
+#[test]
+fn sixteen_sequences_batched_equal_sixteen_single_runs() {
+    use lantern::engine::generate::{generate_with, GenerateRequest};
+    use lantern::engine::{Engine, EngineOptions, Event, SamplingParams};
+    let w = load_path(&dir("mixtral")).unwrap().weights;
+    let tok = common::smollm2_tokenizer();
+    let ids = common::ids(&common::read_json(&dir("mixtral").join("reference.json"))["input_ids"]);
+    let opts = |max_seqs: usize| ModelOptions {
+        context: Some(64),
+        max_seqs,
+        page_size: 4,
+        max_batch_tokens: 64,
+        max_logit_rows: 16,
+        batch_invariant: true,
+        prefix_cache: false,
+        ..Default::default()
+    };
+    let reqs: Vec<GenerateRequest> = (0..16)
+        .map(|i| GenerateRequest {
+            prompt_ids: ids[i..i + 3 + i % 5].to_vec(),
+            max_tokens: 6,
+            sampling: if i % 3 == 0 {
+                SamplingParams { temperature: 0.8, top_k: 0, top_p: 1.0, seed: i as u64 }
+            } else {
+                SamplingParams::default()
+            },
+            stop_ids: vec![],
+            stop_strings: vec![],
+            speculation: Default::default(),
+            constraint: None,
+            logprobs: None,
+            bias: Default::default(),
+        })
+        .collect();
+    let mut one = pollster::block_on(GpuModel::load(common::gpu(), &w, opts(1))).unwrap();
+    let solo: Vec<Vec<u32>> =
+        reqs.iter().map(|r| pollster::block_on(generate_with(&mut one, None, &tok, r, |_| true)).unwrap().output_ids).collect();
+    let mut e = Engine::new(
+        pollster::block_on(GpuModel::load(common::gpu(), &w, opts(16))).unwrap(),
+        tok,
+        EngineOptions { step_tokens: 64, prefill_chunk: 8, max_waiting: 16 },
+    );
+    let mut handles: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
+    pollster::block_on(e.run_until_idle()).unwrap();
+    assert!(e.stats().steps < 16 * 6, "the engine batched: {} steps", e.stats().steps);
+    for (i, h) in handles.iter_mut().enumerate() {
+        let g = loop {
+            match h.try_next() {
+                Ok(Some(Event::Done(g))) => break *g,
+                Ok(Some(Event::Error(err))) => panic!("request {i}: {err}"),
+                Ok(Some(_)) => {}
+                other => panic!("request {i} ended without Done: {:?}", other.is_ok()),
+            }
+        };
+        assert_eq!(g.output_ids, solo[i], "request {i}: batched output differs from its single run");
+    }
 }
 
 #[test]

@@ -52,6 +52,8 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("logit_mask.wgsl", include_str!("../../shaders/logit_mask.wgsl")),
     ("logit_bias.wgsl", include_str!("../../shaders/logit_bias.wgsl")),
     ("x_texture.wgsl", include_str!("../../shaders/x_texture.wgsl")),
+    ("moe_route.wgsl", include_str!("../../shaders/moe_route.wgsl")),
+    ("moe_matvec.wgsl", include_str!("../../shaders/moe_matvec.wgsl")),
 ];
 
 /// FNV-1a (64 bits) of every embedded shader file: changes whenever a kernel's source does,
@@ -114,6 +116,13 @@ pub enum ShaderOp {
     /// A step's linear-layer input rows copied into an rgba32float texture, which the CPU
     /// adapters' blocked matmul reads (`flags::XTEX`) with texel fetches.
     XTexture,
+    /// A mixture of experts' router: each token's top-k experts and their weights, from its
+    /// router logits, kept on the GPU for [`ShaderOp::MoeMatvec`].
+    MoeRoute,
+    /// The expert matvecs of a mixture of experts (gate|up with GATED, else down and the
+    /// weighted sum over the chosen experts), reading only the routed experts' rows of the
+    /// stacked expert weights.
+    MoeMatvec,
 }
 
 impl ShaderOp {
@@ -138,6 +147,8 @@ impl ShaderOp {
             ShaderOp::LogitMask => "logit_mask.wgsl",
             ShaderOp::LogitBias => "logit_bias.wgsl",
             ShaderOp::XTexture => "x_texture.wgsl",
+            ShaderOp::MoeRoute => "moe_route.wgsl",
+            ShaderOp::MoeMatvec => "moe_matvec.wgsl",
         }
     }
 

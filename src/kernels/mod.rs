@@ -16,6 +16,7 @@ pub mod embedding;
 pub mod linear;
 pub mod logit_bias;
 pub mod logit_mask;
+pub mod moe;
 pub mod rmsnorm;
 pub mod rope_kv;
 pub mod sample;
@@ -60,6 +61,8 @@ pub enum Dim {
     Splits,
     /// The token count when `shards` x splits > 1, else 0 (the attention reduce).
     TokensIfParts(u32),
+    /// tokens x n (a mixture of experts' token-expert pairs).
+    TokensTimes(u32),
 }
 
 impl Dim {
@@ -71,6 +74,7 @@ impl Dim {
             Dim::Out => s.n_out,
             Dim::OutDiv(d) => s.n_out.div_ceil(d),
             Dim::Splits => s.n_splits.max(1),
+            Dim::TokensTimes(n) => s.n_tokens * n,
             Dim::TokensIfParts(shards) => {
                 if shards * s.n_splits.max(1) > 1 {
                     s.n_tokens
@@ -179,6 +183,8 @@ pub fn params_fields(op: crate::gpu::ShaderOp) -> Vec<(&'static str, usize)> {
         O::LogitMask => field_offsets!(logit_mask::LogitMaskParams; n, words, fill),
         O::LogitBias => field_offsets!(logit_bias::LogitBiasParams; n, base),
         O::XTexture => field_offsets!(x_texture::XTextureParams; texels, x_stride4),
+        O::MoeRoute => field_offsets!(moe::RouteParams; n_experts, top_k, renormalize),
+        O::MoeMatvec => field_offsets!(linear::LinearParams; n_rows, k, row_offset, out_stride, x_stride, grid_x, eps, group),
     }
 }
 
@@ -200,6 +206,8 @@ pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
         O::LogitMask => std::mem::size_of::<logit_mask::LogitMaskParams>(),
         O::LogitBias => std::mem::size_of::<logit_bias::LogitBiasParams>(),
         O::XTexture => std::mem::size_of::<x_texture::XTextureParams>(),
+        O::MoeRoute => std::mem::size_of::<moe::RouteParams>(),
+        O::MoeMatvec => std::mem::size_of::<linear::LinearParams>(),
     }
 }
 
@@ -232,6 +240,15 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
     v.push(PipelineKey::new(ShaderOp::LogitMask, logit_mask::WORKGROUP));
     v.push(PipelineKey::new(ShaderOp::LogitBias, logit_bias::WORKGROUP));
     v.push(PipelineKey::new(ShaderOp::XTexture, x_texture::WORKGROUP));
+    // Mixtures of experts: the router and the expert matvecs in every weight format.
+    v.push(PipelineKey::new(ShaderOp::MoeRoute, moe::WORKGROUP));
+    for w in [WeightFormat::F32, WeightFormat::F16].into_iter().chain(WeightFormat::packed()) {
+        for feat in [Features::default(), sg] {
+            for c in moe::FLAG_SETS {
+                v.push(PipelineKey::new(ShaderOp::MoeMatvec, moe::WORKGROUP).with_flags(c).with_weights(w).with_features(feat));
+            }
+        }
+    }
     let combos = [NORM | BIAS, 0, RESIDUAL, NORM | GATED, NORM | GATED | GELU, NORM | GATHER, NORM, BIAS];
     for w in [WeightFormat::F32, WeightFormat::F16] {
         for &c in &combos {

@@ -385,8 +385,13 @@ impl ModelConfig {
     pub fn idle_expert_parameters(&self) -> u64 {
         (0..self.num_layers)
             .filter_map(|l| self.block.experts(l))
-            .map(|m| ((m.experts - m.experts_per_token) * 3 * m.expert_intermediate * self.hidden_size) as u64)
-            .sum()
+            .map(|m| {
+                // Saturating: a corrupt file's sizes may overflow (the plan then fits nothing).
+                [m.experts.saturating_sub(m.experts_per_token), 3, m.expert_intermediate, self.hidden_size]
+                    .iter()
+                    .fold(1u64, |a, &x| a.saturating_mul(x as u64))
+            })
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Number of query heads that share one KV head.

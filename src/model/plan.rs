@@ -6,15 +6,21 @@
 use crate::kv::plan::{kv_bytes_per_token, KvDtype};
 use crate::model::ModelConfig;
 
-/// Parameters of a Llama-family model, from its config: embedding, per layer q/k/v/o
-/// (+ q/k/v biases), gate/up/down, two norms; final norm; an LM head unless tied.
+/// Parameters of a decoder model, from its config: embedding, per layer q/k/v/o (+ q/k/v
+/// biases), the MLP (gate/up/down, or a mixture's router and every expert's gate/up/down),
+/// the norms; final norm; an LM head unless tied.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct ParamCount {
     pub embedding: u64,
+    /// Per layer (the mean where layers differ: a mixture with dense layers among its sparse
+    /// ones).
     pub per_layer: u64,
     pub layers: u64,
     pub lm_head: u64,
     pub total: u64,
+    /// What one token reads: `total` less the experts its router leaves out (`total` for a
+    /// dense model).
+    pub active: u64,
     /// 12 d^2: the textbook size of a transformer block (4 d^2 attention + 8 d^2 MLP with
     /// a 4d FFN), a sanity line next to `per_layer`.
     pub block_12d2: u64,
@@ -41,19 +47,31 @@ pub fn param_count(c: &ModelConfig) -> ParamCount {
     let bias = if c.qkv_bias { sum(&[q, kv, kv]) } else { 0 };
     // Two norms per layer, four with sandwich norms, plus the q/k norms.
     let norms = if c.block.norms == crate::model::NormPlacement::Sandwich { mul(&[4, d]) } else { mul(&[2, d]) };
-    let qk_norm = if c.block.qk_norm { mul(&[2, hd]) } else { 0 };
-    let per_layer = sum(&[mul(&[d, q]), mul(&[2, d, kv]), mul(&[q, d]), bias, mul(&[3, d, f]), norms, qk_norm]);
+    // q/k norms per head (a head's width each), or over the whole projection (OLMoE).
+    let qk_norm = match (c.block.qk_norm, c.block.qk_norm_whole) {
+        (_, true) => sum(&[q, kv]),
+        (true, false) => mul(&[2, hd]),
+        (false, false) => 0,
+    };
+    let attention = sum(&[mul(&[d, q]), mul(&[2, d, kv]), mul(&[q, d]), bias, norms, qk_norm]);
+    let mlp = |l: usize| match c.block.experts(l) {
+        Some(m) => sum(&[mul(&[d, m.experts as u64]), mul(&[m.experts as u64, 3, d, m.expert_intermediate as u64])]),
+        None => mul(&[3, d, f]),
+    };
+    let layers = sum(&(0..c.num_layers).map(|l| sum(&[attention, mlp(l)])).collect::<Vec<_>>());
+    let per_layer = layers / c.num_layers.max(1) as u64;
     let embedding = mul(&[c.vocab_size as u64, d]);
     let lm_head = if c.tie_word_embeddings { 0 } else { embedding };
-    let layers = mul(&[c.num_layers as u64, per_layer]);
-    ParamCount { embedding, per_layer, layers, lm_head, total: sum(&[embedding, layers, d, lm_head]), block_12d2: mul(&[12, d, d]) }
+    let total = sum(&[embedding, layers, d, lm_head]);
+    let active = total.saturating_sub(c.idle_expert_parameters());
+    ParamCount { embedding, per_layer, layers, lm_head, total, active, block_12d2: mul(&[12, d, d]) }
 }
 
 /// Activation bytes of one forward step of `max_batch_tokens` tokens with `logit_rows` rows
 /// of logits, as `GpuModel::load` allocates them (f32 hidden, q|k|v, attention output, MLP
 /// activation, logits, step inputs, RoPE table of `context` positions, and for sandwich-norm
-/// models the sublayer output and sliding layers' RoPE table; the block table's few bytes per
-/// sequence are left out).
+/// models the sublayer output and sliding layers' RoPE table, for mixtures of experts the
+/// router's and experts' buffers; the block table's few bytes per sequence are left out).
 pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usize, context: usize) -> u64 {
     let t = max_batch_tokens.max(1) as u64;
     let r = logit_rows.max(1).min(max_batch_tokens.max(1)) as u64;
@@ -72,7 +90,16 @@ pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usi
     let tables = if c.has_local_rope() { 2 } else { 1 };
     let rope = mul(&[tables, context as u64, hd, 4]);
     let branch = if c.block.norms == crate::model::NormPlacement::Sandwich { mul(&[t, d, 4]) } else { 0 };
-    sum(&[act, logits, inputs, rope, branch])
+    // Mixtures of experts: router logits, the route, and each token-expert pair's activation.
+    let moe = c.block.moe.as_ref().map_or(0, |m| {
+        let pairs = mul(&[t, m.experts_per_token as u64]);
+        sum(&[
+            mul(&[t, m.experts as u64, 4]),
+            mul(&[pairs, crate::kernels::moe::ROUTE_BYTES as u64]),
+            mul(&[pairs, m.expert_intermediate as u64, 4]),
+        ])
+    });
+    sum(&[act, logits, inputs, rope, branch, moe])
 }
 
 /// Widths of the linear-layer inputs (hidden, attention output, MLP activation) that CPU

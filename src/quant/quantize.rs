@@ -166,9 +166,13 @@ fn role(name: &str) -> Role {
         ".mlp.up_proj.weight",
         ".mlp.down_proj.weight",
     ];
+    // A mixture's experts (Hugging Face's names, and Mixtral's w1/w3/w2); its router stays
+    // float, as llama.cpp keeps `ffn_gate_inp`.
+    const EXPERT: [&str; 6] = [".gate_proj.weight", ".up_proj.weight", ".down_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"];
+    let expert = name.contains(".experts.") && EXPERT.iter().any(|s| name.ends_with(s));
     if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
         Role::Embedding
-    } else if name.starts_with("model.layers.") && LINEAR.iter().any(|s| name.ends_with(s)) {
+    } else if name.starts_with("model.layers.") && (expert || LINEAR.iter().any(|s| name.ends_with(s))) {
         Role::Linear
     } else {
         Role::Other

@@ -224,17 +224,7 @@ fn mixture(c: &ModelConfig, moe: &MoeSpec, router: &[f32], experts: &[[&[f32]; 3
     let logits = pass.linear(n, router, None, h, moe.experts);
     let mut out = vec![0.0f32; n.len()];
     for (t, row) in n.chunks(h).enumerate() {
-        let z = &logits[t * moe.experts..(t + 1) * moe.experts];
-        let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let e: Vec<f64> = z.iter().map(|&v| (v as f64 - max).exp()).collect();
-        let sum: f64 = e.iter().sum();
-        let mut order: Vec<usize> = (0..moe.experts).collect();
-        order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
-        let mut chosen: Vec<(usize, f64)> = order[..moe.experts_per_token].iter().map(|&i| (i, e[i] / sum)).collect();
-        if moe.renormalize {
-            let s: f64 = chosen.iter().map(|c| c.1).sum();
-            chosen.iter_mut().for_each(|c| c.1 /= s);
-        }
+        let mut chosen = ops::moe_route(&logits[t * moe.experts..(t + 1) * moe.experts], moe.experts_per_token, moe.renormalize);
         chosen.sort_by_key(|c| c.0);
         let mut acc = vec![0.0f64; h];
         for (i, p) in chosen {

@@ -222,6 +222,24 @@ pub fn softmax(x: &[f32], n: usize) -> Vec<f32> {
     out
 }
 
+/// A mixture of experts' route for one token from its router logits `z` (transformers'
+/// Qwen3-MoE / Mixtral / OLMoE blocks): the softmax of `z` (in f64), the `top_k` most probable
+/// experts (the lower index first on a tie) in order of probability, with their
+/// probabilities, renormalised to sum to 1 with `renormalize`.
+pub fn moe_route(z: &[f32], top_k: usize, renormalize: bool) -> Vec<(usize, f64)> {
+    let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let e: Vec<f64> = z.iter().map(|&v| (v as f64 - max).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    let mut order: Vec<usize> = (0..z.len()).collect();
+    order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
+    let mut chosen: Vec<(usize, f64)> = order[..top_k.min(z.len())].iter().map(|&i| (i, e[i] / sum)).collect();
+    if renormalize {
+        let s: f64 = chosen.iter().map(|c| c.1).sum();
+        chosen.iter_mut().for_each(|c| c.1 /= s);
+    }
+    chosen
+}
+
 /// Index of the largest value; the lowest index wins ties, NaNs are never chosen (an
 /// all-NaN or empty row gives 0).
 pub fn argmax(row: &[f32]) -> u32 {

@@ -234,6 +234,15 @@ pub fn run(a: PlanArgs) -> Result<()> {
         params.per_layer as f64 / 1e6,
         params.block_12d2 as f64 / 1e6
     );
+    if params.active < params.total {
+        println!(
+            "  read per token {:.3} B parameters, {:.3} GB of weights (a mixture of experts: the router's top {} of {} experts)",
+            params.active as f64 / 1e9,
+            gb((p.weight_bytes as f64 * params.active as f64 / params.total.max(1) as f64) as u64),
+            config.block.moe.as_ref().map_or(0, |m| m.experts_per_token),
+            config.block.moe.as_ref().map_or(0, |m| m.experts),
+        );
+    }
     println!("  weights          {:10.3} GB  ({weight_source})", gb(p.weight_bytes));
     println!(
         "  KV per token     {:10} B   ({:?}; 2 x {} layers x {} KV heads x {} dims)",

@@ -108,7 +108,7 @@ impl MemoryReport {
             for (lin, _) in &layer.qkv {
                 self.add_linear(lin);
             }
-            for lin in [&layer.o, &layer.gate_up, &layer.down] {
+            for lin in [&layer.o, &layer.gate_up, &layer.down].into_iter().chain(layer.experts.as_ref().map(|e| &e.router)) {
                 self.add_linear(lin);
             }
             for b in [Some(&layer.in_norm), Some(&layer.post_norm), layer.attn_out_norm.as_ref(), layer.mlp_out_norm.as_ref()]

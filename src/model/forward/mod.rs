@@ -68,8 +68,11 @@ struct Layer {
     /// it writes.
     qkv: Vec<(GpuLinear, usize)>,
     o: GpuLinear,
+    /// The MLP's gate|up (one gated layer) and down: dense, or with `experts` every expert's
+    /// stacked by rows (expert e's rows from `e * rows`).
     gate_up: GpuLinear,
     down: GpuLinear,
+    experts: Option<Experts>,
     /// The attention input's norm (folded into the q|k|v projection).
     in_norm: wgpu::Buffer,
     /// The MLP input's norm (folded into gate/up).
@@ -80,6 +83,14 @@ struct Layer {
     /// residual stream.
     attn_out_norm: Option<wgpu::Buffer>,
     mlp_out_norm: Option<wgpu::Buffer>,
+}
+
+/// A mixture of experts' router and shape (`kernels::moe`); its experts' gate|up and down
+/// are the layer's, stacked by rows.
+struct Experts {
+    /// `[experts, hidden]`: the router logits' linear layer.
+    router: GpuLinear,
+    spec: crate::model::config::MoeSpec,
 }
 
 /// A model resident on the GPU with its KV cache.
@@ -197,13 +208,13 @@ impl GpuModel {
         Self::finish_load(ctx, config, options, mark, w).await
     }
 
-    /// What the CPU reference runs but the GPU forward pass does not yet: mixtures of experts.
+    /// What the CPU reference runs but the GPU forward pass does not yet: OLMoE's q/k norms
+    /// over the whole projection.
     fn refuse_unsupported(config: &ModelConfig) -> Result<()> {
-        // (OLMoE's whole-projection q/k norms come only with its experts.)
-        if config.block.moe.is_some() || config.block.qk_norm_whole {
+        if config.block.qk_norm_whole {
             return Err(crate::LanternError::UnsupportedArchitecture {
                 arch: format!(
-                    "{:?}: mixture-of-experts models run on the CPU reference (lantern::reference) only; the GPU expert kernels are not built yet",
+                    "{:?}: q/k norms over the whole projection (OLMoE) run on the CPU reference (lantern::reference) only; the GPU norms them per head",
                     config.arch
                 ),
             });

@@ -15,7 +15,7 @@ use crate::model::ModelConfig;
 use crate::Result;
 
 use super::upload::GpuWeights;
-use super::{gpu_err, GpuModel, Layer, ModelOptions};
+use super::{gpu_err, Experts, GpuModel, Layer, ModelOptions};
 
 /// Per-step host inputs.
 pub(super) struct Workspace {
@@ -55,6 +55,18 @@ pub(super) struct Workspace {
     /// CPU adapters with tiled weights: texture copies of the linear inputs for the prefill
     /// matmul (`kernels::x_texture`).
     pub x_tex: Option<XTextures>,
+    /// Mixtures of experts: the router's logits and route, and the experts' activations.
+    pub moe: Option<MoeBuffers>,
+}
+
+/// A mixture of experts' step buffers (`kernels::moe`).
+pub(super) struct MoeBuffers {
+    /// `t x experts` router logits.
+    pub logits: wgpu::Buffer,
+    /// `t x experts_per_token` (expert, weight) pairs.
+    pub route: wgpu::Buffer,
+    /// `t x experts_per_token x expert_intermediate` gated activations.
+    pub act: wgpu::Buffer,
 }
 
 /// The x textures of `hidden`, `attn` and `act`.
@@ -180,6 +192,17 @@ impl Workspace {
             } else {
                 None
             },
+            moe: match &c.block.moe {
+                Some(m) => {
+                    let pairs = t * m.experts_per_token;
+                    Some(MoeBuffers {
+                        logits: create_zeroed(ctx, "moe.logits", (t * m.experts * 4) as u64).map_err(gpu_err)?,
+                        route: create_zeroed(ctx, "moe.route", (pairs * kernels::moe::ROUTE_BYTES) as u64).map_err(gpu_err)?,
+                        act: create_zeroed(ctx, "moe.act", (pairs * m.expert_intermediate * 4) as u64).map_err(gpu_err)?,
+                    })
+                }
+                None => None,
+            },
         };
         Ok((ws, r))
     }
@@ -210,6 +233,7 @@ impl Workspace {
         .map(|b| b.size())
         .sum::<u64>()
             + [&self.rope_local, &self.branch].into_iter().flatten().map(|b| b.size()).sum::<u64>()
+            + self.moe.as_ref().map_or(0, |m| m.logits.size() + m.route.size() + m.act.size())
             + self
                 .x_tex
                 .as_ref()
@@ -488,6 +512,13 @@ impl GpuModel {
                     .map_err(gpu_err)?,
             ),
         }
+        if let Some(e) = &layer.experts {
+            v.extend(Self::experts_plan(ctx, c, ws, layer, e, shape).await?);
+            if let Some((g, b)) = post(&layer.mlp_out_norm) {
+                v.push(add_normed(g, b).await?);
+            }
+            return Ok(v);
+        }
         v.extend(copy(&ws.hidden, t_hidden, d).await?);
         v.extend(
             kernels::linear::build(
@@ -515,6 +546,58 @@ impl GpuModel {
                     .map_err(gpu_err)?,
             ),
         }
+        Ok(v)
+    }
+
+    /// A mixture of experts' dispatches: the router's logits (the MLP norm folded in, as for
+    /// a dense MLP's gate|up), each token's route on the GPU, the chosen experts' gate|up,
+    /// and their down with the route's weighted sum added into the residual stream (or
+    /// written to `branch` for a post-norm). The same for every step shape: the expert
+    /// matvec takes any number of tokens.
+    async fn experts_plan(
+        ctx: &GpuContext,
+        c: &ModelConfig,
+        ws: &Workspace,
+        layer: &Layer,
+        e: &Experts,
+        shape: Shape,
+    ) -> Result<Vec<Dispatch>> {
+        let (d, eps) = (c.hidden_size, c.rms_norm_eps);
+        let m = &e.spec;
+        let bufs = ws.moe.as_ref().expect("a model with experts has their workspace");
+        let mut v = kernels::linear::build(
+            ctx,
+            &e.router,
+            &lin_io(ws, &ws.hidden, d, Some(&layer.post_norm), &bufs.logits, m.experts, false, eps, None),
+            // The router is a few rows: its matvec or, for prefill, the matmul.
+            if shape == Shape::Matmul { Shape::Matmul } else { Shape::Matvec },
+        )
+        .await
+        .map_err(gpu_err)?;
+        v.push(
+            kernels::moe::route(ctx, &ws.step, &bufs.logits, &bufs.route, m.experts, m.experts_per_token, m.renormalize)
+                .await
+                .map_err(gpu_err)?,
+        );
+        let up = kernels::moe::ExpertIo {
+            step: &ws.step,
+            x: &ws.hidden,
+            x_stride: d,
+            norm: Some(&layer.post_norm),
+            eps,
+            route: &bufs.route,
+            top_k: m.experts_per_token,
+            y: &bufs.act,
+            out_stride: m.expert_intermediate,
+            residual: false,
+        };
+        v.push(kernels::moe::experts(ctx, &layer.gate_up, m.experts, &up).await.map_err(gpu_err)?);
+        let (y, residual) = match (&layer.mlp_out_norm, &ws.branch) {
+            (Some(_), Some(b)) => (b, false),
+            _ => (&ws.hidden, true),
+        };
+        let down = kernels::moe::ExpertIo { x: &bufs.act, x_stride: m.expert_intermediate, norm: None, y, out_stride: d, residual, ..up };
+        v.push(kernels::moe::experts(ctx, &layer.down, m.experts, &down).await.map_err(gpu_err)?);
         Ok(v)
     }
 }

@@ -9,7 +9,7 @@ use crate::model::{DType, HostTensor, ModelWeights};
 use crate::quant::PackedMatrix;
 use crate::{LanternError, Result};
 
-use super::{gpu_err, Layer, Part, WeightPrecision};
+use super::{gpu_err, Experts, Layer, Part, WeightPrecision};
 
 /// Everything a model holds on the GPU besides its cache and workspace.
 pub(super) struct GpuWeights {
@@ -184,20 +184,20 @@ pub(super) fn upload_layer(ctx: &GpuContext, weights: &ModelWeights, l: usize, k
     }
     let o_w = matrix(&[get(weights, &format!("{p}.self_attn.o_proj.weight"))?], keep)?;
     let o = GpuLinear::upload_with(ctx, &format!("{p}.o_proj"), o_w.as_matrix(), None, None, d, q_dim, textures).map_err(gpu_err)?;
-    let g_t = get(weights, &format!("{p}.mlp.gate_proj.weight"))?;
-    let u_t = get(weights, &format!("{p}.mlp.up_proj.weight"))?;
-    let g_w = matrix(&[g_t], keep)?;
-    let u_w = matrix(&[u_t], keep)?;
-    // One gated kernel reads both: if they are stored differently, both go to f32.
-    let (g_m, u_m) = if g_w.same_storage(&u_w) {
-        (g_w, u_w)
-    } else {
-        (matrix_float(&[g_t], WeightPrecision::F32), matrix_float(&[u_t], WeightPrecision::F32))
+    let gelu = c.block.activation == crate::model::Activation::GeluTanh;
+    let (gate_up, down, experts) = match crate::model::validate::expert_names(c, l) {
+        Some(names) => upload_experts(ctx, weights, l, &names, keep, gelu)?,
+        None => {
+            let gate = get(weights, &format!("{p}.mlp.gate_proj.weight"))?;
+            let up = get(weights, &format!("{p}.mlp.up_proj.weight"))?;
+            let mut gate_up = upload_gate_up(ctx, &format!("{p}.gate_up"), &[gate], &[up], f, d, keep, textures)?;
+            gate_up.gelu = gelu;
+            let dn_w = matrix(&[get(weights, &format!("{p}.mlp.down_proj.weight"))?], keep)?;
+            let down =
+                GpuLinear::upload_with(ctx, &format!("{p}.down_proj"), dn_w.as_matrix(), None, None, d, f, textures).map_err(gpu_err)?;
+            (gate_up, down, None)
+        }
     };
-    let gate_up = GpuLinear::upload_with(ctx, &format!("{p}.gate_up"), g_m.as_matrix(), Some(u_m.as_matrix()), None, f, d, textures)
-        .map_err(gpu_err)?;
-    let dn_w = matrix(&[get(weights, &format!("{p}.mlp.down_proj.weight"))?], keep)?;
-    let down = GpuLinear::upload_with(ctx, &format!("{p}.down_proj"), dn_w.as_matrix(), None, None, d, f, textures).map_err(gpu_err)?;
     let norms = crate::model::validate::layer_norm_names(c, l);
     let qk_norm = if c.block.qk_norm {
         let mut v = get(weights, &format!("{p}.self_attn.q_norm.weight"))?.to_f32();
@@ -206,19 +206,70 @@ pub(super) fn upload_layer(ctx: &GpuContext, weights: &ModelWeights, l: usize, k
     } else {
         None
     };
-    let mut gate_up = gate_up;
-    gate_up.gelu = c.block.activation == crate::model::Activation::GeluTanh;
     Ok(Layer {
         qkv,
         o,
         gate_up,
         down,
+        experts,
         in_norm: norm(&norms.attn_in)?,
         post_norm: norm(&norms.mlp_in)?,
         qk_norm,
         attn_out_norm: norms.attn_out.as_deref().map(norm).transpose()?,
         mlp_out_norm: norms.mlp_out.as_deref().map(norm).transpose()?,
     })
+}
+
+/// The gated pair of `gate` and `up` (row blocks of each, stacked: `rows` x `k` in all), in
+/// one kernel format: if the two are stored differently, both go to f32.
+#[allow(clippy::too_many_arguments)]
+fn upload_gate_up(
+    ctx: &GpuContext,
+    name: &str,
+    gate: &[&HostTensor],
+    up: &[&HostTensor],
+    rows: usize,
+    k: usize,
+    keep: WeightPrecision,
+    textures: bool,
+) -> Result<GpuLinear> {
+    let g_w = matrix(gate, keep)?;
+    let u_w = matrix(up, keep)?;
+    let (g_m, u_m) = if g_w.same_storage(&u_w) {
+        (g_w, u_w)
+    } else {
+        (matrix_float(gate, WeightPrecision::F32), matrix_float(up, WeightPrecision::F32))
+    };
+    GpuLinear::upload_with(ctx, name, g_m.as_matrix(), Some(u_m.as_matrix()), None, rows, k, textures).map_err(gpu_err)
+}
+
+/// Layer `l`'s mixture of experts: every expert's gate|up and down stacked by rows (expert
+/// e's rows at `e * rows`) in storage buffers, as the expert matvec reads them
+/// (`kernels::moe`), and the router as a linear layer.
+fn upload_experts(
+    ctx: &GpuContext,
+    weights: &ModelWeights,
+    l: usize,
+    names: &crate::model::validate::ExpertNames,
+    keep: WeightPrecision,
+    gelu: bool,
+) -> Result<(GpuLinear, GpuLinear, Option<Experts>)> {
+    let c = &weights.config;
+    let moe = c.block.experts(l).expect("expert names come with a mixture").clone();
+    let (d, ei, n) = (c.hidden_size, moe.expert_intermediate, moe.experts);
+    let p = format!("model.layers.{l}.experts");
+    let router_w = matrix(&[get(weights, &names.router)?], keep)?;
+    let router =
+        GpuLinear::upload_with(ctx, &format!("model.layers.{l}.router"), router_w.as_matrix(), None, None, n, d, false).map_err(gpu_err)?;
+    let part = |i: usize| names.experts.iter().map(|e| get(weights, &e[i])).collect::<Result<Vec<_>>>();
+    let mut gate_up = upload_gate_up(ctx, &format!("{p}.gate_up"), &part(0)?, &part(1)?, n * ei, d, keep, false)?;
+    gate_up.gelu = gelu;
+    let down_w = matrix(&part(2)?, keep)?;
+    let down = GpuLinear::upload_with(ctx, &format!("{p}.down"), down_w.as_matrix(), None, None, n * d, ei, false).map_err(gpu_err)?;
+    for lin in [&gate_up, &down] {
+        crate::kernels::moe::check_stacked(lin, n).map_err(gpu_err)?;
+    }
+    Ok((gate_up, down, Some(Experts { router, spec: moe })))
 }
 
 /// The embedding, head and final norm from `weights` (which may hold only those).
