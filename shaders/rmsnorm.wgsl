@@ -2,12 +2,13 @@
 // src/kernels/rmsnorm.rs. One workgroup per (token, row of the token). The forward pass folds
 // the input norm of every projection into the projection itself (flag NORM of the linear
 // kernels); this kernel is for the norms that follow an op (Gemma's sandwich norms of the
-// attention and MLP outputs, and the q/k norms over each head). Modes:
+// attention and MLP outputs, and the q/k norms over each head or the whole projection). Modes:
 // - default:   y[row] = n(x[row])
 // - RESIDUAL:  y[row] += n(x[row])        (a post-norm added into the residual stream)
 // - IN_PLACE:  y[row] = n(y[row])         (q/k heads inside the fused q|k|v rows)
-// Row r of token t starts at t * token_stride + r * row_stride; rows r >= split use the
-// second weight vector g[k..2k] (the k heads' norm after the q heads').
+// Row r of token t starts at offset + t * token_stride + r * row_stride; rows r >= split use
+// the second weight vector g[g_offset + k..g_offset + 2k] (the k heads' norm after the q
+// heads'), the others g[g_offset..g_offset + k].
 #include "common/step.wgsl"
 
 struct Params {
@@ -17,8 +18,9 @@ struct Params {
     token_stride: u32,
     row_stride: u32,
     split: u32,
-    _pad0: u32,
-    _pad1: u32,
+    // Where a token's first row starts in it, and the first float of g read.
+    offset: u32,
+    g_offset: u32,
 }
 
 @group(0) @binding(0) var<uniform> step: Step;
@@ -46,8 +48,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (t >= step.n_tokens || row >= p.rows) {
         return;
     }
-    let base = t * p.token_stride + row * p.row_stride;
-    let gb = select(0u, p.k, row >= p.split);
+    let base = p.offset + t * p.token_stride + row * p.row_stride;
+    let gb = p.g_offset + select(0u, p.k, row >= p.split);
     var s = 0.0;
     for (var k = lid; k < p.k; k += WG) {
         let v = src(base + k);

@@ -288,7 +288,7 @@ fn every_pipeline_the_runtime_requests_is_a_validated_variant() {
     }
     // Mixtures of experts: the router and expert kernels.
     let moe = common::fixtures_dir().join("tiny-moe");
-    for path in [moe.join("qwen3moe"), moe.join("mixtral").join("model.gguf")] {
+    for path in [moe.join("qwen3moe"), moe.join("olmoe"), moe.join("mixtral").join("model.gguf")] {
         let l = lantern::model::load::load_path(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         models.push((path.display().to_string(), l.weights));
     }

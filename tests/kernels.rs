@@ -1124,7 +1124,7 @@ fn rmsnorm_residual_and_in_place_head_modes() {
     let g2: Vec<f32> = (0..2 * hd).map(|_| 0.5 + rng.uniform()).collect();
     let yb = buf_f32(&ctx, "rows", &rows);
     let gb2 = buf_f32(&ctx, "g2", &g2);
-    let layout = RowLayout { k: hd, rows: qh + kh, row_stride: hd, token_stride: stride, split: qh };
+    let layout = RowLayout { k: hd, rows: qh + kh, row_stride: hd, token_stride: stride, split: qh, ..Default::default() };
     let d = block_on(kernels::rmsnorm::build(&ctx, &step, &xb, &gb2, &yb, layout, EPS, Mode::InPlace)).unwrap();
     submit(&ctx, &step, t as u32, t as u32, std::slice::from_ref(&d));
     let mut want = rows.clone();
@@ -1136,6 +1136,27 @@ fn rmsnorm_residual_and_in_place_head_modes() {
         }
     }
     assert_close("rmsnorm in place over heads", &read_f32s(&ctx, &yb, t * stride), &want, RMSNORM_TOL);
+    // In place over a whole "q" (36 floats) and then a whole "k" (24) of each row, each with
+    // its own weight read from one buffer at an offset (OLMoE's q/k norms); the rest untouched.
+    let (qd, kd) = (qh * hd, kh * hd);
+    let g3: Vec<f32> = (0..qd + kd).map(|_| 0.5 + rng.uniform()).collect();
+    let yb = buf_f32(&ctx, "rows", &rows);
+    let gb3 = buf_f32(&ctx, "g3", &g3);
+    let q = RowLayout { k: qd, rows: 1, row_stride: qd, token_stride: stride, split: 1, ..Default::default() };
+    let k_ = RowLayout { k: kd, rows: 1, row_stride: kd, token_stride: stride, split: 1, offset: qd, g_offset: qd };
+    let dq = block_on(kernels::rmsnorm::build(&ctx, &step, &xb, &gb3, &yb, q, EPS, Mode::InPlace)).unwrap();
+    let dk = block_on(kernels::rmsnorm::build(&ctx, &step, &xb, &gb3, &yb, k_, EPS, Mode::InPlace)).unwrap();
+    submit(&ctx, &step, t as u32, t as u32, &[dq, dk]);
+    let mut want = rows.clone();
+    for tt in 0..t {
+        let at = tt * stride;
+        want[at..at + qd].copy_from_slice(&ops::rmsnorm(&rows[at..at + qd], &g3[..qd], EPS));
+        want[at + qd..at + qd + kd].copy_from_slice(&ops::rmsnorm(&rows[at + qd..at + qd + kd], &g3[qd..], EPS));
+    }
+    assert_close("rmsnorm in place over whole projections", &read_f32s(&ctx, &yb, t * stride), &want, RMSNORM_TOL);
+    // A weight too short for its offset is refused.
+    let short = RowLayout { g_offset: qd + 1, ..k_ };
+    assert!(block_on(kernels::rmsnorm::build(&ctx, &step, &xb, &gb3, &yb, short, EPS, Mode::InPlace)).is_err());
 }
 
 // ---------------------------------------------------------------------------------------------

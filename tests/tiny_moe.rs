@@ -4,8 +4,7 @@
 //! must reproduce transformers' float32 logits at every position and its greedy continuation,
 //! from the folder and from llama.cpp's GGUF conversion of it (3-D expert tensors split per
 //! expert at load). The GPU forward pass (router, route and expert matvecs on the GPU) must do
-//! the same, unquantized and with its experts quantized to packed formats; OLMoE's
-//! whole-projection q/k norms are refused there with a typed error until they run.
+//! the same, unquantized and with its experts quantized to packed formats.
 
 mod common;
 
@@ -15,7 +14,6 @@ use lantern::model::forward::{GpuModel, ModelOptions, Want};
 use lantern::model::load::load_path;
 use lantern::model::Arch;
 use lantern::reference::ReferenceModel;
-use lantern::LanternError;
 
 fn dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-moe").join(name)
@@ -55,15 +53,6 @@ fn check_load(name: &str, path: &std::path::Path, arch: Arch, sparse: &[bool], r
     assert_eq!(reference.greedy(&ids, greedy.len()), greedy, "{name}: greedy continuation");
     eprintln!("{name}: {} positions within {d:e} of transformers, {} greedy tokens exact", ids.len(), greedy.len());
 
-    if w.config.block.qk_norm_whole {
-        // OLMoE's q/k norms over the whole projection are not on the GPU yet.
-        match pollster::block_on(GpuModel::load(common::gpu(), &w, ModelOptions { context: Some(64), ..Default::default() })) {
-            Err(e @ LanternError::UnsupportedArchitecture { .. }) => assert!(e.to_string().contains("whole projection"), "{e}"),
-            Err(e) => panic!("{name}: the GPU load failed otherwise: {e}"),
-            Ok(_) => panic!("{name}: the GPU load of whole-projection q/k norms must be refused until it runs"),
-        }
-        return;
-    }
     check_gpu(name, &w, &ids, &want, &greedy, TOL);
 }
 

@@ -170,7 +170,7 @@ pub fn params_fields(op: crate::gpu::ShaderOp) -> Vec<(&'static str, usize)> {
     use crate::gpu::ShaderOp as O;
     match op {
         O::Embedding => field_offsets!(embedding::EmbeddingParams; k, row_offset, n_rows, group, scale),
-        O::RmsNorm => field_offsets!(rmsnorm::RmsNormParams; k, eps, rows, token_stride, row_stride, split),
+        O::RmsNorm => field_offsets!(rmsnorm::RmsNormParams; k, eps, rows, token_stride, row_stride, split, offset, g_offset),
         O::Matvec | O::Matmul | O::MatmulBlocked | O::MatvecQ | O::MatvecQMasked | O::MatmulBlockedQ => {
             field_offsets!(linear::LinearParams; n_rows, k, row_offset, out_stride, x_stride, grid_x, eps, group)
         }

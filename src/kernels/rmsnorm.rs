@@ -1,7 +1,8 @@
 //! RMSNorm over rows (`shaders/rmsnorm.wgsl`): the norms that follow an op. The forward pass
 //! folds every projection's input norm into the projection (`flags::NORM`); this op applies
 //! Gemma's sandwich norms of the attention and MLP outputs (`Mode::Residual`) and the q/k
-//! norms over each head inside the fused q|k|v rows (`Mode::InPlace`).
+//! norms over each head, or over the whole q and k projections (OLMoE), inside the fused
+//! q|k|v rows (`Mode::InPlace`).
 
 use crate::gpu::buffer::create_uniform;
 use crate::gpu::shader::flags;
@@ -19,7 +20,8 @@ pub struct RmsNormParams {
     pub token_stride: u32,
     pub row_stride: u32,
     pub split: u32,
-    pub _pad: [u32; 2],
+    pub offset: u32,
+    pub g_offset: u32,
 }
 
 /// Where the normalized rows go.
@@ -33,21 +35,24 @@ pub enum Mode {
     InPlace,
 }
 
-/// The rows of one token: `rows` rows of `k` floats, `row_stride` apart, tokens
-/// `token_stride` apart; rows at or past `split` use the second half of `g` (`2 k` floats).
-#[derive(Debug, Clone, Copy)]
+/// The rows of one token: `rows` rows of `k` floats, `row_stride` apart from `offset`, tokens
+/// `token_stride` apart; rows at or past `split` use the second `k` floats of `g`. `g` is read
+/// from float `g_offset`.
+#[derive(Debug, Clone, Copy, Default)]
 pub struct RowLayout {
     pub k: usize,
     pub rows: usize,
     pub row_stride: usize,
     pub token_stride: usize,
     pub split: usize,
+    pub offset: usize,
+    pub g_offset: usize,
 }
 
 impl RowLayout {
     /// One row of `k` per token, rows packed.
     pub fn dense(k: usize) -> Self {
-        RowLayout { k, rows: 1, row_stride: k, token_stride: k, split: 1 }
+        RowLayout { k, rows: 1, row_stride: k, token_stride: k, split: 1, ..Default::default() }
     }
 }
 
@@ -73,11 +78,11 @@ pub async fn build(
     eps: f32,
     mode: Mode,
 ) -> Result<Dispatch, GpuError> {
-    let need = if rows.split < rows.rows { 2 * rows.k } else { rows.k } as u64 * 4;
+    let need = (rows.g_offset + if rows.split < rows.rows { 2 * rows.k } else { rows.k }) as u64 * 4;
     if rows.k == 0 || g.size() < need {
         return Err(GpuError::Validation {
             context: "rmsnorm".into(),
-            message: format!("rows of {} floats need {need} bytes of norm weights, got {}", rows.k, g.size()),
+            message: format!("rows of {} floats from float {} need {need} bytes of norm weights, got {}", rows.k, rows.g_offset, g.size()),
         });
     }
     let key = key(mode);
@@ -89,7 +94,8 @@ pub async fn build(
         token_stride: rows.token_stride as u32,
         row_stride: rows.row_stride as u32,
         split: rows.split as u32,
-        _pad: [0; 2],
+        offset: rows.offset as u32,
+        g_offset: rows.g_offset as u32,
     };
     let ubuf = create_uniform(ctx, "rmsnorm.params", &params);
     let mut entries = vec![(0, step), (1, &ubuf), (3, g), (4, y)];

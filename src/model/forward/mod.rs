@@ -77,7 +77,8 @@ struct Layer {
     in_norm: wgpu::Buffer,
     /// The MLP input's norm (folded into gate/up).
     post_norm: wgpu::Buffer,
-    /// q norm | k norm (2 head_dim floats), applied in place to each head.
+    /// q norm | k norm, applied in place to each head (2 head_dim floats) or to the whole q and
+    /// k projections (OLMoE: q_dim + kv_dim floats).
     qk_norm: Option<wgpu::Buffer>,
     /// Sandwich norms of the attention and MLP outputs, applied as they are added into the
     /// residual stream.
@@ -168,7 +169,6 @@ impl GpuModel {
         options: ModelOptions,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<GpuModel> {
-        Self::refuse_unsupported(&weights.config)?;
         let mark = ctx.ledger.mark();
         let textures = Self::weight_textures(&options);
         let w = upload::upload_weights(&ctx, weights, options.weights, textures, progress)?;
@@ -188,7 +188,6 @@ impl GpuModel {
         fetch: &mut impl AsyncFnMut(Part) -> Result<ModelWeights>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<GpuModel> {
-        Self::refuse_unsupported(&config)?;
         let mark = ctx.ledger.mark();
         let textures = Self::weight_textures(&options);
         let keep = options.weights;
@@ -206,20 +205,6 @@ impl GpuModel {
         drop(part);
         let w = upload::GpuWeights { layers, lm_head, embed_own, final_norm };
         Self::finish_load(ctx, config, options, mark, w).await
-    }
-
-    /// What the CPU reference runs but the GPU forward pass does not yet: OLMoE's q/k norms
-    /// over the whole projection.
-    fn refuse_unsupported(config: &ModelConfig) -> Result<()> {
-        if config.block.qk_norm_whole {
-            return Err(crate::LanternError::UnsupportedArchitecture {
-                arch: format!(
-                    "{:?}: q/k norms over the whole projection (OLMoE) run on the CPU reference (lantern::reference) only; the GPU norms them per head",
-                    config.arch
-                ),
-            });
-        }
-        Ok(())
     }
 
     /// The KV cache, workspace, plans and memory report of a load whose weights are up.

@@ -419,19 +419,33 @@ impl GpuModel {
             v.extend(kernels::linear::build(ctx, part, &pio, shape).await.map_err(gpu_err)?);
         }
         if let Some(g) = &layer.qk_norm {
-            // Every q head, then every k head, of each token's q|k|v row.
-            let rows = kernels::rmsnorm::RowLayout {
-                k: hd,
-                rows: c.num_heads + c.num_kv_heads,
-                row_stride: hd,
-                token_stride: qkv_dim,
-                split: c.num_heads,
+            use kernels::rmsnorm::RowLayout;
+            let kv_dim = c.num_kv_heads * hd;
+            let layouts = if c.block.qk_norm_whole {
+                // The whole q, then the whole k, of each token's q|k|v row (OLMoE; g is the q
+                // norm's q_dim floats, then the k norm's kv_dim).
+                vec![
+                    RowLayout { k: q_dim, rows: 1, row_stride: q_dim, token_stride: qkv_dim, split: 1, ..Default::default() },
+                    RowLayout { k: kv_dim, rows: 1, row_stride: kv_dim, token_stride: qkv_dim, split: 1, offset: q_dim, g_offset: q_dim },
+                ]
+            } else {
+                // Every q head, then every k head.
+                vec![RowLayout {
+                    k: hd,
+                    rows: c.num_heads + c.num_kv_heads,
+                    row_stride: hd,
+                    token_stride: qkv_dim,
+                    split: c.num_heads,
+                    ..Default::default()
+                }]
             };
-            v.push(
-                kernels::rmsnorm::build(ctx, &ws.step, &ws.qkv, g, &ws.qkv, rows, eps, kernels::rmsnorm::Mode::InPlace)
-                    .await
-                    .map_err(gpu_err)?,
-            );
+            for rows in layouts {
+                v.push(
+                    kernels::rmsnorm::build(ctx, &ws.step, &ws.qkv, g, &ws.qkv, rows, eps, kernels::rmsnorm::Mode::InPlace)
+                        .await
+                        .map_err(gpu_err)?,
+                );
+            }
         }
         let local = c.block.attention(l) == crate::model::LayerAttention::Sliding;
         let rope = ws.rope_local.as_ref().filter(|_| local).unwrap_or(&ws.rope);
