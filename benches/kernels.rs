@@ -6,9 +6,10 @@
 //! prefill matmul variant (tiled, blocked) at 64 tokens; GB/s of weight bytes read (codes and
 //! scales for packed dtypes) and the fraction of the copy bandwidth (GFLOP/s for matmul).
 //! Then SmolLM2 prefill and decode tokens/s per weight dtype (see `model_bench`).
-//! Then decode attention over a long paged context per KV dtype and key-split count.
+//! Then decode attention over a long paged context per KV dtype and key-split count, and a
+//! mixture of experts' decode step (router and expert matvecs) per weight format.
 //! Set `BENCH_REPS` (default 3), `BENCH_FORMATS=q4,f32`, `BENCH_MATMUL=tiled,b88`,
-//! `BENCH_ATTENTION=0` and `BENCH_MODEL=0` to restrict.
+//! `BENCH_ATTENTION=0`, `BENCH_MOE=0` and `BENCH_MODEL=0` to restrict.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -338,6 +339,9 @@ fn main() {
     if std::env::var("BENCH_ATTENTION").as_deref() != Ok("0") {
         attention_bench(&ctx, reps, copy);
     }
+    if std::env::var("BENCH_MOE").as_deref() != Ok("0") {
+        moe_bench(&ctx, reps, copy, only_fmt.as_deref());
+    }
 
     // Prefill matmul at 64 tokens in every variant: the tiled one (workgroup memory) and the
     // blocked ones (tokens x rows per invocation, CPU adapters). The 4096x4096 case is too
@@ -548,6 +552,74 @@ fn attention_bench(ctx: &Arc<GpuContext>, reps: usize, copy: f64) {
                 d[0].label
             );
         }
+    }
+}
+
+/// A mixture of experts' decode step on Qwen3-30B-A3B's experts (hidden 2048, expert width
+/// 768, 8 of 128 per token; 32 experts on CPU adapters, which read the same chosen bytes):
+/// the route, then gate|up and down of the chosen experts (`kernels::moe`), per weight
+/// format. GB/s of the chosen experts' weight bytes (codes and scales) read per token, and
+/// the share of the copy bandwidth. `BENCH_MOE=0` skips.
+fn moe_bench(ctx: &Arc<GpuContext>, reps: usize, copy: f64, only: Option<&str>) {
+    use lantern::kernels::moe::{self, ExpertIo};
+    let (d, ei, top_k) = (2048usize, 768usize, 8usize);
+    let n = if ctx.caps.cpu_like { 32 } else { 128 };
+    let step = step_buffer(ctx);
+    let mut fmts = vec![WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::Q8];
+    if !ctx.caps.cpu_like {
+        fmts.push(WeightFormat::F16);
+    }
+    for fmt in fmts.into_iter().filter(|f| only.is_none_or(|o| o.split(',').any(|x| x == f.name()))) {
+        let upload = |name: &str, rows: usize, k: usize, gated: bool| -> GpuLinear {
+            match quant_kind(fmt) {
+                Some(kind) => {
+                    let w = ggml_blocks(kind, rows, k);
+                    let u = gated.then(|| ggml_blocks(kind, rows, k));
+                    GpuLinear::upload_with(ctx, name, HostMatrix::Packed(&w), u.as_ref().map(HostMatrix::Packed), None, rows, k, false)
+                }
+                None => {
+                    let h: Vec<u16> = data(rows * k, 1).iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+                    GpuLinear::upload_with(ctx, name, HostMatrix::F16(&h), gated.then_some(HostMatrix::F16(&h)), None, rows, k, false)
+                }
+            }
+            .expect("upload experts")
+        };
+        let gate_up = upload("experts.gate_up", n * ei, d, true);
+        let down = upload("experts.down", n * d, ei, false);
+        let logits = storage(ctx, bytemuck::cast_slice(&data(n, 3)));
+        let route = storage(ctx, &vec![0u8; top_k * moe::ROUTE_BYTES]);
+        let x = storage(ctx, bytemuck::cast_slice(&data(d, 4)));
+        let g = storage(ctx, bytemuck::cast_slice(&vec![1.0f32; d]));
+        let act = storage(ctx, &vec![0u8; top_k * ei * 4]);
+        let y = storage(ctx, &vec![0u8; d * 4]);
+        let io = ExpertIo {
+            step: &step,
+            x: &x,
+            x_stride: d,
+            norm: Some(&g),
+            eps: 1e-5,
+            route: &route,
+            top_k,
+            y: &act,
+            out_stride: ei,
+            residual: false,
+        };
+        let down_io = ExpertIo { x: &act, x_stride: ei, norm: None, y: &y, out_stride: d, residual: true, ..io };
+        let dispatches = vec![
+            pollster::block_on(moe::route(ctx, &step, &logits, &route, n, top_k, true)).expect("route"),
+            pollster::block_on(moe::experts(ctx, &gate_up, n, &io)).expect("gate|up"),
+            pollster::block_on(moe::experts(ctx, &down, n, &down_io)).expect("down"),
+        ];
+        let t = time(ctx, reps, || submit(ctx, &step, 1, 1, &dispatches));
+        let chosen = top_k as f64 * (gate_up.bytes() + down.bytes()) as f64 / n as f64;
+        println!(
+            "moe decode {top_k} of {n} experts 768x2048 {:<5} {:9.2} ms {:7.2} GB/s of chosen experts {:6.1}% of copy  [{}]",
+            fmt.name(),
+            t * 1e3,
+            chosen / t / 1e9,
+            100.0 * chosen / t / 1e9 / copy,
+            dispatches[1].label
+        );
     }
 }
 

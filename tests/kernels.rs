@@ -2227,8 +2227,8 @@ fn sample_draws_match_the_host_mirror() {
 
 // ---------------------------------------------------------------------------------------------
 // Mixture of experts: the router's top-k on the GPU against `ops::moe_route`, and the expert
-// matvecs (reading only the routed experts of stacked weights) against dequantize-then-multiply
-// per token-expert pair.
+// matvecs (reading only the routed experts of stacked weights), per pair and grouped by
+// expert, against dequantize-then-multiply per token-expert pair.
 // ---------------------------------------------------------------------------------------------
 
 /// The route of `t` tokens' router logits (`t x n`), run on the GPU: (expert, weight) pairs.
@@ -2336,6 +2336,56 @@ fn check_experts(ctx: &Arc<GpuContext>, seed: u64, shape: (usize, usize, usize, 
         assert_close(&format!("{what} (subgroups {sg}): act"), &read_f32s(ctx, &act, t * top_k * rows), &want_act, LINEAR_TOL);
         assert_close(&format!("{what} (subgroups {sg}): y"), &read_f32s(ctx, &y, t * d), &want_y, LINEAR_TOL);
     }
+    // Grouped by expert (prefill): the grouping, gate|up and down over its work items, and
+    // the sum of each token's pair rows into y; buffers sized for more tokens than the step.
+    let (route, _) = gpu_route(ctx, &logits, n, top_k, true);
+    let step = step_buffer(ctx);
+    let (gb, wb) = kernels::moe::group_bytes(t + 5, top_k, n);
+    let groups = create_zeroed(ctx, "groups", gb).unwrap();
+    let work = create_zeroed(ctx, "work", wb).unwrap();
+    let xb = buf_f32(ctx, "x", &x);
+    let gbuf = buf_f32(ctx, "norm", &g);
+    let act = create_zeroed(ctx, "act", (t * top_k * rows * 4) as u64).unwrap();
+    let pairs = create_zeroed(ctx, "pairs", (t * top_k * d * 4) as u64).unwrap();
+    let y = buf_f32(ctx, "y", &y0);
+    let io = kernels::moe::ExpertIo {
+        step: &step,
+        x: &xb,
+        x_stride: d,
+        norm: Some(&gbuf),
+        eps: EPS,
+        route: &route,
+        top_k,
+        y: &act,
+        out_stride: rows,
+        residual: false,
+    };
+    let io2 = kernels::moe::ExpertIo { x: &act, x_stride: rows, norm: None, y: &pairs, out_stride: d, ..io };
+    let grouping = kernels::moe::Grouping { groups: &groups, work: &work, max_tokens: t + 5 };
+    let ds = vec![
+        block_on(kernels::moe::group(ctx, &step, &route, &grouping, n, top_k)).expect("group"),
+        block_on(kernels::moe::grouped(ctx, &gate_up, n, &io, &grouping)).expect("grouped gate|up"),
+        block_on(kernels::moe::grouped(ctx, &down_l, n, &io2, &grouping)).expect("grouped down"),
+        block_on(kernels::moe::combine(ctx, &step, &pairs, &y, d, top_k, true)).expect("combine"),
+    ];
+    submit(ctx, &step, t as u32, 0, &ds);
+    assert_close(&format!("{what} (grouped): act"), &read_f32s(ctx, &act, t * top_k * rows), &want_act, LINEAR_TOL);
+    assert_close(&format!("{what} (grouped): y"), &read_f32s(ctx, &y, t * d), &want_y, LINEAR_TOL);
+    // Every pair sits in its expert's group, once; the work items cover the groups in order.
+    let sorted = read_u32s(ctx, &groups, t * top_k);
+    let mut seen = sorted.clone();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..(t * top_k) as u32).collect::<Vec<_>>(), "{what}: grouped pairs");
+    let items = read_u32s(ctx, &work, 4 * kernels::moe::work_items(t + 5, top_k, n));
+    let mut at = 0;
+    for it in items.chunks_exact(4).filter(|i| i[2] > 0) {
+        assert_eq!(it[1] as usize, at, "{what}: work items are contiguous");
+        for &pr in &sorted[at..at + it[2] as usize] {
+            assert_eq!(ops::moe_route(&logits[(pr as usize / top_k) * n..][..n], top_k, true)[pr as usize % top_k].0, it[0] as usize);
+        }
+        at += it[2] as usize;
+    }
+    assert_eq!(at, t * top_k, "{what}: work items cover every pair");
 }
 
 #[test]
@@ -2343,7 +2393,16 @@ fn moe_experts_match_reference_in_every_format() {
     let ctx = gpu();
     // (experts, top_k, tokens, expert rows, hidden): one pick per token; 2 of 8; every expert
     // for every token; 3 of 6 for 7 tokens; and tokens few enough that experts go unused.
-    let shapes = [(4, 1, 3, 24, 64), (8, 2, 5, 40, 72), (8, 8, 2, 16, 64), (6, 3, 7, 48, 96), (16, 2, 3, 32, 64)];
+    // Prefill-sized steps: experts with several work items of pairs.
+    let shapes = [
+        (4, 1, 3, 24, 64),
+        (8, 2, 5, 40, 72),
+        (8, 8, 2, 16, 64),
+        (6, 3, 7, 48, 96),
+        (16, 2, 3, 32, 64),
+        (4, 2, 21, 24, 64),
+        (8, 1, 40, 16, 64),
+    ];
     for (i, &shape) in shapes.iter().enumerate() {
         for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8, WeightFormat::Q4, WeightFormat::Q4Sym] {
             check_experts(&ctx, 80 + i as u64, shape, format, 8);
@@ -2394,4 +2453,15 @@ fn moe_experts_refuse_what_they_cannot_read() {
     let io_s = kernels::moe::ExpertIo { step: &step_s, x: &bs, route: &bs, y: &bs, ..io };
     let e = block_on(kernels::moe::experts(&small, &lin, 8, &io_s)).err().expect("split experts refused");
     assert!(e.to_string().contains("max_storage_buffer_binding_size"), "{e}");
+    // The grouping: more experts than its workgroup counts, and buffers too small for the
+    // steps it is built for.
+    let (gb, wb) = kernels::moe::group_bytes(16, 2, 8);
+    let (groups, work) = (create_zeroed(&ctx, "groups", gb).unwrap(), create_zeroed(&ctx, "work", wb).unwrap());
+    let g = kernels::moe::Grouping { groups: &groups, work: &work, max_tokens: 16 };
+    assert!(block_on(kernels::moe::group(&ctx, &step, &b, &g, 8, 2)).is_ok());
+    let e = block_on(kernels::moe::group(&ctx, &step, &b, &g, 600, 2)).err().expect("600 experts refused");
+    assert!(e.to_string().contains("512"), "{e}");
+    let g = kernels::moe::Grouping { max_tokens: 17, ..g };
+    let e = block_on(kernels::moe::group(&ctx, &step, &b, &g, 8, 2)).err().expect("17 tokens do not fit");
+    assert!(e.to_string().contains("17 tokens"), "{e}");
 }

@@ -54,6 +54,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("x_texture.wgsl", include_str!("../../shaders/x_texture.wgsl")),
     ("moe_route.wgsl", include_str!("../../shaders/moe_route.wgsl")),
     ("moe_matvec.wgsl", include_str!("../../shaders/moe_matvec.wgsl")),
+    ("moe_group.wgsl", include_str!("../../shaders/moe_group.wgsl")),
+    ("moe_grouped.wgsl", include_str!("../../shaders/moe_grouped.wgsl")),
+    ("moe_combine.wgsl", include_str!("../../shaders/moe_combine.wgsl")),
+    ("common/moe.wgsl", include_str!("../../shaders/common/moe.wgsl")),
 ];
 
 /// FNV-1a (64 bits) of every embedded shader file: changes whenever a kernel's source does,
@@ -123,6 +127,15 @@ pub enum ShaderOp {
     /// weighted sum over the chosen experts), reading only the routed experts' rows of the
     /// stacked expert weights.
     MoeMatvec,
+    /// A step's token-expert pairs grouped by expert, with the work list of
+    /// [`ShaderOp::MoeGrouped`] (prefill).
+    MoeGroup,
+    /// The expert matvecs over grouped pairs: each expert's weight rows read once for several
+    /// of its pairs (gate|up with GATED, else down into weighted pair rows).
+    MoeGrouped,
+    /// The sum of each token's weighted pair rows (after [`ShaderOp::MoeGrouped`]'s down),
+    /// added into the residual stream with RESIDUAL.
+    MoeCombine,
 }
 
 impl ShaderOp {
@@ -149,6 +162,9 @@ impl ShaderOp {
             ShaderOp::XTexture => "x_texture.wgsl",
             ShaderOp::MoeRoute => "moe_route.wgsl",
             ShaderOp::MoeMatvec => "moe_matvec.wgsl",
+            ShaderOp::MoeGroup => "moe_group.wgsl",
+            ShaderOp::MoeGrouped => "moe_grouped.wgsl",
+            ShaderOp::MoeCombine => "moe_combine.wgsl",
         }
     }
 

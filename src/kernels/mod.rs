@@ -63,6 +63,11 @@ pub enum Dim {
     TokensIfParts(u32),
     /// tokens x n (a mixture of experts' token-expert pairs).
     TokensTimes(u32),
+    /// The work items of a step's grouped expert pairs (`kernels::moe::work_items`).
+    GroupItems {
+        top_k: u32,
+        experts: u32,
+    },
 }
 
 impl Dim {
@@ -75,6 +80,7 @@ impl Dim {
             Dim::OutDiv(d) => s.n_out.div_ceil(d),
             Dim::Splits => s.n_splits.max(1),
             Dim::TokensTimes(n) => s.n_tokens * n,
+            Dim::GroupItems { top_k, experts } => moe::work_items(s.n_tokens as usize, top_k as usize, experts as usize) as u32,
             Dim::TokensIfParts(shards) => {
                 if shards * s.n_splits.max(1) > 1 {
                     s.n_tokens
@@ -184,7 +190,11 @@ pub fn params_fields(op: crate::gpu::ShaderOp) -> Vec<(&'static str, usize)> {
         O::LogitBias => field_offsets!(logit_bias::LogitBiasParams; n, base),
         O::XTexture => field_offsets!(x_texture::XTextureParams; texels, x_stride4),
         O::MoeRoute => field_offsets!(moe::RouteParams; n_experts, top_k, renormalize),
-        O::MoeMatvec => field_offsets!(linear::LinearParams; n_rows, k, row_offset, out_stride, x_stride, grid_x, eps, group),
+        O::MoeMatvec | O::MoeGrouped => {
+            field_offsets!(linear::LinearParams; n_rows, k, row_offset, out_stride, x_stride, grid_x, eps, group)
+        }
+        O::MoeGroup => field_offsets!(moe::GroupParams; n_experts, top_k, tt, max_items),
+        O::MoeCombine => field_offsets!(moe::CombineParams; n, top_k),
     }
 }
 
@@ -207,7 +217,9 @@ pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
         O::LogitBias => std::mem::size_of::<logit_bias::LogitBiasParams>(),
         O::XTexture => std::mem::size_of::<x_texture::XTextureParams>(),
         O::MoeRoute => std::mem::size_of::<moe::RouteParams>(),
-        O::MoeMatvec => std::mem::size_of::<linear::LinearParams>(),
+        O::MoeMatvec | O::MoeGrouped => std::mem::size_of::<linear::LinearParams>(),
+        O::MoeGroup => std::mem::size_of::<moe::GroupParams>(),
+        O::MoeCombine => std::mem::size_of::<moe::CombineParams>(),
     }
 }
 
@@ -242,11 +254,18 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
     v.push(PipelineKey::new(ShaderOp::XTexture, x_texture::WORKGROUP));
     // Mixtures of experts: the router and the expert matvecs in every weight format.
     v.push(PipelineKey::new(ShaderOp::MoeRoute, moe::WORKGROUP));
+    v.push(PipelineKey::new(ShaderOp::MoeGroup, moe::GROUP_WORKGROUP));
+    for c in [0, RESIDUAL] {
+        v.push(PipelineKey::new(ShaderOp::MoeCombine, moe::WORKGROUP).with_flags(c));
+    }
     for w in [WeightFormat::F32, WeightFormat::F16].into_iter().chain(WeightFormat::packed()) {
         for feat in [Features::default(), sg] {
             for c in moe::FLAG_SETS {
                 v.push(PipelineKey::new(ShaderOp::MoeMatvec, moe::WORKGROUP).with_flags(c).with_weights(w).with_features(feat));
             }
+        }
+        for c in moe::GROUPED_FLAG_SETS {
+            v.push(PipelineKey::new(ShaderOp::MoeGrouped, moe::WORKGROUP).with_flags(c).with_weights(w));
         }
     }
     let combos = [NORM | BIAS, 0, RESIDUAL, NORM | GATED, NORM | GATED | GELU, NORM | GATHER, NORM, BIAS];

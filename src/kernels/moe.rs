@@ -211,3 +211,187 @@ pub async fn experts_with(
         grid: [Dim::Const(gx), Dim::Const(rows.div_ceil(gx)), z],
     })
 }
+
+// ---------------------------------------------------------------------------------------------
+// Grouped by expert (prefill): moe_group.wgsl, moe_grouped.wgsl, moe_combine.wgsl.
+// ---------------------------------------------------------------------------------------------
+
+/// Invocations of the grouping kernel's one workgroup.
+pub const GROUP_WORKGROUP: u32 = 256;
+/// Most experts the grouping kernel counts (its workgroup arrays).
+pub const GROUP_MAX_EXPERTS: usize = 512;
+/// Pairs per work item of the grouped expert matvec (`TT` in moe_grouped.wgsl).
+pub const GROUP_PAIRS: usize = 8;
+
+/// The grouped expert matvec's variants: gate|up with the norm folded in (SiLU or GELU), and
+/// down into weighted pair rows.
+pub const GROUPED_FLAG_SETS: [u32; 3] = [flags::NORM | flags::GATED, flags::NORM | flags::GATED | flags::GELU, 0];
+
+/// Mirrors `struct Params` in moe_group.wgsl.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct GroupParams {
+    pub n_experts: u32,
+    pub top_k: u32,
+    pub tt: u32,
+    pub max_items: u32,
+}
+
+/// Mirrors `struct Params` in moe_combine.wgsl.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct CombineParams {
+    pub n: u32,
+    pub top_k: u32,
+    pub _pad: [u32; 2],
+}
+
+/// Work items of `tokens` tokens' pairs grouped by expert: at most one partial item per
+/// expert that has pairs, plus the full ones.
+/// (Saturating: sizes from a corrupt file must not wrap.)
+pub fn work_items(tokens: usize, top_k: usize, experts: usize) -> usize {
+    let pairs = tokens.saturating_mul(top_k);
+    pairs.div_ceil(GROUP_PAIRS).saturating_add(experts.min(pairs))
+}
+
+/// Bytes of the grouping's buffers for steps of up to `tokens` tokens: the pairs by expert,
+/// and the work list (saturating).
+pub fn group_bytes(tokens: usize, top_k: usize, experts: usize) -> (u64, u64) {
+    let pairs = (tokens as u64).saturating_mul(top_k as u64);
+    (pairs.saturating_mul(4).max(4), (work_items(tokens, top_k, experts) as u64).saturating_mul(16).max(16))
+}
+
+/// The grouping's buffers (sized by [`group_bytes`] for steps of up to `max_tokens` tokens):
+/// the pairs by expert, and the work list.
+pub struct Grouping<'a> {
+    pub groups: &'a wgpu::Buffer,
+    pub work: &'a wgpu::Buffer,
+    pub max_tokens: usize,
+}
+
+/// The grouping's dispatch: the route's pairs by expert into `g.groups`, and the work list
+/// into `g.work`.
+pub async fn group(
+    ctx: &GpuContext,
+    step: &wgpu::Buffer,
+    route: &wgpu::Buffer,
+    g: &Grouping<'_>,
+    n_experts: usize,
+    top_k: usize,
+) -> Result<Dispatch, GpuError> {
+    let (groups, work, max_tokens) = (g.groups, g.work, g.max_tokens);
+    let bad = |message: String| Err(GpuError::Validation { context: "moe_group".into(), message });
+    if n_experts == 0 || n_experts > GROUP_MAX_EXPERTS || top_k == 0 || top_k > n_experts {
+        return bad(format!(
+            "{top_k} of {n_experts} experts: the grouping takes 1 to {GROUP_MAX_EXPERTS} experts and 1 to all of them per token"
+        ));
+    }
+    let (gb, wb) = group_bytes(max_tokens, top_k, n_experts);
+    if groups.size() < gb || work.size() < wb {
+        return bad(format!(
+            "steps of {max_tokens} tokens need {gb} and {wb} bytes of groups and work list, got {} and {}",
+            groups.size(),
+            work.size()
+        ));
+    }
+    let pipe = pipeline(ctx, PipelineKey::new(ShaderOp::MoeGroup, GROUP_WORKGROUP)).await?;
+    let params = GroupParams {
+        n_experts: n_experts as u32,
+        top_k: top_k as u32,
+        tt: GROUP_PAIRS as u32,
+        max_items: work_items(max_tokens, top_k, n_experts) as u32,
+    };
+    let ubuf = create_uniform(ctx, "moe_group.params", &params);
+    let bg = bind(ctx, "moe_group", &pipe, &[(0, step), (1, &ubuf), (2, route), (3, groups), (4, work)]);
+    Ok(Dispatch { label: "moe_group".into(), pipeline: pipe, bind_group: bg, grid: [Dim::Const(1), Dim::Const(1), Dim::Const(1)] })
+}
+
+/// The grouped expert matvec over `lin` (`n_experts` stacked experts) and the grouping `g`
+/// ([`group`] ran before it): gated, row `pair` of `io.y` for every pair (as [`experts`]);
+/// else down, row `pair` of `io.y` weighted by its route weight, for [`combine`]
+/// (`io.residual` must be false).
+pub async fn grouped(
+    ctx: &GpuContext,
+    lin: &GpuLinear,
+    n_experts: usize,
+    io: &ExpertIo<'_>,
+    g: &Grouping<'_>,
+) -> Result<Dispatch, GpuError> {
+    let (groups, work) = (g.groups, g.work);
+    check_stacked(lin, n_experts)?;
+    let gated = lin.is_gated();
+    let bad = |message: String| Err(GpuError::Validation { context: lin.name.clone(), message });
+    if gated != io.norm.is_some() || io.residual {
+        return bad("the grouped gate|up folds the MLP norm in; the grouped down writes pair rows for moe_combine (no residual)".into());
+    }
+    if io.top_k == 0 || io.top_k > n_experts {
+        return bad(format!("{} experts per token of {n_experts}: expected 1 to {n_experts}", io.top_k));
+    }
+    let fl = if gated { flags::NORM | flags::GATED | if lin.gelu { flags::GELU } else { 0 } } else { 0 };
+    let key = PipelineKey::new(ShaderOp::MoeGrouped, WORKGROUP).with_flags(fl).with_weights(lin.format);
+    let pipe = pipeline(ctx, key).await?;
+    let rows = (lin.n_rows / n_experts) as u32;
+    let gx = rows.min(ctx.limits.max_compute_workgroups_per_dimension.max(1));
+    let params = LinearParams {
+        n_rows: rows,
+        k: lin.k as u32,
+        row_offset: 0,
+        out_stride: io.out_stride as u32,
+        x_stride: io.x_stride as u32,
+        grid_x: gx,
+        eps: io.eps,
+        group: lin.quant.map_or(0, |q| q.group),
+    };
+    let ubuf = create_uniform(ctx, &format!("{}.params", lin.name), &params);
+    let mbuf = create_uniform(ctx, &format!("{}.moe", lin.name), &MoeUniform { top_k: io.top_k as u32, _pad: [0; 3] });
+    let Store::Buffers { w, u, w_scales, u_scales } = &lin.store else { unreachable!("check_stacked admits storage buffers only") };
+    let missing = |what: &str| GpuError::Validation { context: lin.name.clone(), message: format!("{} needs {what}", key.label()) };
+    // (The work list sets the pairs, not the step: gate|up reads the experts per token to
+    // find a pair's token, down the route for its weight.)
+    let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(1, &ubuf), (2, io.x), (3, &w.chunks[0].buffer), (7, io.y), (20, groups), (21, work)];
+    if gated {
+        entries.push((4, &u.as_ref().ok_or_else(|| missing("the up weight"))?.chunks[0].buffer));
+        entries.push((19, &mbuf));
+    } else {
+        entries.push((18, io.route));
+    }
+    if let Some(g) = io.norm {
+        entries.push((5, g));
+    }
+    if lin.format.is_packed() {
+        entries.push((9, &w_scales.as_ref().ok_or_else(|| missing("scales"))?.chunks[0].buffer));
+        if gated {
+            entries.push((10, &u_scales.as_ref().ok_or_else(|| missing("scales"))?.chunks[0].buffer));
+        }
+    }
+    let bg = bind(ctx, &lin.name, &pipe, &entries);
+    Ok(Dispatch {
+        label: format!("{} [{}]", lin.name, key.label()),
+        pipeline: pipe,
+        bind_group: bg,
+        grid: [Dim::Const(gx), Dim::Const(rows.div_ceil(gx)), Dim::GroupItems { top_k: io.top_k as u32, experts: n_experts as u32 }],
+    })
+}
+
+/// Each token's `top_k` weighted pair rows of `n` floats (`pairs`, from [`grouped`]'s down)
+/// summed into row t of `y`, added with `residual`.
+pub async fn combine(
+    ctx: &GpuContext,
+    step: &wgpu::Buffer,
+    pairs: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    n: usize,
+    top_k: usize,
+    residual: bool,
+) -> Result<Dispatch, GpuError> {
+    let key = PipelineKey::new(ShaderOp::MoeCombine, WORKGROUP).with_flags(if residual { flags::RESIDUAL } else { 0 });
+    let pipe = pipeline(ctx, key).await?;
+    let ubuf = create_uniform(ctx, "moe_combine.params", &CombineParams { n: n as u32, top_k: top_k as u32, _pad: [0; 2] });
+    let bg = bind(ctx, "moe_combine", &pipe, &[(0, step), (1, &ubuf), (2, pairs), (3, y)]);
+    Ok(Dispatch {
+        label: format!("moe_combine [{}]", key.label()),
+        pipeline: pipe,
+        bind_group: bg,
+        grid: [Dim::Const((n as u32).div_ceil(WORKGROUP)), Dim::Tokens, Dim::Const(1)],
+    })
+}

@@ -90,13 +90,18 @@ pub fn workspace_bytes(c: &ModelConfig, max_batch_tokens: usize, logit_rows: usi
     let tables = if c.has_local_rope() { 2 } else { 1 };
     let rope = mul(&[tables, context as u64, hd, 4]);
     let branch = if c.block.norms == crate::model::NormPlacement::Sandwich { mul(&[t, d, 4]) } else { 0 };
-    // Mixtures of experts: router logits, the route, and each token-expert pair's activation.
+    // Mixtures of experts: router logits, the route, each token-expert pair's activation,
+    // and prefill's grouping and weighted pair rows.
     let moe = c.block.moe.as_ref().map_or(0, |m| {
         let pairs = mul(&[t, m.experts_per_token as u64]);
+        let (groups, work) = crate::kernels::moe::group_bytes(t as usize, m.experts_per_token, m.experts);
         sum(&[
             mul(&[t, m.experts as u64, 4]),
             mul(&[pairs, crate::kernels::moe::ROUTE_BYTES as u64]),
             mul(&[pairs, m.expert_intermediate as u64, 4]),
+            groups,
+            work,
+            mul(&[pairs, d, 4]),
         ])
     });
     sum(&[act, logits, inputs, rope, branch, moe])

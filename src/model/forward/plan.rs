@@ -67,6 +67,11 @@ pub(super) struct MoeBuffers {
     pub route: wgpu::Buffer,
     /// `t x experts_per_token x expert_intermediate` gated activations.
     pub act: wgpu::Buffer,
+    /// Prefill steps (grouped by expert): the pairs by expert, the work list, and each
+    /// pair's weighted down row (`t x experts_per_token x hidden`).
+    pub groups: wgpu::Buffer,
+    pub work: wgpu::Buffer,
+    pub pairs: wgpu::Buffer,
 }
 
 /// The x textures of `hidden`, `attn` and `act`.
@@ -195,10 +200,14 @@ impl Workspace {
             moe: match &c.block.moe {
                 Some(m) => {
                     let pairs = t * m.experts_per_token;
+                    let (gb, wb) = kernels::moe::group_bytes(t, m.experts_per_token, m.experts);
                     Some(MoeBuffers {
                         logits: create_zeroed(ctx, "moe.logits", (t * m.experts * 4) as u64).map_err(gpu_err)?,
                         route: create_zeroed(ctx, "moe.route", (pairs * kernels::moe::ROUTE_BYTES) as u64).map_err(gpu_err)?,
                         act: create_zeroed(ctx, "moe.act", (pairs * m.expert_intermediate * 4) as u64).map_err(gpu_err)?,
+                        groups: create_zeroed(ctx, "moe.groups", gb).map_err(gpu_err)?,
+                        work: create_zeroed(ctx, "moe.work", wb).map_err(gpu_err)?,
+                        pairs: create_zeroed(ctx, "moe.pairs", (pairs * d * 4) as u64).map_err(gpu_err)?,
                     })
                 }
                 None => None,
@@ -233,7 +242,10 @@ impl Workspace {
         .map(|b| b.size())
         .sum::<u64>()
             + [&self.rope_local, &self.branch].into_iter().flatten().map(|b| b.size()).sum::<u64>()
-            + self.moe.as_ref().map_or(0, |m| m.logits.size() + m.route.size() + m.act.size())
+            + self
+                .moe
+                .as_ref()
+                .map_or(0, |m| [&m.logits, &m.route, &m.act, &m.groups, &m.work, &m.pairs].iter().map(|b| b.size()).sum::<u64>())
             + self
                 .x_tex
                 .as_ref()
@@ -566,8 +578,8 @@ impl GpuModel {
     /// A mixture of experts' dispatches: the router's logits (the MLP norm folded in, as for
     /// a dense MLP's gate|up), each token's route on the GPU, the chosen experts' gate|up,
     /// and their down with the route's weighted sum added into the residual stream (or
-    /// written to `branch` for a post-norm). The same for every step shape: the expert
-    /// matvec takes any number of tokens.
+    /// written to `branch` for a post-norm). Decode and batched shapes run the expert matvec
+    /// per pair; prefill (`Shape::Matmul`) groups the pairs by expert first.
     async fn experts_plan(
         ctx: &GpuContext,
         c: &ModelConfig,
@@ -605,11 +617,35 @@ impl GpuModel {
             out_stride: m.expert_intermediate,
             residual: false,
         };
-        v.push(kernels::moe::experts(ctx, &layer.gate_up, m.experts, &up).await.map_err(gpu_err)?);
         let (y, residual) = match (&layer.mlp_out_norm, &ws.branch) {
             (Some(_), Some(b)) => (b, false),
             _ => (&ws.hidden, true),
         };
+        if shape == Shape::Matmul {
+            // Prefill: the pairs grouped by expert, so each expert's rows are read once per
+            // `GROUP_PAIRS` of its pairs; down writes weighted pair rows, which the combine
+            // sums per token.
+            let g = kernels::moe::Grouping {
+                groups: &bufs.groups,
+                work: &bufs.work,
+                max_tokens: (bufs.groups.size() as usize / 4 / m.experts_per_token).max(1),
+            };
+            v.push(kernels::moe::group(ctx, &ws.step, &bufs.route, &g, m.experts, m.experts_per_token).await.map_err(gpu_err)?);
+            v.push(kernels::moe::grouped(ctx, &layer.gate_up, m.experts, &up, &g).await.map_err(gpu_err)?);
+            let down = kernels::moe::ExpertIo {
+                x: &bufs.act,
+                x_stride: m.expert_intermediate,
+                norm: None,
+                y: &bufs.pairs,
+                out_stride: d,
+                residual: false,
+                ..up
+            };
+            v.push(kernels::moe::grouped(ctx, &layer.down, m.experts, &down, &g).await.map_err(gpu_err)?);
+            v.push(kernels::moe::combine(ctx, &ws.step, &bufs.pairs, y, d, m.experts_per_token, residual).await.map_err(gpu_err)?);
+            return Ok(v);
+        }
+        v.push(kernels::moe::experts(ctx, &layer.gate_up, m.experts, &up).await.map_err(gpu_err)?);
         let down = kernels::moe::ExpertIo { x: &bufs.act, x_stride: m.expert_intermediate, norm: None, y, out_stride: d, residual, ..up };
         v.push(kernels::moe::experts(ctx, &layer.down, m.experts, &down).await.map_err(gpu_err)?);
         Ok(v)
