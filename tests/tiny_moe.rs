@@ -62,6 +62,11 @@ fn check_load(name: &str, path: &std::path::Path, arch: Arch, sparse: &[bool], r
 fn check_gpu(name: &str, w: &lantern::model::ModelWeights, ids: &[u32], want: &[f32], greedy: &[u32], tol: f32) {
     let opts = ModelOptions { context: Some(64), max_batch_tokens: 16, max_logit_rows: 16, page_size: 4, ..Default::default() };
     let mut m = pollster::block_on(GpuModel::load(common::gpu(), w, opts)).unwrap_or_else(|e| panic!("{name}: GPU load: {e}"));
+    // What `lantern run` reports: a token reads every weight but the experts left out.
+    assert!(m.weight_bytes_per_token() < m.weight_bytes(), "{name}");
+    if w.tensors.values().all(|t| t.dtype == lantern::model::DType::F32) {
+        assert_eq!(m.weight_bytes() - m.weight_bytes_per_token(), 4 * w.config.idle_expert_parameters(), "{name}: bytes a token skips");
+    }
     let seq = m.new_sequence().unwrap();
     let gpu = pollster::block_on(m.forward_all_logits(seq, ids)).expect("forward");
     let d = gpu.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);

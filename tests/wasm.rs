@@ -1,7 +1,8 @@
 //! Unit tests in a real browser (wasm-bindgen-test in headless Chromium through
 //! chromedriver, WebGPU on SwiftShader: no shader-f16): the adapter is found, the forward
 //! pass on the browser's WebGPU matches the CPU reference on random models (f32 and f16
-//! weights, GQA/MQA, odd widths, uneven chunks), the generate API's regex constraint and
+//! weights, GQA/MQA, odd widths, uneven chunks) and transformers on GGUF fixtures (every
+//! block format, a mixture of experts), the generate API's regex constraint and
 //! logit bias hold there, and bad input is a clear error, not a panic. Run by `scripts/test.sh` as
 //! `cargo test --release --target wasm32-unknown-unknown --no-default-features --features web --test wasm`.
 #![cfg(target_arch = "wasm32")]
@@ -159,6 +160,37 @@ async fn every_gguf_block_format_matches_transformers_in_the_browser() {
             assert!(worst <= 1e-4 * scale, "{ty}: position {r} off by {worst:e} (row max |logit| {scale})");
         }
     }
+}
+
+/// A mixture of experts in the browser (Tint compiles the router, per-pair and grouped expert
+/// kernels, SwiftShader runs them): llama.cpp's GGUF of the tiny Mixtral, every position's
+/// logits within 1e-4 of transformers' (prefill grouped by expert in chunks of 16, then one
+/// token per step through the per-pair matvec, which must give the same next token).
+#[wasm_bindgen_test]
+async fn a_mixture_of_experts_matches_transformers_in_the_browser() {
+    let gguf = include_bytes!("fixtures/tiny-moe/mixtral/model.gguf");
+    let logits = include_bytes!("fixtures/tiny-moe/mixtral/logits.f32");
+    let r: serde_json::Value = serde_json::from_str(include_str!("fixtures/tiny-moe/mixtral/reference.json")).unwrap();
+    let ids: Vec<u32> = r["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let greedy: Vec<u32> = r["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let file = lantern::model::gguf::GgufFile::parse(gguf, "mixtral.gguf".to_string()).expect("parse");
+    let w = lantern::model::gguf::hf_map::weights_from_gguf(&file, "mixtral").expect("weights");
+    assert!(w.config.block.moe.is_some());
+    let want: Vec<f32> = logits.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let opts = ModelOptions { context: Some(64), max_batch_tokens: 16, max_logit_rows: 16, ..Default::default() };
+    let mut m = GpuModel::load(browser_gpu().await, &w, opts).await.expect("load");
+    let seq = m.new_sequence().unwrap();
+    let got = m.forward_all_logits(seq, &ids).await.expect("forward");
+    let worst = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    assert!(worst <= 1e-4, "mixtral in the browser: logits off by {worst:e}");
+    m.release_sequence(seq);
+    let seq = m.new_sequence().unwrap();
+    let mut out = vec![m.forward(seq, &ids, lantern::model::forward::Want::Argmax).await.unwrap().argmax[0]];
+    while out.len() < greedy.len() {
+        let t = *out.last().unwrap();
+        out.push(m.forward(seq, &[t], lantern::model::forward::Want::Argmax).await.unwrap().argmax[0]);
+    }
+    assert_eq!(out, greedy, "mixtral in the browser: greedy continuation");
 }
 
 /// The browser API's constrained decoding and logit bias (llguidance compiled for wasm, the

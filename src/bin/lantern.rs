@@ -587,6 +587,7 @@ fn run(a: RunArgs) -> Result<()> {
             "noop": noop,
             "dispatches_per_prefill_step": model.dispatches_per_prefill_step(),
             "weight_bytes": model.weight_bytes(),
+            "weight_bytes_per_token": model.weight_bytes_per_token(),
             "weight_precision": model.options.weights,
             "kv_cache_bytes": model.kv.bytes(),
             "memory": model.memory(),
@@ -657,6 +658,16 @@ fn run(a: RunArgs) -> Result<()> {
             }
         );
         eprintln!("[{}]", pipeline_line(&pipelines));
+        if let Some(moe) = &model.config.block.moe {
+            eprintln!(
+                "[mixture of experts: {} of {} experts per token, so a decode token reads {:.1} MB of the {:.1} MB of weights ({:.0}%)]",
+                moe.experts_per_token,
+                moe.experts,
+                mb(model.weight_bytes_per_token()),
+                mb(model.weight_bytes()),
+                100.0 * model.weight_bytes_per_token() as f64 / model.weight_bytes().max(1) as f64
+            );
+        }
         if let Some(h) = &gen.host {
             eprintln!(
                 "[host per decode token: {:.3} ms ({:.3} ms busy), {:.0} dispatches, {:.2} submits, {:.2} writes, {:.2} readbacks, {:.2} waits ({:.2} leaving the device idle), {:.2} bind groups and {:.2} buffers created | {} steps in flight{}]",

@@ -101,7 +101,6 @@ pub struct GpuModel {
     pub options: ModelOptions,
     pub kv: KvCache,
     // Weights stay owned here for the model's lifetime (the plans' bind groups use them).
-    #[allow(dead_code)]
     weights: upload::GpuWeights,
     ws: Workspace,
     plans: Plans,
@@ -378,6 +377,22 @@ impl GpuModel {
     /// Bytes of weights on the GPU (values or codes, scales, norms, biases).
     pub fn weight_bytes(&self) -> u64 {
         self.memory.weight_bytes()
+    }
+
+    /// Weight bytes a decode token reads: every weight less, in each mixture-of-experts
+    /// layer, the stacked experts its router leaves out (`weight_bytes` for a dense model).
+    pub fn weight_bytes_per_token(&self) -> u64 {
+        let idle: u64 = self
+            .weights
+            .layers
+            .iter()
+            .filter_map(|l| {
+                let m = &l.experts.as_ref()?.spec;
+                let stacked = l.gate_up.bytes() + l.down.bytes();
+                Some(stacked / m.experts as u64 * (m.experts - m.experts_per_token) as u64)
+            })
+            .sum();
+        self.weight_bytes().saturating_sub(idle)
     }
 
     /// Dispatches recorded for one decode step (one token of one sequence).
