@@ -153,25 +153,47 @@ pub async fn experts_with(
     io: &ExpertIo<'_>,
     subgroups: bool,
 ) -> Result<Dispatch, GpuError> {
-    check_stacked(lin, n_experts)?;
     if subgroups && !ctx.caps.subgroups {
         return Err(GpuError::Validation { context: lin.name.clone(), message: "the adapter has no subgroups".into() });
     }
-    let gated = lin.is_gated();
-    if gated != io.norm.is_some() {
-        return Err(GpuError::Validation {
-            context: lin.name.clone(),
-            message: "the gate|up expert matvec folds the MLP norm in (and only it does)".into(),
-        });
-    }
-    if io.top_k == 0 || io.top_k > n_experts {
-        return Err(GpuError::Validation {
-            context: lin.name.clone(),
-            message: format!("{} experts per token of {n_experts}: expected 1 to {n_experts}", io.top_k),
-        });
-    }
+    check_io(lin, n_experts, io, "the gate|up expert matvec folds the MLP norm in (and only it does)")?;
     let key = key(lin, io.residual, subgroups);
     let pipe = pipeline(ctx, key).await?;
+    let (bind_group, [gx, gy]) = bind_experts(ctx, lin, n_experts, io, &pipe, key, &[(0, io.step), (18, io.route)], true)?;
+    let z = if lin.is_gated() { Dim::TokensTimes(io.top_k as u32) } else { Dim::Tokens };
+    Ok(Dispatch { label: format!("{} [{}]", lin.name, key.label()), pipeline: pipe, bind_group, grid: [Dim::Const(gx), Dim::Const(gy), z] })
+}
+
+/// The checks every expert kernel makes: `lin` holds `n_experts` stacked experts it can
+/// read, the norm comes with (and only with) gate|up (`norm_rule` says so otherwise), and
+/// the experts per token are 1 to all of them.
+fn check_io(lin: &GpuLinear, n_experts: usize, io: &ExpertIo<'_>, norm_rule: &str) -> Result<(), GpuError> {
+    check_stacked(lin, n_experts)?;
+    let bad = |message: String| Err(GpuError::Validation { context: lin.name.clone(), message });
+    if lin.is_gated() != io.norm.is_some() {
+        return bad(norm_rule.into());
+    }
+    if io.top_k == 0 || io.top_k > n_experts {
+        return bad(format!("{} experts per token of {n_experts}: expected 1 to {n_experts}", io.top_k));
+    }
+    Ok(())
+}
+
+/// The bind group of an expert kernel (`key`, compiled as `pipe`) over `lin`'s stacked
+/// experts and `io`: its `LinearParams` (one expert's rows), x, the weights (and up, scales),
+/// the norm, y, the experts per token where `with_top_k`, and `extra` (what else the variant
+/// reads). Also returns the grid's x and y (the rows).
+#[allow(clippy::too_many_arguments)]
+fn bind_experts(
+    ctx: &GpuContext,
+    lin: &GpuLinear,
+    n_experts: usize,
+    io: &ExpertIo<'_>,
+    pipe: &wgpu::ComputePipeline,
+    key: PipelineKey,
+    extra: &[(u32, &wgpu::Buffer)],
+    with_top_k: bool,
+) -> Result<(wgpu::BindGroup, [u32; 2]), GpuError> {
     let rows = (lin.n_rows / n_experts) as u32;
     let gx = rows.min(ctx.limits.max_compute_workgroups_per_dimension.max(1));
     let params = LinearParams {
@@ -188,8 +210,12 @@ pub async fn experts_with(
     let mbuf = create_uniform(ctx, &format!("{}.moe", lin.name), &MoeUniform { top_k: io.top_k as u32, _pad: [0; 3] });
     let Store::Buffers { w, u, w_scales, u_scales } = &lin.store else { unreachable!("check_stacked admits storage buffers only") };
     let missing = |what: &str| GpuError::Validation { context: lin.name.clone(), message: format!("{} needs {what}", key.label()) };
-    let mut entries: Vec<(u32, &wgpu::Buffer)> =
-        vec![(0, io.step), (1, &ubuf), (2, io.x), (3, &w.chunks[0].buffer), (7, io.y), (18, io.route), (19, &mbuf)];
+    let gated = lin.is_gated();
+    let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(1, &ubuf), (2, io.x), (3, &w.chunks[0].buffer), (7, io.y)];
+    entries.extend_from_slice(extra);
+    if with_top_k {
+        entries.push((19, &mbuf));
+    }
     if gated {
         entries.push((4, &u.as_ref().ok_or_else(|| missing("the up weight"))?.chunks[0].buffer));
     }
@@ -202,14 +228,7 @@ pub async fn experts_with(
             entries.push((10, &u_scales.as_ref().ok_or_else(|| missing("scales"))?.chunks[0].buffer));
         }
     }
-    let bg = bind(ctx, &lin.name, &pipe, &entries);
-    let z = if gated { Dim::TokensTimes(io.top_k as u32) } else { Dim::Tokens };
-    Ok(Dispatch {
-        label: format!("{} [{}]", lin.name, key.label()),
-        pipeline: pipe,
-        bind_group: bg,
-        grid: [Dim::Const(gx), Dim::Const(rows.div_ceil(gx)), z],
-    })
+    Ok((bind(ctx, &lin.name, pipe, &entries), [gx, rows.div_ceil(gx)]))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -317,59 +336,27 @@ pub async fn grouped(
     io: &ExpertIo<'_>,
     g: &Grouping<'_>,
 ) -> Result<Dispatch, GpuError> {
-    let (groups, work) = (g.groups, g.work);
-    check_stacked(lin, n_experts)?;
+    if io.residual {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: "the grouped down writes pair rows for moe_combine (no residual)".into(),
+        });
+    }
+    check_io(lin, n_experts, io, "the grouped gate|up folds the MLP norm in (and only it does)")?;
     let gated = lin.is_gated();
-    let bad = |message: String| Err(GpuError::Validation { context: lin.name.clone(), message });
-    if gated != io.norm.is_some() || io.residual {
-        return bad("the grouped gate|up folds the MLP norm in; the grouped down writes pair rows for moe_combine (no residual)".into());
-    }
-    if io.top_k == 0 || io.top_k > n_experts {
-        return bad(format!("{} experts per token of {n_experts}: expected 1 to {n_experts}", io.top_k));
-    }
     let fl = if gated { flags::NORM | flags::GATED | if lin.gelu { flags::GELU } else { 0 } } else { 0 };
     let key = PipelineKey::new(ShaderOp::MoeGrouped, WORKGROUP).with_flags(fl).with_weights(lin.format);
     let pipe = pipeline(ctx, key).await?;
-    let rows = (lin.n_rows / n_experts) as u32;
-    let gx = rows.min(ctx.limits.max_compute_workgroups_per_dimension.max(1));
-    let params = LinearParams {
-        n_rows: rows,
-        k: lin.k as u32,
-        row_offset: 0,
-        out_stride: io.out_stride as u32,
-        x_stride: io.x_stride as u32,
-        grid_x: gx,
-        eps: io.eps,
-        group: lin.quant.map_or(0, |q| q.group),
-    };
-    let ubuf = create_uniform(ctx, &format!("{}.params", lin.name), &params);
-    let mbuf = create_uniform(ctx, &format!("{}.moe", lin.name), &MoeUniform { top_k: io.top_k as u32, _pad: [0; 3] });
-    let Store::Buffers { w, u, w_scales, u_scales } = &lin.store else { unreachable!("check_stacked admits storage buffers only") };
-    let missing = |what: &str| GpuError::Validation { context: lin.name.clone(), message: format!("{} needs {what}", key.label()) };
     // (The work list sets the pairs, not the step: gate|up reads the experts per token to
     // find a pair's token, down the route for its weight.)
-    let mut entries: Vec<(u32, &wgpu::Buffer)> = vec![(1, &ubuf), (2, io.x), (3, &w.chunks[0].buffer), (7, io.y), (20, groups), (21, work)];
-    if gated {
-        entries.push((4, &u.as_ref().ok_or_else(|| missing("the up weight"))?.chunks[0].buffer));
-        entries.push((19, &mbuf));
-    } else {
-        entries.push((18, io.route));
-    }
-    if let Some(g) = io.norm {
-        entries.push((5, g));
-    }
-    if lin.format.is_packed() {
-        entries.push((9, &w_scales.as_ref().ok_or_else(|| missing("scales"))?.chunks[0].buffer));
-        if gated {
-            entries.push((10, &u_scales.as_ref().ok_or_else(|| missing("scales"))?.chunks[0].buffer));
-        }
-    }
-    let bg = bind(ctx, &lin.name, &pipe, &entries);
+    let extra: &[(u32, &wgpu::Buffer)] =
+        if gated { &[(20, g.groups), (21, g.work)] } else { &[(20, g.groups), (21, g.work), (18, io.route)] };
+    let (bind_group, [gx, gy]) = bind_experts(ctx, lin, n_experts, io, &pipe, key, extra, gated)?;
     Ok(Dispatch {
         label: format!("{} [{}]", lin.name, key.label()),
         pipeline: pipe,
-        bind_group: bg,
-        grid: [Dim::Const(gx), Dim::Const(rows.div_ceil(gx)), Dim::GroupItems { top_k: io.top_k as u32, experts: n_experts as u32 }],
+        bind_group,
+        grid: [Dim::Const(gx), Dim::Const(gy), Dim::GroupItems { top_k: io.top_k as u32, experts: n_experts as u32 }],
     })
 }
 
