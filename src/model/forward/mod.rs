@@ -1,7 +1,8 @@
 //! The forward pass on the GPU of every supported family (`model::config::Arch`: Llama 1/2/3,
-//! SmolLM2, Mistral, Qwen2 with q/k/v biases, Qwen3, Phi-3, Gemma 3), one decoder block whose
-//! differences are data (`BlockSpec`: norm placement, q/k norms, activation, embedding scale,
-//! sliding windows), mirroring Hugging Face transformers' `modeling_llama.py`
+//! SmolLM2, Mistral, Qwen2 with q/k/v biases, Qwen3, Phi-3, Gemma 3, and the mixtures of
+//! experts Qwen3-MoE, Mixtral and OLMoE), one decoder block whose differences are data
+//! (`BlockSpec`: norm placement, q/k norms, activation, embedding scale, sliding windows,
+//! experts), mirroring Hugging Face transformers' `modeling_llama.py`
 //! (https://github.com/huggingface/transformers) and the paper "LLaMA: Open and Efficient
 //! Foundation Language Models" (arXiv:2302.13971); the Llama block is shown below.
 //!
@@ -14,7 +15,9 @@
 //! 6. `x += act W_down^T`
 //!
 //! plus the embedding gather before and `logits = rmsnorm(x) W_head^T` and the GPU argmax
-//! after: 6 L + 3 dispatches per step, all recorded into one command submission.
+//! after: 6 L + 3 dispatches per step, all recorded into one command submission. A mixture of
+//! experts replaces 5 and 6 with the router, the route and the chosen experts' gate|up and
+//! down (`kernels::moe`; prefill groups the pairs by expert first).
 
 //! The code is split by job: `options` (what a caller chooses), `upload` (weights onto the
 //! GPU), `memory` (accounting and the KV budget), `plan` (workspace and recorded
