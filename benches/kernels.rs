@@ -144,6 +144,10 @@ fn ggml_blocks(kind: QuantKind, n: usize, k: usize) -> PackedMatrix {
             let v = half::f16::from_f32(0.004 + 0.001 * (i % 7) as f32);
             blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
         }
+        if kind == QuantKind::Mxfp4 {
+            // E8M0 exponents of 2^-8 .. 2^-6 (no subnormal or infinite values).
+            blk[0] = 120 + (i % 3) as u8;
+        }
     }
     PackedMatrix::from_gguf_blocks("w", kind, &b, n, k).expect("repack")
 }

@@ -15,7 +15,7 @@ use lantern::quant::ggml::{self, block_size, dequantize_blocks, repack};
 use lantern::quant::{PackedMatrix, QuantError, QuantFormat, QuantKind};
 
 /// ggml type name, Lantern kind, the dtype a GGUF tensor of it loads as.
-const TYPES: [(&str, QuantKind, DType); 12] = [
+const TYPES: [(&str, QuantKind, DType); 13] = [
     ("Q4_0", QuantKind::Q4Sym, DType::Q4_0),
     ("Q4_1", QuantKind::Q4, DType::Q4_1),
     ("Q5_0", QuantKind::Q5Sym, DType::Q5_0),
@@ -28,13 +28,15 @@ const TYPES: [(&str, QuantKind, DType); 12] = [
     ("Q6_K", QuantKind::Q6K, DType::Q6_K),
     ("IQ4_NL", QuantKind::Iq4Nl, DType::IQ4_NL),
     ("IQ4_XS", QuantKind::Iq4Xs, DType::IQ4_XS),
+    ("MXFP4", QuantKind::Mxfp4, DType::MXFP4),
 ];
 
 /// The kinds `ggml::repack` handles (the others repack in `PackedMatrix::from_gguf_blocks`).
-const REPACK_KINDS: [QuantKind; 9] = [
+const REPACK_KINDS: [QuantKind; 10] = [
     QuantKind::Q5Sym,
     QuantKind::Q5,
     QuantKind::Iq4Nl,
+    QuantKind::Mxfp4,
     QuantKind::Q2K,
     QuantKind::Q3K,
     QuantKind::Q4K,
@@ -185,7 +187,7 @@ fn super_block_kinds_need_rows_of_256() {
         }
     }
     // The 32-element kinds take any multiple of 32, and nothing else.
-    for kind in [QuantKind::Q5Sym, QuantKind::Q5, QuantKind::Iq4Nl] {
+    for kind in [QuantKind::Q5Sym, QuantKind::Q5, QuantKind::Iq4Nl, QuantKind::Mxfp4] {
         let (_, bb) = block_size(kind);
         assert!(repack("t", kind, &vec![0u8; 3 * bb], 1, 96).is_ok(), "{kind:?}");
         assert!(matches!(repack("t", kind, &[], 1, 40), Err(QuantError::SuperBlockMismatch { .. } | QuantError::GroupMismatch { .. })));
@@ -241,13 +243,17 @@ fn kinds_outside_ggml_repack_are_refused() {
     }
 }
 
-/// Random blocks: any bits for codes and sub-block scales, finite f16 scales.
+/// Random blocks: any bits for codes and sub-block scales, finite f16 scales (MXFP4: an
+/// E8M0 exponent up to 252, whose largest value 2^124 x 12 is finite).
 fn random_blocks(rng: &mut Rng, kind: QuantKind, rows: usize, k: usize) -> Vec<u8> {
     let (be, bb) = block_size(kind);
     let mut data = rng.bytes(rows * k / be * bb);
     for b in data.chunks_exact_mut(bb) {
         for &at in ggml::f16_fields(kind) {
             b[at..at + 2].copy_from_slice(&finite_f16(rng).to_le_bytes());
+        }
+        if kind == QuantKind::Mxfp4 {
+            b[0] %= 253;
         }
     }
     data
@@ -290,10 +296,11 @@ fn element_order_of_each_layout() {
         let q: Vec<u32> = (0..be).map(|e| code_of(kind, e)).collect();
         let nib = |b: &mut [u8], at: usize, v: u32, hi: bool| b[at] |= ((v & 15) as u8) << if hi { 4 } else { 0 };
         match kind {
-            QuantKind::Q5Sym | QuantKind::Q5 | QuantKind::Iq4Nl => {
+            QuantKind::Q5Sym | QuantKind::Q5 | QuantKind::Iq4Nl | QuantKind::Mxfp4 => {
                 let (qh_at, qs_at) = match kind {
                     QuantKind::Q5Sym => (Some(2), 6),
                     QuantKind::Q5 => (Some(4), 8),
+                    QuantKind::Mxfp4 => (None, 1),
                     _ => (None, 2),
                 };
                 for (e, &v) in q.iter().enumerate() {

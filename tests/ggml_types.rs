@@ -1,7 +1,7 @@
 //! Every GGUF weight type Lantern loads, end to end on the GPU: the ggml-types fixture
 //! (`tests/fixtures/ggml-types`: one tiny Llama quantized by llama.cpp's `llama-quantize
-//! --pure` to each single type, with transformers' float32 logits from the dequantized
-//! weights) run in every kernel layout the runtime has (forced with `gpu::KernelOptions` on the
+//! --pure` to each single type, MXFP4 by gguf-py, with transformers' float32 logits from the
+//! dequantized weights) run in every kernel layout the runtime has (forced with `gpu::KernelOptions` on the
 //! context), with weights split across small bindings too. Per type and layout: the logits of every
 //! position within the fixture's bound (1e-4 x the row's max |logit|), in one prefill step
 //! (matmul kernels) and in chunks of 8 (the batched matvec; chunks of 4 with small
@@ -15,7 +15,7 @@ use lantern::gpu::{DeviceOptions, KernelOptions, MatmulLayout, MatvecLayout};
 use lantern::model::forward::{GpuModel, ModelOptions, Want};
 use lantern::model::load::load_path;
 
-const TYPES: [&str; 12] = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"];
+const TYPES: [&str; 13] = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"];
 
 /// The fixture's bound: per position row, 1e-4 of the row's largest |logit|.
 const REL_TOL: f32 = 1e-4;
@@ -73,13 +73,16 @@ fn worst_row_error(got: &[f32], want: &[f32], vocab: usize) -> (f32, usize, f32)
 /// pipelines side by side (on lavapipe, compiling them is most of this file's time).
 fn every_ggml_type_matches_the_reference_in(i: usize) {
     let reference = common::read_json(&dir().join("reference.json"));
+    // MXFP4's file and references were made with gguf-py and transformers (make_mxfp4.py),
+    // not llama-quantize, so they are recorded beside the copied reference.json.
+    let mxfp4 = common::read_json(&dir().join("mxfp4.json"));
     let input = common::ids(&reference["input_ids"]);
     let mut report = Vec::new();
     {
         let layout = &LAYOUTS[i];
         let ctx = common::gpu_with(&DeviceOptions { max_binding_size: layout.binding, kernels: layout.kernels, ..Default::default() });
         for ty in TYPES {
-            let r = &reference["types"][ty];
+            let r = if ty == "MXFP4" { &mxfp4 } else { &reference["types"][ty] };
             let what = format!("{ty} [{}]", layout.name);
             let loaded = load_path(&dir().join(format!("tiny-{ty}.gguf"))).unwrap_or_else(|e| panic!("{what}: load: {e}"));
             let w = &loaded.weights;

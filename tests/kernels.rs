@@ -135,6 +135,10 @@ fn random_ggml(rng: &mut Rng, kind: QuantKind, rows: usize, k: usize) -> PackedM
             let v = half::f16::from_f32(0.05 * rng.uniform());
             b[at..at + 2].copy_from_slice(&v.to_le_bytes());
         }
+        if kind == QuantKind::Mxfp4 {
+            // The E8M0 exponent: 2^(e - 128) from 2^-10 to 2^-3, so values stay below 1.5.
+            b[0] = 118 + (rng.next_u64() % 8) as u8;
+        }
     }
     PackedMatrix::from_gguf_blocks("test", kind, &data, rows, k).expect("repack random blocks")
 }
@@ -834,15 +838,16 @@ fn packed_linear_split_across_bindings_and_auto_layout_match_reference() {
     }
 }
 
-/// The GGUF-only formats (Q5_0, Q5_1, IQ4_NL and the 256-element K-quants and IQ4_XS) from
-/// random blocks, in every packed kernel: (rows, K, tokens) with odd
+/// The GGUF-only formats (Q5_0, Q5_1, IQ4_NL, MXFP4 and the 256-element K-quants and IQ4_XS)
+/// from random blocks, in every packed kernel: (rows, K, tokens) with odd
 /// row counts, one super-block to several (odd counts: Q6_K's paired d words, IQ4_XS's
 /// two headers per texel), token counts for the matvec, the four- and eight-token matvecs
 /// and the matmuls.
-const GGML_FORMATS: [WeightFormat; 9] = [
+const GGML_FORMATS: [WeightFormat; 10] = [
     WeightFormat::Q5Sym,
     WeightFormat::Q5,
     WeightFormat::Iq4Nl,
+    WeightFormat::Mxfp4,
     WeightFormat::Q2K,
     WeightFormat::Q3K,
     WeightFormat::Q4K,
@@ -917,17 +922,17 @@ fn ggml_suite(formats: &[WeightFormat], seed: u64) {
 
 #[test]
 fn ggml_32_formats_match_reference_in_every_layout() {
-    ggml_suite(&GGML_FORMATS[..3], 41);
+    ggml_suite(&GGML_FORMATS[..4], 41);
 }
 
 #[test]
 fn ggml_k_quants_2_3_4_match_reference_in_every_layout() {
-    ggml_suite(&GGML_FORMATS[3..6], 42);
+    ggml_suite(&GGML_FORMATS[4..7], 42);
 }
 
 #[test]
 fn ggml_k_quants_5_6_and_iq4xs_match_reference_in_every_layout() {
-    ggml_suite(&GGML_FORMATS[6..], 43);
+    ggml_suite(&GGML_FORMATS[7..], 43);
 }
 
 /// Binding splits (8 KiB) and the runtime's own layout choice for the GGUF-only formats.

@@ -220,6 +220,8 @@ pub enum WeightFormat {
     Q6K,
     /// GGUF IQ4_XS: IQ4 table indices, 6-bit scales per 32, f16 d per 256.
     Iq4Xs,
+    /// GGUF MXFP4: E2M1 codes (a 16-entry table), an E8M0 power-of-two scale per 32.
+    Mxfp4,
 }
 
 impl WeightFormat {
@@ -249,6 +251,7 @@ impl WeightFormat {
             K::Q5K => WeightFormat::Q5K,
             K::Q6K => WeightFormat::Q6K,
             K::Iq4Xs => WeightFormat::Iq4Xs,
+            K::Mxfp4 => WeightFormat::Mxfp4,
         }
     }
 
@@ -269,6 +272,7 @@ impl WeightFormat {
             WeightFormat::Q5K => "q5k",
             WeightFormat::Q6K => "q6k",
             WeightFormat::Iq4Xs => "iq4xs",
+            WeightFormat::Mxfp4 => "mxfp4",
         }
     }
 
@@ -292,7 +296,8 @@ impl WeightFormat {
             WeightFormat::Q4Sym => &["W_PACKED", "W_Q4S"],
             // Every other GGUF format: its own define, plus the plane and scale shape the
             // shared code paths key on (W_HI: a high plane, W_HI1 / W_HI2: of 1 or 2 bits; W_LO2:
-            // a 2-bit low plane; W_SUPER: 256-element super-blocks; W_TABLE: IQ4 codes).
+            // a 2-bit low plane; W_SUPER: 256-element super-blocks; W_TABLE: codes through a
+            // 16-entry table, IQ4's or MXFP4's).
             WeightFormat::Q5Sym => &["W_PACKED", "W_Q5S", "W_HI", "W_HI1"],
             WeightFormat::Q5 => &["W_PACKED", "W_Q5", "W_HI", "W_HI1"],
             WeightFormat::Iq4Nl => &["W_PACKED", "W_IQ4NL", "W_TABLE"],
@@ -302,6 +307,7 @@ impl WeightFormat {
             WeightFormat::Q5K => &["W_PACKED", "W_Q5K", "W_HI", "W_HI1", "W_SUPER"],
             WeightFormat::Q6K => &["W_PACKED", "W_Q6K", "W_HI", "W_HI2", "W_SUPER"],
             WeightFormat::Iq4Xs => &["W_PACKED", "W_IQ4XS", "W_TABLE", "W_SUPER"],
+            WeightFormat::Mxfp4 => &["W_PACKED", "W_MXFP4", "W_TABLE"],
         }
     }
 }

@@ -50,6 +50,9 @@ pub enum DType {
     /// GGUF IQ4_XS: super-blocks of 256 (136 bytes), 8 sub-blocks of 32 with 6-bit scales,
     /// f16 d, value = (d * (ls - 32)) * IQ4[q].
     IQ4_XS,
+    /// GGUF MXFP4: blocks of 32, an E8M0 exponent byte e, 16 bytes of nibbles indexing the
+    /// E2M1 values (17 bytes), value = 2^(e - 127) * E2M1[q].
+    MXFP4,
     /// Lantern's GPU layout of packed integer weights (a 2-D `[rows, k]` tensor whose data is
     /// `qs` words then `scales` words; see `crate::quant`), as stored by `lantern quantize`.
     Packed(QuantFormat),
@@ -73,6 +76,7 @@ impl DType {
             DType::Q6_K => (256, 210),
             DType::IQ4_NL => (32, 18),
             DType::IQ4_XS => (256, 136),
+            DType::MXFP4 => (32, 17),
             // Per-row scale padding makes the size depend on the shape: see `bytes_for_shape`.
             DType::Packed(f) => (f.group as usize, 0),
         }
@@ -117,6 +121,7 @@ impl DType {
             DType::Q6_K => Some(QuantKind::Q6K),
             DType::IQ4_NL => Some(QuantKind::Iq4Nl),
             DType::IQ4_XS => Some(QuantKind::Iq4Xs),
+            DType::MXFP4 => Some(QuantKind::Mxfp4),
             DType::Packed(f) => Some(f.kind),
             _ => None,
         }
@@ -214,7 +219,8 @@ impl HostTensor {
             | DType::Q5_K
             | DType::Q6_K
             | DType::IQ4_NL
-            | DType::IQ4_XS => match self.dtype.quant_kind().map(|kind| ggml::dequantize_blocks(kind, d, n)) {
+            | DType::IQ4_XS
+            | DType::MXFP4 => match self.dtype.quant_kind().map(|kind| ggml::dequantize_blocks(kind, d, n)) {
                 Some(Ok(v)) => v,
                 // Validation rejects GGUF tensors whose size does not fit their blocks.
                 _ => vec![0.0; n],

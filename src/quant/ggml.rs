@@ -17,10 +17,11 @@
 //! | `Q5K` | Q5_K | 256 | 176 | `d`, `dmin`, 12 B scales, 32 B `qh`, 128 B nibbles |
 //! | `Q6K` | Q6_K | 256 | 210 | 128 B `ql` nibbles, 64 B `qh` 2-bit, 16 × i8 scales, `d` |
 //! | `Iq4Xs` | IQ4_XS | 256 | 136 | `d`, `scales_h` (u16), 4 B `scales_l`, 128 B nibbles |
+//! | `Mxfp4` | MXFP4 | 32 | 17 | `e` (E8M0 byte), 16 B nibbles |
 //!
 //! Element orders inside a block (`e` the element index in the block):
 //!
-//! - 32-element nibble blocks (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, and each 32-element
+//! - 32-element nibble blocks (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, and each 32-element
 //!   sub-block of IQ4_XS): byte `j` holds element `j` (low nibble) and `j + 16` (high);
 //!   Q5_0/Q5_1 bit 4 of element `e` is bit `e` of `qh`.
 //! - Q4_K, Q5_K: 4 chunks of 64 elements, chunk `c` reads bytes `32 c .. 32 c + 32`: low
@@ -41,7 +42,7 @@
 
 use half::f16;
 
-use super::{scale_k3, scale_min_k4, PackedMatrix, QuantError, QuantFormat, QuantKind, IQ4_VALUES};
+use super::{e8m0_half, scale_k3, scale_min_k4, PackedMatrix, QuantError, QuantFormat, QuantKind, IQ4_VALUES, MXFP4_VALUES};
 
 /// `(elements, bytes)` of one ggml block of `kind` as GGUF files store it.
 pub fn block_size(kind: QuantKind) -> (usize, usize) {
@@ -58,6 +59,7 @@ pub fn block_size(kind: QuantKind) -> (usize, usize) {
         QuantKind::Q5K => (256, 176),
         QuantKind::Q6K => (256, 210),
         QuantKind::Iq4Xs => (256, 136),
+        QuantKind::Mxfp4 => (32, 17),
     }
 }
 
@@ -70,6 +72,8 @@ pub fn f16_fields(kind: QuantKind) -> &'static [usize] {
         QuantKind::Q2K => &[80, 82],
         QuantKind::Q3K => &[108],
         QuantKind::Q6K => &[208],
+        // The E8M0 scale byte is any byte.
+        QuantKind::Mxfp4 => &[],
     }
 }
 
@@ -88,6 +92,7 @@ pub fn ggml_name(kind: QuantKind) -> &'static str {
         QuantKind::Q5K => "Q5_K",
         QuantKind::Q6K => "Q6_K",
         QuantKind::Iq4Xs => "IQ4_XS",
+        QuantKind::Mxfp4 => "MXFP4",
     }
 }
 
@@ -132,7 +137,7 @@ fn expected_bytes(kind: QuantKind, rows: usize, k: usize) -> Option<usize> {
 
 /// Repack the GGUF blocks of a `rows x k` matrix of `kind` into the packed layout (see the
 /// module docs of [`crate::quant`]): for Q5_0 (`Q5Sym`), Q5_1 (`Q5`), IQ4_NL (`Iq4Nl`),
-/// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS. Only bits move: code bits go to the low and high
+/// MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS. Only bits move: code bits go to the low and high
 /// planes of `qs` in element order, scale bytes and f16 bits to `scales`; nothing is
 /// converted. Q8_0, Q4_0 and Q4_1 are repacked by [`PackedMatrix::from_gguf_blocks`].
 pub fn repack(tensor: &str, kind: QuantKind, data: &[u8], rows: usize, k: usize) -> Result<PackedMatrix, QuantError> {
@@ -166,11 +171,12 @@ pub fn repack(tensor: &str, kind: QuantKind, data: &[u8], rows: usize, k: usize)
         let (lo, hi) = q.split_at_mut(lw);
         for (b, x) in row.chunks_exact(bb).enumerate() {
             match kind {
-                QuantKind::Q5Sym | QuantKind::Q5 | QuantKind::Iq4Nl => {
+                QuantKind::Q5Sym | QuantKind::Q5 | QuantKind::Iq4Nl | QuantKind::Mxfp4 => {
                     // 32 elements: 4 low-plane words, 1 high-plane word.
                     let nib = match kind {
                         QuantKind::Q5Sym => &x[6..22],
                         QuantKind::Q5 => &x[8..24],
+                        QuantKind::Mxfp4 => &x[1..17],
                         _ => &x[2..18],
                     };
                     let l = &mut lo[4 * b..4 * b + 4];
@@ -185,6 +191,8 @@ pub fn repack(tensor: &str, kind: QuantKind, data: &[u8], rows: usize, k: usize)
                             hi[b] = u32_at(x, 4);
                             s[b] = u32_at(x, 0);
                         }
+                        // The E8M0 byte in the low byte of the group's half.
+                        QuantKind::Mxfp4 => s[b / 2] |= (x[0] as u32) << (16 * (b & 1)),
                         _ => s[b / 2] |= u16_at(x, 0) << (16 * (b & 1)),
                     }
                 }
@@ -317,6 +325,14 @@ pub fn dequantize_blocks(kind: QuantKind, data: &[u8], n: usize) -> Result<Vec<f
                             _ => d * IQ4_VALUES[q as usize] as f32,
                         };
                     }
+                }
+            }
+            QuantKind::Mxfp4 => {
+                // gguf-py: e8m0_to_fp32_half(e) * kvalues[q], one f32 product.
+                let d = e8m0_half(x[0]);
+                for (j, &b) in x[1..17].iter().enumerate() {
+                    y[j] = d * MXFP4_VALUES[(b & 15) as usize] as f32;
+                    y[j + 16] = d * MXFP4_VALUES[(b >> 4) as usize] as f32;
                 }
             }
             QuantKind::Q5Sym | QuantKind::Q5 => {

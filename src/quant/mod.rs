@@ -17,6 +17,10 @@
 //!   - `Q4`, `Q5`: `(d, m)` as two f16 in one word per group (GGUF Q4_1, Q5_1);
 //!   - `Q4Sym`, `Q5Sym`, `Q8`, `Iq4Nl`: one f16 `d` per group, two groups per word (GGUF
 //!     Q4_0, Q5_0, Q8_0, IQ4_NL);
+//!   - `Mxfp4`: the E8M0 scale byte of each group in the low byte of a 16-bit half, two
+//!     groups per word, as the f16 formats (the file's 17-byte blocks are not word-aligned;
+//!     this keeps one scale layout for every 32-element format at 2 bytes per group, 4.5
+//!     bits per weight against the file's 4.25);
 //!   - super-block formats (256 elements per super-block, `group` 32 or 16 per sub-block):
 //!     - `Q4K`, `Q5K`: 4 words per super-block: `d | dmin << 16`, then the file's 12 bytes of
 //!       6-bit sub-block scales and minimums (ggml's `get_scale_min_k4` packing);
@@ -31,10 +35,11 @@
 //!
 //! With `q` the element's integer code (low bits | high bits shifted above them), every
 //! format computes `value = c * d_g + m_g` where `c` is `q + offset` (or the IQ4 table
-//! value `IQ4_VALUES[q]`) and `(d_g, m_g)` are the group's scale and minimum in f32, exactly
+//! value `IQ4_VALUES[q]` or `MXFP4_VALUES[q]`) and `(d_g, m_g)` are the group's scale and minimum in f32, exactly
 //! as ggml's dequantization defines them: `Q5Sym` `(q - 16) d`; `Q5` `q d + m`; `Q4K`/`Q5K`
 //! `(d sc) q - dmin m`; `Q6K` `(d sc)(q - 32)`; `Q3K` `(d (sc - 32))(q - 4)`; `Q2K`
-//! `(d sc) q - dmin m`; `Iq4Nl` `d IQ4[q]`; `Iq4Xs` `(d (ls - 32)) IQ4[q]`.
+//! `(d sc) q - dmin m`; `Iq4Nl` `d IQ4[q]`; `Iq4Xs` `(d (ls - 32)) IQ4[q]`; `Mxfp4`
+//! `2^(e - 128) MXFP4[q]`.
 //!
 //! The same bytes travel from a GGUF file (repacked block by block, bits only, no floats) or a
 //! quantized safetensors file (stored as is, `Q8`/`Q4`/`Q4Sym` only) into GPU buffers.
@@ -80,14 +85,29 @@ pub enum QuantKind {
     Q6K,
     /// IQ4 table codes with 6-bit sub-block scales, 8 sub-blocks of 32 (GGUF IQ4_XS).
     Iq4Xs,
+    /// OCP microscaling FP4 (GGUF MXFP4, gpt-oss's experts): 4-bit E2M1 codes with a
+    /// power-of-two E8M0 scale per 32: value = 2^(e - 128) MXFP4[q] (the table doubled, as
+    /// ggml's `kvalues_mxfp4`, so the scale is halved).
+    Mxfp4,
 }
 
 /// The non-linear code book of IQ4_NL and IQ4_XS (ggml's `kvalues_iq4nl`).
 pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
+/// The E2M1 values of MXFP4, doubled so they are integers (ggml's `kvalues_mxfp4`): codes
+/// 0-7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 times two, codes 8-15 their negatives.
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the value of an E8M0 scale byte, `2^(e - 128)`, as ggml's `ggml_e8m0_to_fp32_half`
+/// computes it (the bits of the f32; `e` 0 and 1 give the subnormals 2^-128 and 2^-127).
+pub fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 { 0x0020_0000u32 << e } else { (e as u32 - 1) << 23 };
+    f32::from_bits(bits)
+}
+
 impl QuantKind {
     /// Every kind, in the order above.
-    pub const ALL: [QuantKind; 12] = [
+    pub const ALL: [QuantKind; 13] = [
         QuantKind::Q8,
         QuantKind::Q4,
         QuantKind::Q4Sym,
@@ -100,6 +120,7 @@ impl QuantKind {
         QuantKind::Q5K,
         QuantKind::Q6K,
         QuantKind::Iq4Xs,
+        QuantKind::Mxfp4,
     ];
 
     /// Elements per `u32` of the low plane of `qs`.
@@ -169,6 +190,7 @@ impl QuantKind {
             QuantKind::Q5K => "q5k",
             QuantKind::Q6K => "q6k",
             QuantKind::Iq4Xs => "iq4xs",
+            QuantKind::Mxfp4 => "mxfp4",
         }
     }
 
@@ -251,7 +273,7 @@ impl QuantFormat {
         let sb = k / 256;
         match self.kind {
             QuantKind::Q4 | QuantKind::Q5 => self.groups(k),
-            QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl => self.groups(k).div_ceil(2),
+            QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Mxfp4 => self.groups(k).div_ceil(2),
             QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q3K => 4 * sb,
             QuantKind::Q6K => 4 * sb + sb.div_ceil(2),
             QuantKind::Q2K => 5 * sb,
@@ -489,6 +511,10 @@ impl PackedMatrix {
                 let hi = (w0 >> (16 + 2 * j)) & 3;
                 (half(w0, false) * ((lo | hi << 4) as i32 - 32) as f32, -0.0)
             }
+            QuantKind::Mxfp4 => {
+                let w = s[g / 2] >> (16 * (g % 2));
+                (e8m0_half(w as u8), -0.0)
+            }
         }
     }
 
@@ -521,6 +547,7 @@ impl PackedMatrix {
             QuantKind::Q6K => q - 32,
             QuantKind::Q3K => q - 4,
             QuantKind::Iq4Nl | QuantKind::Iq4Xs => IQ4_VALUES[q as usize] as i32,
+            QuantKind::Mxfp4 => MXFP4_VALUES[q as usize] as i32,
             _ => q,
         }
     }

@@ -72,13 +72,19 @@ fn hi_index(k8: u32) -> u32 {
 }
 
 #if W_TABLE
-// ggml's kvalues_iq4nl (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
-// 89, 113) as signed bytes, four per word: looked up with selects and shifts, because CPU
-// adapters turn an indexed constant array into a per-lane loop through memory (30x slower).
-const IQ4_BYTES: vec4<u32> = vec4<u32>(0xbfad9881u, 0xf6eaddcfu, 0x26190d01u, 0x71594535u);
+// The format's 16-entry table as signed bytes, four per word: looked up with selects and
+// shifts, because CPU adapters turn an indexed constant array into a per-lane loop through
+// memory (30x slower). IQ4_NL / IQ4_XS: ggml's kvalues_iq4nl (-127, -104, -83, -65, -49,
+// -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113); MXFP4: the E2M1 values doubled,
+// kvalues_mxfp4 (0, 1, 2, 3, 4, 6, 8, 12, then their negatives).
+#if W_MXFP4
+const TABLE_BYTES: vec4<u32> = vec4<u32>(0x03020100u, 0x0c080604u, 0xfdfeff00u, 0xf4f8fafcu);
+#else
+const TABLE_BYTES: vec4<u32> = vec4<u32>(0xbfad9881u, 0xf6eaddcfu, 0x26190d01u, 0x71594535u);
+#endif
 
 fn iq4_1(q: u32) -> f32 {
-    let wd = pick4(IQ4_BYTES, q >> 2u);
+    let wd = pick4(TABLE_BYTES, q >> 2u);
     return f32(bitcast<i32>(wd << (24u - 8u * (q & 3u))) >> 24u);
 }
 

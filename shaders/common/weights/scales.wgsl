@@ -22,14 +22,18 @@ fn scale_row_words() -> u32 {
 #endif
 }
 
-// (d, m) of a 32-element-group format from its scale word (`hi`: which f16 of the word).
+// (d, m) of a 32-element-group format from its scale word (`hi`: which f16 of the word;
+// MXFP4: which half's low byte holds the E8M0 exponent e, d = 2^(e - 128)).
 fn scale_of(word: u32, hi: u32) -> vec2<f32> {
-    let v = unpack2x16float(word);
-#if W_Q4
-    return v;
+#if W_MXFP4
+    let e = (word >> (16u * hi)) & 0xffu;
+    return vec2<f32>(ldexp(1.0, i32(e) - 128), 0.0);
+#elif W_Q4
+    return unpack2x16float(word);
 #elif W_Q5
-    return v;
+    return unpack2x16float(word);
 #else
+    let v = unpack2x16float(word);
     let d = select(v.x, v.y, hi == 1u);
 #if W_Q4S
     return vec2<f32>(d, -8.0 * d);

@@ -71,7 +71,7 @@ pub enum GgufError {
     #[error("{file}: tensor `{tensor}` has unknown ggml type id {type_id}")]
     UnknownTensorType { file: String, tensor: String, type_id: u32 },
     /// A known ggml type that Lantern cannot load (IQ1/IQ2/IQ3, TQ, MXFP4, Q8_K, ...).
-    #[error("{file}: tensor `{tensor}` has ggml type {ggml_type}, which Lantern does not load (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)")]
+    #[error("{file}: tensor `{tensor}` has ggml type {ggml_type}, which Lantern does not load (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)")]
     UnsupportedTensorType { file: String, tensor: String, ggml_type: String },
     /// The innermost dimension is not a whole number of quantization blocks, or the element
     /// count overflows.
@@ -540,6 +540,7 @@ impl GgmlType {
             GgmlType::Q6_K => Some(DType::Q6_K),
             GgmlType::IQ4_NL => Some(DType::IQ4_NL),
             GgmlType::IQ4_XS => Some(DType::IQ4_XS),
+            GgmlType::MXFP4 => Some(DType::MXFP4),
             _ => None,
         }
     }
@@ -563,6 +564,7 @@ impl GgmlType {
             DType::Q6_K => GgmlType::Q6_K,
             DType::IQ4_NL => GgmlType::IQ4_NL,
             DType::IQ4_XS => GgmlType::IQ4_XS,
+            DType::MXFP4 => GgmlType::MXFP4,
             DType::Packed(_) => return None,
         })
     }
