@@ -103,22 +103,33 @@ fn olmoe_with_whole_projection_qk_norms() {
     check("olmoe", Arch::Olmoe, &[true, true], false, 2 * 6 * 3 * 48 * 64);
 }
 
-#[test]
-fn mixtral_from_llama_cpp_gguf() {
-    let gguf = dir("mixtral").join("model.gguf");
-    check_load("mixtral", &gguf, Arch::Mixtral, &[true, true], true, 2 * 2 * 3 * 160 * 64);
-    // As `lantern run` loads a GGUF: streamed a layer at a time, its 3-D expert tensors split
-    // and stacked again per layer.
-    let r = common::read_json(&dir("mixtral").join("reference.json"));
+/// A llama.cpp conversion checked as the folder is, then loaded as `lantern run` loads a
+/// GGUF: streamed a layer at a time, its 3-D expert tensors split and stacked again per layer.
+fn check_gguf(name: &str, arch: Arch, renormalize: bool, idle: u64) {
+    let gguf = dir(name).join("model.gguf");
+    check_load(name, &gguf, arch, &[true, true], renormalize, idle);
+    let r = common::read_json(&dir(name).join("reference.json"));
     let ids = common::ids(&r["input_ids"]);
-    let want = common::read_f32(&dir("mixtral").join("logits.f32"));
+    let want = common::read_f32(&dir(name).join("logits.f32"));
     let opts = ModelOptions { context: Some(64), max_batch_tokens: 16, max_logit_rows: 16, page_size: 4, ..Default::default() };
     let (mut m, _) =
         pollster::block_on(lantern::model::load::load_to_gpu(common::gpu(), &gguf, opts, &mut |_, _| {})).expect("streamed load");
     let seq = m.new_sequence().unwrap();
     let got = pollster::block_on(m.forward_all_logits(seq, &ids)).unwrap();
     let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-    assert!(d <= TOL, "mixtral GGUF streamed: GPU logits differ by {d:e}");
+    assert!(d <= TOL, "{name} GGUF streamed: GPU logits differ by {d:e}");
+}
+
+#[test]
+fn mixtral_from_llama_cpp_gguf() {
+    check_gguf("mixtral", Arch::Mixtral, true, 2 * 2 * 3 * 160 * 64);
+}
+
+/// OLMoE as llama.cpp converts it (`olmoe`: whole-projection q/k norms, Q/K rows not permuted,
+/// experts' weights not renormalised).
+#[test]
+fn olmoe_from_llama_cpp_gguf() {
+    check_gguf("olmoe", Arch::Olmoe, false, 2 * 6 * 3 * 48 * 64);
 }
 
 /// llama.cpp renormalises Qwen3-MoE's expert weights whatever the checkpoint said (GGUF has

@@ -104,6 +104,7 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
         "llama" if g.get_u32_opt("llama.expert_count")?.unwrap_or(0) > 0 => Arch::Mixtral,
         "llama" => Arch::Llama,
         "qwen3moe" => Arch::Qwen3Moe,
+        "olmoe" => Arch::Olmoe,
         "mistral" => Arch::Mistral,
         "qwen2" => Arch::Qwen2,
         "gemma3" => Arch::Gemma3,
@@ -205,10 +206,20 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
             BlockSpec::gemma3(num_layers, hidden_size, window, head_dim as f64, local_theta)
         }
         Arch::Qwen3 => BlockSpec { qk_norm: true, ..Default::default() },
-        Arch::Qwen3Moe => BlockSpec { qk_norm: true, moe: Some(moe_from_gguf(g, arch_name, intermediate_size)?), ..Default::default() },
+        Arch::Qwen3Moe => {
+            BlockSpec { qk_norm: true, moe: Some(moe_from_gguf(g, arch_name, intermediate_size, true)?), ..Default::default() }
+        }
+        // llama.cpp's OLMoE graph: q/k RMSNorms over the whole projection, the experts'
+        // softmax weights as they are (`build_moe_ffn(.., norm_w = false, ..)`).
+        Arch::Olmoe => BlockSpec {
+            qk_norm: true,
+            qk_norm_whole: true,
+            moe: Some(moe_from_gguf(g, arch_name, intermediate_size, false)?),
+            ..Default::default()
+        },
         Arch::Phi3 | Arch::Mistral | Arch::Mixtral => {
             let moe = match arch {
-                Arch::Mixtral => Some(moe_from_gguf(g, arch_name, intermediate_size)?),
+                Arch::Mixtral => Some(moe_from_gguf(g, arch_name, intermediate_size, true)?),
                 _ => None,
             };
             // One window on every layer (0 or absent: none).
@@ -242,10 +253,11 @@ pub fn config_from_gguf(g: &GgufFile<'_>) -> Result<ModelConfig, LanternError> {
 }
 
 /// The mixture of experts of a GGUF file: `{arch}.expert_count`, `expert_used_count`,
-/// `expert_feed_forward_length` (Mixtral's experts have the model's `feed_forward_length`),
-/// and the renormalisation llama.cpp applies (`expert_weights_norm`; absent: renormalised,
-/// as llama.cpp's Qwen3-MoE and Mixtral graphs do). Every layer is sparse.
-fn moe_from_gguf(g: &GgufFile<'_>, arch: &str, intermediate: usize) -> Result<crate::model::MoeSpec, LanternError> {
+/// `expert_feed_forward_length` (Mixtral's and OLMoE's experts have the model's
+/// `feed_forward_length`), and the renormalisation llama.cpp applies (`expert_weights_norm`;
+/// absent: `renormalize`, what llama.cpp's graph of the architecture does: renormalised for
+/// Qwen3-MoE and Mixtral, not for OLMoE). Every layer is sparse.
+fn moe_from_gguf(g: &GgufFile<'_>, arch: &str, intermediate: usize, renormalize: bool) -> Result<crate::model::MoeSpec, LanternError> {
     let k = |s: &str| format!("{arch}.{s}");
     let experts = nonzero(g, &k("expert_count"))?;
     let per_token = nonzero(g, &k("expert_used_count"))?;
@@ -262,7 +274,7 @@ fn moe_from_gguf(g: &GgufFile<'_>, arch: &str, intermediate: usize) -> Result<cr
         Some(n) => n as usize,
         None => intermediate,
     };
-    let renormalize = g.get_bool_opt(&k("expert_weights_norm"))?.unwrap_or(true);
+    let renormalize = g.get_bool_opt(&k("expert_weights_norm"))?.unwrap_or(renormalize);
     Ok(crate::model::MoeSpec { experts, experts_per_token: per_token, expert_intermediate, renormalize, sparse_layers: Vec::new() })
 }
 
