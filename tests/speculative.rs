@@ -430,7 +430,8 @@ fn qwen_1_5b_with_the_0_5b_drafting_gives_the_fixture_greedy_ids() {
     drop(draft);
     let q4 = QuantizeOptions { embeddings: EmbeddingPolicy::Same, ..QuantizeOptions::new(QuantKind::Q4) };
     let (mut draft, _) =
-        pollster::block_on(lantern::model::load::load_to_gpu_requantized(common::gpu(), &draft_path, opts, &q4, &mut |_, _| {})).unwrap();
+        pollster::block_on(lantern::quant::quantize::load_to_gpu_requantized(common::gpu(), &draft_path, opts, &q4, &mut |_, _| {}))
+            .unwrap();
     assert!(draft.memory().weights.keys().all(|k| k == "f32" || k.starts_with("q4g32")), "{:?}", draft.memory().weights.keys());
     let stats =
         common::real::check_speculative_cases(&mut target, Some(&mut draft), &tok, &cases[..if long { cases.len() } else { 1 }], spec)

@@ -72,29 +72,6 @@ pub async fn load_to_gpu(
     Ok((model, Some(tokenizer)))
 }
 
-/// [`load_to_gpu`] with the weights requantized on the host first ([`quantize_model`] with
-/// `quant`, calibration-free): for a draft model, whose drafts are only proposals the target
-/// checks, so a smaller format makes drafting cheaper without changing the output. The
-/// source is read whole (memory-mapped) rather than streamed. Errors: those of loading, and
-/// [`QuantError::GroupMismatch`](crate::quant::QuantError) naming the first tensor whose row
-/// length `quant`'s group does not divide.
-///
-/// [`quantize_model`]: crate::quant::quantize::quantize_model
-#[cfg(not(target_arch = "wasm32"))]
-pub async fn load_to_gpu_requantized(
-    ctx: std::sync::Arc<crate::gpu::GpuContext>,
-    path: &std::path::Path,
-    options: crate::model::forward::ModelOptions,
-    quant: &crate::quant::quantize::QuantizeOptions,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<(crate::model::forward::GpuModel, Option<Tokenizer>)> {
-    let loaded = load_path(path)?;
-    let q = crate::quant::quantize::quantize_model(&loaded.weights, quant, None, &mut |_| {})?;
-    drop(loaded.weights);
-    let model = crate::model::forward::GpuModel::load_with_progress(ctx, &q.weights, options, progress).await?;
-    Ok((model, loaded.tokenizer))
-}
-
 /// Stream a GGUF of `file_len` bytes onto the GPU through `read(start, end)` (its bytes in
 /// that range): the header from the first 4 MiB (more, four times at a time, until it fits),
 /// then one layer's tensors at a time, converted, unfused, checked, uploaded and dropped

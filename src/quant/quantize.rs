@@ -444,3 +444,25 @@ fn awq_info(info: &mut TensorInfo, name: &str, results: &[[SiteResult; 4]]) {
         }
     }
 }
+
+/// [`load_to_gpu`](crate::model::load::load_to_gpu) with the weights requantized on the host first ([`quantize_model`] with
+/// `quant`, calibration-free): for a draft model, whose drafts are only proposals the target
+/// checks, so a smaller format makes drafting cheaper without changing the output. The
+/// source is read whole (memory-mapped) rather than streamed. It lives here, above
+/// `model`, because it quantizes (the model's loaders never do). Errors: those of loading, and
+/// [`QuantError::GroupMismatch`](crate::quant::QuantError) naming the first tensor whose row
+/// length `quant`'s group does not divide.
+#[cfg(not(target_arch = "wasm32"))]
+pub async fn load_to_gpu_requantized(
+    ctx: std::sync::Arc<crate::gpu::GpuContext>,
+    path: &std::path::Path,
+    options: crate::model::forward::ModelOptions,
+    quant: &QuantizeOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> crate::Result<(crate::model::forward::GpuModel, Option<crate::model::tokenizer::Tokenizer>)> {
+    let loaded = crate::model::load::load_path(path)?;
+    let q = quantize_model(&loaded.weights, quant, None, &mut |_| {})?;
+    drop(loaded.weights);
+    let model = crate::model::forward::GpuModel::load_with_progress(ctx, &q.weights, options, progress).await?;
+    Ok((model, loaded.tokenizer))
+}

@@ -137,7 +137,7 @@ impl SpecArgs {
             None => lantern::model::load::load_to_gpu(ctx, &path, options, &mut |_, _| {}).await,
             Some(kind) => {
                 let q = QuantizeOptions { embeddings: EmbeddingPolicy::Same, ..QuantizeOptions::new(kind) };
-                lantern::model::load::load_to_gpu_requantized(ctx, &path, options, &q, &mut |_, _| {}).await
+                lantern::quant::quantize::load_to_gpu_requantized(ctx, &path, options, &q, &mut |_, _| {}).await
             }
         };
         let (model, tokenizer) = loaded.with_context(|| format!("loading the draft model {}", path.display()))?;
