@@ -131,7 +131,7 @@ fn formats() -> Vec<WeightFormat> {
 }
 
 fn quant_kind(fmt: WeightFormat) -> Option<QuantKind> {
-    QuantKind::ALL.into_iter().find(|&k| fmt.is_packed() && WeightFormat::from_quant(k) == fmt)
+    fmt.kind()
 }
 
 /// GGUF blocks of `kind` for an `n x k` matrix: pseudo-random code and sub-scale bytes, f16
@@ -569,7 +569,7 @@ fn moe_bench(ctx: &Arc<GpuContext>, reps: usize, copy: f64, only: Option<&str>) 
     let (d, ei, top_k) = (2048usize, 768usize, 8usize);
     let n = if ctx.caps.cpu_like { 32 } else { 128 };
     let step = step_buffer(ctx);
-    let mut fmts = vec![WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::Q8];
+    let mut fmts = vec![WeightFormat::Packed(QuantKind::Q4K), WeightFormat::Packed(QuantKind::Q6K), WeightFormat::Packed(QuantKind::Q8)];
     if !ctx.caps.cpu_like {
         fmts.push(WeightFormat::F16);
     }

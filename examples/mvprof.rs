@@ -20,7 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let k: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(4096);
     let reps: usize = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(20);
     let tokens: usize = args.get(5).map(|s| s.parse()).transpose()?.unwrap_or(1);
-    let kind = QuantKind::ALL.into_iter().find(|q| WeightFormat::from_quant(*q).name() == fmt).ok_or("unknown format")?;
+    let kind = QuantKind::ALL.into_iter().find(|q| WeightFormat::Packed(*q).name() == fmt).ok_or("unknown format")?;
     let ctx = pollster::block_on(GpuContext::new(&DeviceOptions::default()))?;
     let p = if kind.is_rtn() {
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 2001) as f32 / 1000.0 - 1.0) * 0.5).collect();

@@ -121,7 +121,12 @@ struct HostWeight {
 }
 
 fn quant_kind(format: WeightFormat) -> Option<QuantKind> {
-    QuantKind::ALL.into_iter().find(|&k| format.is_packed() && WeightFormat::from_quant(k) == format)
+    format.kind()
+}
+
+/// A number per format for seeds (f32 0, f16 1, the packed kinds from 2 in their order).
+fn format_id(format: WeightFormat) -> u64 {
+    format.kind().map_or(if format == WeightFormat::F32 { 0 } else { 1 }, |k| 2 + k as u64)
 }
 
 /// Random ggml blocks of `kind` for a `rows x k` matrix, repacked: any bits for the codes and
@@ -636,7 +641,7 @@ fn linear_suite(fl: u32, seed: u64) {
                         k,
                         tokens,
                         wide: i % 2 == 1,
-                        seed: seed ^ ((i as u64) << 8) ^ ((layout as u64) << 16) ^ ((weights as u64) << 24),
+                        seed: seed ^ ((i as u64) << 8) ^ ((layout as u64) << 16) ^ (format_id(weights) << 24),
                         group: 0,
                     },
                 );
@@ -741,7 +746,8 @@ fn linear_auto_layout_matches_reference() {
 // dequantize-then-multiply on the CPU.
 // ---------------------------------------------------------------------------------------------
 
-const PACKED_FORMATS: [WeightFormat; 3] = [WeightFormat::Q8, WeightFormat::Q4, WeightFormat::Q4Sym];
+const PACKED_FORMATS: [WeightFormat; 3] =
+    [WeightFormat::Packed(QuantKind::Q8), WeightFormat::Packed(QuantKind::Q4), WeightFormat::Packed(QuantKind::Q4Sym)];
 
 /// (rows, K, tokens, group): rows not a multiple of any workgroup or block, K from one group to
 /// many, groups of 8 to 128 (odd group counts for the paired f16 scales).
@@ -764,7 +770,7 @@ fn packed_suite(fl: u32, seed: u64) {
                     k,
                     tokens,
                     wide: i % 2 == 1,
-                    seed: seed ^ ((i as u64) << 8) ^ ((layout as u64) << 16) ^ ((weights as u64) << 24),
+                    seed: seed ^ ((i as u64) << 8) ^ ((layout as u64) << 16) ^ (format_id(weights) << 24),
                     group,
                 };
                 check_linear(&ctx, c);
@@ -844,16 +850,16 @@ fn packed_linear_split_across_bindings_and_auto_layout_match_reference() {
 /// two headers per texel), token counts for the matvec, the four- and eight-token matvecs
 /// and the matmuls.
 const GGML_FORMATS: [WeightFormat; 10] = [
-    WeightFormat::Q5Sym,
-    WeightFormat::Q5,
-    WeightFormat::Iq4Nl,
-    WeightFormat::Mxfp4,
-    WeightFormat::Q2K,
-    WeightFormat::Q3K,
-    WeightFormat::Q4K,
-    WeightFormat::Q5K,
-    WeightFormat::Q6K,
-    WeightFormat::Iq4Xs,
+    WeightFormat::Packed(QuantKind::Q5Sym),
+    WeightFormat::Packed(QuantKind::Q5),
+    WeightFormat::Packed(QuantKind::Iq4Nl),
+    WeightFormat::Packed(QuantKind::Mxfp4),
+    WeightFormat::Packed(QuantKind::Q2K),
+    WeightFormat::Packed(QuantKind::Q3K),
+    WeightFormat::Packed(QuantKind::Q4K),
+    WeightFormat::Packed(QuantKind::Q5K),
+    WeightFormat::Packed(QuantKind::Q6K),
+    WeightFormat::Packed(QuantKind::Iq4Xs),
 ];
 const GGML_SHAPES: [(usize, usize, usize); 3] = [(7, 256, 3), (65, 768, 9), (333, 512, 1)];
 
@@ -910,7 +916,7 @@ fn ggml_suite(formats: &[WeightFormat], seed: u64) {
                         k,
                         tokens,
                         wide: i % 2 == 1,
-                        seed: seed ^ ((i as u64) << 8) ^ ((layout as u64) << 16) ^ ((weights as u64) << 24) ^ ((fl as u64) << 32),
+                        seed: seed ^ ((i as u64) << 8) ^ ((layout as u64) << 16) ^ (format_id(weights) << 24) ^ ((fl as u64) << 32),
                         group,
                     };
                     check_linear(&ctx, c);
@@ -959,10 +965,10 @@ fn ggml_formats_split_across_bindings_and_auto_layout_match_reference() {
 fn packed_linear_rejects_mismatched_shapes() {
     let ctx = gpu();
     let mut rng = Rng::new(5);
-    let w = HostWeight::random(&mut rng, 8, 64, WeightFormat::Q4, 32);
+    let w = HostWeight::random(&mut rng, 8, 64, WeightFormat::Packed(QuantKind::Q4), 32);
     let err = GpuLinear::upload(&ctx, "bad.rows", w.matrix(), None, None, 9, 64).err().expect("rows mismatch");
     assert!(err.to_string().contains("bad.rows"), "{err}");
-    let other = HostWeight::random(&mut rng, 8, 64, WeightFormat::Q8, 32);
+    let other = HostWeight::random(&mut rng, 8, 64, WeightFormat::Packed(QuantKind::Q8), 32);
     let err = GpuLinear::upload(&ctx, "bad.gate", w.matrix(), Some(other.matrix()), None, 8, 64).err().expect("mixed formats");
     assert!(err.to_string().contains("share one storage format"), "{err}");
     // x rows that are not a whole number of vec4.
@@ -1052,9 +1058,9 @@ fn embedding_table_split_across_bindings_matches_reference() {
         (WeightFormat::F32, 77, 58, 21),
         (WeightFormat::F16, 77, 58, 22),
         (WeightFormat::F16, 900, 5, 23),
-        (WeightFormat::Q8, 300, 64, 24),
-        (WeightFormat::Q4, 300, 64, 25),
-        (WeightFormat::Q4Sym, 600, 32, 26),
+        (WeightFormat::Packed(QuantKind::Q8), 300, 64, 24),
+        (WeightFormat::Packed(QuantKind::Q4), 300, 64, 25),
+        (WeightFormat::Packed(QuantKind::Q4Sym), 600, 32, 26),
     ] {
         for tiled in [false, true] {
             // Tiled tables split at whole tiles of 32 rows: fewer, larger chunks.
@@ -2409,7 +2415,13 @@ fn moe_experts_match_reference_in_every_format() {
         (8, 1, 40, 16, 64),
     ];
     for (i, &shape) in shapes.iter().enumerate() {
-        for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8, WeightFormat::Q4, WeightFormat::Q4Sym] {
+        for format in [
+            WeightFormat::F32,
+            WeightFormat::F16,
+            WeightFormat::Packed(QuantKind::Q8),
+            WeightFormat::Packed(QuantKind::Q4),
+            WeightFormat::Packed(QuantKind::Q4Sym),
+        ] {
             check_experts(&ctx, 80 + i as u64, shape, format, 8);
         }
     }

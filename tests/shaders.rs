@@ -3,6 +3,7 @@
 //! translated to SPIR-V (Vulkan), MSL (Metal) and HLSL (DX12), and snapshotted with insta.
 
 use lantern::gpu::shader::{Features, PipelineKey};
+use lantern::quant::QuantKind;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 
 fn feature_sets() -> Vec<Features> {
@@ -103,7 +104,7 @@ fn snapshotted(keys: &[PipelineKey]) -> Vec<PipelineKey> {
     let rank = |k: &PipelineKey| {
         let w = match k.weights {
             WeightFormat::F32 => 0,
-            WeightFormat::Q4K => 1,
+            WeightFormat::Packed(QuantKind::Q4K) => 1,
             _ => 2,
         };
         let f = if k.flags & fused == flags::NORM | flags::GATED { 0 } else { 1 };

@@ -2,6 +2,7 @@
 //! variant, and the expansion of a key into WGSL source (preprocessed, with the variant's
 //! sizes as `const` declarations).
 
+use crate::quant::QuantKind;
 use std::collections::BTreeSet;
 
 use super::preprocess::{preprocess, PreprocessError};
@@ -31,6 +32,8 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("embedding.wgsl", include_str!("../../shaders/embedding.wgsl")),
     ("rmsnorm.wgsl", include_str!("../../shaders/rmsnorm.wgsl")),
     ("matvec.wgsl", include_str!("../../shaders/matvec.wgsl")),
+    ("matvec_rows4.wgsl", include_str!("../../shaders/matvec_rows4.wgsl")),
+    ("matvec_wg.wgsl", include_str!("../../shaders/matvec_wg.wgsl")),
     ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
     ("matmul_blocked.wgsl", include_str!("../../shaders/matmul_blocked.wgsl")),
     ("matvec_q_rows4.wgsl", include_str!("../../shaders/matvec_q_rows4.wgsl")),
@@ -189,90 +192,47 @@ pub struct Features {
     pub subgroups: bool,
 }
 
-/// Storage dtype of a weight operand as the kernels read it.
+/// Storage dtype of a weight operand as the kernels read it: f32, f16, or one of the packed
+/// formats, which [`QuantKind`] lists once (its module, `quant`, sits below this one and holds
+/// their bit layouts and CPU oracle).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum WeightFormat {
     /// One f32 per element.
     F32,
     /// Two f16 packed in each u32, unpacked with `unpack2x16float` (needs no shader-f16).
     F16,
-    /// Packed 8-bit codes with an f16 scale per group (`crate::quant::QuantKind::Q8`).
-    Q8,
-    /// Packed 4-bit codes with f16 scale and minimum per group (`QuantKind::Q4`, GGUF Q4_1).
-    Q4,
-    /// Packed 4-bit codes with an f16 scale per group, offset 8 (`QuantKind::Q4Sym`, GGUF Q4_0).
-    Q4Sym,
-    /// GGUF Q5_0 (`QuantKind::Q5Sym`): 5-bit codes, offset 16, f16 scale per 32.
-    Q5Sym,
-    /// GGUF Q5_1 (`QuantKind::Q5`): 5-bit codes, f16 scale and minimum per 32.
-    Q5,
-    /// GGUF IQ4_NL (`QuantKind::Iq4Nl`): 4-bit indices into the IQ4 table, f16 scale per 32.
-    Iq4Nl,
-    /// GGUF Q2_K: 2-bit codes, 4-bit scales and minimums per 16, f16 d/dmin per 256.
-    Q2K,
-    /// GGUF Q3_K: 3-bit codes, 6-bit scales per 16, f16 d per 256.
-    Q3K,
-    /// GGUF Q4_K: 4-bit codes, 6-bit scales and minimums per 32, f16 d/dmin per 256.
-    Q4K,
-    /// GGUF Q5_K: 5-bit codes, 6-bit scales and minimums per 32, f16 d/dmin per 256.
-    Q5K,
-    /// GGUF Q6_K: 6-bit codes, 8-bit scales per 16, f16 d per 256.
-    Q6K,
-    /// GGUF IQ4_XS: IQ4 table indices, 6-bit scales per 32, f16 d per 256.
-    Iq4Xs,
-    /// GGUF MXFP4: E2M1 codes (a 16-entry table), an E8M0 power-of-two scale per 32.
-    Mxfp4,
+    /// Packed integer codes with group scales (`crate::quant`'s layout).
+    Packed(QuantKind),
 }
 
 impl WeightFormat {
     /// Packed integer codes with group scales beside them.
     pub fn is_packed(&self) -> bool {
-        !matches!(self, WeightFormat::F32 | WeightFormat::F16)
+        matches!(self, WeightFormat::Packed(_))
     }
 
-    /// Every packed format, in the order of `crate::quant::QuantKind::ALL`.
+    /// Every packed format, in the order of [`QuantKind::ALL`].
     pub fn packed() -> impl Iterator<Item = WeightFormat> {
-        crate::quant::QuantKind::ALL.into_iter().map(WeightFormat::from_quant)
+        QuantKind::ALL.into_iter().map(WeightFormat::Packed)
     }
 
-    /// The kernel format of a packed kind.
-    pub fn from_quant(kind: crate::quant::QuantKind) -> Self {
-        use crate::quant::QuantKind as K;
-        match kind {
-            K::Q8 => WeightFormat::Q8,
-            K::Q4 => WeightFormat::Q4,
-            K::Q4Sym => WeightFormat::Q4Sym,
-            K::Q5Sym => WeightFormat::Q5Sym,
-            K::Q5 => WeightFormat::Q5,
-            K::Iq4Nl => WeightFormat::Iq4Nl,
-            K::Q2K => WeightFormat::Q2K,
-            K::Q3K => WeightFormat::Q3K,
-            K::Q4K => WeightFormat::Q4K,
-            K::Q5K => WeightFormat::Q5K,
-            K::Q6K => WeightFormat::Q6K,
-            K::Iq4Xs => WeightFormat::Iq4Xs,
-            K::Mxfp4 => WeightFormat::Mxfp4,
+    /// The packed kind, for packed formats.
+    pub fn kind(&self) -> Option<QuantKind> {
+        match self {
+            WeightFormat::Packed(k) => Some(*k),
+            _ => None,
         }
     }
 
-    /// Short name (labels, reports).
+    /// Short name (labels, reports, `BENCH_FORMATS`): `f32`, `f16`, or the kind's name
+    /// (`q4s` and `q5s` for the symmetric 4- and 5-bit kinds).
     pub fn name(&self) -> &'static str {
         match self {
             WeightFormat::F32 => "f32",
             WeightFormat::F16 => "f16",
-            WeightFormat::Q8 => "q8",
-            WeightFormat::Q4 => "q4",
-            WeightFormat::Q4Sym => "q4s",
-            WeightFormat::Q5Sym => "q5s",
-            WeightFormat::Q5 => "q5",
-            WeightFormat::Iq4Nl => "iq4nl",
-            WeightFormat::Q2K => "q2k",
-            WeightFormat::Q3K => "q3k",
-            WeightFormat::Q4K => "q4k",
-            WeightFormat::Q5K => "q5k",
-            WeightFormat::Q6K => "q6k",
-            WeightFormat::Iq4Xs => "iq4xs",
-            WeightFormat::Mxfp4 => "mxfp4",
+            WeightFormat::Packed(QuantKind::Q4Sym) => "q4s",
+            WeightFormat::Packed(QuantKind::Q5Sym) => "q5s",
+            WeightFormat::Packed(k) => k.name(),
         }
     }
 
@@ -281,33 +241,35 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 => Some("KV_F32"),
             WeightFormat::F16 => Some("KV_F16"),
-            WeightFormat::Q8 => Some("KV_Q8"),
+            WeightFormat::Packed(QuantKind::Q8) => Some("KV_Q8"),
             _ => None,
         }
     }
 
     /// Preprocessor defines of this format.
     fn defines(&self) -> &'static [&'static str] {
-        match self {
-            WeightFormat::F32 => &["W_F32"],
-            WeightFormat::F16 => &["W_F16"],
-            WeightFormat::Q8 => &["W_PACKED", "W_Q8"],
-            WeightFormat::Q4 => &["W_PACKED", "W_Q4"],
-            WeightFormat::Q4Sym => &["W_PACKED", "W_Q4S"],
+        use QuantKind as K;
+        let WeightFormat::Packed(kind) = self else {
+            return if *self == WeightFormat::F32 { &["W_F32"] } else { &["W_F16"] };
+        };
+        match kind {
+            K::Q8 => &["W_PACKED", "W_Q8"],
+            K::Q4 => &["W_PACKED", "W_Q4"],
+            K::Q4Sym => &["W_PACKED", "W_Q4S"],
             // Every other GGUF format: its own define, plus the plane and scale shape the
             // shared code paths key on (W_HI: a high plane, W_HI1 / W_HI2: of 1 or 2 bits; W_LO2:
             // a 2-bit low plane; W_SUPER: 256-element super-blocks; W_TABLE: codes through a
             // 16-entry table, IQ4's or MXFP4's).
-            WeightFormat::Q5Sym => &["W_PACKED", "W_Q5S", "W_HI", "W_HI1"],
-            WeightFormat::Q5 => &["W_PACKED", "W_Q5", "W_HI", "W_HI1"],
-            WeightFormat::Iq4Nl => &["W_PACKED", "W_IQ4NL", "W_TABLE"],
-            WeightFormat::Q2K => &["W_PACKED", "W_Q2K", "W_LO2", "W_SUPER"],
-            WeightFormat::Q3K => &["W_PACKED", "W_Q3K", "W_LO2", "W_HI", "W_HI1", "W_SUPER"],
-            WeightFormat::Q4K => &["W_PACKED", "W_Q4K", "W_SUPER"],
-            WeightFormat::Q5K => &["W_PACKED", "W_Q5K", "W_HI", "W_HI1", "W_SUPER"],
-            WeightFormat::Q6K => &["W_PACKED", "W_Q6K", "W_HI", "W_HI2", "W_SUPER"],
-            WeightFormat::Iq4Xs => &["W_PACKED", "W_IQ4XS", "W_TABLE", "W_SUPER"],
-            WeightFormat::Mxfp4 => &["W_PACKED", "W_MXFP4", "W_TABLE"],
+            K::Q5Sym => &["W_PACKED", "W_Q5S", "W_HI", "W_HI1"],
+            K::Q5 => &["W_PACKED", "W_Q5", "W_HI", "W_HI1"],
+            K::Iq4Nl => &["W_PACKED", "W_IQ4NL", "W_TABLE"],
+            K::Q2K => &["W_PACKED", "W_Q2K", "W_LO2", "W_SUPER"],
+            K::Q3K => &["W_PACKED", "W_Q3K", "W_LO2", "W_HI", "W_HI1", "W_SUPER"],
+            K::Q4K => &["W_PACKED", "W_Q4K", "W_SUPER"],
+            K::Q5K => &["W_PACKED", "W_Q5K", "W_HI", "W_HI1", "W_SUPER"],
+            K::Q6K => &["W_PACKED", "W_Q6K", "W_HI", "W_HI2", "W_SUPER"],
+            K::Iq4Xs => &["W_PACKED", "W_IQ4XS", "W_TABLE", "W_SUPER"],
+            K::Mxfp4 => &["W_PACKED", "W_MXFP4", "W_TABLE"],
         }
     }
 }
@@ -479,8 +441,9 @@ impl PipelineKey {
         s
     }
 
-    /// The shader file of this variant: the packed matvec has one per layout flag (TEX,
-    /// MULTI_ROW, ROW_PER_WORKGROUP; else ROWS4, with or without XBCAST), the packed blocked
+    /// The shader file of this variant: the float matvec has one per layout flag
+    /// (ROW_PER_WORKGROUP, ROWS4, else a row per invocation), the packed matvec one per
+    /// layout flag (TEX, MULTI_ROW, ROW_PER_WORKGROUP; else ROWS4, with or without XBCAST), the packed blocked
     /// matmul one per way of reading x (XTEX, else XBCAST, else storage), attention one for
     /// GPUs and one for 8-lane subgroups (XBCAST).
     pub fn file(&self) -> &'static str {
@@ -488,6 +451,8 @@ impl PipelineKey {
             ShaderOp::Attention if self.flags & flags::XBCAST != 0 => "attention_xbcast.wgsl",
             ShaderOp::MatmulBlockedQ if self.flags & flags::XTEX != 0 => "matmul_blocked_q_xtex.wgsl",
             ShaderOp::MatmulBlockedQ if self.flags & flags::XBCAST != 0 => "matmul_blocked_q_xbcast.wgsl",
+            ShaderOp::Matvec if self.flags & flags::ROW_PER_WORKGROUP != 0 => "matvec_wg.wgsl",
+            ShaderOp::Matvec if self.flags & flags::ROWS4 != 0 => "matvec_rows4.wgsl",
             ShaderOp::MatvecQ if self.flags & flags::TEX != 0 => "matvec_q_tiled.wgsl",
             ShaderOp::MatvecQ if self.flags & flags::MULTI_ROW != 0 => "matvec_q_multi.wgsl",
             ShaderOp::MatvecQ if self.flags & flags::ROW_PER_WORKGROUP != 0 => "matvec_q_wg.wgsl",

@@ -109,7 +109,7 @@ pub fn kv_format(dtype: KvDtype) -> Result<WeightFormat, GpuError> {
     match dtype {
         KvDtype::F32 => Ok(WeightFormat::F32),
         KvDtype::F16 => Ok(WeightFormat::F16),
-        KvDtype::Q8 => Ok(WeightFormat::Q8),
+        KvDtype::Q8 => Ok(WeightFormat::Packed(crate::quant::QuantKind::Q8)),
         KvDtype::Bf16 => Err(GpuError::Validation {
             context: "attention".into(),
             message: "bf16 is a planning size only; the runtime caches f32, f16 or q8".into(),

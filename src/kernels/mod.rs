@@ -238,7 +238,7 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
     for mode in [rmsnorm::Mode::Write, rmsnorm::Mode::Residual, rmsnorm::Mode::InPlace] {
         v.push(rmsnorm::key(mode));
     }
-    for kv in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8] {
+    for kv in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Packed(crate::quant::QuantKind::Q8)] {
         v.push(PipelineKey::new(ShaderOp::RopeKv, 64).with_weights(kv));
         v.push(PipelineKey::new(ShaderOp::Attention, 64).with_weights(kv));
         if features.subgroups {

@@ -140,8 +140,8 @@ pub const MASKED_WG: u32 = 8;
 /// The formats `ShaderOp::MatvecQMasked` decodes in place (common/masked.wgsl): Q8 and those
 /// with a 4-bit low plane; not the 2-bit low planes (Q2_K, Q3_K) or the IQ4 tables.
 pub fn masked_format(w: WeightFormat) -> bool {
-    use WeightFormat as F;
-    matches!(w, F::Q8 | F::Q4 | F::Q4Sym | F::Q5Sym | F::Q5 | F::Q4K | F::Q5K | F::Q6K)
+    use crate::quant::QuantKind as K;
+    matches!(w.kind(), Some(K::Q8 | K::Q4 | K::Q4Sym | K::Q5Sym | K::Q5 | K::Q4K | K::Q5K | K::Q6K))
 }
 
 /// Whether the XBCAST layouts run here: the workgroup of 8 must be exactly one subgroup

@@ -170,7 +170,7 @@ impl RowUpload {
             HostMatrix::F16(_) => (WeightFormat::F16, None),
             HostMatrix::Packed(p) => {
                 p.format.check(name, k).map_err(|e| GpuError::Validation { context: name.into(), message: e.to_string() })?;
-                (WeightFormat::from_quant(p.format.kind), Some(p.format))
+                (WeightFormat::Packed(p.format.kind), Some(p.format))
             }
         };
         let dest = match quant {
@@ -296,13 +296,13 @@ impl GpuLinear {
         let (format, quant) = match w {
             HostMatrix::F32(_) => (WeightFormat::F32, None),
             HostMatrix::F16(_) => (WeightFormat::F16, None),
-            HostMatrix::Packed(p) => (WeightFormat::from_quant(p.format.kind), Some(p.format)),
+            HostMatrix::Packed(p) => (WeightFormat::Packed(p.format.kind), Some(p.format)),
         };
         let u_format = match &u {
             None => None,
             Some(HostMatrix::F32(_)) => Some(None),
             Some(HostMatrix::F16(_)) => Some(Some(WeightFormat::F16)),
-            Some(HostMatrix::Packed(p)) => Some(Some(WeightFormat::from_quant(p.format.kind))),
+            Some(HostMatrix::Packed(p)) => Some(Some(WeightFormat::Packed(p.format.kind))),
         };
         let same = match (&u, u_format) {
             (None, _) => true,
