@@ -90,13 +90,14 @@ fn every_variant_translates_to_spirv_msl_and_hlsl() {
     }
 }
 
-/// The variants whose expanded source is kept as a snapshot: one per op, kernel layout
-/// (the flags that pick code paths) and feature set, with f32 weights, and a second with
-/// Q4_K where the layout reads packed weights; the fusions (norm prologue, bias, residual,
-/// gathered rows, gate, GELU) are shown on each layout's fullest one (`NORM | GATED`). Every
-/// other variant is named in `tests/snapshots/variants.txt` with a hash of its expanded
-/// source, so an edit to a shared include changes a handful of snapshots and the hashes of
-/// the variants it reaches; every variant is still validated and translated above.
+/// The variants whose expanded source is kept as a snapshot: with f32 weights, one per op,
+/// kernel layout (the flags that pick code paths) and feature set; with packed weights, one
+/// per shader file (Q4_K, on the file's plainest layout: fewest layout flags, no optional
+/// features). The fusions (norm prologue, bias, residual, gathered rows, gate, GELU) are shown
+/// on the fullest one (`NORM | GATED`). Every other variant is named in
+/// `tests/snapshots/variants.txt` with a hash of its expanded source, so an edit to a shared
+/// include changes one snapshot per file that includes it and the hashes of the variants it
+/// reaches; every variant is still validated and translated above.
 fn snapshotted(keys: &[PipelineKey]) -> Vec<PipelineKey> {
     use lantern::gpu::shader::{flags, WeightFormat};
     use std::collections::BTreeMap;
@@ -108,12 +109,17 @@ fn snapshotted(keys: &[PipelineKey]) -> Vec<PipelineKey> {
             _ => 2,
         };
         let f = if k.flags & fused == flags::NORM | flags::GATED { 0 } else { 1 };
-        (w, f, k.label())
+        let layout = (k.flags & !fused).count_ones();
+        (w, f, layout, k.features.f16, k.features.subgroups, k.label())
     };
     let mut best: BTreeMap<(String, u32, bool, bool, bool), PipelineKey> = BTreeMap::new();
     for k in keys {
-        let group =
-            (k.file().to_string(), k.flags & !fused, k.features.f16, k.features.subgroups, k.weights.is_packed() && !k.op.reads_kv());
+        let packed = k.weights.is_packed() && !k.op.reads_kv();
+        let group = if packed {
+            (k.file().to_string(), 0, false, false, true)
+        } else {
+            (k.file().to_string(), k.flags & !fused, k.features.f16, k.features.subgroups, false)
+        };
         let e = best.entry(group).or_insert(*k);
         if rank(k) < rank(e) {
             *e = *k;
