@@ -8,8 +8,9 @@
 //! Then SmolLM2 prefill and decode tokens/s per weight dtype (see `model_bench`).
 //! Then decode attention over a long paged context per KV dtype and key-split count, and a
 //! mixture of experts' decode step (router and expert matvecs) per weight format.
-//! Set `BENCH_REPS` (default 3), `BENCH_FORMATS=q4,f32`, `BENCH_MATMUL=tiled,b88`,
-//! `BENCH_ATTENTION=0`, `BENCH_MOE=0` and `BENCH_MODEL=0` to restrict.
+//! Set `BENCH_REPS` (default 3), `BENCH_FORMATS=q4,f32`, `BENCH_MATMUL=tiled,b88` (`none`:
+//! no matmul), `BENCH_MATVEC=0`, `BENCH_ATTENTION=0`, `BENCH_MOE=0` and `BENCH_MODEL=0` to
+//! restrict.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -322,7 +323,8 @@ fn main() {
     let only_fmt = std::env::var("BENCH_FORMATS").ok();
     let formats: Vec<WeightFormat> =
         formats().into_iter().filter(|f| only_fmt.as_deref().is_none_or(|o| o.split(',').any(|x| x == f.name()))).collect();
-    for (n, k) in [(4096usize, 4096usize), (1536, 8960), (576, 1536)] {
+    let matvecs = std::env::var("BENCH_MATVEC").as_deref() != Ok("0");
+    for (n, k) in [(4096usize, 4096usize), (1536, 8960), (576, 1536)].into_iter().filter(|_| matvecs) {
         for &fmt in &formats {
             for tiled in [false, true] {
                 if tiled && !fmt.is_packed() {
@@ -609,21 +611,26 @@ fn moe_bench(ctx: &Arc<GpuContext>, reps: usize, copy: f64, only: Option<&str>) 
             residual: false,
         };
         let down_io = ExpertIo { x: &act, x_stride: ei, norm: None, y: &y, out_stride: d, residual: true, ..io };
-        let dispatches = vec![
-            pollster::block_on(moe::route(ctx, &step, &logits, &route, n, top_k, true)).expect("route"),
-            pollster::block_on(moe::experts(ctx, &gate_up, n, &io)).expect("gate|up"),
-            pollster::block_on(moe::experts(ctx, &down, n, &down_io)).expect("down"),
-        ];
-        let t = time(ctx, reps, || submit(ctx, &step, 1, 1, &dispatches));
-        let chosen = top_k as f64 * (gate_up.bytes() + down.bytes()) as f64 / n as f64;
-        println!(
-            "moe decode {top_k} of {n} experts 768x2048 {:<5} {:9.2} ms {:7.2} GB/s of chosen experts {:6.1}% of copy  [{}]",
-            fmt.name(),
-            t * 1e3,
-            chosen / t / 1e9,
-            100.0 * chosen / t / 1e9 / copy,
-            dispatches[1].label
-        );
+        // Both layouts: a workgroup per row, and MULTI_ROW (the default where it fits).
+        let layouts = [false, true].into_iter().filter(|&m| !m || moe::multi_fits(&gate_up, &io) && moe::multi_fits(&down, &down_io));
+        for multi in layouts {
+            let sg = ctx.caps.subgroups;
+            let dispatches = vec![
+                pollster::block_on(moe::route(ctx, &step, &logits, &route, n, top_k, true)).expect("route"),
+                pollster::block_on(moe::experts_with(ctx, &gate_up, n, &io, sg, multi)).expect("gate|up"),
+                pollster::block_on(moe::experts_with(ctx, &down, n, &down_io, sg, multi)).expect("down"),
+            ];
+            let t = time(ctx, reps, || submit(ctx, &step, 1, 1, &dispatches));
+            let chosen = top_k as f64 * (gate_up.bytes() + down.bytes()) as f64 / n as f64;
+            println!(
+                "moe decode {top_k} of {n} experts 768x2048 {:<5} {:9.2} ms {:7.2} GB/s of chosen experts {:6.1}% of copy  [{}]",
+                fmt.name(),
+                t * 1e3,
+                chosen / t / 1e9,
+                100.0 * chosen / t / 1e9 / copy,
+                dispatches[1].label
+            );
+        }
     }
 }
 

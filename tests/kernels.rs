@@ -2321,7 +2321,8 @@ fn check_experts(ctx: &Arc<GpuContext>, seed: u64, shape: (usize, usize, usize, 
         assert!(used.iter().any(|u| !u), "{what}: some expert gets no token");
     }
     let sgs: &[bool] = if ctx.caps.subgroups { &[false, true] } else { &[false] };
-    for &sg in sgs {
+    let mut multi_runs = 0;
+    for (sg, multi) in sgs.iter().flat_map(|&sg| [(sg, false), (sg, true)]) {
         let (route, _) = gpu_route(ctx, &logits, n, top_k, true);
         let step = step_buffer(ctx);
         let xb = buf_f32(ctx, "x", &x);
@@ -2340,13 +2341,24 @@ fn check_experts(ctx: &Arc<GpuContext>, seed: u64, shape: (usize, usize, usize, 
             out_stride: rows,
             residual: false,
         };
-        let d1 = block_on(kernels::moe::experts_with(ctx, &gate_up, n, &io, sg)).expect("gate|up");
         let io2 = kernels::moe::ExpertIo { x: &act, x_stride: rows, norm: None, y: &y, out_stride: d, residual: true, ..io };
-        let d2 = block_on(kernels::moe::experts_with(ctx, &down_l, n, &io2, sg)).expect("down");
+        let fits = kernels::moe::multi_fits(&gate_up, &io) && kernels::moe::multi_fits(&down_l, &io2);
+        if multi && !fits {
+            // Refused, with the reason, rather than read wrong.
+            let e = block_on(kernels::moe::experts_with(ctx, &gate_up, n, &io, sg, true)).err();
+            assert!(e.is_some() || kernels::moe::multi_fits(&gate_up, &io), "{what}: MULTI_ROW where it does not fit");
+            continue;
+        }
+        multi_runs += multi as usize;
+        let d1 = block_on(kernels::moe::experts_with(ctx, &gate_up, n, &io, sg, multi)).expect("gate|up");
+        let d2 = block_on(kernels::moe::experts_with(ctx, &down_l, n, &io2, sg, multi)).expect("down");
         submit(ctx, &step, t as u32, 0, &[d1, d2]);
-        assert_close(&format!("{what} (subgroups {sg}): act"), &read_f32s(ctx, &act, t * top_k * rows), &want_act, LINEAR_TOL);
-        assert_close(&format!("{what} (subgroups {sg}): y"), &read_f32s(ctx, &y, t * d), &want_y, LINEAR_TOL);
+        let how = format!("subgroups {sg}, {}", if multi { "multi-row" } else { "row per workgroup" });
+        assert_close(&format!("{what} ({how}): act"), &read_f32s(ctx, &act, t * top_k * rows), &want_act, LINEAR_TOL);
+        assert_close(&format!("{what} ({how}): y"), &read_f32s(ctx, &y, t * d), &want_y, LINEAR_TOL);
     }
+    let whole_units = format.is_packed() && group.is_multiple_of(16) && rows.is_multiple_of(16) && d.is_multiple_of(16);
+    assert_eq!(multi_runs > 0, whole_units, "{what}: the MULTI_ROW layout runs exactly where its units fit");
     // Grouped by expert (prefill): the grouping, gate|up and down over its work items, and
     // the sum of each token's pair rows into y; buffers sized for more tokens than the step.
     let (route, _) = gpu_route(ctx, &logits, n, top_k, true);
@@ -2423,6 +2435,12 @@ fn moe_experts_match_reference_in_every_format() {
             WeightFormat::Packed(QuantKind::Q4Sym),
         ] {
             check_experts(&ctx, 80 + i as u64, shape, format, 8);
+        }
+        // Groups of 16: the MULTI_ROW layout where rows and hidden are whole units.
+        if shape.3.is_multiple_of(16) && shape.4.is_multiple_of(16) {
+            for kind in [QuantKind::Q8, QuantKind::Q4, QuantKind::Q4Sym] {
+                check_experts(&ctx, 100 + i as u64, shape, WeightFormat::Packed(kind), 16);
+            }
         }
     }
     // Every other packed format on rows of whole super-blocks.

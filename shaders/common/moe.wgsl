@@ -1,4 +1,4 @@
-// The expert kernels' shared part (moe_matvec.wgsl, moe_grouped.wgsl; included after
+// The expert kernels' shared part (moe_matvec.wgsl, moe_matvec_multi.wgsl, moe_grouped.wgsl; included after
 // common/linear.wgsl): the route and the experts per token, and the 8-element weight and x
 // loads every weight format serves.
 
@@ -28,11 +28,14 @@ fn weights8(m: u32, row: u32, k8: u32) -> array<vec4<f32>, 2> {
 #endif
 }
 
+#if X_VEC4
+#else
 // x'[k8 .. k8 + 8] of the row of x starting at element xb (see load_x2).
 fn x8(xb: u32, k8: u32, sum_sq: ptr<function, f32>) -> array<vec4<f32>, 2> {
     return array<vec4<f32>, 2>(vec4<f32>(load_x2(xb, k8, sum_sq), load_x2(xb, k8 + 2u, sum_sq)),
                                vec4<f32>(load_x2(xb, k8 + 4u, sum_sq), load_x2(xb, k8 + 6u, sum_sq)));
 }
+#endif
 
 fn dot8(a: array<vec4<f32>, 2>, b: array<vec4<f32>, 2>) -> f32 {
     return dot(a[0], b[0]) + dot(a[1], b[1]);

@@ -57,10 +57,12 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("x_texture.wgsl", include_str!("../../shaders/x_texture.wgsl")),
     ("moe_route.wgsl", include_str!("../../shaders/moe_route.wgsl")),
     ("moe_matvec.wgsl", include_str!("../../shaders/moe_matvec.wgsl")),
+    ("moe_matvec_multi.wgsl", include_str!("../../shaders/moe_matvec_multi.wgsl")),
     ("moe_group.wgsl", include_str!("../../shaders/moe_group.wgsl")),
     ("moe_grouped.wgsl", include_str!("../../shaders/moe_grouped.wgsl")),
     ("moe_combine.wgsl", include_str!("../../shaders/moe_combine.wgsl")),
     ("common/moe.wgsl", include_str!("../../shaders/common/moe.wgsl")),
+    ("common/unit16.wgsl", include_str!("../../shaders/common/unit16.wgsl")),
 ];
 
 /// FNV-1a (64 bits) of every embedded shader file: changes whenever a kernel's source does,
@@ -405,7 +407,10 @@ impl PipelineKey {
                 d.insert(name.to_string());
             }
         }
-        if matches!(self.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ | ShaderOp::MatvecQMasked) && self.flags & flags::XBCAST == 0 {
+        let multi_moe = self.op == ShaderOp::MoeMatvec && self.flags & flags::MULTI_ROW != 0;
+        if multi_moe
+            || matches!(self.op, ShaderOp::MatvecQ | ShaderOp::MatmulBlockedQ | ShaderOp::MatvecQMasked) && self.flags & flags::XBCAST == 0
+        {
             // These read activations (and norm weights) as vec4.
             d.insert("X_VEC4".into());
         }
@@ -455,6 +460,7 @@ impl PipelineKey {
             ShaderOp::Matvec if self.flags & flags::ROWS4 != 0 => "matvec_rows4.wgsl",
             ShaderOp::MatvecQ if self.flags & flags::TEX != 0 => "matvec_q_tiled.wgsl",
             ShaderOp::MatvecQ if self.flags & flags::MULTI_ROW != 0 => "matvec_q_multi.wgsl",
+            ShaderOp::MoeMatvec if self.flags & flags::MULTI_ROW != 0 => "moe_matvec_multi.wgsl",
             ShaderOp::MatvecQ if self.flags & flags::ROW_PER_WORKGROUP != 0 => "matvec_q_wg.wgsl",
             op => op.file(),
         }

@@ -263,6 +263,11 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
             for c in moe::FLAG_SETS {
                 v.push(PipelineKey::new(ShaderOp::MoeMatvec, moe::WORKGROUP).with_flags(c).with_weights(w).with_features(feat));
             }
+            if w.is_packed() {
+                for c in moe::MULTI_FLAG_SETS {
+                    v.push(PipelineKey::new(ShaderOp::MoeMatvec, moe::WORKGROUP).with_flags(c).with_weights(w).with_features(feat));
+                }
+            }
         }
         for c in moe::GROUPED_FLAG_SETS {
             v.push(PipelineKey::new(ShaderOp::MoeGrouped, moe::WORKGROUP).with_flags(c).with_weights(w));

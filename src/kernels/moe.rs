@@ -1,7 +1,10 @@
 //! A mixture of experts on the GPU: the router (`shaders/moe_route.wgsl`: each token's top-k
-//! experts and their weights from its router logits) and the expert matvecs
-//! (`shaders/moe_matvec.wgsl`: gate|up of each token-expert pair, then down with the weighted
-//! sum over a token's experts fused into its reduction). The route stays on the GPU: the
+//! experts and their weights from its router logits) and the expert matvecs (gate|up of each
+//! token-expert pair, then down with the weighted sum over a token's experts fused into its
+//! reduction): `shaders/moe_matvec_multi.wgsl` for packed experts of whole 16-element units
+//! (the dense GPU matvec's MULTI_ROW layout: two rows per workgroup, a unit's scale and codes
+//! decoded once), `shaders/moe_matvec.wgsl` (a workgroup per row, 8-element steps) for the
+//! others. The route stays on the GPU: the
 //! expert kernels read it, so a step has no host round trip between router and experts, and
 //! only the chosen experts' rows of the stacked expert weights are read.
 //!
@@ -30,6 +33,22 @@ pub const FLAG_SETS: [u32; 4] = [
     flags::ROW_PER_WORKGROUP | flags::RESIDUAL,
     flags::ROW_PER_WORKGROUP,
 ];
+
+/// The same jobs in the MULTI_ROW layout (`shaders/moe_matvec_multi.wgsl`, packed experts
+/// whose rows and groups are whole 16-element units: [`multi_fits`]).
+pub const MULTI_FLAG_SETS: [u32; 4] = [
+    flags::MULTI_ROW | flags::NORM | flags::GATED,
+    flags::MULTI_ROW | flags::NORM | flags::GATED | flags::GELU,
+    flags::MULTI_ROW | flags::RESIDUAL,
+    flags::MULTI_ROW,
+];
+
+/// Whether the MULTI_ROW expert matvec reads `lin` with `io`'s x: packed weights with rows
+/// and scale groups of whole 16-element units (as the dense MULTI_ROW matvec), and x rows
+/// of whole vec4s.
+pub fn multi_fits(lin: &GpuLinear, io: &ExpertIo<'_>) -> bool {
+    lin.format.is_packed() && super::linear::multi_row_fits(lin) && io.x_stride.is_multiple_of(4)
+}
 
 /// Mirrors `struct Params` in moe_route.wgsl.
 #[repr(C)]
@@ -125,12 +144,14 @@ pub fn check_stacked(lin: &GpuLinear, n_experts: usize) -> Result<(), GpuError> 
 }
 
 /// The expert matvec variant for `lin` (gated: gate|up with the norm folded in, `gelu` for
-/// GELU; else down, `residual` adding into y), reduced with subgroups where `subgroups`.
-pub fn key(lin: &GpuLinear, residual: bool, subgroups: bool) -> PipelineKey {
+/// GELU; else down, `residual` adding into y), reduced with subgroups where `subgroups`, in
+/// the MULTI_ROW layout where `multi` (else a workgroup per row).
+pub fn key(lin: &GpuLinear, residual: bool, subgroups: bool, multi: bool) -> PipelineKey {
+    let layout = if multi { flags::MULTI_ROW } else { flags::ROW_PER_WORKGROUP };
     let fl = if lin.is_gated() {
-        flags::ROW_PER_WORKGROUP | flags::NORM | flags::GATED | if lin.gelu { flags::GELU } else { 0 }
+        layout | flags::NORM | flags::GATED | if lin.gelu { flags::GELU } else { 0 }
     } else {
-        flags::ROW_PER_WORKGROUP | if residual { flags::RESIDUAL } else { 0 }
+        layout | if residual { flags::RESIDUAL } else { 0 }
     };
     PipelineKey::new(ShaderOp::MoeMatvec, WORKGROUP)
         .with_flags(fl)
@@ -140,26 +161,39 @@ pub fn key(lin: &GpuLinear, residual: bool, subgroups: bool) -> PipelineKey {
 
 /// The expert matvec over `lin` (`n_experts` stacked experts): gated, one output row per
 /// token-expert pair (`tokens x top_k` rows of `lin.n_rows / n_experts`); else one per token,
-/// the route's weighted sum over its experts.
+/// the route's weighted sum over its experts. Packed experts of whole 16-element units take
+/// the MULTI_ROW layout ([`multi_fits`]), the others a workgroup per row.
 pub async fn experts(ctx: &GpuContext, lin: &GpuLinear, n_experts: usize, io: &ExpertIo<'_>) -> Result<Dispatch, GpuError> {
-    experts_with(ctx, lin, n_experts, io, ctx.caps.subgroups).await
+    experts_with(ctx, lin, n_experts, io, ctx.caps.subgroups, multi_fits(lin, io)).await
 }
 
-/// [`experts`] with the reduction chosen (`subgroups` needs the adapter's): tests run both.
+/// [`experts`] with the reduction (`subgroups` needs the adapter's) and the layout (`multi`
+/// needs [`multi_fits`]) chosen: tests run every combination.
 pub async fn experts_with(
     ctx: &GpuContext,
     lin: &GpuLinear,
     n_experts: usize,
     io: &ExpertIo<'_>,
     subgroups: bool,
+    multi: bool,
 ) -> Result<Dispatch, GpuError> {
     if subgroups && !ctx.caps.subgroups {
         return Err(GpuError::Validation { context: lin.name.clone(), message: "the adapter has no subgroups".into() });
     }
     check_io(lin, n_experts, io, "the gate|up expert matvec folds the MLP norm in (and only it does)")?;
-    let key = key(lin, io.residual, subgroups);
+    if multi && !multi_fits(lin, io) {
+        return Err(GpuError::Validation {
+            context: lin.name.clone(),
+            message: format!(
+                "the MULTI_ROW expert matvec reads packed weights with k ({}), the scale group and the x stride ({}) in whole 16-element units and vec4s",
+                lin.k, io.x_stride
+            ),
+        });
+    }
+    let key = key(lin, io.residual, subgroups, multi);
     let pipe = pipeline(ctx, key).await?;
-    let (bind_group, [gx, gy]) = bind_experts(ctx, lin, n_experts, io, &pipe, key, &[(0, io.step), (18, io.route)], true)?;
+    let rows_per_group = if multi { super::linear::MULTI_ROW_ROWS } else { 1 };
+    let (bind_group, [gx, gy]) = bind_experts(ctx, lin, n_experts, io, &pipe, key, &[(0, io.step), (18, io.route)], true, rows_per_group)?;
     let z = if lin.is_gated() { Dim::TokensTimes(io.top_k as u32) } else { Dim::Tokens };
     Ok(Dispatch { label: format!("{} [{}]", lin.name, key.label()), pipeline: pipe, bind_group, grid: [Dim::Const(gx), Dim::Const(gy), z] })
 }
@@ -182,7 +216,7 @@ fn check_io(lin: &GpuLinear, n_experts: usize, io: &ExpertIo<'_>, norm_rule: &st
 /// The bind group of an expert kernel (`key`, compiled as `pipe`) over `lin`'s stacked
 /// experts and `io`: its `LinearParams` (one expert's rows), x, the weights (and up, scales),
 /// the norm, y, the experts per token where `with_top_k`, and `extra` (what else the variant
-/// reads). Also returns the grid's x and y (the rows).
+/// reads). Also returns the grid's x and y (the rows, `rows_per_group` per workgroup).
 #[allow(clippy::too_many_arguments)]
 fn bind_experts(
     ctx: &GpuContext,
@@ -193,9 +227,11 @@ fn bind_experts(
     key: PipelineKey,
     extra: &[(u32, &wgpu::Buffer)],
     with_top_k: bool,
+    rows_per_group: u32,
 ) -> Result<(wgpu::BindGroup, [u32; 2]), GpuError> {
     let rows = (lin.n_rows / n_experts) as u32;
-    let gx = rows.min(ctx.limits.max_compute_workgroups_per_dimension.max(1));
+    let groups = rows.div_ceil(rows_per_group);
+    let gx = groups.min(ctx.limits.max_compute_workgroups_per_dimension.max(1));
     let params = LinearParams {
         n_rows: rows,
         k: lin.k as u32,
@@ -228,7 +264,7 @@ fn bind_experts(
             entries.push((10, &u_scales.as_ref().ok_or_else(|| missing("scales"))?.chunks[0].buffer));
         }
     }
-    Ok((bind(ctx, &lin.name, pipe, &entries), [gx, rows.div_ceil(gx)]))
+    Ok((bind(ctx, &lin.name, pipe, &entries), [gx, groups.div_ceil(gx)]))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -351,7 +387,7 @@ pub async fn grouped(
     // find a pair's token, down the route for its weight.)
     let extra: &[(u32, &wgpu::Buffer)] =
         if gated { &[(20, g.groups), (21, g.work)] } else { &[(20, g.groups), (21, g.work), (18, io.route)] };
-    let (bind_group, [gx, gy]) = bind_experts(ctx, lin, n_experts, io, &pipe, key, extra, gated)?;
+    let (bind_group, [gx, gy]) = bind_experts(ctx, lin, n_experts, io, &pipe, key, extra, gated, 1)?;
     Ok(Dispatch {
         label: format!("{} [{}]", lin.name, key.label()),
         pipeline: pipe,
