@@ -122,4 +122,24 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     k_cache[p.scale_base + th] = bitcast<u32>(ka);
     v_cache[p.scale_base + th] = bitcast<u32>(va);
 #endif
+#if KV_Q4
+    var ka = 0.0;
+    var va = 0.0;
+    for (var i = 0u; i < hd; i++) {
+        ka = max(ka, abs(rotated(kb, pos, i)));
+        va = max(va, abs(qkv[vb + i]));
+    }
+    let kinv = select(0.0, 1.0 / ka, ka > 0.0);
+    let vinv = select(0.0, 1.0 / va, va > 0.0);
+    for (var i = 0u; i < hd; i += 8u) {
+        let k0 = vec4<f32>(rotated(kb, pos, i), rotated(kb, pos, i + 1u), rotated(kb, pos, i + 2u), rotated(kb, pos, i + 3u));
+        let k1 = vec4<f32>(rotated(kb, pos, i + 4u), rotated(kb, pos, i + 5u), rotated(kb, pos, i + 6u), rotated(kb, pos, i + 7u));
+        let v0 = vec4<f32>(qkv[vb + i], qkv[vb + i + 1u], qkv[vb + i + 2u], qkv[vb + i + 3u]);
+        let v1 = vec4<f32>(qkv[vb + i + 4u], qkv[vb + i + 5u], qkv[vb + i + 6u], qkv[vb + i + 7u]);
+        k_cache[(dst + i) >> 3u] = q4_pack4(k0 * kinv) | (q4_pack4(k1 * kinv) << 16u);
+        v_cache[(dst + i) >> 3u] = q4_pack4(v0 * vinv) | (q4_pack4(v1 * vinv) << 16u);
+    }
+    k_cache[p.scale_base + th] = bitcast<u32>(ka);
+    v_cache[p.scale_base + th] = bitcast<u32>(va);
+#endif
 }

@@ -1549,6 +1549,13 @@ impl Paged {
                     }
                     w[l.scale_base() + th] = amax.to_bits();
                 }
+                KvDtype::Q4 => {
+                    let (codes, amax) = lantern::kv::cache::quantize_head_q4(h);
+                    for i in (0..hd).step_by(8) {
+                        w[(th * hd + i) / 8] = (0..8).fold(0, |a, j| a | (((codes[i + j] + 8) as u32) << (4 * j)));
+                    }
+                    w[l.scale_base() + th] = amax.to_bits();
+                }
                 KvDtype::Bf16 => unreachable!("not a runtime dtype"),
             }
         }
@@ -1574,6 +1581,10 @@ impl Paged {
                     KvDtype::Q8 => {
                         let code = (w[e / 4] >> (8 * (e % 4))) as u8 as i8;
                         lantern::kv::cache::dequantize_q8(code, f32::from_bits(w[l.scale_base() + th]))
+                    }
+                    KvDtype::Q4 => {
+                        let code = ((w[e / 8] >> (4 * (e % 8))) & 15) as i8 - 8;
+                        lantern::kv::cache::dequantize_q4(code, f32::from_bits(w[l.scale_base() + th]))
                     }
                     KvDtype::Bf16 => unreachable!("not a runtime dtype"),
                 };
@@ -1711,11 +1722,12 @@ fn check_rope_kv_into(
     let (k_tol, v_tol) = match storage.dtype {
         KvDtype::F32 => (ROPE_TOL, EXACT),
         KvDtype::F16 => (1e-3, 1e-3),
+        KvDtype::Q4 => (1.01 / 7.0, 1.01 / 7.0),
         _ => (1.01 / 127.0, 1.01 / 127.0),
     };
     assert_close(&format!("{what}: k cache"), &got_k, &paged.k, k_tol);
     assert_close(&format!("{what}: v cache"), &got_v, &paged.v, v_tol);
-    if storage.dtype == KvDtype::Q8 {
+    if matches!(storage.dtype, KvDtype::Q8 | KvDtype::Q4) {
         // Mostly exact: a one-code slack must stay the exception.
         let off = got_k
             .iter()
@@ -1741,9 +1753,9 @@ fn rope_kv_matches_reference_and_writes_the_right_slots() {
 }
 
 #[test]
-fn rope_kv_writes_f16_and_q8_caches_split_across_shards() {
+fn rope_kv_writes_f16_q8_and_q4_caches_split_across_shards() {
     let spans = [(0, 0..4), (1, 7..10), (2, 13..14)];
-    for (i, dtype) in [KvDtype::F32, KvDtype::F16, KvDtype::Q8].into_iter().enumerate() {
+    for (i, dtype) in [KvDtype::F32, KvDtype::F16, KvDtype::Q8, KvDtype::Q4].into_iter().enumerate() {
         let seed = 510 + i as u64 * 10;
         check_rope_kv(Heads { n_heads: 9, n_kv_heads: 3, head_dim: 64 }, 5, &spans, Storage { dtype, pages_per_shard: None }, seed);
         check_rope_kv(Heads { n_heads: 8, n_kv_heads: 2, head_dim: 8 }, 3, &spans, Storage { dtype, pages_per_shard: Some(2) }, seed + 1);
@@ -1912,7 +1924,7 @@ fn paged_attention_splits_shards_shared_prefixes_and_kv_dtypes_match_reference()
     // chunk of each run beside a third sequence.
     let spans: [(usize, std::ops::Range<usize>); 4] = [(0, 40..41), (1, 25..29), (2, 0..5), (1, 60..61)];
     let mut seed = 620;
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8, KvDtype::Q4] {
         for (heads, page_size, pages_per_shard) in [
             (Heads { n_heads: 9, n_kv_heads: 3, head_dim: 64 }, 7, Some(5)),
             (Heads { n_heads: 4, n_kv_heads: 1, head_dim: 32 }, 5, Some(2)),
@@ -1942,7 +1954,7 @@ fn window_ring_attention_and_writes_match_reference() {
     // Chunks of up to 4 tokens, decodes deep into sequences, and a fresh prefill.
     let spans: [(usize, std::ops::Range<usize>); 4] = [(0, 40..41), (1, 25..29), (2, 0..3), (3, 97..98)];
     let mut seed = 660;
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8, KvDtype::Q4] {
         for (heads, window, page_size, pages_per_shard) in [
             (Heads { n_heads: 9, n_kv_heads: 3, head_dim: 64 }, 9, 4, Some(5)),
             (Heads { n_heads: 4, n_kv_heads: 1, head_dim: 32 }, 5, 3, Some(2)),
@@ -1993,7 +2005,7 @@ fn attention_rejects_head_dim_over_256() {
 /// two shards, keys split in two).
 #[test]
 fn rope_kv_then_attention_continue_a_paged_sequence() {
-    for (dtype, pages_per_shard, splits) in [(KvDtype::F32, None, 1), (KvDtype::Q8, Some(3), 2)] {
+    for (dtype, pages_per_shard, splits) in [(KvDtype::F32, None, 1), (KvDtype::Q8, Some(3), 2), (KvDtype::Q4, Some(3), 2)] {
         let ctx = gpu();
         let mut rng = Rng::new(700);
         let heads = Heads { n_heads: 6, n_kv_heads: 2, head_dim: 16 };
@@ -2055,8 +2067,12 @@ fn rope_kv_then_attention_continue_a_paged_sequence() {
         k.extend(k_new.chunks(head_dim).flat_map(|h| round_trip(dtype, h)));
         v.extend(v_new.chunks(head_dim).flat_map(|h| round_trip(dtype, h)));
         let want = ops::attention(&q, &k, &v, &pos, n_heads, n_kv_heads, head_dim, p.scale);
-        // q8: a new key's code may differ by one from the CPU's (see check_rope_kv).
-        let tol = if dtype == KvDtype::Q8 { 2e-2 } else { ATTENTION_TOL };
+        // q8, q4: a new key's code may differ by one from the CPU's (see check_rope_kv).
+        let tol = match dtype {
+            KvDtype::Q8 => 2e-2,
+            KvDtype::Q4 => 2e-1,
+            _ => ATTENTION_TOL,
+        };
         assert_close(&format!("rope_kv + attention, 5 tokens after 11 cached, {dtype:?} KV"), &got, &want, tol);
     }
 }

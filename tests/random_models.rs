@@ -160,7 +160,7 @@ fn gemma_block_window_rings_equal_full_pages_in_every_kv_dtype() {
     // Window 5, steps of up to 6, pages of 3: a ring of 4 pages (12 tokens) per sequence for
     // the sliding layers, against 61 tokens of context: each sequence's ring wraps five
     // times. Ring and pool addressing must give bit-identical logits, for f32 (also equal
-    // to the reference), f16 and q8 caches alike, with the pages the rings free.
+    // to the reference), f16, q8 and q4 caches alike, with the pages the rings free.
     use lantern::kv::plan::KvDtype;
     use lantern::model::forward::KvWindow;
     let s = Spec { seed: 8, vocab: 80, hidden: 48, ffn: 64, layers: 4, heads: 4, kv_heads: 2, head_dim: 16, gemma: true, ..BASE };
@@ -168,7 +168,7 @@ fn gemma_block_window_rings_equal_full_pages_in_every_kv_dtype() {
     let mut rng = Rng(s.seed + 5);
     let ids: Vec<u32> = (0..61).map(|_| rng.below(s.vocab) as u32).collect();
     let want = ReferenceModel::new(&w).unwrap().forward(&ids);
-    for kv_dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+    for kv_dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8, KvDtype::Q4] {
         let mut runs = Vec::new();
         for kv_window in [KvWindow::Ring, KvWindow::Full] {
             let opts = ModelOptions {

@@ -251,7 +251,8 @@ struct RunArgs {
     #[arg(long, value_enum, default_value_t = Weights::Native)]
     weights: Weights,
     /// KV cache storage: f32 (exact), f16 (half the bytes), q8 (int8 with an f32 scale per
-    /// token and head: about a quarter).
+    /// token and head: about a quarter), q4 (4-bit codes with an f32 scale per token and
+    /// head: about an eighth).
     #[arg(long, value_enum, default_value_t = KvArg::F32)]
     kv_dtype: KvArg,
     /// Cap on GPU memory for weights + KV cache + workspace (bytes; K, M, G, Ki, Mi, Gi
@@ -298,6 +299,7 @@ pub enum KvArg {
     F32,
     F16,
     Q8,
+    Q4,
 }
 
 impl KvArg {
@@ -306,6 +308,7 @@ impl KvArg {
             KvArg::F32 => lantern::kv::plan::KvDtype::F32,
             KvArg::F16 => lantern::kv::plan::KvDtype::F16,
             KvArg::Q8 => lantern::kv::plan::KvDtype::Q8,
+            KvArg::Q4 => lantern::kv::plan::KvDtype::Q4,
         }
     }
 }

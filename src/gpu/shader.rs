@@ -238,12 +238,13 @@ impl WeightFormat {
         }
     }
 
-    /// The define of this format as a KV-cache dtype (None for the 4-bit formats).
+    /// The define of this format as a KV-cache dtype (Q4Sym stands for the 4-bit cache).
     fn kv_define(&self) -> Option<&'static str> {
         match self {
             WeightFormat::F32 => Some("KV_F32"),
             WeightFormat::F16 => Some("KV_F16"),
             WeightFormat::Packed(QuantKind::Q8) => Some("KV_Q8"),
+            WeightFormat::Packed(QuantKind::Q4Sym) => Some("KV_Q4"),
             _ => None,
         }
     }
@@ -435,8 +436,14 @@ impl PipelineKey {
                 s.push_str(&name.to_lowercase());
             }
         }
-        s.push_str(if self.op.reads_kv() { "_kv" } else { "_w" });
-        s.push_str(self.weights.name());
+        if self.op.reads_kv() {
+            // The cache's dtype: f32, f16, q8, q4 (the 4-bit cache stands as Q4Sym).
+            s.push_str("_kv");
+            s.push_str(if self.weights == WeightFormat::Packed(QuantKind::Q4Sym) { "q4" } else { self.weights.name() });
+        } else {
+            s.push_str("_w");
+            s.push_str(self.weights.name());
+        }
         if self.features.f16 {
             s.push_str("_f16");
         }

@@ -110,9 +110,10 @@ pub fn kv_format(dtype: KvDtype) -> Result<WeightFormat, GpuError> {
         KvDtype::F32 => Ok(WeightFormat::F32),
         KvDtype::F16 => Ok(WeightFormat::F16),
         KvDtype::Q8 => Ok(WeightFormat::Packed(crate::quant::QuantKind::Q8)),
+        KvDtype::Q4 => Ok(WeightFormat::Packed(crate::quant::QuantKind::Q4Sym)),
         KvDtype::Bf16 => Err(GpuError::Validation {
             context: "attention".into(),
-            message: "bf16 is a planning size only; the runtime caches f32, f16 or q8".into(),
+            message: "bf16 is a planning size only; the runtime caches f32, f16, q8 or q4".into(),
         }),
     }
 }

@@ -238,7 +238,9 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
     for mode in [rmsnorm::Mode::Write, rmsnorm::Mode::Residual, rmsnorm::Mode::InPlace] {
         v.push(rmsnorm::key(mode));
     }
-    for kv in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Packed(crate::quant::QuantKind::Q8)] {
+    for kv in [crate::kv::plan::KvDtype::F32, crate::kv::plan::KvDtype::F16, crate::kv::plan::KvDtype::Q8, crate::kv::plan::KvDtype::Q4]
+        .map(|d| attention::kv_format(d).expect("a runtime KV dtype"))
+    {
         v.push(PipelineKey::new(ShaderOp::RopeKv, 64).with_weights(kv));
         v.push(PipelineKey::new(ShaderOp::Attention, 64).with_weights(kv));
         if features.subgroups {

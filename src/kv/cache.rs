@@ -45,13 +45,16 @@ impl KvLayout {
             KvDtype::F32 => {}
             KvDtype::F16 if head_dim.is_multiple_of(2) => {}
             KvDtype::Q8 if head_dim.is_multiple_of(4) => {}
-            KvDtype::F16 | KvDtype::Q8 => {
-                return Err(invalid(format!(
-                    "a {dtype:?} KV cache needs head_dim a multiple of {} (got {head_dim})",
-                    if dtype == KvDtype::F16 { 2 } else { 4 }
-                )))
+            KvDtype::Q4 if head_dim.is_multiple_of(8) => {}
+            KvDtype::F16 | KvDtype::Q8 | KvDtype::Q4 => {
+                let per_word = match dtype {
+                    KvDtype::F16 => 2,
+                    KvDtype::Q8 => 4,
+                    _ => 8,
+                };
+                return Err(invalid(format!("a {dtype:?} KV cache needs head_dim a multiple of {per_word} (got {head_dim})")));
             }
-            KvDtype::Bf16 => return Err(invalid("bf16 is a planning size only; the runtime caches f32, f16 or q8".into())),
+            KvDtype::Bf16 => return Err(invalid("bf16 is a planning size only; the runtime caches f32, f16, q8 or q4".into())),
         }
         let mut l =
             KvLayout { dtype, page_size, n_kv_heads, head_dim, num_pages: num_pages.max(1), pages_per_shard: 1, n_shards: 1, ring: 0 };
@@ -87,19 +90,25 @@ impl KvLayout {
         self.pages_per_shard * self.page_size * self.n_kv_heads
     }
 
-    /// u32 words of codes in one shard: where the Q8 scales start.
+    /// u32 words of codes in one shard: where the Q8 / Q4 scales start.
     pub fn scale_base(&self) -> usize {
         let elems = self.shard_heads() * self.head_dim;
         match self.dtype {
             KvDtype::F32 => elems,
             KvDtype::F16 | KvDtype::Bf16 => elems / 2,
             KvDtype::Q8 => elems / 4,
+            KvDtype::Q4 => elems / 8,
         }
+    }
+
+    /// Whether each token-head has a scale word after the codes.
+    pub fn scaled(&self) -> bool {
+        matches!(self.dtype, KvDtype::Q8 | KvDtype::Q4)
     }
 
     /// Bytes of one shard buffer (K or V of one layer).
     pub fn shard_bytes(&self) -> u64 {
-        let scales = if self.dtype == KvDtype::Q8 { self.shard_heads() } else { 0 };
+        let scales = if self.scaled() { self.shard_heads() } else { 0 };
         ((self.scale_base() + scales) * 4) as u64
     }
 
@@ -128,8 +137,22 @@ pub fn dequantize_q8(code: i8, amax: f32) -> f32 {
     (code as f32 / 127.0).max(-1.0) * amax
 }
 
-/// What the cache hands back for a head written as `x` (f32: itself; f16: rounded; q8: the
-/// dequantized codes).
+/// Q4 storage of one head: codes `round(x / amax * 7)` in -7..=7 (rounded half away from
+/// zero, as the GPU does) and amax.
+pub fn quantize_head_q4(x: &[f32]) -> (Vec<i8>, f32) {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let inv = if amax > 0.0 { 1.0 / amax } else { 0.0 };
+    let codes = x.iter().map(|v| ((v * inv).clamp(-1.0, 1.0) * 7.0).round() as i8).collect();
+    (codes, amax)
+}
+
+/// The value a Q4 code stands for.
+pub fn dequantize_q4(code: i8, amax: f32) -> f32 {
+    (code as f32 / 7.0) * amax
+}
+
+/// What the cache hands back for a head written as `x` (f32: itself; f16: rounded; q8, q4:
+/// the dequantized codes).
 pub fn round_trip(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
     match dtype {
         KvDtype::F32 => x.to_vec(),
@@ -138,6 +161,10 @@ pub fn round_trip(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
         KvDtype::Q8 => {
             let (c, a) = quantize_head_q8(x);
             c.into_iter().map(|c| dequantize_q8(c, a)).collect()
+        }
+        KvDtype::Q4 => {
+            let (c, a) = quantize_head_q4(x);
+            c.into_iter().map(|c| dequantize_q4(c, a)).collect()
         }
     }
 }
@@ -259,6 +286,7 @@ impl KvStore {
                 KvDtype::F32 => ((th * lay.head_dim * 4) as u64, (heads * lay.head_dim * 4) as u64),
                 KvDtype::F16 | KvDtype::Bf16 => ((th * lay.head_dim * 2) as u64, (heads * lay.head_dim * 2) as u64),
                 KvDtype::Q8 => ((th * lay.head_dim) as u64, (heads * lay.head_dim) as u64),
+                KvDtype::Q4 => ((th * lay.head_dim / 2) as u64, (heads * lay.head_dim / 2) as u64),
             }
         };
         let (ss, sth) = lay.locate(src, 0, 0);
@@ -268,7 +296,7 @@ impl KvStore {
         for layer in [&self.k[l], &self.v[l]] {
             enc.copy_buffer_to_buffer(&layer[ss], so, &self.staging, 0, len);
             enc.copy_buffer_to_buffer(&self.staging, 0, &layer[ds], dof, len);
-            if lay.dtype == KvDtype::Q8 {
+            if lay.scaled() {
                 let base = (lay.scale_base() * 4) as u64;
                 let n = heads as u64 * 4;
                 enc.copy_buffer_to_buffer(&layer[ss], base + sth as u64 * 4, &self.staging, 0, n);

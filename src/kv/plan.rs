@@ -11,6 +11,9 @@ pub enum KvDtype {
     F16,
     /// int8 with one f32 scale per token and KV head (for each of K and V).
     Q8,
+    /// 4-bit codes (-7..7, symmetric) with one f32 scale per token and KV head, like
+    /// llama.cpp's `-ctk q4_0` but scaled per head rather than per 32 elements.
+    Q4,
     /// 2-byte bfloat16 (for sizing checkpoints that cache in bf16).
     Bf16,
 }
@@ -22,6 +25,7 @@ impl KvDtype {
             "f16" => Some(KvDtype::F16),
             "bf16" => Some(KvDtype::Bf16),
             "q8" => Some(KvDtype::Q8),
+            "q4" => Some(KvDtype::Q4),
             _ => None,
         }
     }
@@ -32,6 +36,7 @@ impl KvDtype {
             KvDtype::F32 => (head_dim as u64).saturating_mul(4),
             KvDtype::F16 | KvDtype::Bf16 => (head_dim as u64).saturating_mul(2),
             KvDtype::Q8 => (head_dim as u64).saturating_add(4),
+            KvDtype::Q4 => (head_dim as u64 / 2).saturating_add(4),
         }
     }
 }

@@ -459,7 +459,8 @@ pub(crate) async fn load_blob(
         None | Some("f32") => crate::kv::plan::KvDtype::F32,
         Some("f16") => crate::kv::plan::KvDtype::F16,
         Some("q8") => crate::kv::plan::KvDtype::Q8,
-        Some(o) => return Err(bad("kvDtype", o, "f32, f16 or q8")),
+        Some("q4") => crate::kv::plan::KvDtype::Q4,
+        Some(o) => return Err(bad("kvDtype", o, "f32, f16, q8 or q4")),
     };
     let precision = match opts.weights.as_deref() {
         None | Some("native") => WeightPrecision::Native,

@@ -28,7 +28,7 @@ export interface EngineOptions {
   onProgress?: (p: Progress) => void;
   /** A draft model with the same tokenizer: requests speculate with it. */
   draft?: string | File | Blob;
-  kvDtype?: 'f32' | 'f16' | 'q8';
+  kvDtype?: 'f32' | 'f16' | 'q8' | 'q4';
   contextLength?: number;
   /** Bytes of GPU memory the model may take (weights, KV cache, workspace). */
   memoryBudget?: number;

@@ -24,9 +24,9 @@ pub struct PlanArgs {
     /// Sequences of `--context` tokens served at once.
     #[arg(long, default_value_t = 1)]
     batch: usize,
-    /// KV cache storage: f32, f16 or q8 (what `lantern run --kv-dtype` allocates), or bf16
-    /// (sizing only).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16", "q8"])]
+    /// KV cache storage: f32, f16, q8 or q4 (what `lantern run --kv-dtype` allocates), or
+    /// bf16 (sizing only).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16", "q8", "q4"])]
     kv_dtype: String,
     /// Memory budget in bytes (suffixes K, M, G, Ki, Mi, Gi accepted).
     #[arg(long)]
