@@ -47,6 +47,11 @@ const RULES: &[(&str, &[&str], &str)] = &[
     ("quant/mod.rs", &["gpu", "kernels", "kv", "model", "engine", "api", "eval", "web"], "packed formats sit below the model"),
     ("quant/ggml.rs", &["gpu", "kernels", "kv", "model", "engine", "api", "eval", "web"], "ggml block formats sit below the model"),
     (
+        "quant/gptq.rs",
+        &["gpu", "kernels", "kv", "model", "engine", "api", "eval", "web", "reference"],
+        "GPTQ works on matrices and Hessians, below the model",
+    ),
+    (
         "quant/pool.rs",
         &["gpu", "kernels", "kv", "model", "engine", "api", "eval", "web", "reference"],
         "the CPU loops' thread split is a leaf",

@@ -13,6 +13,7 @@ use half::f16;
 use lantern::model::load::load_path;
 use lantern::model::{DType, HostTensor, LoadError, ModelConfig, ModelWeights};
 use lantern::quant::awq::{self, AwqOptions, FloatWeights, LayerScales, Site};
+use lantern::quant::gptq;
 use lantern::quant::quantize::{quantize_model, EmbeddingPolicy, Method, Progress, QuantizeOptions};
 use lantern::quant::safetensors::{parse_metadata, to_safetensors_bytes, write_model_folder, QuantMetadata, METADATA_KEY};
 use lantern::quant::{fake_quantize, PackedMatrix, QuantError, QuantFormat, QuantKind};
@@ -349,6 +350,50 @@ fn slow_error(w: &[f32], k: usize, s: &[f32], x: &[f32], f: QuantFormat) -> f64 
         }
     }
     err
+}
+
+/// GPTQ through `quantize_model` on tiny models: every linear weight is GPTQ's (in the
+/// metadata and the report), each site's output error on the calibration inputs is below
+/// round-to-nearest's, and the model still validates and runs.
+#[test]
+fn gptq_models_lose_less_of_each_layer_than_rtn() {
+    for (name, kind) in [("llama-gqa", QuantKind::Q4), ("qwen2-bias", QuantKind::Q4Sym)] {
+        let w = tiny(name);
+        let c = w.config.clone();
+        if c.block != lantern::model::BlockSpec::default() {
+            continue;
+        }
+        let toks = tokens(48, c.vocab_size, 23);
+        let mut opts = QuantizeOptions::new(kind);
+        opts.method = Method::Gptq;
+        opts.awq.max_tokens = 48;
+        let q = quantize_model(&w, &opts, Some(&toks), &mut no_progress()).unwrap();
+        assert_eq!(q.report.calibration_tokens, 48);
+        assert_eq!(q.report.methods.get("gptq"), Some(&(7 * c.num_layers)), "{name}: {:?}", q.report.methods);
+        let stats = awq::capture(&c, &f32_weights(&w), &toks, 48, &mut |_, _| {}).unwrap();
+        let (mut total_rtn, mut total_gptq) = (0f64, 0f64);
+        for (l, st) in stats.iter().enumerate() {
+            for site in Site::ALL {
+                let x = st.get(site);
+                for n in site.weights(l) {
+                    let wv = w.tensors[&n].to_f32();
+                    let rows = wv.len() / x.k;
+                    let rtn = PackedMatrix::quantize(&n, &wv, rows, x.k, opts.format()).unwrap();
+                    let t = &q.weights.tensors[&n];
+                    let packed = PackedMatrix::from_bytes(&n, opts.format(), rows, x.k, &t.data).unwrap();
+                    let (e_rtn, e_gptq) = (gptq::output_error(&wv, &rtn, &x.sample), gptq::output_error(&wv, &packed, &x.sample));
+                    assert!(e_gptq <= e_rtn * 1.0001, "{name} {n}: GPTQ {e_gptq:e} > RTN {e_rtn:e}");
+                    total_rtn += e_rtn;
+                    total_gptq += e_gptq;
+                }
+            }
+        }
+        eprintln!("{name}: GPTQ output error {total_gptq:e} vs RTN {total_rtn:e}");
+        assert!(total_gptq < 0.9 * total_rtn, "{name}: GPTQ {total_gptq:e} vs RTN {total_rtn:e}");
+        // Refused without calibration, naming the method.
+        let e = quantize_model(&w, &opts, None, &mut no_progress()).err().expect("GPTQ without calibration");
+        assert!(e.to_string().contains("GPTQ"), "{e}");
+    }
 }
 
 #[test]

@@ -51,6 +51,7 @@ use half::f16;
 
 pub mod awq;
 pub mod ggml;
+pub mod gptq;
 mod pool;
 pub mod quantize;
 pub mod safetensors;
@@ -407,6 +408,24 @@ fn non_finite_scale(tensor: &str, r: usize, g: usize, x: &[f32], format: QuantFo
     }
 }
 
+/// Store group `g` of one row of an RTN format: its scale word `sc` into the row's `scales`
+/// and its integer codes into the row's `qs` (the layout of the module docs).
+fn pack_group(format: QuantFormat, g: usize, sc: u32, codes: &[i32], qs: &mut [u32], scales: &mut [u32]) {
+    match format.kind {
+        QuantKind::Q4 => scales[g] = sc,
+        _ => scales[g / 2] |= sc << (16 * (g & 1)),
+    }
+    let pw = format.kind.per_word();
+    let base = g * format.group as usize / pw;
+    for (i, &c) in codes.iter().enumerate() {
+        let bits = match format.kind {
+            QuantKind::Q8 => (c as i8 as u8 as u32) << (8 * (i % 4)),
+            _ => (c as u32) << (4 * (i % 8)),
+        };
+        qs[base + i / pw] |= bits;
+    }
+}
+
 /// Round-to-nearest needs one of the kinds it can produce.
 fn check_rtn(tensor: &str, format: QuantFormat) -> Result<(), QuantError> {
     if format.kind.is_rtn() {
@@ -660,7 +679,6 @@ impl PackedMatrix {
         let group = format.group as usize;
         let groups = format.groups(k);
         let sw = format.scale_words(k);
-        let pw = format.kind.per_word();
         let mut qs = vec![0u32; rows * format.qs_words(k)];
         let mut scales = vec![0u32; rows * sw];
         let mut codes = vec![0i32; group];
@@ -675,18 +693,8 @@ impl PackedMatrix {
                 for (c, &v) in codes.iter_mut().zip(x) {
                     *c = round_code(format.kind, v, inv, m);
                 }
-                match format.kind {
-                    QuantKind::Q4 => scales[r * sw + g] = sc,
-                    _ => scales[r * sw + g / 2] |= sc << (16 * (g & 1)),
-                }
-                let base = r * format.qs_words(k) + g * group / pw;
-                for (i, &c) in codes.iter().enumerate() {
-                    let bits = match format.kind {
-                        QuantKind::Q8 => (c as i8 as u8 as u32) << (8 * (i % 4)),
-                        _ => (c as u32) << (4 * (i % 8)),
-                    };
-                    qs[base + i / pw] |= bits;
-                }
+                let row_qs = &mut qs[r * format.qs_words(k)..(r + 1) * format.qs_words(k)];
+                pack_group(format, g, sc, &codes, row_qs, &mut scales[r * sw..(r + 1) * sw]);
             }
         }
         Ok(PackedMatrix { format, rows, k, qs, scales })

@@ -31,6 +31,10 @@ pub enum Method {
     /// Activation-aware per-channel scales searched on calibration text, folded into the
     /// preceding op, then round to nearest.
     Awq,
+    /// GPTQ ([`super::gptq`]): each linear layer rounded column by column with the error
+    /// pushed onto the columns left, weighted by the inverse Hessian of its calibration
+    /// inputs.
+    Gptq,
 }
 
 /// What happens to the token embedding and the LM head (the same matrix when
@@ -70,14 +74,24 @@ pub struct QuantizeOptions {
     pub group: u32,
     pub method: Method,
     pub embeddings: EmbeddingPolicy,
-    /// AWQ search settings (used with [`Method::Awq`]).
+    /// AWQ search settings (used with [`Method::Awq`]; its `max_tokens` also caps GPTQ's
+    /// calibration tokens).
     pub awq: AwqOptions,
+    /// GPTQ settings (used with [`Method::Gptq`]).
+    pub gptq: super::gptq::GptqOptions,
 }
 
 impl QuantizeOptions {
     /// RTN, group 32, embeddings q8.
     pub fn new(kind: QuantKind) -> Self {
-        QuantizeOptions { kind, group: 32, method: Method::Rtn, embeddings: EmbeddingPolicy::Q8, awq: AwqOptions::default() }
+        QuantizeOptions {
+            kind,
+            group: 32,
+            method: Method::Rtn,
+            embeddings: EmbeddingPolicy::Q8,
+            awq: AwqOptions::default(),
+            gptq: super::gptq::GptqOptions::default(),
+        }
     }
 
     /// The linear layers' format.
@@ -262,19 +276,23 @@ pub fn quantize_model(
     let mut meta = QuantMetadata { source: Some(weights.source.clone()), ..QuantMetadata::default() };
 
     // AWQ: calibrate on the float model, search, fold into float copies of the weights.
+    // GPTQ: calibrate on the float model, keeping every token's inputs for the Hessians.
     let mut floats: FloatWeights = HashMap::new();
     let mut results: Vec<[SiteResult; 4]> = Vec::new();
-    if opts.method == Method::Awq {
+    let mut stats: Vec<awq::LayerStats> = Vec::new();
+    let mut calibration_tokens = 0;
+    let method_name = if opts.method == Method::Gptq { "GPTQ" } else { "AWQ" };
+    if opts.method != Method::Rtn {
         if c.block != crate::model::BlockSpec::default() {
             return Err(LanternError::Config {
                 field: "method".into(),
-                reason: format!("AWQ's folds assume the Llama block's norm names, not {:?}'s; use round-to-nearest", c.arch),
+                reason: format!("{method_name}'s calibration pass runs the Llama block, not {:?}'s; use round-to-nearest", c.arch),
             });
         }
-        let tokens = calibration.ok_or_else(|| LanternError::Calibration("AWQ needs calibration tokens".into()))?;
+        let tokens = calibration.ok_or_else(|| LanternError::Calibration(format!("{method_name} needs calibration tokens")))?;
         let tokens = calibration_slice(tokens, &opts.awq, c.max_position_embeddings);
         if tokens.is_empty() {
-            return Err(LanternError::Calibration("AWQ: the calibration text has no tokens".into()));
+            return Err(LanternError::Calibration(format!("{method_name}: the calibration text has no tokens")));
         }
         for name in &names {
             if role(name) != Role::Embedding || name.as_str() == "model.embed_tokens.weight" {
@@ -282,10 +300,20 @@ pub fn quantize_model(
             }
         }
         let t0 = Instant::now();
-        let stats =
-            awq::capture(c, &floats, tokens, opts.awq.sample_tokens, &mut |layer, layers| progress(Progress::Calibrate { layer, layers }))?;
+        let sample = if opts.method == Method::Gptq { tokens.len() } else { opts.awq.sample_tokens };
+        stats = awq::capture(c, &floats, tokens, sample, &mut |layer, layers| progress(Progress::Calibrate { layer, layers }))?;
+        calibration_tokens = tokens.len();
         report.calibration_tokens = tokens.len();
         report.calibration_seconds = t0.elapsed().as_secs_f64();
+        if opts.method == Method::Gptq {
+            meta.calibration = Some(serde_json::json!({
+                "tokens": tokens.len(),
+                "damp": opts.gptq.damp,
+                "objective": "||W X - Q X||^2 over every calibration token's input to the layer (float model's activations), columns in order",
+            }));
+        }
+    }
+    if opts.method == Method::Awq {
         let t1 = Instant::now();
         let alphas = opts.awq.alphas();
         for (l, st) in stats.iter().enumerate() {
@@ -308,8 +336,8 @@ pub fn quantize_model(
         }
         report.search_seconds = t1.elapsed().as_secs_f64();
         meta.calibration = Some(serde_json::json!({
-            "tokens": tokens.len(),
-            "sample_tokens": awq::sample_indices(tokens.len(), opts.awq.sample_tokens).len(),
+            "tokens": calibration_tokens,
+            "sample_tokens": awq::sample_indices(calibration_tokens, opts.awq.sample_tokens).len(),
             "alpha_grid": alphas,
             "objective": "sum over sampled tokens of ||(W - deq(Q(W diag(s))) / s) x||^2 per group of layers sharing an input",
         }));
@@ -321,7 +349,8 @@ pub fn quantize_model(
         }
     }
 
-    // The output tensors.
+    // The output tensors (GPTQ: each site's Hessian made once, for the weights sharing it).
+    let mut hessians: HashMap<(usize, Site), Vec<f64>> = HashMap::new();
     let t2 = Instant::now();
     let mut out = HashMap::new();
     let total = names.len();
@@ -367,6 +396,10 @@ pub fn quantize_model(
                 let (m, mut info) = if opts.method == Method::Awq {
                     let m = quantize_parallel(name, &floats[*name], rows, k, format)?;
                     (m, TensorInfo::new(format, "awq"))
+                } else if opts.method == Method::Gptq {
+                    let h = gptq_hessian(&mut hessians, &stats, name)?;
+                    let m = super::gptq::quantize(name, &floats[*name], rows, k, h, format, opts.gptq)?;
+                    (m, TensorInfo::new(format, "gptq"))
                 } else {
                     match repack(t, format) {
                         Some(r) => (r?, TensorInfo::new(format, "repack")),
@@ -399,6 +432,22 @@ pub fn quantize_model(
     let weights = ModelWeights { config: c.clone(), tensors: out, source: format!("{} quantized to {}", weights.source, format) };
     validate(&weights)?;
     Ok(QuantizedModel { weights, metadata: meta, report })
+}
+
+/// The Hessian `X^T X` of the calibration inputs of linear weight `name` (the site of its
+/// layer that feeds it), made on first use and kept for the weights that share the input.
+fn gptq_hessian<'a>(
+    hessians: &'a mut HashMap<(usize, Site), Vec<f64>>,
+    stats: &[awq::LayerStats],
+    name: &str,
+) -> Result<&'a [f64], LanternError> {
+    let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<usize>().ok());
+    let site = layer.and_then(|l| Site::ALL.into_iter().find(|s| s.weights(l).iter().any(|w| w == name)).map(|s| (l, s)));
+    let (l, site) = site.ok_or_else(|| LanternError::Calibration(format!("GPTQ: `{name}` is not a linear weight calibration saw")))?;
+    let st = stats.get(l).ok_or_else(|| LanternError::Calibration(format!("GPTQ: no calibration inputs for layer {l}")))?.get(site);
+    // Keep one layer's Hessians at a time: weights come in name order, a layer's together.
+    hessians.retain(|key, _| key.0 == l);
+    Ok(hessians.entry((l, site)).or_insert_with(|| super::gptq::hessian(&st.sample, st.k)))
 }
 
 /// Fills the AWQ fields of a linear weight's metadata: its input-scale alpha and fold, and

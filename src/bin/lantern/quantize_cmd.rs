@@ -27,9 +27,19 @@ pub struct QuantizeArgs {
     /// (32, 64 or 128 usually).
     #[arg(long, default_value_t = 32)]
     group: u32,
-    /// Text file for AWQ calibration (activation-aware scales); without it, round to nearest.
+    /// Text file for calibration (AWQ's activation-aware scales, GPTQ's Hessians); without
+    /// it, round to nearest.
     #[arg(long)]
     calibration: Option<PathBuf>,
+    /// rtn (round to nearest), awq (activation-aware scales, then RTN) or gptq (error
+    /// feedback through the inputs' inverse Hessian). Default: awq with --calibration, else
+    /// rtn.
+    #[arg(long, value_parser = ["rtn", "awq", "gptq"])]
+    method: Option<String>,
+    /// GPTQ's dampening: the fraction of the Hessian's mean diagonal added to it (larger
+    /// trusts a small calibration text less).
+    #[arg(long, default_value_t = 0.01)]
+    gptq_damp: f64,
     /// Most calibration tokens used (the text is cut after these).
     #[arg(long, default_value_t = 256)]
     calibration_tokens: usize,
@@ -78,10 +88,20 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
             if ids.is_empty() {
                 bail!("calibration text {} is empty", p.display());
             }
-            opts.method = Method::Awq;
             Some(ids)
         }
         None => None,
+    };
+    if !(a.gptq_damp >= 0.0 && a.gptq_damp.is_finite()) {
+        bail!("--gptq-damp {} must be a non-negative number", a.gptq_damp);
+    }
+    opts.gptq.damp = a.gptq_damp;
+    opts.method = match (a.method.as_deref(), &calibration) {
+        (Some("rtn"), _) | (None, None) => Method::Rtn,
+        (Some("awq") | None, Some(_)) => Method::Awq,
+        (Some("gptq"), Some(_)) => Method::Gptq,
+        (Some(m), None) => bail!("--method {m} needs --calibration TEXT (its inputs are measured on it)"),
+        (Some(m), Some(_)) => bail!("unknown --method {m}"),
     };
     let pb = ProgressBar::new(0);
     pb.set_style(
