@@ -57,6 +57,39 @@ fn rotated(base: u32, pos: u32, i: u32) -> f32 {
     return qkv[base + i] * rope[r + j] + qkv[base + j] * rope[r + half + j];
 }
 
+#if KV_F32
+#elif KV_F16
+#else
+// The scaled caches (KV_Q8, KV_Q4): the largest |x| of the token's rotated K head (.x) and
+// of its V head (.y), each code's scale.
+fn head_amax(kb: u32, vb: u32, pos: u32, hd: u32) -> vec2<f32> {
+    var a = vec2<f32>(0.0);
+    for (var i = 0u; i < hd; i++) {
+        a = max(a, abs(vec2<f32>(rotated(kb, pos, i), qkv[vb + i])));
+    }
+    return a;
+}
+
+// Rotated K elements i..i+4 and V elements i..i+4 of a head.
+fn rot4(kb: u32, pos: u32, i: u32) -> vec4<f32> {
+    return vec4<f32>(rotated(kb, pos, i), rotated(kb, pos, i + 1u), rotated(kb, pos, i + 2u), rotated(kb, pos, i + 3u));
+}
+
+fn qkv4(vb: u32, i: u32) -> vec4<f32> {
+    return vec4<f32>(qkv[vb + i], qkv[vb + i + 1u], qkv[vb + i + 2u], qkv[vb + i + 3u]);
+}
+
+fn inv_or_zero(a: f32) -> f32 {
+    return select(0.0, 1.0 / a, a > 0.0);
+}
+
+// The K and V scales of token-head th, after the shard's codes.
+fn store_scales(th: u32, amax: vec2<f32>) {
+    k_cache[p.scale_base + th] = bitcast<u32>(amax.x);
+    v_cache[p.scale_base + th] = bitcast<u32>(amax.y);
+}
+
+#endif
 @compute @workgroup_size(WG)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let t = gid.y;
@@ -105,41 +138,23 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
 #endif
 #if KV_Q8
-    var ka = 0.0;
-    var va = 0.0;
-    for (var i = 0u; i < hd; i++) {
-        ka = max(ka, abs(rotated(kb, pos, i)));
-        va = max(va, abs(qkv[vb + i]));
-    }
-    let kinv = select(0.0, 1.0 / ka, ka > 0.0);
-    let vinv = select(0.0, 1.0 / va, va > 0.0);
+    let amax = head_amax(kb, vb, pos, hd);
+    let kinv = inv_or_zero(amax.x);
+    let vinv = inv_or_zero(amax.y);
     for (var i = 0u; i < hd; i += 4u) {
-        let kx = vec4<f32>(rotated(kb, pos, i), rotated(kb, pos, i + 1u), rotated(kb, pos, i + 2u), rotated(kb, pos, i + 3u));
-        let vx = vec4<f32>(qkv[vb + i], qkv[vb + i + 1u], qkv[vb + i + 2u], qkv[vb + i + 3u]);
-        k_cache[(dst + i) >> 2u] = pack4x8snorm(kx * kinv);
-        v_cache[(dst + i) >> 2u] = pack4x8snorm(vx * vinv);
+        k_cache[(dst + i) >> 2u] = pack4x8snorm(rot4(kb, pos, i) * kinv);
+        v_cache[(dst + i) >> 2u] = pack4x8snorm(qkv4(vb, i) * vinv);
     }
-    k_cache[p.scale_base + th] = bitcast<u32>(ka);
-    v_cache[p.scale_base + th] = bitcast<u32>(va);
+    store_scales(th, amax);
 #endif
 #if KV_Q4
-    var ka = 0.0;
-    var va = 0.0;
-    for (var i = 0u; i < hd; i++) {
-        ka = max(ka, abs(rotated(kb, pos, i)));
-        va = max(va, abs(qkv[vb + i]));
-    }
-    let kinv = select(0.0, 1.0 / ka, ka > 0.0);
-    let vinv = select(0.0, 1.0 / va, va > 0.0);
+    let amax = head_amax(kb, vb, pos, hd);
+    let kinv = inv_or_zero(amax.x);
+    let vinv = inv_or_zero(amax.y);
     for (var i = 0u; i < hd; i += 8u) {
-        let k0 = vec4<f32>(rotated(kb, pos, i), rotated(kb, pos, i + 1u), rotated(kb, pos, i + 2u), rotated(kb, pos, i + 3u));
-        let k1 = vec4<f32>(rotated(kb, pos, i + 4u), rotated(kb, pos, i + 5u), rotated(kb, pos, i + 6u), rotated(kb, pos, i + 7u));
-        let v0 = vec4<f32>(qkv[vb + i], qkv[vb + i + 1u], qkv[vb + i + 2u], qkv[vb + i + 3u]);
-        let v1 = vec4<f32>(qkv[vb + i + 4u], qkv[vb + i + 5u], qkv[vb + i + 6u], qkv[vb + i + 7u]);
-        k_cache[(dst + i) >> 3u] = q4_pack4(k0 * kinv) | (q4_pack4(k1 * kinv) << 16u);
-        v_cache[(dst + i) >> 3u] = q4_pack4(v0 * vinv) | (q4_pack4(v1 * vinv) << 16u);
+        k_cache[(dst + i) >> 3u] = q4_pack4(rot4(kb, pos, i) * kinv) | (q4_pack4(rot4(kb, pos, i + 4u) * kinv) << 16u);
+        v_cache[(dst + i) >> 3u] = q4_pack4(qkv4(vb, i) * vinv) | (q4_pack4(qkv4(vb, i + 4u) * vinv) << 16u);
     }
-    k_cache[p.scale_base + th] = bitcast<u32>(ka);
-    v_cache[p.scale_base + th] = bitcast<u32>(va);
+    store_scales(th, amax);
 #endif
 }

@@ -18,7 +18,7 @@ use lantern::kernels::attention::{AttentionIo, AttentionParams, KvBinding};
 use lantern::kernels::linear::{self, GpuLinear, HostMatrix, LinearIo};
 use lantern::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
 use lantern::kernels::{self, step_buffer, submit, submit_step, x_texture, StepUniform};
-use lantern::kv::cache::{quantize_head_q8, round_trip, KvLayout};
+use lantern::kv::cache::{quantize_head, round_trip, KvLayout};
 use lantern::kv::plan::KvDtype;
 use lantern::kv::ring::WindowRing;
 use lantern::quant::{PackedMatrix, QuantFormat, QuantKind};
@@ -1542,7 +1542,7 @@ impl Paged {
                     }
                 }
                 KvDtype::Q8 => {
-                    let (codes, amax) = quantize_head_q8(h);
+                    let (codes, amax) = quantize_head(h, 127.0);
                     for i in (0..hd).step_by(4) {
                         let b = |j: usize| (codes[i + j] as u8) as u32;
                         w[(th * hd + i) / 4] = b(0) | b(1) << 8 | b(2) << 16 | b(3) << 24;
@@ -1550,7 +1550,7 @@ impl Paged {
                     w[l.scale_base() + th] = amax.to_bits();
                 }
                 KvDtype::Q4 => {
-                    let (codes, amax) = lantern::kv::cache::quantize_head_q4(h);
+                    let (codes, amax) = quantize_head(h, 7.0);
                     for i in (0..hd).step_by(8) {
                         w[(th * hd + i) / 8] = (0..8).fold(0, |a, j| a | (((codes[i + j] + 8) as u32) << (4 * j)));
                     }

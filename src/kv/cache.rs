@@ -6,7 +6,7 @@
 //! `th = (lp * page_size + s) * n_kv_heads + h`, elements `th * head_dim + i`, stored as f32,
 //! as f16 pairs per u32 word, or as int8 codes four per word followed (from word
 //! [`KvLayout::scale_base`]) by one f32 per token-head: the head's largest |x| (`amax`), with
-//! `x = max(code / 127, -1) * amax` (`shaders/common/kv.wgsl`; [`quantize_head_q8`] is the
+//! `x = max(code / 127, -1) * amax` (`shaders/common/kv.wgsl`; [`quantize_head`] is the
 //! CPU mirror).
 
 use super::plan::KvDtype;
@@ -124,26 +124,18 @@ impl KvLayout {
     }
 }
 
-/// Q8 storage of one head: codes `round(x / amax * 127)` and amax (the GPU mirrors this).
-pub fn quantize_head_q8(x: &[f32]) -> (Vec<i8>, f32) {
+/// Q8 and Q4 storage of one head: codes `round(x / amax * levels)` (rounded half away from
+/// zero, as the GPU does; `levels` 127 for q8, 7 for q4) and amax (the GPU mirrors this).
+pub fn quantize_head(x: &[f32], levels: f32) -> (Vec<i8>, f32) {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let inv = if amax > 0.0 { 1.0 / amax } else { 0.0 };
-    let codes = x.iter().map(|v| ((v * inv).clamp(-1.0, 1.0) * 127.0).round() as i8).collect();
+    let codes = x.iter().map(|v| ((v * inv).clamp(-1.0, 1.0) * levels).round() as i8).collect();
     (codes, amax)
 }
 
 /// The value a Q8 code stands for.
 pub fn dequantize_q8(code: i8, amax: f32) -> f32 {
     (code as f32 / 127.0).max(-1.0) * amax
-}
-
-/// Q4 storage of one head: codes `round(x / amax * 7)` in -7..=7 (rounded half away from
-/// zero, as the GPU does) and amax.
-pub fn quantize_head_q4(x: &[f32]) -> (Vec<i8>, f32) {
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let inv = if amax > 0.0 { 1.0 / amax } else { 0.0 };
-    let codes = x.iter().map(|v| ((v * inv).clamp(-1.0, 1.0) * 7.0).round() as i8).collect();
-    (codes, amax)
 }
 
 /// The value a Q4 code stands for.
@@ -159,11 +151,11 @@ pub fn round_trip(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
         KvDtype::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
         KvDtype::Bf16 => x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(),
         KvDtype::Q8 => {
-            let (c, a) = quantize_head_q8(x);
+            let (c, a) = quantize_head(x, 127.0);
             c.into_iter().map(|c| dequantize_q8(c, a)).collect()
         }
         KvDtype::Q4 => {
-            let (c, a) = quantize_head_q4(x);
+            let (c, a) = quantize_head(x, 7.0);
             c.into_iter().map(|c| dequantize_q4(c, a)).collect()
         }
     }
