@@ -41,6 +41,8 @@ struct Server {
     child: Child,
     addr: String,
     log: PathBuf,
+    /// The API key the server wants (its `LANTERN_API_KEY`), sent by `get`.
+    key: Option<String>,
 }
 
 impl Server {
@@ -79,7 +81,8 @@ impl Server {
                 }
             }
         });
-        let mut server = Server { child, addr: String::new(), log };
+        let key = env.iter().find(|(k, _)| *k == "LANTERN_API_KEY").map(|(_, v)| v.to_string());
+        let mut server = Server { child, addr: String::new(), log, key };
         match rx.recv_timeout(Duration::from_secs(180)) {
             Ok(addr) => server.addr = addr,
             Err(_) => panic!("the server did not start; its log:\n{}", server.log_text()),
@@ -92,7 +95,10 @@ impl Server {
     }
 
     fn get(&self, path: &str) -> Response {
-        http(&self.addr, "GET", path, &[], b"")
+        match &self.key {
+            Some(key) => http(&self.addr, "GET", path, &[("Authorization", &format!("Bearer {key}"))], b""),
+            None => http(&self.addr, "GET", path, &[], b""),
+        }
     }
 
     fn post(&self, path: &str, body: &Value) -> Response {
@@ -120,12 +126,13 @@ impl Server {
             let text = self.get("/metrics").text();
             let (running, waiting) = (metric(&text, "lantern_requests_running"), metric(&text, "lantern_requests_waiting"));
             let (free, total) = (metric(&text, "lantern_kv_pages_free"), metric(&text, "lantern_kv_pages_total"));
-            if running == 0.0 && waiting == 0.0 && free == total {
+            let busy = metric(&text, "lantern_engine_busy");
+            if running == 0.0 && waiting == 0.0 && free == total && busy == 0.0 {
                 return text;
             }
             assert!(
                 t0.elapsed() < within,
-                "not idle after {within:?}: running {running}, waiting {waiting}, KV pages free {free} of {total}"
+                "not idle after {within:?}: running {running}, waiting {waiting}, KV pages free {free} of {total}, busy {busy}"
             );
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -1351,6 +1358,8 @@ fn ollama_routes_stream_ndjson_and_refuse_bad_input() {
     assert_eq!(server.get("/api/version").json()["version"], env!("CARGO_PKG_VERSION"));
     let ps = server.get("/api/ps").json();
     assert!(ps["models"][0]["size_vram"].as_u64().unwrap() > 0, "{ps}");
+    // A decode-ahead step behind the last stream may still land.
+    server.wait_idle(Duration::from_secs(10));
     let before = server.metric("lantern_engine_steps_total");
     for (path, body, status, field) in [
         ("/api/chat", json!({"messages": [{"role": "user", "content": "x"}]}), 400, "model"),
@@ -1554,6 +1563,8 @@ fn messages_events_auth_and_bad_input() {
         .find(|v| v["type"] == "message_delta")
         .unwrap();
     assert_eq!((delta["delta"]["stop_reason"].clone(), delta["usage"]["output_tokens"].clone()), (json!("max_tokens"), json!(5)));
+    // The stream ends with its last token; a decode-ahead step behind it may still land.
+    server.wait_idle(Duration::from_secs(10));
     let before = server.metric_with_key("lantern_engine_steps_total", "sesame");
     let user = json!([{"role": "user", "content": "x"}]);
     for (bad, field) in [

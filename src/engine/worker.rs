@@ -37,6 +37,9 @@ pub struct Snapshot {
     pub kv_pages_free: usize,
     pub kv_page_size: usize,
     pub context: usize,
+    /// Whether the engine has work: requests running or waiting, or a step in flight (a
+    /// decode-ahead step lands after its sequences have finished).
+    pub busy: bool,
     pub stats: EngineStats,
     pub prefix: PrefixStats,
     /// The last step's error, if it failed (its requests got `Event::Error`).
@@ -53,6 +56,7 @@ fn snapshot(e: &Engine, last_error: Option<String>) -> Snapshot {
         kv_pages_free: a.free_pages(),
         kv_page_size: a.config.page_size,
         context: a.config.context,
+        busy: !e.is_idle(),
         stats: e.stats().clone(),
         prefix: a.stats(),
         last_error,

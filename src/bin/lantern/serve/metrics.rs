@@ -161,6 +161,12 @@ pub fn render(shared: &Shared) -> String {
         "1 while the engine thread takes requests.",
         if shared.engine_down.load(Ordering::SeqCst) { 0.0 } else { 1.0 },
     );
+    one(
+        "lantern_engine_busy",
+        "gauge",
+        "1 while the engine has requests running or waiting, or a step in flight.",
+        if s.busy { 1.0 } else { 0.0 },
+    );
     one("lantern_engine_steps_total", "counter", "Engine steps (one GPU batch each).", s.stats.steps as f64);
     one(
         "lantern_engine_preemptions_total",
