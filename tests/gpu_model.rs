@@ -29,10 +29,15 @@ fn load_gpu(weights: &ModelWeights, opts: ModelOptions) -> GpuModel {
 }
 
 fn check_fixture(name: &str, opts: ModelOptions) {
+    check_fixture_against(name, opts, "logits.f32");
+}
+
+/// [`check_fixture`] with the logits of `logits_file` (within TOL).
+fn check_fixture_against(name: &str, opts: ModelOptions, logits_file: &str) -> Vec<f32> {
     let w = load_hf_folder(&tiny(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
     let r = reference(name);
     let input = ids(&r["input_ids"]);
-    let want = read_f32(&tiny(name).join("logits.f32"));
+    let want = read_f32(&tiny(name).join(logits_file));
     let vocab = w.config.vocab_size;
     let mut m = load_gpu(&w, opts);
     let seq = m.new_sequence().unwrap();
@@ -53,6 +58,7 @@ fn check_fixture(name: &str, opts: ModelOptions) {
         out.push(next);
     }
     assert_eq!(out, greedy, "{name}: greedy ids");
+    got
 }
 
 macro_rules! fixture_tests {
@@ -68,6 +74,7 @@ fixture_tests! {
     llama_gqa => "llama-gqa",
     llama_gqa_f16 => "llama-gqa-f16",
     llama_gqa_bf16 => "llama-gqa-bf16",
+    llama_gqa_fp8_channel => "llama-gqa-fp8-channel",
     llama_mha_tied => "llama-mha-tied",
     llama_mha_tied_sharded => "llama-mha-tied-sharded",
     llama_mqa => "llama-mqa",
@@ -75,6 +82,21 @@ fixture_tests! {
     llama3_rope_scaling_hd16 => "llama3-rope-scaling-hd16",
     qwen2_bias => "qwen2-bias",
     mistral => "mistral",
+}
+
+/// How far an FP8 checkpoint's float32 scales move when stored as Lantern's f16 (scale x 256,
+/// 2^-12 of the scale): the block fixture's logits move by 1.7e-4 in transformers itself.
+const FP8_F32_SCALE_TOL: f32 = 2.5e-4;
+
+/// FP8 weights with float32 block scales (`_scale_inv`, [64, 64] blocks, partial ones
+/// included): TOL-close to the reference of the same codes with the scales rounded as stored,
+/// and within FP8_F32_SCALE_TOL of the float32-scale reference; greedy exact.
+#[test]
+fn llama_gqa_fp8_block() {
+    let name = "llama-gqa-fp8-block";
+    let got = check_fixture_against(name, ModelOptions { context: Some(256), ..Default::default() }, "logits_f16_scales.f32");
+    let want = read_f32(&tiny(name).join("logits.f32"));
+    assert_close(&format!("{name} (float32 scales)"), &got, &want, 512, FP8_F32_SCALE_TOL);
 }
 
 #[test]

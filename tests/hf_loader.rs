@@ -427,3 +427,105 @@ fn tensor_stored_in_two_shards_is_refused() {
     let e = must_fail(load_hf_folder(d.path()), "duplicate tensor");
     assert_mentions(&e, &["model.embed_tokens.weight", "model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"]);
 }
+
+/// Every E4M3 byte decodes as torch decodes it (bit for bit, -0 included); the two NaN
+/// codes follow the formula to +-480, as the shaders' decode does (loading refuses them).
+#[test]
+fn e4m3_bytes_decode_as_torch_does() {
+    let bytes = std::fs::read(tiny_dir().join("e4m3_values.f32")).unwrap();
+    let want: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    for b in 0..=255u8 {
+        let got = lantern::quant::e4m3(b);
+        if b & 0x7f == 0x7f {
+            assert!(want[b as usize].is_nan());
+            assert_eq!(got, if b & 0x80 != 0 { -480.0 } else { 480.0 });
+        } else {
+            assert_eq!(got.to_bits(), want[b as usize].to_bits(), "byte {b:#04x}: {got} vs {}", want[b as usize]);
+        }
+    }
+}
+
+/// The FP8 fixtures load with every projection packed as FP8 (scales folded in, the scale
+/// tensors consumed), from a folder and from buffers; each element is E4M3(byte) times its
+/// block's scale as stored (an f16 of scale x 256), partial blocks included.
+#[test]
+fn fp8_checkpoints_load_as_packed_fp8_with_their_block_scales() {
+    use lantern::model::DType;
+    use lantern::quant::QuantKind;
+    for (name, suffix) in [("llama-gqa-fp8-block", "_scale_inv"), ("llama-gqa-fp8-channel", "_scale")] {
+        let dir = tiny_dir().join(name);
+        let w = load_hf_folder(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let from_buffers =
+            load_hf_buffers(&std::fs::read_to_string(dir.join("config.json")).unwrap(), None, &[("model.safetensors", &bytes[..])])
+                .unwrap();
+        let mut raw = std::collections::HashMap::new();
+        lantern::model::hf::read_safetensors("x", &bytes, &mut raw).unwrap();
+        let mut packed = 0;
+        for (n, t) in &w.tensors {
+            assert!(!n.ends_with(&format!(".weight{suffix}")), "{name}: scale tensor {n} left over");
+            let DType::Packed(f) = t.dtype else { continue };
+            assert_eq!(f.kind, QuantKind::Fp8, "{name}: {n}");
+            assert_eq!(from_buffers.tensors[n].data, t.data, "{name}: {n} differs from buffers");
+            let codes = &raw[n];
+            assert_eq!(codes.dtype, DType::F8_E4M3);
+            let scale = &raw[&format!("{n}{suffix}")];
+            let s = scale.to_f32();
+            let [rows, k] = t.shape[..] else { unreachable!("packed tensors are 2-D") };
+            let cols = if scale.shape.len() == 2 { scale.shape[1] } else { 1 };
+            let br = if cols == 1 && s.len() == rows { 1 } else { 64 };
+            let got = t.to_f32();
+            for r in 0..rows {
+                for c in 0..k {
+                    let si = if cols == 1 { r / br } else { (r / 64) * cols + c / 64 };
+                    let d = half::f16::from_f32(s[si] * 256.0).to_f32();
+                    let want = lantern::quant::e4m3(codes.data[r * k + c]) / 256.0 * d;
+                    assert_eq!(got[r * k + c], want, "{name}: {n}[{r}, {c}]");
+                }
+            }
+            packed += 1;
+        }
+        assert_eq!(packed, 14, "{name}: 7 projections x 2 layers");
+    }
+}
+
+/// FP8 tensors that cannot be read are refused naming the tensor and what was expected: a
+/// NaN code, a scale that does not tile the weight, rows not a multiple of 32, a scale no
+/// f16 holds, and E5M2 (not read).
+#[test]
+fn fp8_tensors_that_cannot_be_read_are_named() {
+    const Q: &str = "model.layers.0.self_attn.q_proj.weight";
+    let q = Q;
+    type Edit = Box<dyn Fn(&mut Vec<(String, String, Vec<usize>, Vec<u8>)>)>;
+    let cases: Vec<(&str, Edit, Vec<&str>)> = vec![
+        ("NaN code", Box::new(|l| l.iter_mut().find(|t| t.0 == Q).unwrap().3[64 * 3 + 5] = 0xff), vec![q, "NaN", "row 3, column 5"]),
+        (
+            "scale of 3 x 3 blocks",
+            Box::new(|l| {
+                let s = l.iter_mut().find(|t| t.0.ends_with("q_proj.weight_scale_inv")).unwrap();
+                (s.2, s.3) = (vec![3, 3], vec![0u8; 36]);
+            }),
+            vec!["q_proj.weight_scale_inv", "[3, 3]", "does not tile"],
+        ),
+        (
+            "rows of 20",
+            Box::new(|l| l.push(("model.extra.weight".into(), "F8_E4M3".into(), vec![2, 20], vec![0x38; 40]))),
+            vec!["model.extra.weight", "multiple of 32"],
+        ),
+        (
+            "huge scale",
+            Box::new(|l| {
+                let s = l.iter_mut().find(|t| t.0.ends_with("q_proj.weight_scale_inv")).unwrap();
+                s.3[0..4].copy_from_slice(&1e6f32.to_le_bytes());
+            }),
+            vec!["q_proj.weight_scale_inv", "row 0, column 0", "outside"],
+        ),
+        ("E5M2", Box::new(|l| l.iter_mut().find(|t| t.0 == Q).unwrap().1 = "F8_E5M2".into()), vec![q, "F8_E5M2"]),
+    ];
+    for (what, edit, parts) in cases {
+        let d = copy_fixture("llama-gqa-fp8-block");
+        rewrite_tensors(&d, |l| edit(l));
+        let e = must_fail(load_hf_folder(d.path()), what);
+        assert_mentions(&e, &parts);
+    }
+}

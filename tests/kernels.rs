@@ -845,15 +845,16 @@ fn packed_linear_split_across_bindings_and_auto_layout_match_reference() {
 }
 
 /// The GGUF-only formats (Q5_0, Q5_1, IQ4_NL, MXFP4 and the 256-element K-quants and IQ4_XS)
-/// from random blocks, in every packed kernel: (rows, K, tokens) with odd
+/// and FP8 (every byte, the NaN codes' +-480 included) from random blocks, in every packed kernel: (rows, K, tokens) with odd
 /// row counts, one super-block to several (odd counts: Q6_K's paired d words, IQ4_XS's
 /// two headers per texel), token counts for the matvec, the four- and eight-token matvecs
 /// and the matmuls.
-const GGML_FORMATS: [WeightFormat; 10] = [
+const GGML_FORMATS: [WeightFormat; 11] = [
     WeightFormat::Packed(QuantKind::Q5Sym),
     WeightFormat::Packed(QuantKind::Q5),
     WeightFormat::Packed(QuantKind::Iq4Nl),
     WeightFormat::Packed(QuantKind::Mxfp4),
+    WeightFormat::Packed(QuantKind::Fp8),
     WeightFormat::Packed(QuantKind::Q2K),
     WeightFormat::Packed(QuantKind::Q3K),
     WeightFormat::Packed(QuantKind::Q4K),
@@ -928,17 +929,17 @@ fn ggml_suite(formats: &[WeightFormat], seed: u64) {
 
 #[test]
 fn ggml_32_formats_match_reference_in_every_layout() {
-    ggml_suite(&GGML_FORMATS[..4], 41);
+    ggml_suite(&GGML_FORMATS[..5], 41);
 }
 
 #[test]
 fn ggml_k_quants_2_3_4_match_reference_in_every_layout() {
-    ggml_suite(&GGML_FORMATS[4..7], 42);
+    ggml_suite(&GGML_FORMATS[5..8], 42);
 }
 
 #[test]
 fn ggml_k_quants_5_6_and_iq4xs_match_reference_in_every_layout() {
-    ggml_suite(&GGML_FORMATS[7..], 43);
+    ggml_suite(&GGML_FORMATS[8..], 43);
 }
 
 /// Binding splits (8 KiB) and the runtime's own layout choice for the GGUF-only formats.

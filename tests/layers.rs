@@ -71,6 +71,7 @@ const RULES: &[(&str, &[&str], &str)] = &[
     ),
     ("kv/plan.rs", &["gpu"], "KV sizing is plain numbers (the memory plan runs without a GPU)"),
     ("model/plan.rs", &["gpu"], "the memory plan runs without a GPU"),
+    ("model/fp8.rs", &["gpu", "kernels", "kv"], "reading FP8 checkpoints is host work"),
 ];
 
 /// wgpu calls that make GPU objects: only src/gpu/ may make them.

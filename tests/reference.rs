@@ -76,6 +76,7 @@ fixture_tests! {
     llama_gqa => "llama-gqa",
     llama_gqa_f16 => "llama-gqa-f16",
     llama_gqa_bf16 => "llama-gqa-bf16",
+    llama_gqa_fp8_channel => "llama-gqa-fp8-channel",
     llama_mha_tied => "llama-mha-tied",
     llama_mha_tied_sharded => "llama-mha-tied-sharded",
     llama_mqa => "llama-mqa",
@@ -83,6 +84,27 @@ fixture_tests! {
     llama3_rope_scaling_hd16 => "llama3-rope-scaling-hd16",
     qwen2_bias => "qwen2-bias",
     mistral => "mistral",
+}
+
+/// FP8 weights with float32 block scales: the oracle keeps each scale as Lantern stores it
+/// (an f16 of scale x 256), so it matches the reference of the same codes with the scales
+/// rounded so (`logits_f16_scales.f32`) within LOGIT_TOL, and the float32-scale reference
+/// within 2.5e-4 (transformers' own logits move by 1.7e-4 under that rounding); greedy exact.
+#[test]
+fn llama_gqa_fp8_block() {
+    let name = "llama-gqa-fp8-block";
+    let dir = tiny_dir().join(name);
+    let reference = read_json(&dir.join("reference.json"));
+    let weights = load_hf_folder(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model = ReferenceModel::new(&weights).unwrap();
+    let input = ids(&reference["input_ids"]);
+    let logits = model.forward(&input);
+    let vocab = weights.config.vocab_size;
+    assert_close(&format!("{name} (f16 scales)"), &logits, &read_f32(&dir.join("logits_f16_scales.f32")), vocab, LOGIT_TOL);
+    assert_close(&format!("{name} (float32 scales)"), &logits, &read_f32(&dir.join("logits.f32")), vocab, 2.5e-4);
+    assert_eq!(argmax_rows(&logits, vocab), ids(&reference["argmax"]), "{name}: argmax");
+    let want = ids(&reference["greedy_ids"]);
+    assert_eq!(model.greedy(&input, want.len()), want, "{name}: greedy_ids");
 }
 
 #[test]

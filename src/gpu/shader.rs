@@ -273,6 +273,8 @@ impl WeightFormat {
             K::Q6K => &["W_PACKED", "W_Q6K", "W_HI", "W_HI2", "W_SUPER"],
             K::Iq4Xs => &["W_PACKED", "W_IQ4XS", "W_TABLE", "W_SUPER"],
             K::Mxfp4 => &["W_PACKED", "W_MXFP4", "W_TABLE"],
+            // FP8 E4M3: Q8's bytes and scales, each byte decoded as a float (W_FP8).
+            K::Fp8 => &["W_PACKED", "W_Q8", "W_FP8"],
         }
     }
 }

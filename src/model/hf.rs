@@ -2,6 +2,8 @@
 //! `model-0000k-of-0000n.safetensors` files listed by `model.safetensors.index.json`.
 //!
 //! Tensors keep their file dtype (F32, F16 or BF16) and their Hugging Face names and shapes;
+//! FP8 (`F8_E4M3`) weights and their scales become one packed [`QuantKind::Fp8`](crate::quant::QuantKind::Fp8)
+//! tensor each ([`crate::model::fp8`]);
 //! the packed weights of a `lantern quantize` folder (`<name>.qweight` + `<name>.scales`
 //! described by `lantern.quantization` metadata) load as one [`DType::Packed`] tensor each.
 //! Natively the files are memory-mapped ([`load_hf_folder`]); in the browser the caller
@@ -31,6 +33,7 @@ fn map_dtype(d: StDtype) -> Option<DType> {
         StDtype::F32 => Some(DType::F32),
         StDtype::F16 => Some(DType::F16),
         StDtype::BF16 => Some(DType::BF16),
+        StDtype::F8_E4M3 => Some(DType::F8_E4M3),
         _ => None,
     }
 }
@@ -62,7 +65,7 @@ fn describe(err: SafeTensorError, len: usize) -> String {
 /// logical shape `[rows, k]`.
 ///
 /// Errors: [`LoadError::Safetensors`] for a corrupt or truncated file,
-/// [`LoadError::UnsupportedDType`] for a dtype other than F32/F16/BF16 (or U32 outside a
+/// [`LoadError::UnsupportedDType`] for a dtype other than F32/F16/BF16/F8_E4M3 (or U32 outside a
 /// packed pair), [`LoadError::Quantized`] for packed tensors with bad or missing metadata or
 /// mismatched sizes, and [`LoadError::Invalid`] for a tensor name already present in `out`.
 pub fn read_safetensors(file: &str, bytes: &[u8], out: &mut HashMap<String, HostTensor>) -> Result<(), LanternError> {
@@ -105,7 +108,7 @@ pub fn read_safetensors(file: &str, bytes: &[u8], out: &mut HashMap<String, Host
             file: file.to_string(),
             tensor: name.clone(),
             dtype: format!(
-                "{} (supported: F32, F16, BF16, and U32 {QWEIGHT_SUFFIX}/{SCALES_SUFFIX} pairs of a quantized checkpoint)",
+                "{} (supported: F32, F16, BF16, F8_E4M3 with its scale, and U32 {QWEIGHT_SUFFIX}/{SCALES_SUFFIX} pairs of a quantized checkpoint)",
                 view.dtype()
             ),
         })?;
@@ -226,6 +229,7 @@ pub fn load_hf_buffers(config_json: &str, index_json: Option<&str>, files: &[(&s
         [(one, _)] => one.to_string(),
         _ => format!("{} safetensors files", files.len()),
     };
+    crate::model::fp8::pack_fp8_tensors(&source, &mut tensors)?;
     let mut weights = ModelWeights { config, tensors, source };
     apply_norm_offset(&mut weights);
     weights.unfuse()?;
@@ -336,6 +340,7 @@ mod native {
             }
             .into());
         }
+        crate::model::fp8::pack_fp8_tensors(&dir.display().to_string(), &mut tensors)?;
         let mut weights = ModelWeights { config, tensors, source: dir.display().to_string() };
         super::apply_norm_offset(&mut weights);
         weights.unfuse()?;

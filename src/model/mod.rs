@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod forward;
+pub mod fp8;
 pub mod gguf;
 pub mod guidance;
 pub mod hf;

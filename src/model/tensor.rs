@@ -53,6 +53,9 @@ pub enum DType {
     /// GGUF MXFP4: blocks of 32, an E8M0 exponent byte e, 16 bytes of nibbles indexing the
     /// E2M1 values (17 bytes), value = 2^(e - 127) * E2M1[q].
     MXFP4,
+    /// FP8 E4M3 (`float8_e4m3fn`, safetensors `F8_E4M3`), one byte per element, as read from
+    /// a checkpoint before `model::fp8` packs it with its scale.
+    F8_E4M3,
     /// Lantern's GPU layout of packed integer weights (a 2-D `[rows, k]` tensor whose data is
     /// `qs` words then `scales` words; see `crate::quant`), as stored by `lantern quantize`.
     Packed(QuantFormat),
@@ -64,6 +67,7 @@ impl DType {
         match self {
             DType::F32 => (1, 4),
             DType::F16 | DType::BF16 => (1, 2),
+            DType::F8_E4M3 => (1, 1),
             DType::Q8_0 => (32, 34),
             DType::Q4_0 => (32, 18),
             DType::Q4_1 => (32, 20),
@@ -175,6 +179,7 @@ impl HostTensor {
             DType::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             DType::F16 => d.chunks_exact(2).map(f16).collect(),
             DType::BF16 => d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::F8_E4M3 => d.iter().map(|&b| crate::quant::e4m3(b)).collect(),
             DType::Q8_0 => {
                 let mut out = Vec::with_capacity(n);
                 for b in d.chunks_exact(34) {

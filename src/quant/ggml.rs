@@ -18,6 +18,11 @@
 //! | `Q6K` | Q6_K | 256 | 210 | 128 B `ql` nibbles, 64 B `qh` 2-bit, 16 × i8 scales, `d` |
 //! | `Iq4Xs` | IQ4_XS | 256 | 136 | `d`, `scales_h` (u16), 4 B `scales_l`, 128 B nibbles |
 //! | `Mxfp4` | MXFP4 | 32 | 17 | `e` (E8M0 byte), 16 B nibbles |
+//! | `Fp8` | (none) | 32 | 34 | `d` (the scale x 256), 32 x E4M3 byte |
+//!
+//! `Fp8`'s block is not ggml's (no GGUF type holds FP8): it is Q8_0's with E4M3 bytes, the
+//! shape `model::fp8` gives the FP8 tensors of safetensors checkpoints, so that they share
+//! the repack and the oracle.
 //!
 //! Element orders inside a block (`e` the element index in the block):
 //!
@@ -42,7 +47,7 @@
 
 use half::f16;
 
-use super::{e8m0_half, scale_k3, scale_min_k4, PackedMatrix, QuantError, QuantFormat, QuantKind, IQ4_VALUES, MXFP4_VALUES};
+use super::{e8m0_half, fp8_code, scale_k3, scale_min_k4, PackedMatrix, QuantError, QuantFormat, QuantKind, IQ4_VALUES, MXFP4_VALUES};
 
 /// `(elements, bytes)` of one ggml block of `kind` as GGUF files store it.
 pub fn block_size(kind: QuantKind) -> (usize, usize) {
@@ -60,6 +65,7 @@ pub fn block_size(kind: QuantKind) -> (usize, usize) {
         QuantKind::Q6K => (256, 210),
         QuantKind::Iq4Xs => (256, 136),
         QuantKind::Mxfp4 => (32, 17),
+        QuantKind::Fp8 => (32, 34),
     }
 }
 
@@ -67,7 +73,7 @@ pub fn block_size(kind: QuantKind) -> (usize, usize) {
 /// `kind`.
 pub fn f16_fields(kind: QuantKind) -> &'static [usize] {
     match kind {
-        QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Iq4Xs => &[0],
+        QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Iq4Xs | QuantKind::Fp8 => &[0],
         QuantKind::Q4 | QuantKind::Q5 | QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
         QuantKind::Q2K => &[80, 82],
         QuantKind::Q3K => &[108],
@@ -93,6 +99,7 @@ pub fn ggml_name(kind: QuantKind) -> &'static str {
         QuantKind::Q6K => "Q6_K",
         QuantKind::Iq4Xs => "IQ4_XS",
         QuantKind::Mxfp4 => "MXFP4",
+        QuantKind::Fp8 => "FP8",
     }
 }
 
@@ -141,11 +148,11 @@ fn expected_bytes(kind: QuantKind, rows: usize, k: usize) -> Option<usize> {
 /// planes of `qs` in element order, scale bytes and f16 bits to `scales`; nothing is
 /// converted. Q8_0, Q4_0 and Q4_1 are repacked by [`PackedMatrix::from_gguf_blocks`].
 pub fn repack(tensor: &str, kind: QuantKind, data: &[u8], rows: usize, k: usize) -> Result<PackedMatrix, QuantError> {
-    if kind.is_rtn() {
+    if kind.is_rtn() || kind == QuantKind::Fp8 {
         return Err(invalid(
             tensor,
             format!(
-                "{} ({}) is not a ggml::repack kind: GGUF Q8_0, Q4_0 and Q4_1 repack through PackedMatrix::from_gguf_blocks",
+                "{} ({}) is not a ggml::repack kind: GGUF Q8_0, Q4_0, Q4_1 and FP8 blocks repack through PackedMatrix::from_gguf_blocks",
                 kind.name(),
                 ggml_name(kind)
             ),
@@ -270,7 +277,7 @@ pub fn repack(tensor: &str, kind: QuantKind, data: &[u8], rows: usize, k: usize)
                     s[2 * b] = u32_at(x, 0);
                     s[2 * b + 1] = u32_at(x, 4);
                 }
-                QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym => unreachable!("rejected above"),
+                QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym | QuantKind::Fp8 => unreachable!("rejected above"),
             }
         }
     }
@@ -309,6 +316,12 @@ pub fn dequantize_blocks(kind: QuantKind, data: &[u8], n: usize) -> Result<Vec<f
                 let d = half(x, 0);
                 for (v, &q) in y.iter_mut().zip(&x[2..34]) {
                     *v = q as i8 as f32 * d;
+                }
+            }
+            QuantKind::Fp8 => {
+                let d = half(x, 0);
+                for (v, &q) in y.iter_mut().zip(&x[2..34]) {
+                    *v = fp8_code(q) * d;
                 }
             }
             QuantKind::Q4Sym | QuantKind::Q4 | QuantKind::Iq4Nl => {

@@ -90,6 +90,30 @@ pub enum QuantKind {
     /// power-of-two E8M0 scale per 32: value = 2^(e - 128) MXFP4[q] (the table doubled, as
     /// ggml's `kvalues_mxfp4`, so the scale is halved).
     Mxfp4,
+    /// FP8 E4M3 (the `float8_e4m3fn` of Hugging Face FP8 checkpoints) with a scale per 32:
+    /// value = E4M3(q) / 256 * d. The bytes sit as Q8's do; `d` is the checkpoint's
+    /// per-tensor, per-channel or block scale times 256, as an f16 (so scales down to 2.4e-7
+    /// stay normal halves). See [`e4m3`].
+    Fp8,
+}
+
+/// The value of an FP8 E4M3 byte (sign, 4 exponent bits with bias 7, 3 mantissa bits; no
+/// infinities). `0x7f` / `0xff` are NaN in `float8_e4m3fn`; here they follow the formula to
+/// +-480, as the kernels' decode does (loading refuses them, see `model::fp8`).
+pub fn e4m3(b: u8) -> f32 {
+    fp8_code(b) * 256.0
+}
+
+/// An FP8 byte's code as [`QuantKind::Fp8`] multiplies it by its scale: E4M3(b) / 256, i.e.
+/// `(m | 8 if e > 0) * 2^(max(e, 1) - 18)`, exactly as the shaders compute it.
+pub fn fp8_code(b: u8) -> f32 {
+    let (e, m) = ((b >> 3) & 15, b & 7);
+    let v = (m | if e > 0 { 8 } else { 0 }) as f32 * f32::from_bits((e.max(1) as u32 + 127 - 18) << 23);
+    if b & 0x80 != 0 {
+        -v
+    } else {
+        v
+    }
 }
 
 /// The non-linear code book of IQ4_NL and IQ4_XS (ggml's `kvalues_iq4nl`).
@@ -108,7 +132,7 @@ pub fn e8m0_half(e: u8) -> f32 {
 
 impl QuantKind {
     /// Every kind, in the order above.
-    pub const ALL: [QuantKind; 13] = [
+    pub const ALL: [QuantKind; 14] = [
         QuantKind::Q8,
         QuantKind::Q4,
         QuantKind::Q4Sym,
@@ -122,6 +146,7 @@ impl QuantKind {
         QuantKind::Q6K,
         QuantKind::Iq4Xs,
         QuantKind::Mxfp4,
+        QuantKind::Fp8,
     ];
 
     /// Elements per `u32` of the low plane of `qs`.
@@ -132,7 +157,7 @@ impl QuantKind {
     /// Bits per element in the low plane of `qs`.
     pub fn lo_bits(&self) -> usize {
         match self {
-            QuantKind::Q8 => 8,
+            QuantKind::Q8 | QuantKind::Fp8 => 8,
             QuantKind::Q2K | QuantKind::Q3K => 2,
             _ => 4,
         }
@@ -192,6 +217,7 @@ impl QuantKind {
             QuantKind::Q6K => "q6k",
             QuantKind::Iq4Xs => "iq4xs",
             QuantKind::Mxfp4 => "mxfp4",
+            QuantKind::Fp8 => "fp8",
         }
     }
 
@@ -274,7 +300,9 @@ impl QuantFormat {
         let sb = k / 256;
         match self.kind {
             QuantKind::Q4 | QuantKind::Q5 => self.groups(k),
-            QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Mxfp4 => self.groups(k).div_ceil(2),
+            QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Mxfp4 | QuantKind::Fp8 => {
+                self.groups(k).div_ceil(2)
+            }
             QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q3K => 4 * sb,
             QuantKind::Q6K => 4 * sb + sb.div_ceil(2),
             QuantKind::Q2K => 5 * sb,
@@ -500,7 +528,7 @@ impl PackedMatrix {
         let byte = |words: &[u32], i: usize| (words[i / 4] >> (8 * (i % 4))) as u8;
         match self.format.kind {
             QuantKind::Q4 | QuantKind::Q5 => (half(s[g], false), half(s[g], true)),
-            QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl => {
+            QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Fp8 => {
                 let d = half(s[g / 2], g % 2 == 1);
                 // -0.0 adds nothing and keeps the sign of a zero product, as ggml's `d * q`
                 // has it (Q4Sym's offset is in its code, see `code`).
@@ -538,7 +566,8 @@ impl PackedMatrix {
     }
 
     /// The integer code `q` of element `(row, c)`: low bits | high bits above them (0..15 for
-    /// 4-bit, -127..127 for Q8, 0..31 for 5-bit, 0..63 for Q6K, 0..7 for Q3K, 0..3 for Q2K).
+    /// 4-bit, -127..127 for Q8, 0..31 for 5-bit, 0..63 for Q6K, 0..7 for Q3K, 0..3 for Q2K,
+    /// the E4M3 byte 0..255 for Fp8).
     pub fn raw_code(&self, row: usize, c: usize) -> i32 {
         let kind = self.format.kind;
         let q = &self.qs[row * self.format.qs_words(self.k)..(row + 1) * self.format.qs_words(self.k)];
@@ -556,8 +585,18 @@ impl PackedMatrix {
         (lo | hi << lb) as i32
     }
 
-    /// The code `c` of element `(row, c)` that multiplies the group scale: the raw code plus
-    /// the format's offset, or its IQ4 table value.
+    /// The code of element `(row, c)` that multiplies the group scale, as the kernels decode
+    /// it: [`code`](Self::code) as f32, or [`fp8_code`] of the byte for Fp8.
+    pub fn code_value(&self, row: usize, c: usize) -> f32 {
+        match self.format.kind {
+            QuantKind::Fp8 => fp8_code(self.raw_code(row, c) as u8),
+            _ => self.code(row, c) as f32,
+        }
+    }
+
+    /// The integer code `c` of element `(row, c)` that multiplies the group scale: the raw
+    /// code plus the format's offset, or its IQ4 table value (Fp8: the raw byte; its value is
+    /// [`code_value`](Self::code_value)'s).
     pub fn code(&self, row: usize, c: usize) -> i32 {
         let q = self.raw_code(row, c);
         match self.format.kind {
@@ -579,7 +618,7 @@ impl PackedMatrix {
             for g in 0..self.format.groups(self.k) {
                 let (d, m) = self.group_scale(r, g);
                 for c in g * group..(g + 1) * group {
-                    out.push(self.code(r, c) as f32 * d + m);
+                    out.push(self.code_value(r, c) * d + m);
                 }
             }
         }
@@ -607,13 +646,14 @@ impl PackedMatrix {
         Ok(out)
     }
 
-    /// Repack GGUF blocks (Q8_0, Q4_0, Q4_1; 32 elements per block) of a `rows x k` matrix.
+    /// Repack GGUF blocks (Q8_0, Q4_0, Q4_1, and Lantern's Q8_0-shaped FP8 block; 32
+    /// elements per block) of a `rows x k` matrix.
     /// Only bits move: the f16 scales and integer codes are copied, never converted.
     /// The other GGUF block formats (Q5_0, Q5_1, IQ4_NL and the 256-element K-quants and
     /// IQ4_XS) are repacked by [`ggml::repack`].
     pub fn from_gguf_blocks(tensor: &str, kind: QuantKind, data: &[u8], rows: usize, k: usize) -> Result<PackedMatrix, QuantError> {
         let block_bytes = match kind {
-            QuantKind::Q8 => 34,
+            QuantKind::Q8 | QuantKind::Fp8 => 34,
             QuantKind::Q4Sym => 18,
             QuantKind::Q4 => 20,
             _ => return ggml::repack(tensor, kind, data, rows, k),
@@ -634,7 +674,7 @@ impl PackedMatrix {
         for (bi, b) in data.chunks_exact(block_bytes).enumerate() {
             let (row, gi) = (bi / g, bi % g);
             match kind {
-                QuantKind::Q8 => {
+                QuantKind::Q8 | QuantKind::Fp8 => {
                     scales[row * sw + gi / 2] |= f16_bits(&b[0..2]) << (16 * (gi & 1));
                     qs.extend(b[2..34].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
                 }

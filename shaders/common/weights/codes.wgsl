@@ -148,7 +148,7 @@ fn raw_codes8(b: vec2<u32>) -> array<vec4<u32>, 2> {
 
 // The eight codes of one step without CODE_OFF (kernels that factor the group's scale out
 // of the sum fold the offset into the minimum: sum((q + o) d + m) x = d sum(q x) + (m + o d)
-// sum(x)); table formats give their table values, Q8 its signed bytes.
+// sum(x)); table formats give their table values, Q8 its signed bytes, FP8 its floats.
 fn raw8(b: vec2<u32>) -> array<vec4<f32>, 2> {
 #if W_Q8
     return codes8(b);
@@ -160,9 +160,25 @@ fn raw8(b: vec2<u32>) -> array<vec4<f32>, 2> {
 #endif
 }
 
+#if W_FP8
+// The four FP8 E4M3 bytes of w as codes, E4M3(b) / 256 (the scale carries the 256, see
+// QuantKind::Fp8): normal bytes by moving exponent and mantissa into an f32's fields with the
+// exponent bias 7 + 8 -> 127, subnormal ones (exponent 0) as m 2^-17, then the sign bit.
+// 0x7f / 0xff (NaN in float8_e4m3fn; refused at load) decode as +-480 / 256.
+fn fp8x4(w: u32) -> vec4<f32> {
+    let b = (vec4<u32>(w) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(0xffu);
+    let em = b & vec4<u32>(0x7fu);
+    let normal = bitcast<vec4<f32>>((em << vec4<u32>(20u)) + vec4<u32>(0x38000000u));
+    let mag = select(normal, vec4<f32>(em) * (1.0 / 131072.0), em < vec4<u32>(8u));
+    return bitcast<vec4<f32>>(bitcast<vec4<u32>>(mag) | ((b & vec4<u32>(0x80u)) << vec4<u32>(24u)));
+}
+#endif
+
 // The eight codes c of one step from its bits (see step_bits): elements 0-3 and 4-7.
 fn codes8(b: vec2<u32>) -> array<vec4<f32>, 2> {
-#if W_Q8
+#if W_FP8
+    return array<vec4<f32>, 2>(fp8x4(b.x), fp8x4(b.y));
+#elif W_Q8
     return array<vec4<f32>, 2>(
         vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(b.x) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u)),
         vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(b.y) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u)));

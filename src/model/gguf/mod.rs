@@ -545,8 +545,8 @@ impl GgmlType {
         }
     }
 
-    /// The ggml type that stores a Lantern dtype (`None` for Lantern's packed layout, which
-    /// only safetensors files carry).
+    /// The ggml type that stores a Lantern dtype (`None` for Lantern's packed layout and raw
+    /// FP8, which only safetensors files carry).
     pub fn from_dtype(dtype: DType) -> Option<Self> {
         Some(match dtype {
             DType::F32 => GgmlType::F32,
@@ -565,7 +565,7 @@ impl GgmlType {
             DType::IQ4_NL => GgmlType::IQ4_NL,
             DType::IQ4_XS => GgmlType::IQ4_XS,
             DType::MXFP4 => GgmlType::MXFP4,
-            DType::Packed(_) => return None,
+            DType::Packed(_) | DType::F8_E4M3 => return None,
         })
     }
 }
