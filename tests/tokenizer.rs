@@ -306,3 +306,27 @@ fn template_features() {
         .unwrap();
     assert_eq!(out, "{\"a\": [1, 2], \"b\": null}|[\n  1\n]");
 }
+
+/// A Hugging Face folder whose chat template sits in `chat_template.jinja` (where
+/// transformers 4.43+ saves it) gets that template, over `tokenizer_config.json`'s.
+#[test]
+fn folder_chat_template_jinja_wins_over_tokenizer_config() {
+    let tok = smollm2();
+    let dir = std::env::temp_dir().join(format!("lantern-jinja-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fixture = common::tiny_dir().join("llama-gqa");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), dir.join(f)).unwrap();
+    }
+    std::fs::write(dir.join("tokenizer.json"), tok.inner().to_string(false).unwrap()).unwrap();
+    let config = serde_json::json!({"eos_token": "<|im_end|>", "chat_template": "from the config"});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let load = || lantern::model::load::load_path(&dir).unwrap().tokenizer.unwrap();
+    assert_eq!(load().chat_template_source(), Some("from the config"));
+    std::fs::write(dir.join("chat_template.jinja"), tok.chat_template_source().unwrap()).unwrap();
+    let hf = load();
+    assert_eq!(hf.chat_template_source(), tok.chat_template_source());
+    let msgs = [ChatMessage::new("user", "Hi")];
+    assert_eq!(hf.chat_template().unwrap().render(&msgs, true).unwrap(), tok.chat_template().unwrap().render(&msgs, true).unwrap());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

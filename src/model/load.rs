@@ -13,7 +13,9 @@ pub struct LoadedModel {
 }
 
 /// Load a GGUF file or a Hugging Face folder (config.json, model.safetensors or shards with
-/// their index, tokenizer.json, tokenizer_config.json), memory-mapping the weights.
+/// their index, tokenizer.json, tokenizer_config.json, chat_template.jinja), memory-mapping
+/// the weights. A `chat_template.jinja` (where transformers 4.43+ saves the template) wins
+/// over `tokenizer_config.json`'s `chat_template`, as in transformers.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load_path(path: &std::path::Path) -> Result<LoadedModel> {
     if path.is_dir() {
@@ -23,7 +25,12 @@ pub fn load_path(path: &std::path::Path) -> Result<LoadedModel> {
             let bytes = std::fs::read(&tj).map_err(|e| LanternError::io(&tj, e))?;
             let tc = path.join("tokenizer_config.json");
             let cfg = if tc.is_file() { Some(std::fs::read(&tc).map_err(|e| LanternError::io(&tc, e))?) } else { None };
-            Some(Tokenizer::from_hf_files(&bytes, cfg.as_deref())?)
+            let mut tok = Tokenizer::from_hf_files(&bytes, cfg.as_deref())?;
+            let jinja = path.join("chat_template.jinja");
+            if jinja.is_file() {
+                tok.set_chat_template(std::fs::read_to_string(&jinja).map_err(|e| LanternError::io(&jinja, e))?);
+            }
+            Some(tok)
         } else {
             None
         };

@@ -365,6 +365,11 @@ impl Tokenizer {
         Ok(tok)
     }
 
+    /// Replace the chat template (a folder's `chat_template.jinja`).
+    pub fn set_chat_template(&mut self, template: String) {
+        self.chat_template = Some(template);
+    }
+
     /// Whether encoding adds a BOS: true when the post-processor puts the BOS id first.
     fn detect_add_bos(&self) -> bool {
         match (self.bos_id(), self.inner.encode("", true)) {
