@@ -246,11 +246,21 @@ fn budget_sizes_the_cache_and_a_full_cache_refuses_with_a_message() {
     }
     drop(m);
     // Three pages cannot hold one 64-token context.
-    let r = pollster::block_on(GpuModel::load(ctx, &l.weights, ModelOptions { memory_budget: Some(budget_for(3)), ..opts }));
+    let r =
+        pollster::block_on(GpuModel::load(ctx.clone(), &l.weights, ModelOptions { memory_budget: Some(budget_for(3)), ..opts.clone() }));
     let msg = match r {
         Err(e @ lantern::LanternError::MemoryBudget { .. }) => e.to_string(),
         Err(e) => panic!("wrong error: {e:?}"),
         Ok(_) => panic!("a budget of 3 pages loaded a 64-token context"),
     };
     assert!(msg.contains("one sequence of 64 tokens") && msg.contains("of weights") && msg.contains("--memory-budget"), "{msg}");
+    assert!(!msg.contains("weights alone"), "{msg}");
+    // A budget below the weights says so (it used to blame window rings the model lacks).
+    let r = pollster::block_on(GpuModel::load(ctx, &l.weights, ModelOptions { memory_budget: Some(1 << 20), ..opts }));
+    let msg = match r {
+        Err(e @ lantern::LanternError::MemoryBudget { .. }) => e.to_string(),
+        Err(e) => panic!("wrong error: {e:?}"),
+        Ok(_) => panic!("a 1 MiB budget loaded the model"),
+    };
+    assert!(msg.contains("the weights alone are over the budget") && !msg.contains("window rings"), "{msg}");
 }

@@ -197,13 +197,19 @@ impl GpuModel {
             what,
             needed,
         };
-        if weights + workspace + reserve + ring_bytes > b {
+        // The rings do not fit (without rings, weights over the budget leave no room for one
+        // sequence: the check below names that).
+        if ring_bytes > 0 && weights + workspace + reserve + ring_bytes > b {
             let what = format!("the sliding layers' window rings of {} sequences ({:?} KV)", options.max_seqs.max(1), options.kv_dtype);
             return Err(over(what, ring_bytes));
         }
         let one_context = context.div_ceil(page_size);
         if fit < one_context {
-            return Err(over(format!("one sequence of {context} tokens ({:?} KV)", options.kv_dtype), one_context as u64 * per_page));
+            let mut what = format!("one sequence of {context} tokens ({:?} KV)", options.kv_dtype);
+            if weights + workspace + reserve > b {
+                what += ", and the weights alone are over the budget (a quantized model or --weights f16 holds fewer bytes)";
+            }
+            return Err(over(what, one_context as u64 * per_page));
         }
         if fit < requested {
             log::warn!(
