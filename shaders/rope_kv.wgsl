@@ -89,6 +89,24 @@ fn store_scales(th: u32, amax: vec2<f32>) {
     v_cache[p.scale_base + th] = bitcast<u32>(amax.y);
 }
 
+// Elements per cache word, and the K (.x) and V (.y) words of elements i.. of a head, the
+// values multiplied by `inv` (1 / amax of K, of V) before they are coded (see common/kv.wgsl).
+#if KV_Q8
+const SCALED_STEP: u32 = 4u;
+#else
+const SCALED_STEP: u32 = 8u;
+#endif
+
+fn scaled_words(kb: u32, vb: u32, pos: u32, i: u32, inv: vec2<f32>) -> vec2<u32> {
+#if KV_Q8
+    return vec2<u32>(pack4x8snorm(rot4(kb, pos, i) * inv.x), pack4x8snorm(qkv4(vb, i) * inv.y));
+#else
+    let k = q4_pack4(rot4(kb, pos, i) * inv.x) | (q4_pack4(rot4(kb, pos, i + 4u) * inv.x) << 16u);
+    let v = q4_pack4(qkv4(vb, i) * inv.y) | (q4_pack4(qkv4(vb, i + 4u) * inv.y) << 16u);
+    return vec2<u32>(k, v);
+#endif
+}
+
 #endif
 @compute @workgroup_size(WG)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -130,30 +148,19 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         k_cache[dst + i] = rotated(kb, pos, i);
         v_cache[dst + i] = qkv[vb + i];
     }
-#endif
-#if KV_F16
+#elif KV_F16
     for (var i = 0u; i < hd; i += 2u) {
         k_cache[(dst + i) >> 1u] = pack2x16float(vec2<f32>(rotated(kb, pos, i), rotated(kb, pos, i + 1u)));
         v_cache[(dst + i) >> 1u] = pack2x16float(vec2<f32>(qkv[vb + i], qkv[vb + i + 1u]));
     }
-#endif
-#if KV_Q8
+#else
+    // The scaled caches (KV_Q8, KV_Q4): one loop, the word layout in scaled_words.
     let amax = head_amax(kb, vb, pos, hd);
-    let kinv = inv_or_zero(amax.x);
-    let vinv = inv_or_zero(amax.y);
-    for (var i = 0u; i < hd; i += 4u) {
-        k_cache[(dst + i) >> 2u] = pack4x8snorm(rot4(kb, pos, i) * kinv);
-        v_cache[(dst + i) >> 2u] = pack4x8snorm(qkv4(vb, i) * vinv);
-    }
-    store_scales(th, amax);
-#endif
-#if KV_Q4
-    let amax = head_amax(kb, vb, pos, hd);
-    let kinv = inv_or_zero(amax.x);
-    let vinv = inv_or_zero(amax.y);
-    for (var i = 0u; i < hd; i += 8u) {
-        k_cache[(dst + i) >> 3u] = q4_pack4(rot4(kb, pos, i) * kinv) | (q4_pack4(rot4(kb, pos, i + 4u) * kinv) << 16u);
-        v_cache[(dst + i) >> 3u] = q4_pack4(qkv4(vb, i) * vinv) | (q4_pack4(qkv4(vb, i + 4u) * vinv) << 16u);
+    let inv = vec2<f32>(inv_or_zero(amax.x), inv_or_zero(amax.y));
+    for (var i = 0u; i < hd; i += SCALED_STEP) {
+        let w = scaled_words(kb, vb, pos, i, inv);
+        k_cache[(dst + i) / SCALED_STEP] = w.x;
+        v_cache[(dst + i) / SCALED_STEP] = w.y;
     }
     store_scales(th, amax);
 #endif

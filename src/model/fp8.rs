@@ -52,9 +52,7 @@ pub fn pack_fp8_tensors(file: &str, tensors: &mut HashMap<String, HostTensor>) -
         };
         let weight = tensors.remove(&name).expect("listed above");
         let packed = pack(file, &weight, scale.as_ref().map(|(n, t)| (n.as_str(), t)))?;
-        let mut data = Vec::with_capacity(packed.bytes());
-        data.extend(packed.qs.iter().chain(&packed.scales).flat_map(|w| w.to_le_bytes()));
-        tensors.insert(name.clone(), HostTensor { name, shape: vec![packed.rows, packed.k], dtype: DType::Packed(packed.format), data });
+        tensors.insert(name.clone(), HostTensor::from_packed(name, &packed));
     }
     Ok(())
 }

@@ -151,6 +151,11 @@ impl HostTensor {
         HostTensor { name: name.into(), shape, dtype: DType::F32, data: bytemuck::cast_slice(values).to_vec() }
     }
 
+    /// A packed matrix as a `[rows, k]` tensor of its format (`qs` then `scales` bytes).
+    pub fn from_packed(name: impl Into<String>, m: &PackedMatrix) -> Self {
+        HostTensor { name: name.into(), shape: vec![m.rows, m.k], dtype: DType::Packed(m.format), data: m.to_bytes() }
+    }
+
     /// This 2-D tensor in the packed GPU layout, for integer dtypes (GGUF blocks are
     /// repacked bit for bit); `None` for float dtypes.
     pub fn packed(&self) -> Option<Result<PackedMatrix, QuantError>> {

@@ -226,10 +226,6 @@ fn repack(t: &HostTensor, format: QuantFormat) -> Option<Result<PackedMatrix, Qu
     }
 }
 
-fn packed_tensor(name: &str, m: &PackedMatrix) -> HostTensor {
-    HostTensor { name: name.to_string(), shape: vec![m.rows, m.k], dtype: DType::Packed(m.format), data: m.to_bytes() }
-}
-
 /// The calibration tokens actually used: at most `max_tokens`, and no more than the
 /// model's context.
 pub fn calibration_slice<'a>(tokens: &'a [u32], opts: &AwqOptions, max_position_embeddings: usize) -> &'a [u32] {
@@ -387,7 +383,7 @@ pub fn quantize_model(
                         None => (quantize_parallel(name, &t.to_f32(), rows, k, f)?, "rtn"),
                     };
                     meta.tensors.insert((*name).clone(), TensorInfo::new(f, method));
-                    out.insert((*name).clone(), packed_tensor(name, &m));
+                    out.insert((*name).clone(), HostTensor::from_packed(name.as_str(), &m));
                 }
                 (_, None) => unreachable!("quantized embedding policies have a format"),
             },
@@ -410,7 +406,7 @@ pub fn quantize_model(
                     awq_info(&mut info, name, &results);
                 }
                 meta.tensors.insert((*name).clone(), info);
-                out.insert((*name).clone(), packed_tensor(name, &m));
+                out.insert((*name).clone(), HostTensor::from_packed(name.as_str(), &m));
             }
         }
     }
