@@ -117,9 +117,7 @@ fn scale_key(un: u32, gsh: u32) -> u32 {
     return un / 8u;
 #else
     let gi = un >> gsh;
-#if W_Q4
-    return gi / 4u;
-#elif W_Q5
+#if W_DM
     return gi / 4u;
 #else
     return gi / 8u;
@@ -131,9 +129,7 @@ fn scale_key(un: u32, gsh: u32) -> u32 {
 fn units_per_key(gsh: u32) -> u32 {
 #if W_SUPER
     return 8u;
-#elif W_Q4
-    return 4u << gsh;
-#elif W_Q5
+#elif W_DM
     return 4u << gsh;
 #else
     return 8u << gsh;
@@ -178,9 +174,7 @@ fn unit_scale(o: UnitScale, un: u32, e: u32, gsh: u32) -> vec2<f32> {
     let dm = sb_scale(hv, o.x, s & 1u, gi % groups_per_sb());
 #else
     let gi = un >> gsh;
-#if W_Q4
-    let dm = scale_of(pick4(o.a, gi & 3u), 0u);
-#elif W_Q5
+#if W_DM
     let dm = scale_of(pick4(o.a, gi & 3u), 0u);
 #else
     let dm = scale_of(pick4(o.a, (gi / 2u) & 3u), gi & 1u);

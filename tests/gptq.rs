@@ -38,7 +38,14 @@ fn gptq_loses_less_of_the_output_than_rtn() {
     let calib = inputs(&mut rng, 512, k);
     let held_out = inputs(&mut rng, 256, k);
     let h = gptq::hessian(&calib, k);
-    for (kind, group) in [(QuantKind::Q4Sym, 32), (QuantKind::Q4, 32), (QuantKind::Q4Sym, 128), (QuantKind::Q8, 32)] {
+    for (kind, group) in [
+        (QuantKind::Q4Sym, 32),
+        (QuantKind::Q4, 32),
+        (QuantKind::Q4Sym, 128),
+        (QuantKind::Q8, 32),
+        (QuantKind::Q3, 32),
+        (QuantKind::Q3, 128),
+    ] {
         let format = QuantFormat::new(kind, group);
         let rtn = PackedMatrix::quantize("w", &w, rows, k, format).unwrap();
         let g = gptq::quantize("w", &w, rows, k, &h, format, GptqOptions::default()).unwrap();

@@ -742,17 +742,34 @@ fn linear_auto_layout_matches_reference() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Packed integer weights (Q8, Q4, Q4Sym): every layout of the packed matvec and matmuls against
-// dequantize-then-multiply on the CPU.
+// Packed integer weights (Q8, Q4, Q4Sym, Q3: the formats `lantern quantize` writes): every
+// layout of the packed matvec and matmuls against dequantize-then-multiply on the CPU.
 // ---------------------------------------------------------------------------------------------
 
-const PACKED_FORMATS: [WeightFormat; 3] =
-    [WeightFormat::Packed(QuantKind::Q8), WeightFormat::Packed(QuantKind::Q4), WeightFormat::Packed(QuantKind::Q4Sym)];
+const PACKED_FORMATS: [WeightFormat; 4] = [
+    WeightFormat::Packed(QuantKind::Q8),
+    WeightFormat::Packed(QuantKind::Q4),
+    WeightFormat::Packed(QuantKind::Q4Sym),
+    WeightFormat::Packed(QuantKind::Q3),
+];
 
 /// (rows, K, tokens, group): rows not a multiple of any workgroup or block, K from one group to
 /// many, groups of 8 to 128 (odd group counts for the paired f16 scales).
 const PACKED_SHAPES: [(usize, usize, usize, u32); 6] =
     [(1, 32, 1, 32), (7, 72, 3, 8), (65, 96, 33, 32), (333, 192, 3, 64), (9, 384, 9, 128), (701, 576, 2, 32)];
+
+/// Q3's: groups of 32 or more, rows whose low plane is not a whole texel (K 96: the tiled
+/// layout refuses it) and ones that are.
+const Q3_SHAPES: [(usize, usize, usize, u32); 6] =
+    [(1, 32, 1, 32), (7, 96, 3, 32), (65, 128, 33, 64), (333, 192, 3, 64), (9, 384, 9, 128), (701, 576, 2, 32)];
+
+fn packed_shapes(weights: WeightFormat) -> &'static [(usize, usize, usize, u32)] {
+    if weights == WeightFormat::Packed(QuantKind::Q3) {
+        &Q3_SHAPES
+    } else {
+        &PACKED_SHAPES
+    }
+}
 
 fn packed_suite(fl: u32, seed: u64) {
     let ctx = gpu();
@@ -761,7 +778,7 @@ fn packed_suite(fl: u32, seed: u64) {
             continue;
         }
         for weights in PACKED_FORMATS {
-            for (i, &(rows, k, tokens, group)) in PACKED_SHAPES.iter().enumerate() {
+            for (i, &(rows, k, tokens, group)) in packed_shapes(weights).iter().enumerate() {
                 let c = LinearCase {
                     fl,
                     layout,
@@ -835,7 +852,7 @@ fn packed_linear_split_across_bindings_and_auto_layout_match_reference() {
         }
     }
     for weights in PACKED_FORMATS {
-        for (i, &(rows, k, tokens, group)) in PACKED_SHAPES.iter().enumerate() {
+        for (i, &(rows, k, tokens, group)) in packed_shapes(weights).iter().enumerate() {
             for (layout, fl) in [(Layout::Auto, NORM_GATHER), (Layout::AutoMatmul, NORM_GATED), (Layout::Auto, NORM_GATED)] {
                 let c = LinearCase { fl, layout, weights, rows, k, tokens, wide: false, seed: 990 + i as u64, group };
                 check_linear(&ctx, c);
@@ -1042,7 +1059,9 @@ fn embedding_matches_reference() {
     for tiled in [false, true] {
         for (i, f) in PACKED_FORMATS.into_iter().enumerate() {
             check_embedding(&ctx, f, 50, 64, 33, 16 + i as u64, tiled);
-            check_embedding(&ctx, f, 9, 40, 3, 19 + i as u64, tiled);
+            // Rows of 40 take groups of 8, which q3 has not: 96 (a low plane of 6 words).
+            let dim = if f == WeightFormat::Packed(QuantKind::Q3) { 96 } else { 40 };
+            check_embedding(&ctx, f, 9, dim, 3, 19 + i as u64, tiled);
         }
         for (i, f) in GGML_FORMATS.into_iter().enumerate() {
             check_embedding(&ctx, f, 37, 512, 9, 60 + i as u64, tiled);
@@ -1062,6 +1081,7 @@ fn embedding_table_split_across_bindings_matches_reference() {
         (WeightFormat::Packed(QuantKind::Q8), 300, 64, 24),
         (WeightFormat::Packed(QuantKind::Q4), 300, 64, 25),
         (WeightFormat::Packed(QuantKind::Q4Sym), 600, 32, 26),
+        (WeightFormat::Packed(QuantKind::Q3), 500, 64, 27),
     ] {
         for tiled in [false, true] {
             // Tiled tables split at whole tiles of 32 rows: fewer, larger chunks.
@@ -2458,6 +2478,10 @@ fn moe_experts_match_reference_in_every_format() {
             for kind in [QuantKind::Q8, QuantKind::Q4, QuantKind::Q4Sym] {
                 check_experts(&ctx, 100 + i as u64, shape, WeightFormat::Packed(kind), 16);
             }
+        }
+        // Q3 (groups of 32): both layouts where the rows and hidden are whole groups.
+        if shape.3.is_multiple_of(32) && shape.4.is_multiple_of(32) {
+            check_experts(&ctx, 110 + i as u64, shape, WeightFormat::Packed(QuantKind::Q3), 32);
         }
     }
     // Every other packed format on rows of whole super-blocks.

@@ -20,7 +20,16 @@ use lantern::quant::{fake_quantize, PackedMatrix, QuantError, QuantFormat, Quant
 use lantern::reference::ReferenceModel;
 use lantern::LanternError;
 
-const KINDS: [QuantKind; 3] = [QuantKind::Q8, QuantKind::Q4, QuantKind::Q4Sym];
+const KINDS: [QuantKind; 4] = [QuantKind::Q8, QuantKind::Q4, QuantKind::Q4Sym, QuantKind::Q3];
+
+/// `groups`, or for q3 (multiples of 32 only) `q3_groups`.
+fn groups_of(kind: QuantKind, groups: &'static [u32], q3_groups: &'static [u32]) -> &'static [u32] {
+    if kind == QuantKind::Q3 {
+        q3_groups
+    } else {
+        groups
+    }
+}
 
 fn tmp_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("lantern-quant-{}-{name}", std::process::id()));
@@ -48,6 +57,10 @@ fn group_bound(kind: QuantKind, x: &[f32], d: f32) -> f32 {
             d.abs() / 2.0 + 16.0 * f16_err(amax / 15.0) + f16_err(lo) + ulp
         }
         QuantKind::Q4Sym => d.abs() + 16.0 * f16_err(amax / 8.0) + ulp,
+        QuantKind::Q3 => {
+            let lo = x.iter().fold(f32::INFINITY, |a, &v| a.min(v));
+            d.abs() / 2.0 + 8.0 * f16_err(amax / 7.0) + f16_err(lo) + ulp
+        }
         other => panic!("{} is not a round-to-nearest kind", other.name()),
     }
 }
@@ -85,7 +98,7 @@ fn check_rtn(values: &[f32], rows: usize, k: usize, format: QuantFormat) -> f32 
 fn rtn_error_bounds_on_random_data() {
     let mut rng = Rng(0x9e3779b97f4a7c15);
     for kind in KINDS {
-        for group in [8u32, 32, 64, 128] {
+        for &group in groups_of(kind, &[8, 32, 64, 128], &[32, 64, 128]) {
             let format = QuantFormat::new(kind, group);
             let (rows, k) = (13, 256);
             // Uniform, normal, and normal with a few large outliers per row.
@@ -119,9 +132,13 @@ fn rtn_mean_error_shrinks_with_bits_and_group() {
     let q4_32 = rms(QuantFormat::new(QuantKind::Q4, 32));
     let q4_128 = rms(QuantFormat::new(QuantKind::Q4, 128));
     let q4s_32 = rms(QuantFormat::new(QuantKind::Q4Sym, 32));
-    eprintln!("rms error: q8g32 {q8:.5} q4g32 {q4_32:.5} q4g128 {q4_128:.5} q4symg32 {q4s_32:.5}");
+    let q3_32 = rms(QuantFormat::new(QuantKind::Q3, 32));
+    let q3_128 = rms(QuantFormat::new(QuantKind::Q3, 128));
+    eprintln!("rms error: q8g32 {q8:.5} q4g32 {q4_32:.5} q4g128 {q4_128:.5} q4symg32 {q4s_32:.5} q3g32 {q3_32:.5} q3g128 {q3_128:.5}");
     assert!(q8 < q4_32 / 8.0);
     assert!(q4_32 < q4_128);
+    // One bit fewer: about twice the step (15 levels against 7).
+    assert!(q3_32 > 1.8 * q4_32 && q3_32 < 2.6 * q4_32 && q3_32 < q3_128, "{q3_32} {q4_32} {q3_128}");
     // Normal data: 4-bit RTN is a few percent of the unit standard deviation.
     assert!(q4_32 < 0.12 && q4s_32 < 0.12, "{q4_32} {q4s_32}");
 }
@@ -193,7 +210,7 @@ fn rtn_edge_cases() {
 fn packed_bytes_round_trip() {
     let mut rng = Rng(3);
     for kind in KINDS {
-        for group in [8u32, 24, 64] {
+        for &group in groups_of(kind, &[8, 24, 64], &[32, 96, 64]) {
             let f = QuantFormat::new(kind, group);
             let k = group as usize * 3;
             let v: Vec<f32> = (0..5 * k).map(|_| rng.normal()).collect();
@@ -221,6 +238,40 @@ fn random_blocks(rng: &mut Rng, dtype: DType, rows: usize, k: usize) -> Vec<u8> 
         }
     }
     out
+}
+
+/// Lantern's 16-byte q3 block (`ggml::block_size`: d, m, 2-bit codes, third bits) repacks
+/// into the planes bit for bit: the packed oracle equals the block's own dequantization, and
+/// quantize's codes are the block's.
+#[test]
+fn q3_blocks_repack_into_the_planes() {
+    let mut rng = Rng(43);
+    for (rows, k) in [(1, 32), (3, 96), (5, 256)] {
+        let mut data = Vec::new();
+        for _ in 0..rows * k / 32 {
+            data.extend(f16::from_f32(rng.uniform() * 0.1).to_le_bytes());
+            data.extend(f16::from_f32(rng.uniform() - 0.5).to_le_bytes());
+            data.extend((0..12).map(|_| rng.next_u64() as u8));
+        }
+        let m = PackedMatrix::from_gguf_blocks("q3", QuantKind::Q3, &data, rows, k).unwrap();
+        let want = lantern::quant::ggml::dequantize_blocks(QuantKind::Q3, &data, rows * k).unwrap();
+        assert_eq!(m.dequantize(), want, "{rows}x{k}");
+        for r in 0..rows {
+            for c in 0..k {
+                let b = &data[(r * k + c) / 32 * 16..][..16];
+                let e = c % 32;
+                let q = (b[4 + e / 4] >> (2 * (e % 4))) & 3 | ((b[12 + e / 8] >> (e % 8)) & 1) << 2;
+                assert_eq!(m.raw_code(r, c), q as i32, "{rows}x{k} ({r}, {c})");
+            }
+        }
+        assert!(PackedMatrix::from_gguf_blocks("q3", QuantKind::Q3, &data[1..], rows, k).is_err());
+    }
+    // Codes span 0..=7 and the minimum and maximum of a group are reached.
+    let v: Vec<f32> = (0..64).map(|i| (i % 32) as f32 / 31.0 - 0.25).collect();
+    let m = PackedMatrix::quantize("ramp", &v, 1, 64, QuantFormat::new(QuantKind::Q3, 32)).unwrap();
+    let codes: Vec<i32> = (0..64).map(|c| m.raw_code(0, c)).collect();
+    assert_eq!((codes[0], codes[31], codes[32], codes[63]), (0, 7, 0, 7), "{codes:?}");
+    assert!(codes.iter().all(|&q| (0..8).contains(&q)));
 }
 
 #[test]
@@ -357,7 +408,7 @@ fn slow_error(w: &[f32], k: usize, s: &[f32], x: &[f32], f: QuantFormat) -> f64 
 /// round-to-nearest's, and the model still validates and runs.
 #[test]
 fn gptq_models_lose_less_of_each_layer_than_rtn() {
-    for (name, kind) in [("llama-gqa", QuantKind::Q4), ("qwen2-bias", QuantKind::Q4Sym)] {
+    for (name, kind) in [("llama-gqa", QuantKind::Q4), ("qwen2-bias", QuantKind::Q4Sym), ("llama-gqa", QuantKind::Q3)] {
         let w = tiny(name);
         let c = w.config.clone();
         if c.block != lantern::model::BlockSpec::default() {
@@ -462,9 +513,16 @@ fn awq_is_never_worse_than_rtn_on_the_calibration_activations() {
 fn quantize_model_formats_methods_and_policies() {
     let w = tiny("llama-gqa");
     for kind in KINDS {
-        // Rows are 64 (hidden, q/kv heads) and 160 (ffn) long: groups 8, 16, 32 divide both.
-        for (group, emb) in [(32, EmbeddingPolicy::Q8), (16, EmbeddingPolicy::Same), (8, EmbeddingPolicy::F16), (32, EmbeddingPolicy::F32)]
-        {
+        // Rows are 64 (hidden, q/kv heads) and 160 (ffn) long: groups 8, 16, 32 divide both
+        // (q3 takes 32 only).
+        let cases: [(u32, EmbeddingPolicy); 5] = [
+            (32, EmbeddingPolicy::Q8),
+            (16, EmbeddingPolicy::Same),
+            (8, EmbeddingPolicy::F16),
+            (32, EmbeddingPolicy::F32),
+            (32, EmbeddingPolicy::Same),
+        ];
+        for (group, emb) in cases.into_iter().filter(|(g, _)| g.is_multiple_of(kind.min_group())) {
             let mut opts = QuantizeOptions::new(kind);
             opts.group = group;
             opts.embeddings = emb;
@@ -648,7 +706,7 @@ fn corrupt_quantized_folders_give_typed_errors() {
             "not valid JSON",
         ),
         ("version", Box::new(|_, m| edit_meta(m, |v| v["format_version"] = 2.into())), "format_version"),
-        ("unknown-kind", Box::new(|_, m| edit_meta(m, |v| v["tensors"][TARGET]["kind"] = "q3".into())), "unknown kind"),
+        ("unknown-kind", Box::new(|_, m| edit_meta(m, |v| v["tensors"][TARGET]["kind"] = "q2".into())), "unknown kind"),
         ("bad-group", Box::new(|_, m| edit_meta(m, |v| v["tensors"][TARGET]["group"] = 12.into())), "group 12"),
         ("group-mismatch", Box::new(|_, m| edit_meta(m, |v| v["tensors"][TARGET]["group"] = 128.into())), "not a multiple of the group"),
         (

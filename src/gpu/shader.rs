@@ -257,14 +257,17 @@ impl WeightFormat {
         };
         match kind {
             K::Q8 => &["W_PACKED", "W_Q8"],
-            K::Q4 => &["W_PACKED", "W_Q4"],
+            // W_DM: one (d, m) word of two f16 per group (the formats with a minimum).
+            K::Q4 => &["W_PACKED", "W_Q4", "W_DM"],
             K::Q4Sym => &["W_PACKED", "W_Q4S"],
-            // Every other GGUF format: its own define, plus the plane and scale shape the
-            // shared code paths key on (W_HI: a high plane, W_HI1 / W_HI2: of 1 or 2 bits; W_LO2:
+            // Every other format: its own define, plus the plane and scale shape the shared
+            // code paths key on (W_HI: a high plane, W_HI1 / W_HI2: of 1 or 2 bits; W_LO2:
             // a 2-bit low plane; W_SUPER: 256-element super-blocks; W_TABLE: codes through a
             // 16-entry table, IQ4's or MXFP4's).
             K::Q5Sym => &["W_PACKED", "W_Q5S", "W_HI", "W_HI1"],
-            K::Q5 => &["W_PACKED", "W_Q5", "W_HI", "W_HI1"],
+            K::Q5 => &["W_PACKED", "W_Q5", "W_HI", "W_HI1", "W_DM"],
+            // Lantern's 3-bit: Q3_K's planes with Q4_1's (d, m) per group of any size.
+            K::Q3 => &["W_PACKED", "W_Q3", "W_LO2", "W_HI", "W_HI1", "W_DM"],
             K::Iq4Nl => &["W_PACKED", "W_IQ4NL", "W_TABLE"],
             K::Q2K => &["W_PACKED", "W_Q2K", "W_LO2", "W_SUPER"],
             K::Q3K => &["W_PACKED", "W_Q3K", "W_LO2", "W_HI", "W_HI1", "W_SUPER"],

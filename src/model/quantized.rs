@@ -126,7 +126,7 @@ pub fn parse_metadata(text: &str, file: &str) -> Result<QuantMetadata, LoadError
     for (name, v) in entries {
         if let Some(kind) = v.get("kind") {
             if kind.as_str().and_then(QuantKind::parse).is_none() {
-                return Err(meta_err(file, name, format!("unknown kind {kind} (known: q8, q4, q4sym)")));
+                return Err(meta_err(file, name, format!("unknown kind {kind} (known: q8, q4, q4sym, q3)")));
             }
         }
         let info: TensorInfo = serde_json::from_value(v.clone()).map_err(|e| meta_err(file, name, format!("bad metadata entry: {e}")))?;
@@ -169,7 +169,12 @@ pub fn packed_from_views(
     }
     let format = info.format();
     let (rows, qw) = (q.shape()[0], q.shape()[1]);
-    let k = qw * format.kind.per_word();
+    // Words hold 32 / bits codes across the planes (q3: 16 low, 32 high per word).
+    let bits = format.kind.lo_bits() + format.kind.hi_bits();
+    if (qw * 32) % bits != 0 {
+        return Err(err(format!("`{base}{QWEIGHT_SUFFIX}` has {qw} words per row, not a whole number of {bits}-bit {format} codes")));
+    }
+    let k = qw * 32 / bits;
     format.check(base, k).map_err(|e| err(format!("{e}")))?;
     let want = [rows, format.scale_words(k)];
     if s.shape() != want {

@@ -66,6 +66,8 @@ pub fn block_size(kind: QuantKind) -> (usize, usize) {
         QuantKind::Iq4Xs => (256, 136),
         QuantKind::Mxfp4 => (32, 17),
         QuantKind::Fp8 => (32, 34),
+        // Lantern's own (no GGUF type): d, m, 8 bytes of 2-bit codes, 4 of third bits.
+        QuantKind::Q3 => (32, 16),
     }
 }
 
@@ -74,7 +76,7 @@ pub fn block_size(kind: QuantKind) -> (usize, usize) {
 pub fn f16_fields(kind: QuantKind) -> &'static [usize] {
     match kind {
         QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Iq4Xs | QuantKind::Fp8 => &[0],
-        QuantKind::Q4 | QuantKind::Q5 | QuantKind::Q4K | QuantKind::Q5K => &[0, 2],
+        QuantKind::Q4 | QuantKind::Q5 | QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q3 => &[0, 2],
         QuantKind::Q2K => &[80, 82],
         QuantKind::Q3K => &[108],
         QuantKind::Q6K => &[208],
@@ -100,6 +102,7 @@ pub fn ggml_name(kind: QuantKind) -> &'static str {
         QuantKind::Iq4Xs => "IQ4_XS",
         QuantKind::Mxfp4 => "MXFP4",
         QuantKind::Fp8 => "FP8",
+        QuantKind::Q3 => "Q3 (Lantern's)",
     }
 }
 
@@ -152,7 +155,7 @@ pub fn repack(tensor: &str, kind: QuantKind, data: &[u8], rows: usize, k: usize)
         return Err(invalid(
             tensor,
             format!(
-                "{} ({}) is not a ggml::repack kind: GGUF Q8_0, Q4_0, Q4_1 and FP8 blocks repack through PackedMatrix::from_gguf_blocks",
+                "{} ({}) is not a ggml::repack kind: GGUF Q8_0, Q4_0, Q4_1 and Lantern's FP8 and Q3 blocks repack through PackedMatrix::from_gguf_blocks",
                 kind.name(),
                 ggml_name(kind)
             ),
@@ -277,7 +280,7 @@ pub fn repack(tensor: &str, kind: QuantKind, data: &[u8], rows: usize, k: usize)
                     s[2 * b] = u32_at(x, 0);
                     s[2 * b + 1] = u32_at(x, 4);
                 }
-                QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym | QuantKind::Fp8 => unreachable!("rejected above"),
+                QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym | QuantKind::Fp8 | QuantKind::Q3 => unreachable!("rejected above"),
             }
         }
     }
@@ -338,6 +341,13 @@ pub fn dequantize_blocks(kind: QuantKind, data: &[u8], n: usize) -> Result<Vec<f
                             _ => d * IQ4_VALUES[q as usize] as f32,
                         };
                     }
+                }
+            }
+            QuantKind::Q3 => {
+                let (d, m) = (half(x, 0), half(x, 2));
+                for (e, v) in y.iter_mut().enumerate() {
+                    let q = (x[4 + e / 4] >> (2 * (e % 4))) & 3 | ((x[12 + e / 8] >> (e % 8)) & 1) << 2;
+                    *v = d * q as f32 + m;
                 }
             }
             QuantKind::Mxfp4 => {

@@ -170,7 +170,7 @@ fn inverse_upper_factor(h: &[f64], n: usize) -> Option<Vec<f64>> {
 }
 
 /// GPTQ of the `rows x k` matrix `w` (row-major) with the Hessian `h` of its inputs (`k x k`,
-/// [`hessian`]) into `format` (q8, q4 or q4sym, any group). Errors: a format round-to-
+/// [`hessian`]) into `format` (q8, q4, q4sym or q3, any group). Errors: a format round-to-
 /// nearest cannot produce, shapes that do not match, non-finite weights or a Hessian that
 /// dampening cannot make positive definite, each naming `tensor`.
 pub fn quantize(

@@ -7,14 +7,14 @@
 //!   5-, 6- and 3-bit formats) the **high plane**.
 //!   - low plane, 4-bit formats: `k / 8` words, nibble `n` of word `i` is the low 4 bits of
 //!     element `8 i + n`; 8-bit (`Q8`): `k / 4` words, byte `b` of word `i` is the
-//!     two's-complement element `4 i + b`; 2-bit (`Q2K`, `Q3K`): `k / 16` words, bits
+//!     two's-complement element `4 i + b`; 2-bit (`Q2K`, `Q3K`, `Q3`): `k / 16` words, bits
 //!     `2 n .. 2 n + 2` of word `i` are the low 2 bits of element `16 i + n`.
-//!   - high plane, 1 extra bit (`Q5Sym`, `Q5`, `Q5K`: bit 4; `Q3K`: bit 2): `k / 32` words,
+//!   - high plane, 1 extra bit (`Q5Sym`, `Q5`, `Q5K`: bit 4; `Q3K`, `Q3`: bit 2): `k / 32` words,
 //!     bit `n` of word `i` belongs to element `32 i + n`; 2 extra bits (`Q6K`: bits 4-5):
 //!     `k / 16` words, bits `2 n .. 2 n + 2` of word `i` belong to element `16 i + n`.
 //! - `scales`, row-major, [`QuantFormat::scale_words`] per row, one `(d, m)` per group of
 //!   `group` consecutive elements, stored as:
-//!   - `Q4`, `Q5`: `(d, m)` as two f16 in one word per group (GGUF Q4_1, Q5_1);
+//!   - `Q4`, `Q5`, `Q3`: `(d, m)` as two f16 in one word per group (GGUF Q4_1, Q5_1);
 //!   - `Q4Sym`, `Q5Sym`, `Q8`, `Iq4Nl`: one f16 `d` per group, two groups per word (GGUF
 //!     Q4_0, Q5_0, Q8_0, IQ4_NL);
 //!   - `Mxfp4`: the E8M0 scale byte of each group in the low byte of a 16-bit half, two
@@ -37,12 +37,12 @@
 //! format computes `value = c * d_g + m_g` where `c` is `q + offset` (or the IQ4 table
 //! value `IQ4_VALUES[q]` or `MXFP4_VALUES[q]`) and `(d_g, m_g)` are the group's scale and minimum in f32, exactly
 //! as ggml's dequantization defines them: `Q5Sym` `(q - 16) d`; `Q5` `q d + m`; `Q4K`/`Q5K`
-//! `(d sc) q - dmin m`; `Q6K` `(d sc)(q - 32)`; `Q3K` `(d (sc - 32))(q - 4)`; `Q2K`
+//! `(d sc) q - dmin m`; `Q6K` `(d sc)(q - 32)`; `Q3K` `(d (sc - 32))(q - 4)`; `Q3` `q d + m`; `Q2K`
 //! `(d sc) q - dmin m`; `Iq4Nl` `d IQ4[q]`; `Iq4Xs` `(d (ls - 32)) IQ4[q]`; `Mxfp4`
 //! `2^(e - 128) MXFP4[q]`.
 //!
 //! The same bytes travel from a GGUF file (repacked block by block, bits only, no floats) or a
-//! quantized safetensors file (stored as is, `Q8`/`Q4`/`Q4Sym` only) into GPU buffers.
+//! quantized safetensors file (stored as is, `Q8`/`Q4`/`Q4Sym`/`Q3` only) into GPU buffers.
 //! Dequantization here is the oracle: the kernels compute `c d + m` in f32 exactly as
 //! [`PackedMatrix::dequantize`]; [`ggml`] holds the ggml block definitions, read straight
 //! from the file bytes, that the packed layout is checked against.
@@ -95,6 +95,10 @@ pub enum QuantKind {
     /// per-tensor, per-channel or block scale times 256, as an f16 (so scales down to 2.4e-7
     /// stay normal halves). See [`e4m3`].
     Fp8,
+    /// 3-bit with scale and minimum: value = q d + m, q in 0..=7, any group of 32 or more
+    /// (GPTQ's and RTN's 3-bit: GGUF's only 3-bit type, Q3_K, needs rows of 256). The two low
+    /// bits of each code sit in the low plane as Q3_K's do, the third in the high plane.
+    Q3,
 }
 
 /// The value of an FP8 E4M3 byte (sign, 4 exponent bits with bias 7, 3 mantissa bits; no
@@ -132,7 +136,7 @@ pub fn e8m0_half(e: u8) -> f32 {
 
 impl QuantKind {
     /// Every kind, in the order above.
-    pub const ALL: [QuantKind; 14] = [
+    pub const ALL: [QuantKind; 15] = [
         QuantKind::Q8,
         QuantKind::Q4,
         QuantKind::Q4Sym,
@@ -147,6 +151,7 @@ impl QuantKind {
         QuantKind::Iq4Xs,
         QuantKind::Mxfp4,
         QuantKind::Fp8,
+        QuantKind::Q3,
     ];
 
     /// Elements per `u32` of the low plane of `qs`.
@@ -158,7 +163,7 @@ impl QuantKind {
     pub fn lo_bits(&self) -> usize {
         match self {
             QuantKind::Q8 | QuantKind::Fp8 => 8,
-            QuantKind::Q2K | QuantKind::Q3K => 2,
+            QuantKind::Q2K | QuantKind::Q3K | QuantKind::Q3 => 2,
             _ => 4,
         }
     }
@@ -166,7 +171,7 @@ impl QuantKind {
     /// Bits per element in the high plane of `qs` (0: no high plane).
     pub fn hi_bits(&self) -> usize {
         match self {
-            QuantKind::Q5Sym | QuantKind::Q5 | QuantKind::Q5K | QuantKind::Q3K => 1,
+            QuantKind::Q5Sym | QuantKind::Q5 | QuantKind::Q5K | QuantKind::Q3K | QuantKind::Q3 => 1,
             QuantKind::Q6K => 2,
             _ => 0,
         }
@@ -188,7 +193,7 @@ impl QuantKind {
     }
 
     /// The group (elements per scale) that GGUF files of this kind have; the only group
-    /// possible for every kind but `Q8`, `Q4` and `Q4Sym`.
+    /// possible for every kind but the round-to-nearest ones ([`is_rtn`](Self::is_rtn)).
     pub fn ggml_group(&self) -> u32 {
         match self {
             QuantKind::Q2K | QuantKind::Q3K | QuantKind::Q6K => 16,
@@ -199,7 +204,17 @@ impl QuantKind {
     /// Whether `lantern quantize` can produce this kind and quantized safetensors store it
     /// (the others come only from GGUF files, repacked at load).
     pub fn is_rtn(&self) -> bool {
-        matches!(self, QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym)
+        matches!(self, QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym | QuantKind::Q3)
+    }
+
+    /// The smallest group (and its multiples) a round-to-nearest kind takes: 32 for `Q3`,
+    /// whose high plane holds 32 elements per word, else 8.
+    pub fn min_group(&self) -> u32 {
+        if *self == QuantKind::Q3 {
+            32
+        } else {
+            8
+        }
     }
 
     pub fn name(&self) -> &'static str {
@@ -218,6 +233,7 @@ impl QuantKind {
             QuantKind::Iq4Xs => "iq4xs",
             QuantKind::Mxfp4 => "mxfp4",
             QuantKind::Fp8 => "fp8",
+            QuantKind::Q3 => "q3",
         }
     }
 
@@ -248,7 +264,7 @@ impl std::fmt::Display for QuantFormat {
 pub enum QuantError {
     #[error("tensor `{tensor}`: row length {k} is not a multiple of the group size {group} ({format})")]
     GroupMismatch { tensor: String, k: usize, group: u32, format: String },
-    #[error("tensor `{tensor}`: group size {group} must be a positive multiple of 8 (and the format's own group for GGUF-only formats)")]
+    #[error("tensor `{tensor}`: group size {group} must be a positive multiple of 8 (of 32 for q3; the format's own group for GGUF-only formats)")]
     BadGroup { tensor: String, group: u32 },
     #[error("tensor `{tensor}`: row length {k} is not a multiple of the {block}-element super-block of {format}")]
     SuperBlockMismatch { tensor: String, k: usize, block: usize, format: String },
@@ -263,7 +279,10 @@ impl QuantFormat {
 
     /// Check that rows of `k` elements can be stored in this format.
     pub fn check(&self, tensor: &str, k: usize) -> Result<(), QuantError> {
-        if self.group == 0 || !self.group.is_multiple_of(8) || (!self.kind.is_rtn() && self.group != self.kind.ggml_group()) {
+        if self.group == 0
+            || !self.group.is_multiple_of(self.kind.min_group())
+            || (!self.kind.is_rtn() && self.group != self.kind.ggml_group())
+        {
             return Err(QuantError::BadGroup { tensor: tensor.into(), group: self.group });
         }
         if !self.kind.is_rtn() && !k.is_multiple_of(self.kind.super_block()) {
@@ -299,7 +318,7 @@ impl QuantFormat {
     pub fn scale_words(&self, k: usize) -> usize {
         let sb = k / 256;
         match self.kind {
-            QuantKind::Q4 | QuantKind::Q5 => self.groups(k),
+            QuantKind::Q4 | QuantKind::Q5 | QuantKind::Q3 => self.groups(k),
             QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Mxfp4 | QuantKind::Fp8 => {
                 self.groups(k).div_ceil(2)
             }
@@ -382,12 +401,13 @@ fn group_params(kind: QuantKind, x: &[f32]) -> (u32, f32, f32) {
             let d = f16::from_f32(vmax / -8.0);
             (d.to_bits() as u32, d.to_f32(), -8.0 * d.to_f32())
         }
-        QuantKind::Q4 => {
+        QuantKind::Q4 | QuantKind::Q3 => {
+            let top = if kind == QuantKind::Q3 { 7.0 } else { 15.0 };
             let (lo, hi) = x.iter().map(|v| order_key(v.to_bits() as i32)).fold((i32::MAX, i32::MIN), |(lo, hi), k| (lo.min(k), hi.max(k)));
             let (lo, hi) = (f32::from_bits(order_key(lo) as u32), f32::from_bits(order_key(hi) as u32));
             let m = f16::from_f32(lo);
             // Scale from the stored minimum so the top of the range is reachable.
-            let d = f16::from_f32((hi - m.to_f32()).max(0.0) / 15.0);
+            let d = f16::from_f32((hi - m.to_f32()).max(0.0) / top);
             (d.to_bits() as u32 | (m.to_bits() as u32) << 16, d.to_f32(), m.to_f32())
         }
         // Only the RTN kinds get here (`check_rtn`); the others share Q8's rule harmlessly.
@@ -415,6 +435,7 @@ fn round_code_f(kind: QuantKind, v: f32, inv: f32, m: f32) -> f32 {
     match kind {
         QuantKind::Q8 => round_clamped(v * inv, -127.0, 127.0),
         QuantKind::Q4Sym | QuantKind::Q4 => round_clamped((v - m) * inv, 0.0, 15.0),
+        QuantKind::Q3 => round_clamped((v - m) * inv, 0.0, 7.0),
         _ => round_clamped(v * inv, -127.0, 127.0),
     }
 }
@@ -440,8 +461,19 @@ fn non_finite_scale(tensor: &str, r: usize, g: usize, x: &[f32], format: QuantFo
 /// and its integer codes into the row's `qs` (the layout of the module docs).
 fn pack_group(format: QuantFormat, g: usize, sc: u32, codes: &[i32], qs: &mut [u32], scales: &mut [u32]) {
     match format.kind {
-        QuantKind::Q4 => scales[g] = sc,
+        QuantKind::Q4 | QuantKind::Q3 => scales[g] = sc,
         _ => scales[g / 2] |= sc << (16 * (g & 1)),
+    }
+    if format.kind == QuantKind::Q3 {
+        // Low two bits in the low plane (16 per word), the third in the high plane (32 per
+        // word, after the row's k / 16 low words: the row's qs are 3 k / 32 words).
+        let (first, hi0) = (g * format.group as usize, qs.len() / 3 * 2);
+        for (i, &c) in codes.iter().enumerate() {
+            let e = first + i;
+            qs[e / 16] |= (c as u32 & 3) << (2 * (e % 16));
+            qs[hi0 + e / 32] |= (c as u32 >> 2) << (e % 32);
+        }
+        return;
     }
     let pw = format.kind.per_word();
     let base = g * format.group as usize / pw;
@@ -461,7 +493,7 @@ fn check_rtn(tensor: &str, format: QuantFormat) -> Result<(), QuantError> {
     }
     Err(QuantError::Invalid {
         tensor: tensor.into(),
-        reason: format!("{} comes only from GGUF files; round-to-nearest quantizes to q8, q4 or q4sym", format.kind.name()),
+        reason: format!("{} comes only from GGUF files; round-to-nearest quantizes to q8, q4, q4sym or q3", format.kind.name()),
     })
 }
 
@@ -496,6 +528,7 @@ pub fn fake_quantize(tensor: &str, values: &mut [f32], k: usize, format: QuantFo
             match format.kind {
                 QuantKind::Q8 => x.iter_mut().for_each(|v| *v = round_code_f(QuantKind::Q8, *v, inv, m) * d + m),
                 QuantKind::Q4 => x.iter_mut().for_each(|v| *v = round_code_f(QuantKind::Q4, *v, inv, m) * d + m),
+                QuantKind::Q3 => x.iter_mut().for_each(|v| *v = round_code_f(QuantKind::Q3, *v, inv, m) * d + m),
                 // (q - 8) d, as `dequantize` and ggml compute it (the same value as q d + m,
                 // m = -8 d, but for the sign of a zero).
                 QuantKind::Q4Sym => x.iter_mut().for_each(|v| *v = (round_code_f(QuantKind::Q4Sym, *v, inv, m) - 8.0) * d),
@@ -527,7 +560,7 @@ impl PackedMatrix {
         let (sb, j) = (g / per_sb, g % per_sb);
         let byte = |words: &[u32], i: usize| (words[i / 4] >> (8 * (i % 4))) as u8;
         match self.format.kind {
-            QuantKind::Q4 | QuantKind::Q5 => (half(s[g], false), half(s[g], true)),
+            QuantKind::Q4 | QuantKind::Q5 | QuantKind::Q3 => (half(s[g], false), half(s[g], true)),
             QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Fp8 => {
                 let d = half(s[g / 2], g % 2 == 1);
                 // -0.0 adds nothing and keeps the sign of a zero product, as ggml's `d * q`
@@ -646,8 +679,8 @@ impl PackedMatrix {
         Ok(out)
     }
 
-    /// Repack GGUF blocks (Q8_0, Q4_0, Q4_1, and Lantern's Q8_0-shaped FP8 block; 32
-    /// elements per block) of a `rows x k` matrix.
+    /// Repack GGUF blocks (Q8_0, Q4_0, Q4_1, and Lantern's Q8_0-shaped FP8 block and Q3
+    /// block of [`ggml::block_size`]; 32 elements per block) of a `rows x k` matrix.
     /// Only bits move: the f16 scales and integer codes are copied, never converted.
     /// The other GGUF block formats (Q5_0, Q5_1, IQ4_NL and the 256-element K-quants and
     /// IQ4_XS) are repacked by [`ggml::repack`].
@@ -656,6 +689,7 @@ impl PackedMatrix {
             QuantKind::Q8 | QuantKind::Fp8 => 34,
             QuantKind::Q4Sym => 18,
             QuantKind::Q4 => 20,
+            QuantKind::Q3 => 16,
             _ => return ggml::repack(tensor, kind, data, rows, k),
         };
         let format = QuantFormat::new(kind, 32);
@@ -671,6 +705,20 @@ impl PackedMatrix {
         let sw = format.scale_words(k);
         let mut qs = Vec::with_capacity(rows * format.qs_words(k));
         let mut scales = vec![0u32; rows * sw];
+        if kind == QuantKind::Q3 {
+            // The block's two low-plane words and its high word go to the row's two planes.
+            qs.resize(rows * format.qs_words(k), 0);
+            let (qw, lw) = (format.qs_words(k), format.lo_words(k));
+            let word = |b: &[u8], i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+            for (bi, b) in data.chunks_exact(block_bytes).enumerate() {
+                let (row, gi) = (bi / g, bi % g);
+                scales[row * sw + gi] = word(b, 0);
+                qs[row * qw + 2 * gi] = word(b, 4);
+                qs[row * qw + 2 * gi + 1] = word(b, 8);
+                qs[row * qw + lw + gi] = word(b, 12);
+            }
+            return Ok(PackedMatrix { format, rows, k, qs, scales });
+        }
         for (bi, b) in data.chunks_exact(block_bytes).enumerate() {
             let (row, gi) = (bi / g, bi % g);
             match kind {

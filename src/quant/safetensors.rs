@@ -121,7 +121,7 @@ fn entries<'a>(weights: &'a ModelWeights, meta: &mut QuantMetadata) -> Result<Ve
                 return Err(QuantError::Invalid {
                     tensor: name.clone(),
                     reason: format!(
-                        "is {}: quantized safetensors hold q8, q4 and q4sym packs only (run from the GGUF file itself)",
+                        "is {}: quantized safetensors hold q8, q4, q4sym and q3 packs only (run from the GGUF file itself)",
                         other.name()
                     ),
                 }

@@ -39,9 +39,7 @@ fn scale_at(m: u32, sb0: u32, gi: u32) -> vec2<f32> {
 #if W_SUPER
     let hd = sb_head(m, sb0, gi / groups_per_sb());
     return sb_scale(hd.h, hd.x, hd.xh, gi % groups_per_sb());
-#elif W_Q4
-    return scale_of(scale_word(m, sb0 + gi), 0u);
-#elif W_Q5
+#elif W_DM
     return scale_of(scale_word(m, sb0 + gi), 0u);
 #else
     return scale_of(scale_word(m, sb0 + (gi >> 1u)), gi & 1u);

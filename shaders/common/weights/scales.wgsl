@@ -13,9 +13,7 @@ fn scale_row_words() -> u32 {
 #else
     return 4u * sb;
 #endif
-#elif W_Q4
-    return p.k / p.group;
-#elif W_Q5
+#elif W_DM
     return p.k / p.group;
 #else
     return (p.k / p.group + 1u) / 2u;
@@ -28,9 +26,7 @@ fn scale_of(word: u32, hi: u32) -> vec2<f32> {
 #if W_MXFP4
     let e = (word >> (16u * hi)) & 0xffu;
     return vec2<f32>(ldexp(1.0, i32(e) - 128), 0.0);
-#elif W_Q4
-    return unpack2x16float(word);
-#elif W_Q5
+#elif W_DM
     return unpack2x16float(word);
 #else
     let v = unpack2x16float(word);

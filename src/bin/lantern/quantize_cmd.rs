@@ -20,11 +20,14 @@ pub struct QuantizeArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Format of the linear layers: q4 (4-bit, scale + minimum), q4sym (4-bit symmetric),
-    /// q8 (8-bit symmetric).
-    #[arg(long = "to", value_parser = ["q4", "q4sym", "q8"])]
-    to: String,
-    /// Elements per scale: a positive multiple of 8 that divides every row length
-    /// (32, 64 or 128 usually).
+    /// q3 (3-bit, scale + minimum; groups of 32 or more), q8 (8-bit symmetric).
+    #[arg(long = "to", value_parser = ["q4", "q4sym", "q3", "q8"], required_unless_present = "bits", conflicts_with = "bits")]
+    to: Option<String>,
+    /// Bits per weight instead of --to: 8 (q8), 4 (q4) or 3 (q3).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(3..=8))]
+    bits: Option<u8>,
+    /// Elements per scale: a positive multiple of 8 (of 32 for q3) that divides every row
+    /// length (32, 64 or 128 usually).
     #[arg(long, default_value_t = 32)]
     group: u32,
     /// Text file for calibration (AWQ's activation-aware scales, GPTQ's Hessians); without
@@ -61,10 +64,18 @@ fn mib(b: usize) -> String {
 pub fn quantize(a: QuantizeArgs) -> Result<()> {
     let t0 = Instant::now();
     let model_path = lantern::fetch::resolve_model(a.model.as_deref(), true)?;
-    let kind = QuantKind::parse(&a.to).with_context(|| format!("unknown --to {}", a.to))?;
+    let kind = match (a.to.as_deref(), a.bits) {
+        (Some(to), _) => QuantKind::parse(to).with_context(|| format!("unknown --to {to}"))?,
+        (None, Some(8)) => QuantKind::Q8,
+        (None, Some(4)) => QuantKind::Q4,
+        (None, Some(3)) => QuantKind::Q3,
+        (None, Some(b)) => bail!("--bits {b}: Lantern quantizes to 8, 4 or 3 bits"),
+        (None, None) => bail!("give --to FORMAT or --bits 8|4|3"),
+    };
     let embeddings = EmbeddingPolicy::parse(&a.embeddings).with_context(|| format!("unknown --embeddings {}", a.embeddings))?;
-    if a.group == 0 || !a.group.is_multiple_of(8) {
-        bail!("--group {} must be a positive multiple of 8 (32, 64 or 128 usually)", a.group);
+    let min_group = kind.min_group();
+    if a.group == 0 || !a.group.is_multiple_of(min_group) {
+        bail!("--group {} must be a positive multiple of {min_group} for {} (32, 64 or 128 usually)", a.group, kind.name());
     }
     if a.out.exists() && !a.out.is_dir() {
         bail!("--out {} exists and is not a folder", a.out.display());

@@ -19,6 +19,8 @@ pub fn tiled_fits(ctx: &GpuContext, format: QuantFormat, k: usize) -> bool {
     ctx.caps.cpu_like
         && xbcast_fits(ctx)
         && k.is_multiple_of(32)
+        // The high plane starts at a texel (q3's 2-bit low plane: rows of 64).
+        && format.lo_words(k).is_multiple_of(4)
         && format.qs_words(k).max(format.scale_words(k)) <= crate::gpu::buffer::MAX_TILED_ROW_WORDS
         && (format.kind.is_super() || format.group >= 32 && format.group.is_power_of_two())
         && TiledTensor::split(ctx, 1, &texels).is_some()
