@@ -742,15 +742,18 @@ fn linear_auto_layout_matches_reference() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Packed integer weights (Q8, Q4, Q4Sym, Q3: the formats `lantern quantize` writes): every
-// layout of the packed matvec and matmuls against dequantize-then-multiply on the CPU.
+// Packed integer weights (Q8, Q4, Q4Sym, Q3 and the 2:4 kinds: the formats `lantern quantize`
+// writes): every layout of the packed matvec and matmuls against dequantize-then-multiply on
+// the CPU.
 // ---------------------------------------------------------------------------------------------
 
-const PACKED_FORMATS: [WeightFormat; 4] = [
+const PACKED_FORMATS: [WeightFormat; 6] = [
     WeightFormat::Packed(QuantKind::Q8),
     WeightFormat::Packed(QuantKind::Q4),
     WeightFormat::Packed(QuantKind::Q4Sym),
     WeightFormat::Packed(QuantKind::Q3),
+    WeightFormat::Packed(QuantKind::S24Q4),
+    WeightFormat::Packed(QuantKind::S24Q8),
 ];
 
 /// (rows, K, tokens, group): rows not a multiple of any workgroup or block, K from one group to
@@ -758,13 +761,13 @@ const PACKED_FORMATS: [WeightFormat; 4] = [
 const PACKED_SHAPES: [(usize, usize, usize, u32); 6] =
     [(1, 32, 1, 32), (7, 72, 3, 8), (65, 96, 33, 32), (333, 192, 3, 64), (9, 384, 9, 128), (701, 576, 2, 32)];
 
-/// Q3's: groups of 32 or more, rows whose low plane is not a whole texel (K 96: the tiled
-/// layout refuses it) and ones that are.
+/// Q3's and the 2:4 kinds': groups of 32 or more, rows whose low plane is not a whole texel
+/// (K 96: the tiled layout refuses Q3's and S24Q4's) and ones that are.
 const Q3_SHAPES: [(usize, usize, usize, u32); 6] =
     [(1, 32, 1, 32), (7, 96, 3, 32), (65, 128, 33, 64), (333, 192, 3, 64), (9, 384, 9, 128), (701, 576, 2, 32)];
 
 fn packed_shapes(weights: WeightFormat) -> &'static [(usize, usize, usize, u32)] {
-    if weights == WeightFormat::Packed(QuantKind::Q3) {
+    if weights.kind().is_some_and(|k| k.min_group() == 32) {
         &Q3_SHAPES
     } else {
         &PACKED_SHAPES
@@ -1059,8 +1062,8 @@ fn embedding_matches_reference() {
     for tiled in [false, true] {
         for (i, f) in PACKED_FORMATS.into_iter().enumerate() {
             check_embedding(&ctx, f, 50, 64, 33, 16 + i as u64, tiled);
-            // Rows of 40 take groups of 8, which q3 has not: 96 (a low plane of 6 words).
-            let dim = if f == WeightFormat::Packed(QuantKind::Q3) { 96 } else { 40 };
+            // Rows of 40 take groups of 8, which q3 and the 2:4 kinds have not: 96.
+            let dim = if f.kind().is_some_and(|k| k.min_group() == 32) { 96 } else { 40 };
             check_embedding(&ctx, f, 9, dim, 3, 19 + i as u64, tiled);
         }
         for (i, f) in GGML_FORMATS.into_iter().enumerate() {
@@ -2479,9 +2482,12 @@ fn moe_experts_match_reference_in_every_format() {
                 check_experts(&ctx, 100 + i as u64, shape, WeightFormat::Packed(kind), 16);
             }
         }
-        // Q3 (groups of 32): both layouts where the rows and hidden are whole groups.
+        // Q3 and the 2:4 kinds (groups of 32): both layouts where the rows and hidden are
+        // whole groups.
         if shape.3.is_multiple_of(32) && shape.4.is_multiple_of(32) {
-            check_experts(&ctx, 110 + i as u64, shape, WeightFormat::Packed(QuantKind::Q3), 32);
+            for kind in [QuantKind::Q3, QuantKind::S24Q4, QuantKind::S24Q8] {
+                check_experts(&ctx, 110 + i as u64, shape, WeightFormat::Packed(kind), 32);
+            }
         }
     }
     // Every other packed format on rows of whole super-blocks.

@@ -52,6 +52,11 @@ const RULES: &[(&str, &[&str], &str)] = &[
         "GPTQ works on matrices and Hessians, below the model",
     ),
     (
+        "quant/sparse.rs",
+        &["gpu", "kernels", "kv", "model", "engine", "api", "eval", "web", "reference"],
+        "2:4 pruning works on matrices and input norms, below the model",
+    ),
+    (
         "quant/pool.rs",
         &["gpu", "kernels", "kv", "model", "engine", "api", "eval", "web", "reference"],
         "the CPU loops' thread split is a leaf",

@@ -13,10 +13,10 @@ use half::f16;
 use lantern::model::load::load_path;
 use lantern::model::{DType, HostTensor, LoadError, ModelConfig, ModelWeights};
 use lantern::quant::awq::{self, AwqOptions, FloatWeights, LayerScales, Site};
-use lantern::quant::gptq;
 use lantern::quant::quantize::{quantize_model, EmbeddingPolicy, Method, Progress, QuantizeOptions};
 use lantern::quant::safetensors::{parse_metadata, to_safetensors_bytes, write_model_folder, QuantMetadata, METADATA_KEY};
 use lantern::quant::{fake_quantize, PackedMatrix, QuantError, QuantFormat, QuantKind};
+use lantern::quant::{gptq, sparse};
 use lantern::reference::ReferenceModel;
 use lantern::LanternError;
 
@@ -272,6 +272,103 @@ fn q3_blocks_repack_into_the_planes() {
     let codes: Vec<i32> = (0..64).map(|c| m.raw_code(0, c)).collect();
     assert_eq!((codes[0], codes[31], codes[32], codes[63]), (0, 7, 0, 7), "{codes:?}");
     assert!(codes.iter().all(|&q| (0..8).contains(&q)));
+}
+
+/// 2:4: in every four elements exactly the two of largest `|w| n` are kept (pruned ones are
+/// exactly zero), the kept ones within their group's rounding bound, and the packed bytes
+/// survive a round trip.
+#[test]
+fn two_of_every_four_are_kept_by_score() {
+    let mut rng = Rng(44);
+    for kind in [QuantKind::S24Q4, QuantKind::S24Q8] {
+        for (group, k) in [(32u32, 96usize), (64, 256), (128, 256)] {
+            let f = QuantFormat::new(kind, group);
+            let rows = 7;
+            let v: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
+            let norms: Vec<f32> = (0..k).map(|j| if j % 7 == 3 { 20.0 } else { 0.5 + rng.uniform().abs() }).collect();
+            for n in [None, Some(norms.as_slice())] {
+                let m = sparse::quantize("t", &v, rows, k, f, n).unwrap();
+                assert_eq!(m.bytes(), f.bytes(rows, k));
+                assert_eq!(PackedMatrix::from_bytes("t", f, rows, k, &m.to_bytes()).unwrap(), m);
+                let deq = m.dequantize();
+                for r in 0..rows {
+                    for c in (0..k).step_by(4) {
+                        let w = &v[r * k + c..r * k + c + 4];
+                        let score: Vec<f32> = (0..4).map(|i| w[i].abs() * n.map_or(1.0, |n| n[c + i])).collect();
+                        let mut order = [0usize, 1, 2, 3];
+                        order.sort_by(|&a, &b| score[b].total_cmp(&score[a]));
+                        let (d, _) = m.group_scale(r, c / group as usize);
+                        for (rank, &i) in order.iter().enumerate() {
+                            let got = deq[r * k + c + i];
+                            if rank < 2 {
+                                let bound = if kind == QuantKind::S24Q4 { d.abs() * 1.01 } else { d.abs() * 0.51 } + 1e-6;
+                                assert!((got - w[i]).abs() <= bound, "{f} row {r} elem {}: kept {} -> {got} (d {d})", c + i, w[i]);
+                            } else {
+                                assert_eq!(got, 0.0, "{f} row {r} elem {}: pruned {} -> {got}", c + i, w[i]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Errors: the group must be of 32 or more, rows whole groups, norms one per input.
+        let v = vec![0.5f32; 64];
+        assert!(matches!(sparse::quantize("t", &v, 1, 64, QuantFormat::new(kind, 16), None), Err(QuantError::BadGroup { .. })));
+        assert!(matches!(sparse::quantize("t", &v, 1, 64, QuantFormat::new(kind, 32), Some(&[1.0; 63])), Err(QuantError::Invalid { .. })));
+        let bad = [f32::NAN; 64];
+        assert!(matches!(sparse::quantize("t", &v, 1, 64, QuantFormat::new(kind, 32), Some(&bad)), Err(QuantError::Invalid { .. })));
+        // AWQ's search and GPTQ do not prune.
+        let mut w = v.clone();
+        assert!(fake_quantize("t", &mut w, 64, QuantFormat::new(kind, 32)).is_err());
+        let h: Vec<f64> = (0..64 * 64).map(|i| if i % 65 == 0 { 1.0 } else { 0.0 }).collect();
+        let e = gptq::quantize("t", &v, 1, 64, &h, QuantFormat::new(kind, 32), Default::default()).unwrap_err();
+        assert!(e.to_string().contains("2:4"), "{e}");
+    }
+}
+
+/// Wanda's score keeps the weights that matter for the layer's output: on inputs with a few
+/// large channels it loses far less of the output than magnitude pruning.
+#[test]
+fn wanda_loses_less_of_the_output_than_magnitude_pruning() {
+    let (rows, k, n) = (32, 128, 256);
+    let mut rng = Rng(45);
+    let w: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
+    let x: Vec<f32> = (0..n * k).map(|i| rng.normal() * if i % k % 9 == 4 { 12.0 } else { 1.0 }).collect();
+    let norms = sparse::input_norms(&x, k);
+    for kind in [QuantKind::S24Q4, QuantKind::S24Q8] {
+        let f = QuantFormat::new(kind, 32);
+        let mag = sparse::quantize("w", &w, rows, k, f, None).unwrap();
+        let wanda = sparse::quantize("w", &w, rows, k, f, Some(&norms)).unwrap();
+        let (e_mag, e_wanda) = (gptq::output_error(&w, &mag, &x), gptq::output_error(&w, &wanda, &x));
+        eprintln!("{f}: output error magnitude {e_mag:.4e}, Wanda {e_wanda:.4e} ({:.2}x)", e_mag / e_wanda);
+        assert!(e_wanda < 0.7 * e_mag, "{f}: Wanda {e_wanda:e} not well below magnitude {e_mag:e}");
+    }
+}
+
+/// `quantize_model --method wanda-2:4`: every linear weight pruned with its site's input
+/// norms, recorded as such; the method and format must agree.
+#[test]
+fn quantize_model_wanda() {
+    let w = tiny("llama-gqa");
+    let toks = tokens(40, w.config.vocab_size, 9);
+    let mut opts = QuantizeOptions::new(QuantKind::S24Q4);
+    opts.method = Method::Wanda;
+    let q = quantize_model(&w, &opts, Some(&toks), &mut no_progress()).unwrap();
+    assert_eq!(q.report.methods.get("wanda-2:4"), Some(&(7 * w.config.num_layers)), "{:?}", q.report.methods);
+    let stats = awq::capture(&w.config, &f32_weights(&w), &toks, 40, &mut |_, _| {}).unwrap();
+    let x = stats[1].get(Site::GateUp);
+    let n = "model.layers.1.mlp.up_proj.weight";
+    let src = w.tensors[n].to_f32();
+    let want = sparse::quantize(n, &src, src.len() / x.k, x.k, opts.format(), Some(&sparse::input_norms(&x.sample, x.k))).unwrap();
+    assert_eq!(q.weights.tensors[n].data, want.to_bytes(), "{n}: not pruned with its inputs' norms");
+    // Wanda makes 2:4 kinds only; AWQ and GPTQ do not prune; Wanda needs calibration.
+    for (kind, method) in [(QuantKind::Q4, Method::Wanda), (QuantKind::S24Q8, Method::Awq), (QuantKind::S24Q4, Method::Gptq)] {
+        let mut o = QuantizeOptions::new(kind);
+        o.method = method;
+        let Err(e) = quantize_model(&w, &o, Some(&toks), &mut no_progress()) else { panic!("{kind:?} with {method:?} ran") };
+        assert!(matches!(e, LanternError::Config { .. }), "{kind:?} {method:?}: {e}");
+    }
+    assert!(quantize_model(&w, &opts, None, &mut no_progress()).is_err());
 }
 
 #[test]
@@ -817,6 +914,50 @@ fn cli_quantizes_a_folder() {
     let stderr = String::from_utf8_lossy(&bad.stderr);
     assert!(!bad.status.success());
     assert!(stderr.contains("not a multiple of the group size 128") && stderr.contains("model."), "{stderr}");
+    // --bits picks the format; with --method wanda-2:4 the kept values' width.
+    let calib = dir.join("calib.txt");
+    std::fs::write(&calib, "The quick brown fox jumps over the lazy dog. ".repeat(8)).unwrap();
+    // (The tiny folders have no tokenizer to encode a calibration text: Wanda runs on SmolLM2.)
+    let tiny = common::tiny_dir().join("llama-mha-tied");
+    let smollm2 = common::smollm2_gguf();
+    let run = |model: &Path, args: &[&str], name: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_lantern"))
+            .args(["quantize", "--model"])
+            .arg(model)
+            .args(args)
+            .arg("--out")
+            .arg(dir.join(name))
+            .output()
+            .unwrap()
+    };
+    let c = calib.to_str().unwrap();
+    for (model, args, name, kind, method) in [
+        (&tiny, &["--bits", "3"][..], "q3", QuantKind::Q3, "rtn"),
+        (
+            &smollm2,
+            &["--bits", "4", "--method", "wanda-2:4", "--calibration", c, "--calibration-tokens", "16"][..],
+            "w4",
+            QuantKind::S24Q4,
+            "wanda-2:4",
+        ),
+    ] {
+        let o = run(model, args, name);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success() && stderr.contains(method), "{args:?}: {stderr}");
+        let l = load_path(&dir.join(name)).unwrap();
+        let f = QuantFormat::new(kind, 32);
+        assert!(l.weights.tensors["model.layers.0.mlp.down_proj.weight"].dtype == DType::Packed(f), "{args:?}");
+    }
+    for (args, needle) in [
+        (&["--bits", "4", "--method", "wanda-2:4"][..], "needs --calibration"),
+        (&["--bits", "3", "--method", "wanda-2:4", "--calibration", calib.to_str().unwrap()][..], "4- or 8-bit"),
+        (&["--bits", "3", "--group", "16"][..], "multiple of 32"),
+        (&["--to", "s24q4", "--method", "gptq", "--calibration", calib.to_str().unwrap()][..], "2:4"),
+    ] {
+        let o = run(&smollm2, args, "bad");
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && stderr.contains(needle), "{args:?}: {stderr}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -901,6 +1042,9 @@ fn gpu_runs_quantized_folders() {
         ("llama-gqa", QuantKind::Q4, 16, Method::Awq),
         ("qwen2-bias", QuantKind::Q8, 32, Method::Rtn),
         ("llama-mha-tied", QuantKind::Q4Sym, 32, Method::Awq),
+        ("llama-gqa", QuantKind::Q3, 32, Method::Gptq),
+        ("llama-gqa", QuantKind::S24Q4, 32, Method::Wanda),
+        ("qwen2-bias", QuantKind::S24Q8, 32, Method::Rtn),
     ] {
         let w = tiny(name);
         let mut opts = QuantizeOptions::new(kind);

@@ -268,6 +268,10 @@ impl WeightFormat {
             K::Q5 => &["W_PACKED", "W_Q5", "W_HI", "W_HI1", "W_DM"],
             // Lantern's 3-bit: Q3_K's planes with Q4_1's (d, m) per group of any size.
             K::Q3 => &["W_PACKED", "W_Q3", "W_LO2", "W_HI", "W_HI1", "W_DM"],
+            // 2:4 sparse (W_S24): Q3's planes holding Q4Sym's kept codes, or Q5's holding
+            // Q8's kept bytes (W_S24Q8), with each kept value's position in the high plane.
+            K::S24Q4 => &["W_PACKED", "W_S24", "W_Q4S", "W_LO2", "W_HI", "W_HI1"],
+            K::S24Q8 => &["W_PACKED", "W_S24", "W_S24Q8", "W_HI", "W_HI1"],
             K::Iq4Nl => &["W_PACKED", "W_IQ4NL", "W_TABLE"],
             K::Q2K => &["W_PACKED", "W_Q2K", "W_LO2", "W_SUPER"],
             K::Q3K => &["W_PACKED", "W_Q3K", "W_LO2", "W_HI", "W_HI1", "W_SUPER"],

@@ -68,6 +68,10 @@ pub fn block_size(kind: QuantKind) -> (usize, usize) {
         QuantKind::Fp8 => (32, 34),
         // Lantern's own (no GGUF type): d, m, 8 bytes of 2-bit codes, 4 of third bits.
         QuantKind::Q3 => (32, 16),
+        // Lantern's 2:4 kinds have no block form (they come only from `lantern quantize`):
+        // their bytes per 32 elements as packed (d, kept codes, positions).
+        QuantKind::S24Q4 => (32, 14),
+        QuantKind::S24Q8 => (32, 22),
     }
 }
 
@@ -77,6 +81,7 @@ pub fn f16_fields(kind: QuantKind) -> &'static [usize] {
     match kind {
         QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Iq4Xs | QuantKind::Fp8 => &[0],
         QuantKind::Q4 | QuantKind::Q5 | QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q3 => &[0, 2],
+        QuantKind::S24Q4 | QuantKind::S24Q8 => &[0],
         QuantKind::Q2K => &[80, 82],
         QuantKind::Q3K => &[108],
         QuantKind::Q6K => &[208],
@@ -103,6 +108,8 @@ pub fn ggml_name(kind: QuantKind) -> &'static str {
         QuantKind::Mxfp4 => "MXFP4",
         QuantKind::Fp8 => "FP8",
         QuantKind::Q3 => "Q3 (Lantern's)",
+        QuantKind::S24Q4 => "S24Q4 (Lantern's 2:4)",
+        QuantKind::S24Q8 => "S24Q8 (Lantern's 2:4)",
     }
 }
 
@@ -280,7 +287,9 @@ pub fn repack(tensor: &str, kind: QuantKind, data: &[u8], rows: usize, k: usize)
                     s[2 * b] = u32_at(x, 0);
                     s[2 * b + 1] = u32_at(x, 4);
                 }
-                QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym | QuantKind::Fp8 | QuantKind::Q3 => unreachable!("rejected above"),
+                QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym | QuantKind::Fp8 | QuantKind::Q3 | QuantKind::S24Q4 | QuantKind::S24Q8 => {
+                    unreachable!("rejected above")
+                }
             }
         }
     }
@@ -305,6 +314,9 @@ fn half(x: &[u8], at: usize) -> f32 {
 pub fn dequantize_blocks(kind: QuantKind, data: &[u8], n: usize) -> Result<Vec<f32>, QuantError> {
     let (be, bb) = block_size(kind);
     let what = format!("<{} blocks>", ggml_name(kind));
+    if kind.is_sparse() {
+        return Err(invalid(&what, "the 2:4 kinds have no block form; they come only from lantern quantize".into()));
+    }
     if !n.is_multiple_of(be) {
         return Err(invalid(&what, format!("{n} elements are not a whole number of {be}-element blocks")));
     }
@@ -452,6 +464,7 @@ pub fn dequantize_blocks(kind: QuantKind, data: &[u8], n: usize) -> Result<Vec<f
                     }
                 }
             }
+            QuantKind::S24Q4 | QuantKind::S24Q8 => unreachable!("rejected above"),
         }
     }
     Ok(out)

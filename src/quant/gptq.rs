@@ -184,6 +184,7 @@ pub fn quantize(
 ) -> Result<PackedMatrix, QuantError> {
     let invalid = |reason: String| QuantError::Invalid { tensor: tensor.into(), reason };
     check_rtn(tensor, format)?;
+    super::check_dense(tensor, format, "GPTQ")?;
     format.check(tensor, k)?;
     if w.len() != rows * k {
         return Err(invalid(format!("{} values, expected {rows} x {k}", w.len())));

@@ -55,6 +55,7 @@ pub mod gptq;
 mod pool;
 pub mod quantize;
 pub mod safetensors;
+pub mod sparse;
 
 pub use quantize::{quantize_model, EmbeddingPolicy, Method, QuantizeOptions, QuantizedModel};
 
@@ -99,6 +100,15 @@ pub enum QuantKind {
     /// (GPTQ's and RTN's 3-bit: GGUF's only 3-bit type, Q3_K, needs rows of 256). The two low
     /// bits of each code sit in the low plane as Q3_K's do, the third in the high plane.
     Q3,
+    /// 2:4 sparse with 4-bit symmetric values: of every four consecutive elements of a row two
+    /// are zero; the kept ones are `(q - 8) d`, q in 0..=15, one f16 `d` per group of 32 or
+    /// more (as `Q4Sym`). The planes have Q3's geometry: the low plane holds the kept codes
+    /// (8 per word: 16 elements), the high plane each kept value's 2-bit position in its four
+    /// (16 per word: 32 elements). See [`sparse`].
+    S24Q4,
+    /// 2:4 sparse with 8-bit symmetric values `q d` (as `Q8`): the low plane holds the kept
+    /// bytes (4 per word: 8 elements), the high plane their positions as `S24Q4`'s.
+    S24Q8,
 }
 
 /// The value of an FP8 E4M3 byte (sign, 4 exponent bits with bias 7, 3 mantissa bits; no
@@ -136,7 +146,7 @@ pub fn e8m0_half(e: u8) -> f32 {
 
 impl QuantKind {
     /// Every kind, in the order above.
-    pub const ALL: [QuantKind; 15] = [
+    pub const ALL: [QuantKind; 17] = [
         QuantKind::Q8,
         QuantKind::Q4,
         QuantKind::Q4Sym,
@@ -152,6 +162,8 @@ impl QuantKind {
         QuantKind::Mxfp4,
         QuantKind::Fp8,
         QuantKind::Q3,
+        QuantKind::S24Q4,
+        QuantKind::S24Q8,
     ];
 
     /// Elements per `u32` of the low plane of `qs`.
@@ -163,7 +175,7 @@ impl QuantKind {
     pub fn lo_bits(&self) -> usize {
         match self {
             QuantKind::Q8 | QuantKind::Fp8 => 8,
-            QuantKind::Q2K | QuantKind::Q3K | QuantKind::Q3 => 2,
+            QuantKind::Q2K | QuantKind::Q3K | QuantKind::Q3 | QuantKind::S24Q4 => 2,
             _ => 4,
         }
     }
@@ -171,7 +183,7 @@ impl QuantKind {
     /// Bits per element in the high plane of `qs` (0: no high plane).
     pub fn hi_bits(&self) -> usize {
         match self {
-            QuantKind::Q5Sym | QuantKind::Q5 | QuantKind::Q5K | QuantKind::Q3K | QuantKind::Q3 => 1,
+            QuantKind::Q5Sym | QuantKind::Q5 | QuantKind::Q5K | QuantKind::Q3K | QuantKind::Q3 | QuantKind::S24Q4 | QuantKind::S24Q8 => 1,
             QuantKind::Q6K => 2,
             _ => 0,
         }
@@ -204,13 +216,19 @@ impl QuantKind {
     /// Whether `lantern quantize` can produce this kind and quantized safetensors store it
     /// (the others come only from GGUF files, repacked at load).
     pub fn is_rtn(&self) -> bool {
-        matches!(self, QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym | QuantKind::Q3)
+        matches!(self, QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym | QuantKind::Q3 | QuantKind::S24Q4 | QuantKind::S24Q8)
     }
 
-    /// The smallest group (and its multiples) a round-to-nearest kind takes: 32 for `Q3`,
-    /// whose high plane holds 32 elements per word, else 8.
+    /// Whether this kind is 2:4 sparse ([`sparse`]): `lantern quantize` prunes to it (by
+    /// magnitude, or with `--method wanda-2:4` by Wanda's score); AWQ and GPTQ do not.
+    pub fn is_sparse(&self) -> bool {
+        matches!(self, QuantKind::S24Q4 | QuantKind::S24Q8)
+    }
+
+    /// The smallest group (and its multiples) a round-to-nearest kind takes: 32 for the kinds
+    /// with a 1-bit-geometry high plane (32 elements per word: `Q3`, the 2:4 kinds), else 8.
     pub fn min_group(&self) -> u32 {
-        if *self == QuantKind::Q3 {
+        if matches!(self, QuantKind::Q3 | QuantKind::S24Q4 | QuantKind::S24Q8) {
             32
         } else {
             8
@@ -234,6 +252,8 @@ impl QuantKind {
             QuantKind::Mxfp4 => "mxfp4",
             QuantKind::Fp8 => "fp8",
             QuantKind::Q3 => "q3",
+            QuantKind::S24Q4 => "s24q4",
+            QuantKind::S24Q8 => "s24q8",
         }
     }
 
@@ -319,9 +339,14 @@ impl QuantFormat {
         let sb = k / 256;
         match self.kind {
             QuantKind::Q4 | QuantKind::Q5 | QuantKind::Q3 => self.groups(k),
-            QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Mxfp4 | QuantKind::Fp8 => {
-                self.groups(k).div_ceil(2)
-            }
+            QuantKind::Q8
+            | QuantKind::Q4Sym
+            | QuantKind::Q5Sym
+            | QuantKind::Iq4Nl
+            | QuantKind::Mxfp4
+            | QuantKind::Fp8
+            | QuantKind::S24Q4
+            | QuantKind::S24Q8 => self.groups(k).div_ceil(2),
             QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q3K => 4 * sb,
             QuantKind::Q6K => 4 * sb + sb.div_ceil(2),
             QuantKind::Q2K => 5 * sb,
@@ -497,6 +522,18 @@ fn check_rtn(tensor: &str, format: QuantFormat) -> Result<(), QuantError> {
     })
 }
 
+/// The methods that round a dense matrix (AWQ's search, GPTQ) refuse the 2:4 kinds: those
+/// are pruned by `lantern quantize --method rtn` (magnitude) or `--method wanda-2:4`.
+pub fn check_dense(tensor: &str, format: QuantFormat, what: &str) -> Result<(), QuantError> {
+    if !format.kind.is_sparse() {
+        return Ok(());
+    }
+    Err(QuantError::Invalid {
+        tensor: tensor.into(),
+        reason: format!("{what} does not prune: {} is 2:4 sparse, made by --method wanda-2:4 or rtn (magnitude)", format.kind.name()),
+    })
+}
+
 /// Arms that `check_rtn` (or the caller's match) rules out.
 #[cold]
 fn unreachable_rtn() {}
@@ -507,6 +544,7 @@ fn unreachable_rtn() {}
 /// For searches that score many candidate quantizations (AWQ).
 pub fn fake_quantize(tensor: &str, values: &mut [f32], k: usize, format: QuantFormat) -> Result<(), QuantError> {
     check_rtn(tensor, format)?;
+    check_dense(tensor, format, "AWQ's scale search")?;
     format.check(tensor, k)?;
     let group = format.group as usize;
     for (r, row) in values.chunks_exact_mut(k).enumerate() {
@@ -561,7 +599,13 @@ impl PackedMatrix {
         let byte = |words: &[u32], i: usize| (words[i / 4] >> (8 * (i % 4))) as u8;
         match self.format.kind {
             QuantKind::Q4 | QuantKind::Q5 | QuantKind::Q3 => (half(s[g], false), half(s[g], true)),
-            QuantKind::Q8 | QuantKind::Q4Sym | QuantKind::Q5Sym | QuantKind::Iq4Nl | QuantKind::Fp8 => {
+            QuantKind::Q8
+            | QuantKind::Q4Sym
+            | QuantKind::Q5Sym
+            | QuantKind::Iq4Nl
+            | QuantKind::Fp8
+            | QuantKind::S24Q4
+            | QuantKind::S24Q8 => {
                 let d = half(s[g / 2], g % 2 == 1);
                 // -0.0 adds nothing and keeps the sign of a zero product, as ggml's `d * q`
                 // has it (Q4Sym's offset is in its code, see `code`).
@@ -601,9 +645,14 @@ impl PackedMatrix {
     /// The integer code `q` of element `(row, c)`: low bits | high bits above them (0..15 for
     /// 4-bit, -127..127 for Q8, 0..31 for 5-bit, 0..63 for Q6K, 0..7 for Q3K, 0..3 for Q2K,
     /// the E4M3 byte 0..255 for Fp8).
+    /// For the 2:4 kinds, the dense element's code: the kept value's, or the code of zero (8
+    /// for `S24Q4`, 0 for `S24Q8`) where it was pruned.
     pub fn raw_code(&self, row: usize, c: usize) -> i32 {
         let kind = self.format.kind;
         let q = &self.qs[row * self.format.qs_words(self.k)..(row + 1) * self.format.qs_words(self.k)];
+        if kind.is_sparse() {
+            return sparse::dense_code(kind, q, self.format.lo_words(self.k), c);
+        }
         let (lb, hb) = (kind.lo_bits(), kind.hi_bits());
         let lo_bit = c * lb;
         let lo = (q[lo_bit / 32] >> (lo_bit % 32)) & ((1u32 << lb) - 1);
@@ -633,7 +682,7 @@ impl PackedMatrix {
     pub fn code(&self, row: usize, c: usize) -> i32 {
         let q = self.raw_code(row, c);
         match self.format.kind {
-            QuantKind::Q4Sym => q - 8,
+            QuantKind::Q4Sym | QuantKind::S24Q4 => q - 8,
             QuantKind::Q5Sym => q - 16,
             QuantKind::Q6K => q - 32,
             QuantKind::Q3K => q - 4,
@@ -763,6 +812,10 @@ impl PackedMatrix {
         }
         if let Some(i) = values.iter().position(|v| !v.is_finite()) {
             return Err(QuantError::Invalid { tensor: tensor.into(), reason: format!("non-finite value {} at element {i}", values[i]) });
+        }
+        if format.kind.is_sparse() {
+            // Round to nearest of a 2:4 kind: pruned by magnitude.
+            return sparse::quantize(tensor, values, rows, k, format, None);
         }
         let group = format.group as usize;
         let groups = format.groups(k);

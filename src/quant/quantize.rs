@@ -35,6 +35,21 @@ pub enum Method {
     /// pushed onto the columns left, weighted by the inverse Hessian of its calibration
     /// inputs.
     Gptq,
+    /// Wanda 2:4 ([`super::sparse`]): in every four consecutive inputs of a row the two
+    /// weights of largest `|w| * ||x||` over the calibration inputs are kept, into a 2:4 kind.
+    Wanda,
+}
+
+impl Method {
+    /// The name in messages, metadata and `lantern quantize --method`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Method::Rtn => "rtn",
+            Method::Awq => "awq",
+            Method::Gptq => "gptq",
+            Method::Wanda => "wanda-2:4",
+        }
+    }
 }
 
 /// What happens to the token embedding and the LM head (the same matrix when
@@ -277,7 +292,27 @@ pub fn quantize_model(
     let mut results: Vec<[SiteResult; 4]> = Vec::new();
     let mut stats: Vec<awq::LayerStats> = Vec::new();
     let mut calibration_tokens = 0;
-    let method_name = if opts.method == Method::Gptq { "GPTQ" } else { "AWQ" };
+    let method_name = match opts.method {
+        Method::Gptq => "GPTQ",
+        Method::Wanda => "Wanda",
+        _ => "AWQ",
+    };
+    // 2:4 kinds come from magnitude (rtn) or Wanda pruning; Wanda makes nothing else.
+    match (opts.method, format.kind.is_sparse()) {
+        (Method::Awq | Method::Gptq, true) => {
+            return Err(LanternError::Config {
+                field: "method".into(),
+                reason: format!("{method_name} rounds dense weights; {} is 2:4 sparse: use --method wanda-2:4 or rtn", format.kind.name()),
+            })
+        }
+        (Method::Wanda, false) => {
+            return Err(LanternError::Config {
+                field: "method".into(),
+                reason: format!("wanda-2:4 prunes into a 2:4 kind (s24q4, s24q8), not {}", format.kind.name()),
+            })
+        }
+        _ => {}
+    }
     if opts.method != Method::Rtn {
         if c.block != crate::model::BlockSpec::default() {
             return Err(LanternError::Config {
@@ -296,7 +331,7 @@ pub fn quantize_model(
             }
         }
         let t0 = Instant::now();
-        let sample = if opts.method == Method::Gptq { tokens.len() } else { opts.awq.sample_tokens };
+        let sample = if matches!(opts.method, Method::Gptq | Method::Wanda) { tokens.len() } else { opts.awq.sample_tokens };
         stats = awq::capture(c, &floats, tokens, sample, &mut |layer, layers| progress(Progress::Calibrate { layer, layers }))?;
         calibration_tokens = tokens.len();
         report.calibration_tokens = tokens.len();
@@ -306,6 +341,12 @@ pub fn quantize_model(
                 "tokens": tokens.len(),
                 "damp": opts.gptq.damp,
                 "objective": "||W X - Q X||^2 over every calibration token's input to the layer (float model's activations), columns in order",
+            }));
+        }
+        if opts.method == Method::Wanda {
+            meta.calibration = Some(serde_json::json!({
+                "tokens": tokens.len(),
+                "score": "|W_ij| * ||X_j||_2 over every calibration token's input to the layer (float model's activations); the two largest of every four consecutive inputs kept",
             }));
         }
     }
@@ -396,6 +437,11 @@ pub fn quantize_model(
                     let h = gptq_hessian(&mut hessians, &stats, name)?;
                     let m = super::gptq::quantize(name, &floats[*name], rows, k, h, format, opts.gptq)?;
                     (m, TensorInfo::new(format, "gptq"))
+                } else if opts.method == Method::Wanda {
+                    let (_, _, x) = site_inputs(&stats, name, "Wanda")?;
+                    let norms = super::sparse::input_norms(&x.sample, x.k);
+                    let m = super::sparse::quantize(name, &floats[*name], rows, k, format, Some(&norms))?;
+                    (m, TensorInfo::new(format, Method::Wanda.name()))
                 } else {
                     match repack(t, format) {
                         Some(r) => (r?, TensorInfo::new(format, "repack")),
@@ -437,13 +483,19 @@ fn gptq_hessian<'a>(
     stats: &[awq::LayerStats],
     name: &str,
 ) -> Result<&'a [f64], LanternError> {
-    let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<usize>().ok());
-    let site = layer.and_then(|l| Site::ALL.into_iter().find(|s| s.weights(l).iter().any(|w| w == name)).map(|s| (l, s)));
-    let (l, site) = site.ok_or_else(|| LanternError::Calibration(format!("GPTQ: `{name}` is not a linear weight calibration saw")))?;
-    let st = stats.get(l).ok_or_else(|| LanternError::Calibration(format!("GPTQ: no calibration inputs for layer {l}")))?.get(site);
+    let (l, site, st) = site_inputs(stats, name, "GPTQ")?;
     // Keep one layer's Hessians at a time: weights come in name order, a layer's together.
     hessians.retain(|key, _| key.0 == l);
     Ok(hessians.entry((l, site)).or_insert_with(|| super::gptq::hessian(&st.sample, st.k)))
+}
+
+/// The layer, site and calibration inputs of linear weight `name` (errors name `method`).
+fn site_inputs<'a>(stats: &'a [awq::LayerStats], name: &str, method: &str) -> Result<(usize, Site, &'a awq::InputStats), LanternError> {
+    let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<usize>().ok());
+    let site = layer.and_then(|l| Site::ALL.into_iter().find(|s| s.weights(l).iter().any(|w| w == name)).map(|s| (l, s)));
+    let (l, site) = site.ok_or_else(|| LanternError::Calibration(format!("{method}: `{name}` is not a linear weight calibration saw")))?;
+    let st = stats.get(l).ok_or_else(|| LanternError::Calibration(format!("{method}: no calibration inputs for layer {l}")))?.get(site);
+    Ok((l, site, st))
 }
 
 /// Fills the AWQ fields of a linear weight's metadata: its input-scale alpha and fold, and

@@ -103,6 +103,8 @@ fn code4(q: vec4<u32>) -> vec4<f32> {
     return vec4<f32>(q) - 32.0;
 #elif W_Q3K
     return vec4<f32>(q) - 4.0;
+#elif W_S24Q8
+    return vec4<f32>(bitcast<vec4<i32>>(q));
 #else
     return vec4<f32>(q);
 #endif
@@ -121,9 +123,40 @@ const CODE_OFF: f32 = 0.0;
 #endif
 
 // The eight raw integer codes of one step from its bits (see step_bits): elements 0-3 and
-// 4-7, each its low-plane bits with its high-plane bits above them. The one place the bit
-// planes are unpacked; Q8 (signed bytes) does not use it.
+// 4-7. The one place the bit planes are unpacked; Q8 (signed bytes) does not use it.
 fn raw_codes8(b: vec2<u32>) -> array<vec4<u32>, 2> {
+#if W_S24
+    return sparse_codes8(b);
+#else
+    return plane_codes8(b);
+#endif
+}
+
+#if W_S24
+// 2:4 sparse (src/quant/sparse.rs): the step's four kept codes (.x bits: S24Q4 four 4-bit
+// codes, W_S24Q8 four bytes, sign-extended) go to the positions the high-plane bits (.y, 2
+// bits each) give within elements 0-3 (kept 0 and 1) and 4-7 (kept 2 and 3); the pruned
+// elements get the code of zero (S24Q4's 8, whose values are q - 8; S24Q8's 0). Selects, no
+// indexing: a second kept value at the same position wins, as in the CPU oracle.
+fn sparse_codes8(b: vec2<u32>) -> array<vec4<u32>, 2> {
+    let at = (vec4<u32>(b.y) >> vec4<u32>(0u, 2u, 4u, 6u)) & vec4<u32>(3u);
+#if W_S24Q8
+    let v = bitcast<vec4<u32>>(bitcast<vec4<i32>>(vec4<u32>(b.x) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
+    let zero = vec4<u32>(0u);
+#else
+    let v = (vec4<u32>(b.x) >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(15u);
+    let zero = vec4<u32>(8u);
+#endif
+    let e = vec4<u32>(0u, 1u, 2u, 3u);
+    let lo = select(select(zero, vec4<u32>(v.x), e == vec4<u32>(at.x)), vec4<u32>(v.y), e == vec4<u32>(at.y));
+    let hi = select(select(zero, vec4<u32>(v.z), e == vec4<u32>(at.z)), vec4<u32>(v.w), e == vec4<u32>(at.w));
+    return array<vec4<u32>, 2>(lo, hi);
+}
+#endif
+
+// The dense formats' eight raw codes: each element's low-plane bits with its high-plane bits
+// above them.
+fn plane_codes8(b: vec2<u32>) -> array<vec4<u32>, 2> {
 #if W_LO2
     var lo = (vec4<u32>(b.x) >> vec4<u32>(0u, 2u, 4u, 6u)) & vec4<u32>(3u);
     var hi = (vec4<u32>(b.x) >> vec4<u32>(8u, 10u, 12u, 14u)) & vec4<u32>(3u);

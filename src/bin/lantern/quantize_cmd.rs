@@ -20,10 +20,12 @@ pub struct QuantizeArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Format of the linear layers: q4 (4-bit, scale + minimum), q4sym (4-bit symmetric),
-    /// q3 (3-bit, scale + minimum; groups of 32 or more), q8 (8-bit symmetric).
-    #[arg(long = "to", value_parser = ["q4", "q4sym", "q3", "q8"], required_unless_present = "bits", conflicts_with = "bits")]
+    /// q3 (3-bit, scale + minimum; groups of 32 or more), q8 (8-bit symmetric), s24q4 / s24q8
+    /// (2:4 sparse: two of every four weights zero, the others 4- or 8-bit symmetric).
+    #[arg(long = "to", value_parser = ["q4", "q4sym", "q3", "q8", "s24q4", "s24q8"], required_unless_present = "bits", conflicts_with = "bits")]
     to: Option<String>,
-    /// Bits per weight instead of --to: 8 (q8), 4 (q4) or 3 (q3).
+    /// Bits per weight instead of --to: 8 (q8), 4 (q4) or 3 (q3); with --method wanda-2:4,
+    /// the kept values' bits: 4 (s24q4) or 8 (s24q8).
     #[arg(long, value_parser = clap::value_parser!(u8).range(3..=8))]
     bits: Option<u8>,
     /// Elements per scale: a positive multiple of 8 (of 32 for q3) that divides every row
@@ -34,10 +36,11 @@ pub struct QuantizeArgs {
     /// it, round to nearest.
     #[arg(long)]
     calibration: Option<PathBuf>,
-    /// rtn (round to nearest), awq (activation-aware scales, then RTN) or gptq (error
-    /// feedback through the inputs' inverse Hessian). Default: awq with --calibration, else
-    /// rtn.
-    #[arg(long, value_parser = ["rtn", "awq", "gptq"])]
+    /// rtn (round to nearest; 2:4 formats pruned by magnitude), awq (activation-aware scales,
+    /// then RTN), gptq (error feedback through the inputs' inverse Hessian) or wanda-2:4 (2:4
+    /// pruning by |w| x the input's norm over the calibration text). Default: awq with
+    /// --calibration, else rtn.
+    #[arg(long, value_parser = ["rtn", "awq", "gptq", "wanda-2:4"])]
     method: Option<String>,
     /// GPTQ's dampening: the fraction of the Hessian's mean diagonal added to it (larger
     /// trusts a small calibration text less).
@@ -64,8 +67,12 @@ fn mib(b: usize) -> String {
 pub fn quantize(a: QuantizeArgs) -> Result<()> {
     let t0 = Instant::now();
     let model_path = lantern::fetch::resolve_model(a.model.as_deref(), true)?;
+    let wanda = a.method.as_deref() == Some("wanda-2:4");
     let kind = match (a.to.as_deref(), a.bits) {
         (Some(to), _) => QuantKind::parse(to).with_context(|| format!("unknown --to {to}"))?,
+        (None, Some(8)) if wanda => QuantKind::S24Q8,
+        (None, Some(4)) if wanda => QuantKind::S24Q4,
+        (None, Some(b)) if wanda => bail!("--bits {b}: wanda-2:4 keeps 4- or 8-bit values"),
         (None, Some(8)) => QuantKind::Q8,
         (None, Some(4)) => QuantKind::Q4,
         (None, Some(3)) => QuantKind::Q3,
@@ -111,6 +118,7 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
         (Some("rtn"), _) | (None, None) => Method::Rtn,
         (Some("awq") | None, Some(_)) => Method::Awq,
         (Some("gptq"), Some(_)) => Method::Gptq,
+        (Some("wanda-2:4"), Some(_)) => Method::Wanda,
         (Some(m), None) => bail!("--method {m} needs --calibration TEXT (its inputs are measured on it)"),
         (Some(m), Some(_)) => bail!("unknown --method {m}"),
     };
