@@ -201,6 +201,24 @@ fn dispatches(ctx: &Arc<GpuContext>, c: &Case, key: PipelineKey) -> Vec<lantern:
     pollster::block_on(build_with_key(ctx, &c.lin, &io, key)).expect("pipeline")
 }
 
+/// The layout the runtime picks for the case's weights on this adapter.
+fn auto_dispatches(ctx: &Arc<GpuContext>, c: &Case) -> Vec<lantern::kernels::Dispatch> {
+    let io = LinearIo {
+        step: &c.step,
+        x: &c.x,
+        x_stride: c.k,
+        norm: None,
+        eps: 1e-5,
+        y: &c.y,
+        out_stride: c.lin.n_rows,
+        out_offset: 0,
+        residual: false,
+        rows: None,
+        x_tex: None,
+    };
+    pollster::block_on(lantern::kernels::linear::build(ctx, &c.lin, &io, lantern::kernels::linear::Shape::Matvec)).expect("pipeline")
+}
+
 fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext, c: &Case) -> Option<PipelineKey> {
     if l.subgroups && !ctx.caps.subgroups {
         return None;
@@ -621,6 +639,12 @@ fn moe_bench(ctx: &Arc<GpuContext>, reps: usize, copy: f64, only: Option<&str>) 
                 pollster::block_on(moe::experts_with(ctx, &down, n, &down_io, sg, multi)).expect("down"),
             ];
             let t = time(ctx, reps, || submit(ctx, &step, 1, 1, &dispatches));
+            let parts: Vec<String> = dispatches
+                .iter()
+                .zip(["route", "gate|up", "down"])
+                .map(|(d, name)| format!("{name} {:.2} ms", 1e3 * time(ctx, reps, || submit(ctx, &step, 1, 1, std::slice::from_ref(d)))))
+                .collect();
+            println!("  the step's parts: {}", parts.join(", "));
             let chosen = top_k as f64 * (gate_up.bytes() + down.bytes()) as f64 / n as f64;
             println!(
                 "moe decode {top_k} of {n} experts 768x2048 {:<5} {:9.2} ms {:7.2} GB/s of chosen experts {:6.1}% of copy  [{}]",
@@ -630,6 +654,41 @@ fn moe_bench(ctx: &Arc<GpuContext>, reps: usize, copy: f64, only: Option<&str>) 
                 100.0 * chosen / t / 1e9 / copy,
                 dispatches[1].label
             );
+        }
+        // The same bytes as one dense layer would hold them (gate and up of the chosen
+        // experts stacked: 2 x 8 x 768 rows of 2048; down: 2048 rows of 8 x 768), in the same
+        // run, in each storage layout the experts have and the adapter's default: the
+        // fraction of the dense matvec's GB/s the expert step reaches, shape for shape.
+        if fmt.is_packed() {
+            let storage = [case(ctx, 2 * top_k * ei, d, fmt, 1, false).0, case(ctx, d, top_k * ei, fmt, 1, false).0];
+            let tiled = [case(ctx, 2 * top_k * ei, d, fmt, 1, true).0, case(ctx, d, top_k * ei, fmt, 1, true).0];
+            let bytes = (storage[0].lin.bytes() + storage[1].lin.bytes()) as f64;
+            type Run<'a> = (String, &'a [Case; 2], [Vec<lantern::kernels::Dispatch>; 2]);
+            let mut runs: Vec<Run> = Vec::new();
+            for l in LAYOUTS
+                .iter()
+                .filter(|l| l.wg == 64 && l.subgroups == ctx.caps.subgroups && l.flags & (flags::ROW_PER_WORKGROUP | flags::MULTI_ROW) != 0)
+            {
+                if let (Some(ku), Some(kd)) = (key(l, fmt, ctx, &storage[0]), key(l, fmt, ctx, &storage[1])) {
+                    runs.push((l.name.to_string(), &storage, [dispatches(ctx, &storage[0], ku), dispatches(ctx, &storage[1], kd)]));
+                }
+            }
+            runs.push(("the adapter's default layout".into(), &tiled, [auto_dispatches(ctx, &tiled[0]), auto_dispatches(ctx, &tiled[1])]));
+            for (name, cs, ds) in &runs {
+                let t = time(ctx, reps, || {
+                    submit(ctx, &cs[0].step, 1, 1, &ds[0]);
+                    submit(ctx, &cs[1].step, 1, 1, &ds[1]);
+                });
+                let t_up = time(ctx, reps, || submit(ctx, &cs[0].step, 1, 1, &ds[0]));
+                println!("  dense parts: gate and up {:.2} ms, down {:.2} ms", 1e3 * t_up, 1e3 * (t - t_up));
+                println!(
+                    "  dense, same bytes        {:<5} {:9.2} ms {:7.2} GB/s {:6.1}% of copy  [{name}]",
+                    fmt.name(),
+                    t * 1e3,
+                    bytes / t / 1e9,
+                    100.0 * bytes / t / 1e9 / copy
+                );
+            }
         }
     }
 }

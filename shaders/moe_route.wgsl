@@ -18,7 +18,11 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> step: Step;
-@group(0) @binding(1) var<uniform> p: Params;
+// The parameters are a storage buffer, not a uniform: lavapipe specializes a shader on the
+// uniform values its loops are bounded by ("inline uniforms"), and this kernel's loops over
+// the experts then cost 6-50 ms a dispatch (32 experts: 45 ms, against 0.06 ms from storage;
+// benches/kernels.rs, the MoE step's parts).
+@group(0) @binding(1) var<storage, read> p: Params;
 @group(0) @binding(2) var<storage, read> logits: array<f32>;            // (n_tokens, n_experts)
 @group(0) @binding(3) var<storage, read_write> route: array<vec2<u32>>; // (n_tokens * top_k)
 

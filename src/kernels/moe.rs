@@ -12,7 +12,7 @@
 //! rows (expert e's row r at row `e * rows + r`), in any weight format, in storage buffers
 //! (one binding: [`check_stacked`]). The router's own product is an ordinary linear layer.
 
-use crate::gpu::buffer::create_uniform;
+use crate::gpu::buffer::{create_storage, create_uniform};
 use crate::gpu::shader::flags;
 use crate::gpu::{Features, GpuContext, GpuError, PipelineKey, ShaderOp};
 
@@ -91,7 +91,7 @@ pub async fn route(
     }
     let pipe = pipeline(ctx, PipelineKey::new(ShaderOp::MoeRoute, WORKGROUP)).await?;
     let params = RouteParams { n_experts: n_experts as u32, top_k: top_k as u32, renormalize: u32::from(renormalize), _pad: 0 };
-    let ubuf = create_uniform(ctx, "moe_route.params", &params);
+    let ubuf = create_storage(ctx, "moe_route.params", bytemuck::bytes_of(&params))?;
     let bg = bind(ctx, "moe_route", &pipe, &[(0, step), (1, &ubuf), (2, logits), (3, route)]);
     Ok(Dispatch {
         label: "moe_route".into(),
