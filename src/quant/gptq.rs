@@ -11,7 +11,12 @@
 //! values when column `i` starts the group (RTN's rule on them), the column is rounded, and
 //! `W[:, j] -= (w_i - q_i) / U[i, i] * U[i, j]` for every later `j`. Rows are independent
 //! given `U` (groups run along a row), so they are split over threads. Arithmetic in f64.
-//! Columns are taken in their order (no act-order), so a group's columns stay contiguous.
+//!
+//! With `act_order` the columns are taken by decreasing Hessian diagonal (the inputs with
+//! the most energy first, while the most columns are left to absorb their error), and every
+//! group's scale and minimum are fixed up front from the original weights ("static
+//! groups"), since a group's columns are no longer rounded together. The packed layout is
+//! the same: codes are stored in column order.
 
 use super::{check_rtn, group_params, non_finite_scale, pack_group, pool, round_code, PackedMatrix, QuantError, QuantFormat};
 
@@ -20,11 +25,13 @@ use super::{check_rtn, group_params, non_finite_scale, pack_group, pool, round_c
 pub struct GptqOptions {
     /// Dampening, as a fraction of the Hessian's mean diagonal (the paper's 1%).
     pub damp: f64,
+    /// Round the columns by decreasing Hessian diagonal, with static group scales.
+    pub act_order: bool,
 }
 
 impl Default for GptqOptions {
     fn default() -> Self {
-        GptqOptions { damp: 0.01 }
+        GptqOptions { damp: 0.01, act_order: false }
     }
 }
 
@@ -206,8 +213,18 @@ pub fn quantize(
     for i in 0..k {
         h[i * k + i] += opts.damp * mean_diag;
     }
+    // The order columns are rounded in: theirs, or by decreasing diagonal (stable).
+    let mut order: Vec<usize> = (0..k).collect();
+    if opts.act_order {
+        order.sort_by(|&a, &b| h[b * k + b].total_cmp(&h[a * k + a]));
+        let hp: Vec<f64> = (0..k * k).map(|i| h[order[i / k] * k + order[i % k]]).collect();
+        h = hp;
+    }
     let u = inverse_upper_factor(&h, k)
         .ok_or_else(|| invalid(format!("the inputs' Hessian ({k} x {k}) is not positive definite even with {} dampening", opts.damp)))?;
+    if opts.act_order {
+        return quantize_ordered(tensor, w, rows, k, &u, &order, &dead, format);
+    }
     let group = format.group as usize;
     let (qw, sw) = (format.qs_words(k), format.scale_words(k));
     let parts = pool::par_ranges(rows, |range| -> Result<(Vec<u32>, Vec<u32>), QuantError> {
@@ -239,6 +256,69 @@ pub fn quantize(
                 if i % group == group - 1 {
                     pack_group(format, g, sc, &codes, &mut qs[ri * qw..(ri + 1) * qw], &mut scales[ri * sw..(ri + 1) * sw]);
                 }
+            }
+        }
+        Ok((qs, scales))
+    });
+    let (mut qs, mut scales) = (Vec::with_capacity(rows * qw), Vec::with_capacity(rows * sw));
+    for p in parts {
+        let (q, s) = p?;
+        qs.extend(q);
+        scales.extend(s);
+    }
+    Ok(PackedMatrix { format, rows, k, qs, scales })
+}
+
+/// GPTQ's column loop in `order` (the factor `u` is of the Hessian permuted so), with every
+/// group's parameters fixed from the original row first.
+#[allow(clippy::too_many_arguments)]
+fn quantize_ordered(
+    tensor: &str,
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    u: &[f64],
+    order: &[usize],
+    dead: &[bool],
+    format: QuantFormat,
+) -> Result<PackedMatrix, QuantError> {
+    let group = format.group as usize;
+    let (qw, sw) = (format.qs_words(k), format.scale_words(k));
+    let parts = pool::par_ranges(rows, |range| -> Result<(Vec<u32>, Vec<u32>), QuantError> {
+        let mut qs = vec![0u32; range.len() * qw];
+        let mut scales = vec![0u32; range.len() * sw];
+        let mut codes = vec![0i32; k];
+        let mut params = vec![(0u32, 0f32, 0f32); k / group];
+        for (ri, r) in range.enumerate() {
+            let orig: Vec<f32> = w[r * k..(r + 1) * k].iter().zip(dead).map(|(&v, &d)| if d { 0.0 } else { v }).collect();
+            for (g, p) in params.iter_mut().enumerate() {
+                let x = &orig[g * group..(g + 1) * group];
+                *p = group_params(format.kind, x);
+                if !(p.1.is_finite() && p.2.is_finite()) {
+                    return Err(non_finite_scale(tensor, r, g, x, format));
+                }
+            }
+            let mut row: Vec<f64> = order.iter().map(|&c| orig[c] as f64).collect();
+            for a in 0..k {
+                let c = order[a];
+                let (_, d, m) = params[c / group];
+                let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let q = round_code(format.kind, row[a] as f32, inv, m);
+                codes[c] = q;
+                let err = (row[a] - (q as f32 * d + m) as f64) / u[a * k + a];
+                for (x, &uij) in row[a + 1..].iter_mut().zip(&u[a * k + a + 1..(a + 1) * k]) {
+                    *x -= err * uij;
+                }
+            }
+            for (g, p) in params.iter().enumerate() {
+                pack_group(
+                    format,
+                    g,
+                    p.0,
+                    &codes[g * group..(g + 1) * group],
+                    &mut qs[ri * qw..(ri + 1) * qw],
+                    &mut scales[ri * sw..(ri + 1) * sw],
+                );
             }
         }
         Ok((qs, scales))

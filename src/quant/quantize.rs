@@ -340,6 +340,7 @@ pub fn quantize_model(
             meta.calibration = Some(serde_json::json!({
                 "tokens": tokens.len(),
                 "damp": opts.gptq.damp,
+                "act_order": opts.gptq.act_order,
                 "objective": "||W X - Q X||^2 over every calibration token's input to the layer (float model's activations), columns in order",
             }));
         }

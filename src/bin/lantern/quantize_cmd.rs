@@ -46,6 +46,10 @@ pub struct QuantizeArgs {
     /// trusts a small calibration text less).
     #[arg(long, default_value_t = 0.01)]
     gptq_damp: f64,
+    /// GPTQ's act-order: round the input columns by decreasing Hessian diagonal (the inputs
+    /// with the most energy first), each group's scale fixed from the original weights.
+    #[arg(long)]
+    gptq_act_order: bool,
     /// Most calibration tokens used (the text is cut after these).
     #[arg(long, default_value_t = 256)]
     calibration_tokens: usize,
@@ -114,6 +118,7 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
         bail!("--gptq-damp {} must be a non-negative number", a.gptq_damp);
     }
     opts.gptq.damp = a.gptq_damp;
+    opts.gptq.act_order = a.gptq_act_order;
     opts.method = match (a.method.as_deref(), &calibration) {
         (Some("rtn"), _) | (None, None) => Method::Rtn,
         (Some("awq") | None, Some(_)) => Method::Awq,
