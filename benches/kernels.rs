@@ -184,8 +184,9 @@ fn case(ctx: &Arc<GpuContext>, n: usize, k: usize, fmt: WeightFormat, tokens: us
     (Case { lin, x, y, step: step_buffer(ctx), k }, w, xv)
 }
 
-fn dispatches(ctx: &Arc<GpuContext>, c: &Case, key: PipelineKey) -> Vec<lantern::kernels::Dispatch> {
-    let io = LinearIo {
+/// The case's input and output as a matvec reads them.
+fn io(c: &Case) -> LinearIo<'_> {
+    LinearIo {
         step: &c.step,
         x: &c.x,
         x_stride: c.k,
@@ -197,26 +198,16 @@ fn dispatches(ctx: &Arc<GpuContext>, c: &Case, key: PipelineKey) -> Vec<lantern:
         residual: false,
         rows: None,
         x_tex: None,
-    };
-    pollster::block_on(build_with_key(ctx, &c.lin, &io, key)).expect("pipeline")
+    }
+}
+
+fn dispatches(ctx: &Arc<GpuContext>, c: &Case, key: PipelineKey) -> Vec<lantern::kernels::Dispatch> {
+    pollster::block_on(build_with_key(ctx, &c.lin, &io(c), key)).expect("pipeline")
 }
 
 /// The layout the runtime picks for the case's weights on this adapter.
 fn auto_dispatches(ctx: &Arc<GpuContext>, c: &Case) -> Vec<lantern::kernels::Dispatch> {
-    let io = LinearIo {
-        step: &c.step,
-        x: &c.x,
-        x_stride: c.k,
-        norm: None,
-        eps: 1e-5,
-        y: &c.y,
-        out_stride: c.lin.n_rows,
-        out_offset: 0,
-        residual: false,
-        rows: None,
-        x_tex: None,
-    };
-    pollster::block_on(lantern::kernels::linear::build(ctx, &c.lin, &io, lantern::kernels::linear::Shape::Matvec)).expect("pipeline")
+    pollster::block_on(lantern::kernels::linear::build(ctx, &c.lin, &io(c), lantern::kernels::linear::Shape::Matvec)).expect("pipeline")
 }
 
 fn key(l: &Layout, fmt: WeightFormat, ctx: &GpuContext, c: &Case) -> Option<PipelineKey> {

@@ -227,7 +227,7 @@ pub fn quantize(
     }
     let group = format.group as usize;
     let (qw, sw) = (format.qs_words(k), format.scale_words(k));
-    let parts = pool::par_ranges(rows, |range| -> Result<(Vec<u32>, Vec<u32>), QuantError> {
+    let parts = pool::par_ranges(rows, |range| -> RowPart {
         let mut qs = vec![0u32; range.len() * qw];
         let mut scales = vec![0u32; range.len() * sw];
         let mut codes = vec![0i32; group];
@@ -260,13 +260,7 @@ pub fn quantize(
         }
         Ok((qs, scales))
     });
-    let (mut qs, mut scales) = (Vec::with_capacity(rows * qw), Vec::with_capacity(rows * sw));
-    for p in parts {
-        let (q, s) = p?;
-        qs.extend(q);
-        scales.extend(s);
-    }
-    Ok(PackedMatrix { format, rows, k, qs, scales })
+    gather(parts, format, rows, k)
 }
 
 /// GPTQ's column loop in `order` (the factor `u` is of the Hessian permuted so), with every
@@ -284,7 +278,7 @@ fn quantize_ordered(
 ) -> Result<PackedMatrix, QuantError> {
     let group = format.group as usize;
     let (qw, sw) = (format.qs_words(k), format.scale_words(k));
-    let parts = pool::par_ranges(rows, |range| -> Result<(Vec<u32>, Vec<u32>), QuantError> {
+    let parts = pool::par_ranges(rows, |range| -> RowPart {
         let mut qs = vec![0u32; range.len() * qw];
         let mut scales = vec![0u32; range.len() * sw];
         let mut codes = vec![0i32; k];
@@ -323,7 +317,15 @@ fn quantize_ordered(
         }
         Ok((qs, scales))
     });
-    let (mut qs, mut scales) = (Vec::with_capacity(rows * qw), Vec::with_capacity(rows * sw));
+    gather(parts, format, rows, k)
+}
+
+/// One row range's codes and scales, or why it failed.
+type RowPart = Result<(Vec<u32>, Vec<u32>), QuantError>;
+
+/// The packed matrix from the row ranges' codes and scales, in order.
+fn gather(parts: Vec<RowPart>, format: QuantFormat, rows: usize, k: usize) -> Result<PackedMatrix, QuantError> {
+    let (mut qs, mut scales) = (Vec::with_capacity(rows * format.qs_words(k)), Vec::with_capacity(rows * format.scale_words(k)));
     for p in parts {
         let (q, s) = p?;
         qs.extend(q);
