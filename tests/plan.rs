@@ -146,6 +146,28 @@ fn sliding_window_layers_keep_rings_and_the_plan_counts_them() {
     assert_eq!(KvWindow::Ring.ring(c.block.sliding_window, 8192, 128, 16), None);
 }
 
+/// A config-only FP8 checkpoint is planned as the GPU will hold it (its linear layers a byte
+/// and a scale per 32, the rest f32), close to what loading the folder itself counts.
+#[test]
+fn cli_plans_an_fp8_config_as_loaded() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/llama-gqa-fp8-block");
+    let dir = config_dir("plan-fp8", &std::fs::read_to_string(src.join("config.json")).unwrap());
+    let plan = |model: &std::path::Path| -> serde_json::Value {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lantern"))
+            .env("LANTERN_OFFLINE", "1")
+            .args(["plan", "--context", "256", "--memory-budget", "1Gi", "--json", "--model"])
+            .arg(model)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let (config_only, loaded) = (plan(&dir), plan(&src));
+    let (a, b) = (config_only["plan"]["weight_bytes"].as_f64().unwrap(), loaded["plan"]["weight_bytes"].as_f64().unwrap());
+    assert!((a / b - 1.0).abs() < 0.03, "config only {a} bytes, loaded {b}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn cli_plans_a_model_from_its_config_json_alone() {
     let dir = config_dir("plan", LLAMA_33_70B);

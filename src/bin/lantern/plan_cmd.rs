@@ -32,9 +32,11 @@ pub struct PlanArgs {
     #[arg(long)]
     memory_budget: Option<String>,
     /// For a config.json without weights: bytes per parameter of the weights (2 = bf16/f16,
-    /// 1 = 8-bit, 0.5625 = 4-bit with group-32 scales).
-    #[arg(long, default_value_t = 2.0)]
-    bytes_per_param: f64,
+    /// 1 = 8-bit, 0.5625 = 4-bit with group-32 scales). Default: 2, or for an FP8 checkpoint
+    /// (`quantization_config.quant_method: fp8`) its linear layers as the GPU holds them
+    /// (1.0625: a byte and an f16 scale per 32) and the rest (embedding, norms) in f32.
+    #[arg(long)]
+    bytes_per_param: Option<f64>,
     /// Tokens per KV page.
     #[arg(long, default_value_t = 16)]
     page_size: usize,
@@ -140,9 +142,23 @@ pub fn run(a: PlanArgs) -> Result<()> {
         Some(cfg) => {
             let text = std::fs::read_to_string(&cfg).with_context(|| format!("reading {}", cfg.display()))?;
             let c = ModelConfig::from_hf_json(&text, &cfg.display().to_string())?;
-            let p = param_count(&c).total;
-            let b = (p as f64 * a.bytes_per_param) as u64;
-            (c, b, format!("{p} parameters x {} bytes (config only)", a.bytes_per_param))
+            let pc = param_count(&c);
+            let p = pc.total;
+            let fp8 = serde_json::from_str::<serde_json::Value>(&text)
+                .ok()
+                .and_then(|v| v.pointer("/quantization_config/quant_method").and_then(|m| m.as_str()).map(|m| m == "fp8"))
+                .unwrap_or(false);
+            match (a.bytes_per_param, fp8) {
+                (Some(bpp), _) => (c, (p as f64 * bpp) as u64, format!("{p} parameters x {bpp} bytes (config only)")),
+                (None, true) => {
+                    // The layers' projections in FP8 (norms are a rounding error here), the
+                    // embedding and LM head as the loader keeps unquantized tensors: f32.
+                    let linear = pc.layers;
+                    let b = linear * 34 / 32 + (p - linear) * 4;
+                    (c, b, format!("{linear} FP8 layer parameters x 1.0625 bytes + {} others x 4 (config only)", p - linear))
+                }
+                (None, false) => (c, p * 2, format!("{p} parameters x 2 bytes (config only)")),
+            }
         }
         None => {
             let loaded = lantern::model::load::load_path(&path)?;
