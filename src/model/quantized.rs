@@ -126,7 +126,7 @@ pub fn parse_metadata(text: &str, file: &str) -> Result<QuantMetadata, LoadError
     for (name, v) in entries {
         if let Some(kind) = v.get("kind") {
             if kind.as_str().and_then(QuantKind::parse).is_none() {
-                return Err(meta_err(file, name, format!("unknown kind {kind} (known: q8, q4, q4sym, q3)")));
+                return Err(meta_err(file, name, format!("unknown kind {kind} (known: {})", QuantKind::rtn_names())));
             }
         }
         let info: TensorInfo = serde_json::from_value(v.clone()).map_err(|e| meta_err(file, name, format!("bad metadata entry: {e}")))?;

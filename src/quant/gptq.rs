@@ -222,57 +222,22 @@ pub fn quantize(
     }
     let u = inverse_upper_factor(&h, k)
         .ok_or_else(|| invalid(format!("the inputs' Hessian ({k} x {k}) is not positive definite even with {} dampening", opts.damp)))?;
-    if opts.act_order {
-        return quantize_ordered(tensor, w, rows, k, &u, &order, &dead, format);
-    }
-    let group = format.group as usize;
-    let (qw, sw) = (format.qs_words(k), format.scale_words(k));
-    let parts = pool::par_ranges(rows, |range| -> RowPart {
-        let mut qs = vec![0u32; range.len() * qw];
-        let mut scales = vec![0u32; range.len() * sw];
-        let mut codes = vec![0i32; group];
-        let mut gx = vec![0f32; group];
-        for (ri, r) in range.enumerate() {
-            let mut row: Vec<f64> = w[r * k..(r + 1) * k].iter().zip(&dead).map(|(&v, &d)| if d { 0.0 } else { v as f64 }).collect();
-            let (mut d, mut m, mut sc) = (0f32, 0f32, 0u32);
-            for i in 0..k {
-                let g = i / group;
-                if i % group == 0 {
-                    for (x, &v) in gx.iter_mut().zip(&row[i..i + group]) {
-                        *x = v as f32;
-                    }
-                    (sc, d, m) = group_params(format.kind, &gx);
-                    if !(d.is_finite() && m.is_finite()) {
-                        return Err(non_finite_scale(tensor, r, g, &gx, format));
-                    }
-                }
-                let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
-                let q = round_code(format.kind, row[i] as f32, inv, m);
-                codes[i % group] = q;
-                let err = (row[i] - (q as f32 * d + m) as f64) / u[i * k + i];
-                for (x, &uij) in row[i + 1..].iter_mut().zip(&u[i * k + i + 1..(i + 1) * k]) {
-                    *x -= err * uij;
-                }
-                if i % group == group - 1 {
-                    pack_group(format, g, sc, &codes, &mut qs[ri * qw..(ri + 1) * qw], &mut scales[ri * sw..(ri + 1) * sw]);
-                }
-            }
-        }
-        Ok((qs, scales))
-    });
-    gather(parts, format, rows, k)
+    round_columns(tensor, w, rows, k, &u, &order, opts.act_order, &dead, format)
 }
 
-/// GPTQ's column loop in `order` (the factor `u` is of the Hessian permuted so), with every
-/// group's parameters fixed from the original row first.
+/// GPTQ's column loop, in `order` (the factor `u` is of the Hessian permuted so). Groups'
+/// scales are fixed from the original row first (`static_groups`, act-order), or from the
+/// corrected values as each group starts (in column order). Codes are packed in column
+/// order either way.
 #[allow(clippy::too_many_arguments)]
-fn quantize_ordered(
+fn round_columns(
     tensor: &str,
     w: &[f32],
     rows: usize,
     k: usize,
     u: &[f64],
     order: &[usize],
+    static_groups: bool,
     dead: &[bool],
     format: QuantFormat,
 ) -> Result<PackedMatrix, QuantError> {
@@ -283,18 +248,33 @@ fn quantize_ordered(
         let mut scales = vec![0u32; range.len() * sw];
         let mut codes = vec![0i32; k];
         let mut params = vec![(0u32, 0f32, 0f32); k / group];
+        let mut gx = vec![0f32; group];
         for (ri, r) in range.enumerate() {
             let orig: Vec<f32> = w[r * k..(r + 1) * k].iter().zip(dead).map(|(&v, &d)| if d { 0.0 } else { v }).collect();
-            for (g, p) in params.iter_mut().enumerate() {
-                let x = &orig[g * group..(g + 1) * group];
-                *p = group_params(format.kind, x);
-                if !(p.1.is_finite() && p.2.is_finite()) {
-                    return Err(non_finite_scale(tensor, r, g, x, format));
+            let mut row: Vec<f64> = order.iter().map(|&c| orig[c] as f64).collect();
+            // (sc, d, m) of group g from its values x.
+            let params_of = |g: usize, x: &[f32]| {
+                let p = group_params(format.kind, x);
+                if p.1.is_finite() && p.2.is_finite() {
+                    Ok(p)
+                } else {
+                    Err(non_finite_scale(tensor, r, g, x, format))
+                }
+            };
+            if static_groups {
+                for (g, p) in params.iter_mut().enumerate() {
+                    *p = params_of(g, &orig[g * group..(g + 1) * group])?;
                 }
             }
-            let mut row: Vec<f64> = order.iter().map(|&c| orig[c] as f64).collect();
             for a in 0..k {
                 let c = order[a];
+                if !static_groups && c.is_multiple_of(group) {
+                    // In column order a group's columns are row[a..a + group], corrected so far.
+                    for (x, &v) in gx.iter_mut().zip(&row[a..a + group]) {
+                        *x = v as f32;
+                    }
+                    params[c / group] = params_of(c / group, &gx)?;
+                }
                 let (_, d, m) = params[c / group];
                 let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
                 let q = round_code(format.kind, row[a] as f32, inv, m);
@@ -305,14 +285,8 @@ fn quantize_ordered(
                 }
             }
             for (g, p) in params.iter().enumerate() {
-                pack_group(
-                    format,
-                    g,
-                    p.0,
-                    &codes[g * group..(g + 1) * group],
-                    &mut qs[ri * qw..(ri + 1) * qw],
-                    &mut scales[ri * sw..(ri + 1) * sw],
-                );
+                let (q, s) = (&mut qs[ri * qw..(ri + 1) * qw], &mut scales[ri * sw..(ri + 1) * sw]);
+                pack_group(format, g, p.0, &codes[g * group..(g + 1) * group], q, s);
             }
         }
         Ok((qs, scales))

@@ -219,6 +219,11 @@ impl QuantKind {
         matches!(self, QuantKind::Q8 | QuantKind::Q4 | QuantKind::Q4Sym | QuantKind::Q3 | QuantKind::S24Q4 | QuantKind::S24Q8)
     }
 
+    /// The names of the kinds `lantern quantize` writes, for messages ("q8, q4, ...").
+    pub fn rtn_names() -> String {
+        QuantKind::ALL.iter().filter(|k| k.is_rtn()).map(|k| k.name()).collect::<Vec<_>>().join(", ")
+    }
+
     /// Whether this kind is 2:4 sparse ([`sparse`]): `lantern quantize` prunes to it (by
     /// magnitude, or with `--method wanda-2:4` by Wanda's score); AWQ and GPTQ do not.
     pub fn is_sparse(&self) -> bool {
@@ -284,7 +289,7 @@ impl std::fmt::Display for QuantFormat {
 pub enum QuantError {
     #[error("tensor `{tensor}`: row length {k} is not a multiple of the group size {group} ({format})")]
     GroupMismatch { tensor: String, k: usize, group: u32, format: String },
-    #[error("tensor `{tensor}`: group size {group} must be a positive multiple of 8 (of 32 for q3; the format's own group for GGUF-only formats)")]
+    #[error("tensor `{tensor}`: group size {group} must be a positive multiple of 8 (of 32 for q3, s24q4 and s24q8; the format's own group for GGUF-only formats)")]
     BadGroup { tensor: String, group: u32 },
     #[error("tensor `{tensor}`: row length {k} is not a multiple of the {block}-element super-block of {format}")]
     SuperBlockMismatch { tensor: String, k: usize, block: usize, format: String },
@@ -489,25 +494,16 @@ fn pack_group(format: QuantFormat, g: usize, sc: u32, codes: &[i32], qs: &mut [u
         QuantKind::Q4 | QuantKind::Q3 => scales[g] = sc,
         _ => scales[g / 2] |= sc << (16 * (g & 1)),
     }
-    if format.kind == QuantKind::Q3 {
-        // Low two bits in the low plane (16 per word), the third in the high plane (32 per
-        // word, after the row's k / 16 low words: the row's qs are 3 k / 32 words).
-        let (first, hi0) = (g * format.group as usize, qs.len() / 3 * 2);
-        for (i, &c) in codes.iter().enumerate() {
-            let e = first + i;
-            qs[e / 16] |= (c as u32 & 3) << (2 * (e % 16));
-            qs[hi0 + e / 32] |= (c as u32 >> 2) << (e % 32);
-        }
-        return;
-    }
-    let pw = format.kind.per_word();
-    let base = g * format.group as usize / pw;
+    // Each code's low bits into the low plane, the rest above them into the high plane
+    // (after the row's low words), as `PackedMatrix::raw_code` reads them.
+    let (lb, hb) = (format.kind.lo_bits(), format.kind.hi_bits());
+    let lo_words = qs.len() * 32 / (lb + hb) * lb / 32;
     for (i, &c) in codes.iter().enumerate() {
-        let bits = match format.kind {
-            QuantKind::Q8 => (c as i8 as u8 as u32) << (8 * (i % 4)),
-            _ => (c as u32) << (4 * (i % 8)),
-        };
-        qs[base + i / pw] |= bits;
+        let (e, v) = (g * format.group as usize + i, c as u32);
+        qs[e * lb / 32] |= (v & ((1 << lb) - 1)) << (e * lb % 32);
+        if hb > 0 {
+            qs[lo_words + e * hb / 32] |= (v >> lb) << (e * hb % 32);
+        }
     }
 }
 
@@ -518,7 +514,7 @@ fn check_rtn(tensor: &str, format: QuantFormat) -> Result<(), QuantError> {
     }
     Err(QuantError::Invalid {
         tensor: tensor.into(),
-        reason: format!("{} comes only from GGUF files; round-to-nearest quantizes to q8, q4, q4sym or q3", format.kind.name()),
+        reason: format!("{} comes only from GGUF files; lantern quantize writes {}", format.kind.name(), QuantKind::rtn_names()),
     })
 }
 

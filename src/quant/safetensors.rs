@@ -18,7 +18,7 @@ use std::collections::HashMap;
 
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 
-use super::{QuantError, QuantFormat};
+use super::{QuantError, QuantFormat, QuantKind};
 use crate::error::LanternError;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{DType, ModelConfig, ModelWeights};
@@ -121,8 +121,9 @@ fn entries<'a>(weights: &'a ModelWeights, meta: &mut QuantMetadata) -> Result<Ve
                 return Err(QuantError::Invalid {
                     tensor: name.clone(),
                     reason: format!(
-                        "is {}: quantized safetensors hold q8, q4, q4sym and q3 packs only (run from the GGUF file itself)",
-                        other.name()
+                        "is {}: quantized safetensors hold {} packs only (run from the GGUF file itself)",
+                        other.name(),
+                        QuantKind::rtn_names()
                     ),
                 }
                 .into())

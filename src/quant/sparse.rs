@@ -39,7 +39,7 @@ pub fn dense_code(kind: QuantKind, q: &[u32], lo_words: usize, c: usize) -> i32 
 /// The positions (0..3, ascending) of the two kept elements of the four `w[0..4]` under
 /// input norms `n[0..4]`: the two largest `|w| n`, the lower position on a tie.
 pub fn keep_two(w: &[f32], n: &[f32]) -> (usize, usize) {
-    let s: Vec<f32> = w.iter().zip(n).map(|(w, n)| w.abs() * n).collect();
+    let s: [f32; 4] = std::array::from_fn(|i| w[i].abs() * n[i]);
     let mut order = [0usize, 1, 2, 3];
     // Stable: equal scores keep their positions' order.
     order.sort_by(|&a, &b| s[b].total_cmp(&s[a]));
