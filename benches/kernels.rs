@@ -525,22 +525,34 @@ fn attention_bench(ctx: &Arc<GpuContext>, reps: usize, copy: f64) {
     let table: Vec<u32> = (0..pages as u32).collect();
     let bt = storage(ctx, bytemuck::cast_slice(&table));
     let out = storage(ctx, &vec![0u8; (heads * hd * 4) as usize]);
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
-        let layout = KvLayout::new(dtype, page, kv_heads as usize, hd as usize, pages, ctx.max_binding()).expect("layout");
-        // Small values in every dtype: f32 data, f16 halves of it, q8 codes with amax 1.
-        let words = (layout.shard_bytes() / 4) as usize;
-        let fill: Vec<u32> = match dtype {
-            KvDtype::F32 => data(words, 2).iter().map(|v| v.to_bits()).collect(),
-            KvDtype::F16 => data(words * 2, 3)
-                .chunks(2)
-                .map(|c| half::f16::from_f32(c[0]).to_bits() as u32 | (half::f16::from_f32(c[1]).to_bits() as u32) << 16)
-                .collect(),
-            _ => (0..words)
-                .map(|i| if i < layout.scale_base() { (i as u32).wrapping_mul(2654435761) & 0x3f3f3f3f } else { 1.0f32.to_bits() })
-                .collect(),
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8, KvDtype::Q4] {
+        let layout = KvLayout::new(dtype, page, kv_heads as usize, hd as usize, pages, 1, ctx.max_binding()).expect("layout");
+        // Small values in every dtype: f32 data, f16 halves of it, q8 codes with amax 1, q4
+        // codes with f16 scales and minimums of 1 (and the sequence's length: its pages
+        // sealed but the last).
+        let fill = |bytes: u64, k: bool| -> Vec<u32> {
+            let words = (bytes / 4) as usize;
+            match dtype {
+                KvDtype::F32 => data(words, 2).iter().map(|v| v.to_bits()).collect(),
+                KvDtype::F16 => data(words * 2, 3)
+                    .chunks(2)
+                    .map(|c| half::f16::from_f32(c[0]).to_bits() as u32 | (half::f16::from_f32(c[1]).to_bits() as u32) << 16)
+                    .collect(),
+                KvDtype::Q8 => (0..words)
+                    .map(|i| if i < layout.scale_base() { (i as u32).wrapping_mul(2654435761) & 0x3f3f3f3f } else { 1.0f32.to_bits() })
+                    .collect(),
+                _ => (0..words)
+                    .map(|i| match i {
+                        i if i < layout.scale_base() => (i as u32).wrapping_mul(2654435761),
+                        i if k && i + 1 == layout.tail_base() => keys as u32,
+                        _ => 0x3c00_3c00,
+                    })
+                    .collect(),
+            }
         };
-        let k: Vec<wgpu::Buffer> = (0..layout.n_shards).map(|_| storage(ctx, bytemuck::cast_slice(&fill))).collect();
-        let v: Vec<wgpu::Buffer> = (0..layout.n_shards).map(|_| storage(ctx, bytemuck::cast_slice(&fill))).collect();
+        let (kf, vf) = (fill(layout.k_shard_bytes(), true), fill(layout.v_shard_bytes(), false));
+        let k: Vec<wgpu::Buffer> = (0..layout.n_shards).map(|_| storage(ctx, bytemuck::cast_slice(&kf))).collect();
+        let v: Vec<wgpu::Buffer> = (0..layout.n_shards).map(|_| storage(ctx, bytemuck::cast_slice(&vf))).collect();
         let kv_bytes = 2.0 * keys as f64 * kv_heads as f64 * dtype.head_bytes(hd as usize) as f64;
         for splits in [1usize, 2, 4, 8] {
             let partials = storage(ctx, &vec![0u8; attention::partials_bytes(&p, &layout, 1, splits).max(4) as usize]);

@@ -21,7 +21,7 @@ var<workgroup> qs: array<vec4<f32>, MAX_HEAD_DIM>;
 var<workgroup> scores: array<vec4<f32>, WG>;
 var<workgroup> probs: array<vec4<f32>, WG>;
 var<workgroup> prob_sum: array<vec4<f32>, WG>;
-var<workgroup> key_addr: array<u32, WG>;
+var<workgroup> key_slot: array<u32, WG>;
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -52,23 +52,24 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var start = range.x; start < range.y; start += WG) {
         let j = start + lid;
         var s = vec4<f32>(NEG);
-        var addr = 0u;
+        var slot = 0u;
         var vs = 0.0;
         var live = false;
         if (j < range.y) {
             let th = key_th(seq, j, kvh);
             if (th != 0xffffffffu) {
                 live = true;
-                addr = th * hd;
+                slot = th;
                 vs = v_scale(th);
                 var dot = vec4<f32>(0.0);
 #if KV_F32
                 for (var d = 0u; d < hd; d++) {
-                    dot += qs[d] * k_cache[addr + d];
+                    dot += qs[d] * k_cache[th * hd + d];
                 }
 #else
+                let key = key_at(seq, j, th);
                 for (var d = 0u; d < hd; d += 4u) {
-                    let k = k4(addr + d);
+                    let k = k4(key, d);
                     dot += qs[d] * k.x + qs[d + 1u] * k.y + qs[d + 2u] * k.z + qs[d + 3u] * k.w;
                 }
 #endif
@@ -76,7 +77,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
         scores[lid] = s;
-        key_addr[lid] = addr;
+        key_slot[lid] = slot;
         workgroupBarrier();
         let n_chunk = min(WG, range.y - start);
         // Tree max over the chunk (lanes past it and keys of other shards hold NEG).
@@ -104,7 +105,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             if (d < hd) {
                 var a = acc[e] * corr;
                 for (var i = 0u; i < n_chunk; i++) {
-                    a += probs[i] * v1(key_addr[i] + d);
+                    a += probs[i] * v1(key_slot[i], d);
                 }
                 acc[e] = a;
             }

@@ -14,9 +14,9 @@
 var<private> qr: array<vec4<f32>, 32>;
 var<private> acc8: array<vec4<f32>, 32>;
 
-// acc8[i..i+4] += pr * V[e..e+4].
-fn vacc(i: u32, pr: vec4<f32>, e: u32) {
-    let v = v4(e);
+// acc8[i..i+4] += pr * V[d..d+4] of token-head th.
+fn vacc(i: u32, pr: vec4<f32>, th: u32, d: u32) {
+    let v = v4(th, d);
     acc8[i] += pr * v.x;
     acc8[i + 1u] += pr * v.y;
     acc8[i + 2u] += pr * v.z;
@@ -55,12 +55,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let th0 = key_th(seq, min(j, range.y - 1u), kvh);
         let live = j < range.y && th0 != 0xffffffffu;
         let th = select(0u, th0, live);
-        let addr = th * hd;
+        let key = key_at(seq, min(j, range.y - 1u), th);
         var dot = vec4<f32>(0.0);
         for (var i = 0u; i < dpl; i++) {
             let q = qr[i];
-            let ka = k4(addr + i * 8u);
-            let kb = k4(addr + i * 8u + 4u);
+            let ka = k4(key, i * 8u);
+            let kb = k4(key, i * 8u + 4u);
             dot += subgroupBroadcast(q, 0u) * ka.x;
             dot += subgroupBroadcast(q, 1u) * ka.y;
             dot += subgroupBroadcast(q, 2u) * ka.z;
@@ -76,7 +76,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         m = cmax;
         let pr = select(vec4<f32>(0.0), exp(s - m), live);
         l = l * corr + subgroupAdd(pr);
-        // Key by key: its probability (times its V scale) and address from the lane that
+        // Key by key: its probability (times its V scale) and token-head from the lane that
         // scored it.
         let pv = pr * v_scale(th);
         let p0 = subgroupBroadcast(pv, 0u);
@@ -88,27 +88,27 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let p6 = subgroupBroadcast(pv, 6u);
         let p7 = subgroupBroadcast(pv, 7u);
         let own = lid * dpl;
-        let a0 = subgroupBroadcast(addr, 0u) + own;
-        let a1 = subgroupBroadcast(addr, 1u) + own;
-        let a2 = subgroupBroadcast(addr, 2u) + own;
-        let a3 = subgroupBroadcast(addr, 3u) + own;
-        let a4 = subgroupBroadcast(addr, 4u) + own;
-        let a5 = subgroupBroadcast(addr, 5u) + own;
-        let a6 = subgroupBroadcast(addr, 6u) + own;
-        let a7 = subgroupBroadcast(addr, 7u) + own;
+        let a0 = subgroupBroadcast(th, 0u);
+        let a1 = subgroupBroadcast(th, 1u);
+        let a2 = subgroupBroadcast(th, 2u);
+        let a3 = subgroupBroadcast(th, 3u);
+        let a4 = subgroupBroadcast(th, 4u);
+        let a5 = subgroupBroadcast(th, 5u);
+        let a6 = subgroupBroadcast(th, 6u);
+        let a7 = subgroupBroadcast(th, 7u);
         for (var i = 0u; i < dpl; i += 4u) {
             acc8[i] *= corr;
             acc8[i + 1u] *= corr;
             acc8[i + 2u] *= corr;
             acc8[i + 3u] *= corr;
-            vacc(i, p0, a0 + i);
-            vacc(i, p1, a1 + i);
-            vacc(i, p2, a2 + i);
-            vacc(i, p3, a3 + i);
-            vacc(i, p4, a4 + i);
-            vacc(i, p5, a5 + i);
-            vacc(i, p6, a6 + i);
-            vacc(i, p7, a7 + i);
+            vacc(i, p0, a0, own + i);
+            vacc(i, p1, a1, own + i);
+            vacc(i, p2, a2, own + i);
+            vacc(i, p3, a3, own + i);
+            vacc(i, p4, a4, own + i);
+            vacc(i, p5, a5, own + i);
+            vacc(i, p6, a6, own + i);
+            vacc(i, p7, a7, own + i);
         }
     }
     if (n_parts() == 1u) {

@@ -10,6 +10,8 @@
 // head (so a Q8 head can find its amax and an F16 word gets both its halves from one
 // invocation). With several KV shards there is one dispatch per shard: each writes only
 // the tokens whose page lies in its shard, and only shard 0 rotates q.
+// KV_Q4 writes V only: its K is rounded per channel over whole pages, so the rotation
+// invocations rotate the k heads in place too and kv_seal.wgsl stores them after this.
 #include "common/step.wgsl"
 
 struct Params {
@@ -26,12 +28,13 @@ struct Params {
     pages_per_shard: u32,
     // The shard this dispatch writes.
     shard: u32,
-    // KV_Q8: first word of the scales in a shard buffer.
+    // KV_Q8, KV_Q4: first word of the scales in a shard buffer.
     scale_base: u32,
     // Pages of a sequence's window ring (sliding layers, kv/ring.rs): position pos of
     // sequence seq goes to page seq * ring + (pos / page_size) % ring; 0: the block table.
     ring: u32,
-    _pad1: u32,
+    // KV_Q4: first word of the open pages' f16 K (common/kv.wgsl).
+    tail_base: u32,
 }
 
 #include "common/kv.wgsl"
@@ -57,11 +60,9 @@ fn rotated(base: u32, pos: u32, i: u32) -> f32 {
     return qkv[base + i] * rope[r + j] + qkv[base + j] * rope[r + half + j];
 }
 
-#if KV_F32
-#elif KV_F16
-#else
-// The scaled caches (KV_Q8, KV_Q4): the largest |x| of the token's rotated K head (.x) and
-// of its V head (.y), each code's scale.
+#if KV_Q8
+// The largest |x| of the token's rotated K head (.x) and of its V head (.y), each code's
+// scale.
 fn head_amax(kb: u32, vb: u32, pos: u32, hd: u32) -> vec2<f32> {
     var a = vec2<f32>(0.0);
     for (var i = 0u; i < hd; i++) {
@@ -70,50 +71,42 @@ fn head_amax(kb: u32, vb: u32, pos: u32, hd: u32) -> vec2<f32> {
     return a;
 }
 
-// Rotated K elements i..i+4 and V elements i..i+4 of a head.
+// Rotated K elements i..i+4 of a head.
 fn rot4(kb: u32, pos: u32, i: u32) -> vec4<f32> {
     return vec4<f32>(rotated(kb, pos, i), rotated(kb, pos, i + 1u), rotated(kb, pos, i + 2u), rotated(kb, pos, i + 3u));
 }
+#endif
 
-fn qkv4(vb: u32, i: u32) -> vec4<f32> {
-    return vec4<f32>(qkv[vb + i], qkv[vb + i + 1u], qkv[vb + i + 2u], qkv[vb + i + 3u]);
-}
-
+#if KV_F32
+#elif KV_F16
+#else
 fn inv_or_zero(a: f32) -> f32 {
     return select(0.0, 1.0 / a, a > 0.0);
 }
-
-// The K and V scales of token-head th, after the shard's codes.
-fn store_scales(th: u32, amax: vec2<f32>) {
-    k_cache[p.scale_base + th] = bitcast<u32>(amax.x);
-    v_cache[p.scale_base + th] = bitcast<u32>(amax.y);
-}
-
-// Elements per cache word, and the K (.x) and V (.y) words of elements i.. of a head, the
-// values multiplied by `inv` (1 / amax of K, of V) before they are coded (see common/kv.wgsl).
-#if KV_Q8
-const SCALED_STEP: u32 = 4u;
-#else
-const SCALED_STEP: u32 = 8u;
 #endif
 
-fn scaled_words(kb: u32, vb: u32, pos: u32, i: u32, inv: vec2<f32>) -> vec2<u32> {
-#if KV_Q8
-    return vec2<u32>(pack4x8snorm(rot4(kb, pos, i) * inv.x), pack4x8snorm(qkv4(vb, i) * inv.y));
+#if KV_Q4
+// V elements i..i+4 of a head.
+fn qkv4(vb: u32, i: u32) -> vec4<f32> {
+    return vec4<f32>(qkv[vb + i], qkv[vb + i + 1u], qkv[vb + i + 2u], qkv[vb + i + 3u]);
+}
+#endif
+
+// The heads rotated in place: q, and with KV_Q4 k (which kv_seal.wgsl rounds per page).
+fn rot_heads() -> u32 {
+#if KV_Q4
+    return p.n_heads + p.n_kv_heads;
 #else
-    let k = q4_pack4(rot4(kb, pos, i) * inv.x) | (q4_pack4(rot4(kb, pos, i + 4u) * inv.x) << 16u);
-    let v = q4_pack4(qkv4(vb, i) * inv.y) | (q4_pack4(qkv4(vb, i + 4u) * inv.y) << 16u);
-    return vec2<u32>(k, v);
+    return p.n_heads;
 #endif
 }
 
-#endif
 @compute @workgroup_size(WG)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let t = gid.y;
     let hd = p.head_dim;
     let half = hd / 2u;
-    let q_pairs = p.n_heads * half;
+    let q_pairs = rot_heads() * half;
     let i_flat = gid.x;
     if (t >= step.n_tokens || i_flat >= q_pairs + p.n_kv_heads) {
         return;
@@ -153,15 +146,33 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         k_cache[(dst + i) >> 1u] = pack2x16float(vec2<f32>(rotated(kb, pos, i), rotated(kb, pos, i + 1u)));
         v_cache[(dst + i) >> 1u] = pack2x16float(vec2<f32>(qkv[vb + i], qkv[vb + i + 1u]));
     }
-#else
-    // The scaled caches (KV_Q8, KV_Q4): one loop, the word layout in scaled_words.
+#elif KV_Q8
     let amax = head_amax(kb, vb, pos, hd);
     let inv = vec2<f32>(inv_or_zero(amax.x), inv_or_zero(amax.y));
-    for (var i = 0u; i < hd; i += SCALED_STEP) {
-        let w = scaled_words(kb, vb, pos, i, inv);
-        k_cache[(dst + i) / SCALED_STEP] = w.x;
-        v_cache[(dst + i) / SCALED_STEP] = w.y;
+    for (var i = 0u; i < hd; i += 4u) {
+        k_cache[(dst + i) / 4u] = pack4x8snorm(rot4(kb, pos, i) * inv.x);
+        v_cache[(dst + i) / 4u] = pack4x8snorm(vec4<f32>(qkv[vb + i], qkv[vb + i + 1u], qkv[vb + i + 2u], qkv[vb + i + 3u]) * inv.y);
     }
-    store_scales(th, amax);
+    k_cache[p.scale_base + th] = bitcast<u32>(amax.x);
+    v_cache[p.scale_base + th] = bitcast<u32>(amax.y);
+#else
+    // KV_Q4: V, asymmetric per group of vg() elements (K: kv_seal.wgsl).
+    let g = vg();
+    for (var i0 = 0u; i0 < hd; i0 += g) {
+        var lo = qkv[vb + i0];
+        var hi = lo;
+        for (var i = 1u; i < g; i++) {
+            lo = min(lo, qkv[vb + i0 + i]);
+            hi = max(hi, qkv[vb + i0 + i]);
+        }
+        let dm = q4_dm(lo, hi);
+        let inv = inv_or_zero(dm.x);
+        for (var i = i0; i < i0 + g; i += 8u) {
+            let a = q4_code((qkv4(vb, i) - dm.y) * inv);
+            let b = q4_code((qkv4(vb, i + 4u) - dm.y) * inv);
+            v_cache[(dst + i) / 8u] = a.x | (a.y << 4u) | (a.z << 8u) | (a.w << 12u) | (b.x << 16u) | (b.y << 20u) | (b.z << 24u) | (b.w << 28u);
+        }
+        v_cache[p.scale_base + th * (hd / g) + i0 / g] = pack2x16float(dm);
+    }
 #endif
 }

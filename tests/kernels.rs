@@ -18,7 +18,7 @@ use lantern::kernels::attention::{AttentionIo, AttentionParams, KvBinding};
 use lantern::kernels::linear::{self, GpuLinear, HostMatrix, LinearIo};
 use lantern::kernels::rope_kv::{rope_table, RopeKvIo, RopeKvParams};
 use lantern::kernels::{self, step_buffer, submit, submit_step, x_texture, StepUniform};
-use lantern::kv::cache::{quantize_head, round_trip, KvLayout};
+use lantern::kv::cache::{quantize_group, quantize_head, round_trip, seal_page, v_group, KvLayout};
 use lantern::kv::plan::KvDtype;
 use lantern::kv::ring::WindowRing;
 use lantern::quant::{PackedMatrix, QuantFormat, QuantKind};
@@ -1472,6 +1472,12 @@ struct Paged {
     gpu_table: Vec<u32>,
     k: Vec<f32>,
     v: Vec<f32>,
+    /// Q4: K as the GPU knows it before rounding (the open pages' slots in f16, as their
+    /// tail holds them), and each sequence's length (which pages are sealed). `k` is then
+    /// what attention reads: sealed pages rounded per channel, open pages' written slots in
+    /// f16, their other slots 0.
+    k_raw: Vec<f32>,
+    lens: Vec<usize>,
 }
 
 impl Paged {
@@ -1487,18 +1493,131 @@ impl Paged {
             }
         }
         let cells = n_pages * page_size * heads.kv_dim();
-        let page_bytes = page_size as u64 * heads.n_kv_heads as u64 * storage.dtype.head_bytes(heads.head_dim);
-        let binding = storage.pages_per_shard.map_or(u64::MAX >> 8, |p| p as u64 * page_bytes);
-        let layout = KvLayout::new(storage.dtype, page_size, heads.n_kv_heads, heads.head_dim, n_pages, binding).expect("layout");
+        let binding =
+            Self::binding(storage, |b| KvLayout::new(storage.dtype, page_size, heads.n_kv_heads, heads.head_dim, n_pages, n_seqs, b));
+        let layout = KvLayout::new(storage.dtype, page_size, heads.n_kv_heads, heads.head_dim, n_pages, n_seqs, binding).expect("layout");
         if let Some(p) = storage.pages_per_shard {
             assert_eq!(layout.pages_per_shard, p);
         }
         let hd = heads.head_dim;
         // The values the cache can hold exactly in its dtype.
         let store = |v: Vec<f32>| -> Vec<f32> { v.chunks(hd).flat_map(|h| round_trip(storage.dtype, h)).collect() };
-        let (k, v) = (store(rng.vec(cells)), store(rng.vec(cells)));
+        let k_raw = rng.vec(cells);
+        let (k, v) = (store(k_raw.clone()), store(rng.vec(cells)));
         let gpu_table = block_table.clone();
-        Paged { heads, page_size, max_pages, layout, block_table, gpu_table, k, v }
+        let mut paged = Paged { heads, page_size, max_pages, layout, block_table, gpu_table, k, v, k_raw, lens: vec![0; n_seqs] };
+        paged.set_lens(&vec![0; n_seqs]);
+        paged
+    }
+
+    /// The binding limit that gives `storage.pages_per_shard` pages per shard for the
+    /// layout `make` builds (every page in one shard when `None`).
+    fn binding(storage: Storage, make: impl Fn(u64) -> Result<KvLayout, GpuError>) -> u64 {
+        let one = make(u64::MAX >> 8).expect("layout");
+        storage.pages_per_shard.map_or(u64::MAX >> 8, |p| p as u64 * one.page_bytes() + one.tail_words() as u64 * 4)
+    }
+
+    /// Q4: the sequences' lengths before a step (what the length words say); their open
+    /// pages' written slots become f16 in `k_raw`, and `k` what attention reads.
+    fn set_lens(&mut self, lens: &[usize]) {
+        self.lens = lens.to_vec();
+        if self.layout.dtype != KvDtype::Q4 {
+            return;
+        }
+        let ps = self.page_size;
+        for (s, &len) in lens.iter().enumerate() {
+            if !len.is_multiple_of(ps) {
+                for pos in len / ps * ps..len {
+                    for kvh in 0..self.heads.n_kv_heads {
+                        let a = self.addr(s, pos, kvh);
+                        for x in &mut self.k_raw[a..a + self.heads.head_dim] {
+                            *x = f16::from_f32(*x).to_f32();
+                        }
+                    }
+                }
+            }
+        }
+        self.k = self.q4_view(
+            |g, kvh| self.page_heads(&self.k_raw, g, kvh),
+            |s, pos, kvh| {
+                let a = self.addr(s, pos, kvh);
+                self.k_raw[a..a + self.heads.head_dim].to_vec()
+            },
+            true,
+        );
+    }
+
+    /// The heads of physical page g for KV head kvh in `x`.
+    fn page_heads(&self, x: &[f32], g: usize, kvh: usize) -> Vec<Vec<f32>> {
+        let hd = self.heads.head_dim;
+        (0..self.page_size).map(|slot| x[((g * self.page_size + slot) * self.heads.n_kv_heads + kvh) * hd..][..hd].to_vec()).collect()
+    }
+
+    /// Q4: K as attention reads it, given each page's heads for a KV head (`page`, sealed:
+    /// rounded by `seal` when asked, else taken as they are) and an open page's slot
+    /// (`open`). The slots of an open page past its sequence's length keep the sealed
+    /// values (in a window ring, those of the page that used it before).
+    fn q4_view(
+        &self,
+        page: impl Fn(usize, usize) -> Vec<Vec<f32>>,
+        open: impl Fn(usize, usize, usize) -> Vec<f32>,
+        seal: bool,
+    ) -> Vec<f32> {
+        let (ps, nkv, hd) = (self.page_size, self.heads.n_kv_heads, self.heads.head_dim);
+        let mut k = vec![0.0f32; self.k_raw.len()];
+        let n_pages = k.len() / (ps * nkv * hd);
+        for g in 0..n_pages {
+            for kvh in 0..nkv {
+                let heads = page(g, kvh);
+                let heads = if seal { seal_page(&heads) } else { heads };
+                for (slot, h) in heads.iter().enumerate() {
+                    k[((g * ps + slot) * nkv + kvh) * hd..][..hd].copy_from_slice(h);
+                }
+            }
+        }
+        for (s, &len) in self.lens.iter().enumerate() {
+            if len.is_multiple_of(ps) {
+                continue;
+            }
+            for pos in len / ps * ps..len {
+                for kvh in 0..nkv {
+                    let a = self.addr(s, pos, kvh);
+                    k[a..a + hd].copy_from_slice(&open(s, pos, kvh));
+                }
+            }
+        }
+        k
+    }
+
+    /// Q4: `x` with the slots of each open page past its sequence's length set to 0 (they
+    /// hold rounded values of no page attention reads yet, which a step changes on the
+    /// host's model but not on the GPU).
+    fn mask_open(&self, x: &mut [f32]) {
+        let (ps, hd) = (self.page_size, self.heads.head_dim);
+        for (s, &len) in self.lens.iter().enumerate() {
+            if len.is_multiple_of(ps) {
+                continue;
+            }
+            for pos in len..len / ps * ps + ps {
+                for kvh in 0..self.heads.n_kv_heads {
+                    let a = self.addr(s, pos, kvh);
+                    x[a..a + hd].fill(0.0);
+                }
+            }
+        }
+    }
+
+    /// Q4: apply a step's K writes (`k_rot[i]`: the heads of token `tokens[i]`, kv_dim
+    /// floats) as the seal pass does: pages the step fills are rounded, open pages keep f16.
+    fn q4_step(&mut self, tokens: &[(usize, usize)], k_rot: &[f32]) {
+        let kv_dim = self.heads.kv_dim();
+        let mut lens = self.lens.clone();
+        for (i, &(s, pos)) in tokens.iter().enumerate() {
+            let a = self.addr(s, pos, 0);
+            self.k_raw[a..a + kv_dim].copy_from_slice(&k_rot[i * kv_dim..][..kv_dim]);
+            lens[s] = lens[s].max(pos + 1);
+        }
+        self.set_lens(&lens);
     }
 
     /// Window rings (`kv::ring`) for `n_seqs` sequence slots of up to `max_len` positions:
@@ -1509,15 +1628,17 @@ impl Paged {
         let block_table: Vec<u32> = (0..n_seqs).flat_map(|s| (0..max_pages).map(move |i| ring.page(s, i * page_size) as u32)).collect();
         let n_pages = n_seqs * ring.pages;
         let cells = n_pages * page_size * heads.kv_dim();
-        let page_bytes = page_size as u64 * heads.n_kv_heads as u64 * storage.dtype.head_bytes(heads.head_dim);
-        let binding = storage.pages_per_shard.map_or(u64::MAX >> 8, |p| p as u64 * page_bytes);
+        let binding = Self::binding(storage, |b| KvLayout::rings(storage.dtype, &ring, n_seqs, heads.n_kv_heads, heads.head_dim, b));
         let layout = KvLayout::rings(storage.dtype, &ring, n_seqs, heads.n_kv_heads, heads.head_dim, binding).expect("ring layout");
         assert_eq!(layout.ring, ring.pages);
         let hd = heads.head_dim;
         let store = |v: Vec<f32>| -> Vec<f32> { v.chunks(hd).flat_map(|h| round_trip(storage.dtype, h)).collect() };
-        let (k, v) = (store(rng.vec(cells)), store(rng.vec(cells)));
+        let k_raw = rng.vec(cells);
+        let (k, v) = (store(k_raw.clone()), store(rng.vec(cells)));
         let gpu_table = vec![u32::MAX; block_table.len()];
-        Paged { heads, page_size, max_pages, layout, block_table, gpu_table, k, v }
+        let mut paged = Paged { heads, page_size, max_pages, layout, block_table, gpu_table, k, v, k_raw, lens: vec![0; n_seqs] };
+        paged.set_lens(&vec![0; n_seqs]);
+        paged
     }
 
     /// Offset of (seq, pos, kv head) in the caches.
@@ -1539,11 +1660,13 @@ impl Paged {
         (k, v)
     }
 
-    /// The shard buffers' words for host values `x` (one layout, every dtype).
-    fn encode(&self, x: &[f32]) -> Vec<Vec<u32>> {
+    /// The shard buffers' words for host values `x` (one layout, every dtype; q4: V, or K
+    /// with `k` from `k_raw` and the lengths).
+    fn encode(&self, x: &[f32], k: bool) -> Vec<Vec<u32>> {
         let l = &self.layout;
         let hd = l.head_dim;
-        let words = (l.shard_bytes() / 4) as usize;
+        let q4_k = k && l.dtype == KvDtype::Q4;
+        let words = ((if k { l.k_shard_bytes() } else { l.v_shard_bytes() }) / 4) as usize;
         let mut shards = vec![vec![0u32; words]; l.n_shards];
         let heads = x.len() / hd;
         for g in 0..heads {
@@ -1573,64 +1696,152 @@ impl Paged {
                     }
                     w[l.scale_base() + th] = amax.to_bits();
                 }
-                KvDtype::Q4 => {
-                    let (codes, amax) = quantize_head(h, 7.0);
-                    for i in (0..hd).step_by(8) {
-                        w[(th * hd + i) / 8] = (0..8).fold(0, |a, j| a | (((codes[i + j] + 8) as u32) << (4 * j)));
+                KvDtype::Q4 if !q4_k => {
+                    let vg = v_group(hd);
+                    for (j, grp) in h.chunks(vg).enumerate() {
+                        let (codes, d, m) = quantize_group(grp);
+                        for (i, &c) in codes.iter().enumerate() {
+                            w[(th * hd + j * vg + i) / 8] |= (c as u32) << (4 * ((j * vg + i) % 8));
+                        }
+                        w[l.scale_base() + th * (hd / vg) + j] = f16x2(d, m);
                     }
-                    w[l.scale_base() + th] = amax.to_bits();
                 }
+                KvDtype::Q4 => {}
                 KvDtype::Bf16 => unreachable!("not a runtime dtype"),
+            }
+        }
+        if q4_k {
+            let (ps, nkv) = (l.page_size, l.n_kv_heads);
+            for g in 0..l.num_pages {
+                for kvh in 0..nkv {
+                    let heads = self.page_heads(&self.k_raw, g, kvh);
+                    for c in 0..hd {
+                        let col: Vec<f32> = heads.iter().map(|h| h[c]).collect();
+                        let (codes, d, m) = quantize_group(&col);
+                        for (slot, &n) in codes.iter().enumerate() {
+                            let (s, th) = l.locate(g, slot, kvh);
+                            shards[s][(th * hd + c) / 8] |= (n as u32) << (4 * (c % 8));
+                        }
+                        let (s, th) = l.locate(g, 0, kvh);
+                        let lp = th / (ps * nkv);
+                        shards[s][l.scale_base() + (lp * nkv + kvh) * hd + c] = f16x2(d, m);
+                    }
+                }
+            }
+            for (sq, &len) in self.lens.iter().enumerate() {
+                // Step rows: no key of this sequence from the step's own rows (its first row
+                // would be at its length).
+                for w in shards.iter_mut() {
+                    w[l.tail_base() - 2 * (sq + 1)] = 0;
+                    w[l.tail_base() - 2 * (sq + 1) + 1] = len as u32;
+                }
+                if len.is_multiple_of(ps) {
+                    continue;
+                }
+                for pos in len / ps * ps..len / ps * ps + ps {
+                    for kvh in 0..nkv {
+                        let a = self.addr(sq, pos, kvh);
+                        let (s, _) = l.locate(a / hd / nkv / ps, 0, 0);
+                        let tw = self.tail_word(sq, pos, kvh);
+                        for i in (0..hd).step_by(2) {
+                            shards[s][tw + i / 2] = f16x2(self.k_raw[a + i], self.k_raw[a + i + 1]);
+                        }
+                    }
+                }
             }
         }
         shards
     }
 
-    /// Host values (`pages * page_size * kv_dim`) from the shard buffers' words.
-    fn decode(&self, shards: &[Vec<u32>]) -> Vec<f32> {
+    /// Q4: the first tail word of (sequence, position, KV head) in its shard.
+    fn tail_word(&self, seq: usize, pos: usize, kvh: usize) -> usize {
         let l = &self.layout;
+        let x = pos / l.page_size;
+        l.tail_base() + (((seq * 2 + x % 2) * l.page_size + pos % l.page_size) * l.n_kv_heads + kvh) * (l.head_dim / 2)
+    }
+
+    /// Host values (`pages * page_size * kv_dim`) from the shard buffers' words (q4 K: as
+    /// attention would read it with sequences of `lens` tokens).
+    fn decode(&mut self, shards: &[Vec<u32>], k: bool, lens: &[usize]) -> Vec<f32> {
+        let l = self.layout;
         let hd = l.head_dim;
         let heads = self.k.len() / hd;
         let mut x = vec![0.0f32; self.k.len()];
+        let q4 = |w: u32, e: usize| ((w >> (4 * (e % 8))) & 15) as f32;
+        let half = |w: u32, i: usize| f16::from_bits((w >> (16 * i)) as u16).to_f32();
         for g in 0..heads {
             let page = g / (l.page_size * l.n_kv_heads);
             let slot = g / l.n_kv_heads % l.page_size;
-            let (s, th) = l.locate(page, slot, g % l.n_kv_heads);
+            let kvh = g % l.n_kv_heads;
+            let (s, th) = l.locate(page, slot, kvh);
             let w = &shards[s];
             for i in 0..hd {
                 let e = th * hd + i;
                 x[g * hd + i] = match l.dtype {
                     KvDtype::F32 => f32::from_bits(w[e]),
-                    KvDtype::F16 => f16::from_bits((w[e / 2] >> (16 * (e % 2))) as u16).to_f32(),
+                    KvDtype::F16 => half(w[e / 2], e % 2),
                     KvDtype::Q8 => {
                         let code = (w[e / 4] >> (8 * (e % 4))) as u8 as i8;
                         lantern::kv::cache::dequantize_q8(code, f32::from_bits(w[l.scale_base() + th]))
                     }
+                    KvDtype::Q4 if k => {
+                        let lp = th / (l.page_size * l.n_kv_heads);
+                        let dm = w[l.scale_base() + (lp * l.n_kv_heads + kvh) * hd + i];
+                        q4(w[e / 8], e) * half(dm, 0) + half(dm, 1)
+                    }
                     KvDtype::Q4 => {
-                        let code = ((w[e / 8] >> (4 * (e % 8))) & 15) as i8 - 8;
-                        lantern::kv::cache::dequantize_q4(code, f32::from_bits(w[l.scale_base() + th]))
+                        let vg = v_group(hd);
+                        let dm = w[l.scale_base() + th * (hd / vg) + i / vg];
+                        q4(w[e / 8], e) * half(dm, 0) + half(dm, 1)
                     }
                     KvDtype::Bf16 => unreachable!("not a runtime dtype"),
                 };
             }
+        }
+        if k && l.dtype == KvDtype::Q4 {
+            // The open pages from the tails.
+            let saved = std::mem::replace(&mut self.lens, lens.to_vec());
+            let nkv = l.n_kv_heads;
+            let sealed = x;
+            x = self.q4_view(
+                |g, kvh| self.page_heads(&sealed, g, kvh),
+                |sq, pos, kvh| {
+                    let a = self.addr(sq, pos, kvh);
+                    let (s, _) = l.locate(a / hd / nkv / l.page_size, 0, 0);
+                    let tw = self.tail_word(sq, pos, kvh);
+                    (0..hd).map(|i| half(shards[s][tw + i / 2], i % 2)).collect()
+                },
+                false,
+            );
+            self.lens = saved;
         }
         x
     }
 
     /// K and V shard buffers holding the host values.
     fn upload(&self, ctx: &GpuContext) -> (Vec<wgpu::Buffer>, Vec<wgpu::Buffer>) {
-        let up = |name: &str, x: &[f32]| -> Vec<wgpu::Buffer> {
-            self.encode(x).iter().enumerate().map(|(i, w)| buf_u32(ctx, &format!("{name}.{i}"), w)).collect()
+        let up = |name: &str, x: &[f32], k: bool| -> Vec<wgpu::Buffer> {
+            self.encode(x, k).iter().enumerate().map(|(i, w)| buf_u32(ctx, &format!("{name}.{i}"), w)).collect()
         };
-        (up("k_cache", &self.k), up("v_cache", &self.v))
+        (up("k_cache", &self.k, true), up("v_cache", &self.v, false))
     }
 
-    /// Host values of shard buffers read back.
-    fn read(&self, ctx: &Arc<GpuContext>, bufs: &[wgpu::Buffer]) -> Vec<f32> {
-        let words = (self.layout.shard_bytes() / 4) as usize;
-        let shards: Vec<Vec<u32>> = bufs.iter().map(|b| read_u32s(ctx, b, words)).collect();
-        self.decode(&shards)
+    /// Host values of shard buffers read back (`k`: K's buffers; q4: with sequences of
+    /// `lens` tokens).
+    fn read(&mut self, ctx: &Arc<GpuContext>, bufs: &[wgpu::Buffer], k: bool, lens: &[usize]) -> Vec<f32> {
+        self.decode(&self.read_words(ctx, bufs, k), k, lens)
     }
+
+    /// The shard buffers' words.
+    fn read_words(&self, ctx: &Arc<GpuContext>, bufs: &[wgpu::Buffer], k: bool) -> Vec<Vec<u32>> {
+        let words = ((if k { self.layout.k_shard_bytes() } else { self.layout.v_shard_bytes() }) / 4) as usize;
+        bufs.iter().map(|b| read_u32s(ctx, b, words)).collect()
+    }
+}
+
+/// An f16 pair in one word (`a` low).
+fn f16x2(a: f32, b: f32) -> u32 {
+    f16::from_f32(a).to_bits() as u32 | (f16::from_f32(b).to_bits() as u32) << 16
 }
 
 /// HF-style inverse frequencies, base 10000.
@@ -1678,7 +1889,18 @@ fn check_rope_kv_into(
         Some(r) => Paged::rings(&mut rng, heads, n_seqs, n_positions, r, storage),
         None => Paged::random(&mut rng, heads, n_seqs, n_positions, page_size, storage, 0),
     };
-    let tokens = mixed_tokens(&mut rng, spans);
+    let mut tokens = mixed_tokens(&mut rng, spans);
+    let q4 = storage.dtype == KvDtype::Q4;
+    if q4 {
+        // The seal pass takes a sequence's tokens as consecutive rows, as steps lay them out;
+        // the sequences start at their spans (earlier positions already cached).
+        tokens.sort();
+        let mut lens = vec![0; n_seqs];
+        for (s, r) in spans {
+            lens[*s] = r.start;
+        }
+        paged.set_lens(&lens);
+    }
     let t = tokens.len();
     let stride = heads.qkv_dim() + 3; // padding the kernel must leave alone
     let qkv = rng.vec(t * stride);
@@ -1714,20 +1936,40 @@ fn check_rope_kv_into(
         max_pages: paged.max_pages as u32,
         n_positions: n_positions as u32,
     };
-    let d = block_on(kernels::rope_kv::build(&ctx, &io, p)).expect("build rope_kv");
-    assert_eq!(d.len(), paged.layout.n_shards, "{what}: one dispatch per shard");
+    let mut d = block_on(kernels::rope_kv::build(&ctx, &io, p)).expect("build rope_kv");
+    d.extend(block_on(kernels::rope_kv::build_tail(&ctx, &io, p)).expect("build the tail pass"));
+    let passes = if q4 { 3 } else { 1 };
+    assert_eq!(d.len(), passes * paged.layout.n_shards, "{what}: one dispatch per shard (and two seal passes per shard for q4)");
     submit(&ctx, &step, t as u32, t as u32, &d);
     let got_qkv = read_f32s(&ctx, &qkv_b, qkv.len());
-    let got_k = paged.read(&ctx, &k_b);
-    let got_v = paged.read(&ctx, &v_b);
+    let mut lens_after = paged.lens.clone();
+    for &(s, pos) in &tokens {
+        lens_after[s] = lens_after[s].max(pos + 1);
+    }
+    if q4 {
+        // Each sequence's first row in the step and its position, in every shard.
+        for w in paged.read_words(&ctx, &k_b, true) {
+            for (s, r) in spans {
+                let first = tokens.iter().position(|&(ts, _)| ts == *s).unwrap();
+                let at = paged.layout.tail_base() - 2 * (s + 1);
+                assert_eq!((w[at] as usize, w[at + 1] as usize), (first, r.start), "{what}: step rows of sequence {s}");
+            }
+        }
+    }
+    let mut got_k = paged.read(&ctx, &k_b, true, &lens_after);
+    let got_v = paged.read(&ctx, &v_b, false, &lens_after);
 
     let pos_usize: Vec<usize> = tokens.iter().map(|&(_, p)| p).collect();
     let q_rot = ops::rope(&columns(&qkv, stride, 0, heads.q_dim()), &pos_usize, n_heads, head_dim, &freq);
     let k_rot = ops::rope(&columns(&qkv, stride, heads.q_dim(), heads.kv_dim()), &pos_usize, n_kv_heads, head_dim, &freq);
-    // q rotated in place (once, whatever the shard count); k, v and the padding untouched.
+    // q rotated in place (once, whatever the shard count; with q4 k too); v and the
+    // padding untouched.
     let mut want_qkv = qkv.clone();
     for ti in 0..t {
         want_qkv[ti * stride..][..heads.q_dim()].copy_from_slice(&q_rot[ti * heads.q_dim()..][..heads.q_dim()]);
+        if q4 {
+            want_qkv[ti * stride + heads.q_dim()..][..heads.kv_dim()].copy_from_slice(&k_rot[ti * heads.kv_dim()..][..heads.kv_dim()]);
+        }
     }
     assert_close(&format!("{what}: qkv (q rotated in place)"), &got_qkv, &want_qkv, ROPE_TOL);
     // k rotated and v copied into (page, slot) of each token in the cache's dtype; every
@@ -1735,18 +1977,29 @@ fn check_rope_kv_into(
     for (ti, &(s, pos)) in tokens.iter().enumerate() {
         for kvh in 0..n_kv_heads {
             let a = paged.addr(s, pos, kvh);
-            let k = round_trip(storage.dtype, &k_rot[ti * heads.kv_dim() + kvh * head_dim..][..head_dim]);
-            paged.k[a..a + head_dim].copy_from_slice(&k);
+            if !q4 {
+                let k = round_trip(storage.dtype, &k_rot[ti * heads.kv_dim() + kvh * head_dim..][..head_dim]);
+                paged.k[a..a + head_dim].copy_from_slice(&k);
+            }
             let vb = ti * stride + heads.q_dim() + heads.kv_dim() + kvh * head_dim;
             paged.v[a..a + head_dim].copy_from_slice(&round_trip(storage.dtype, &qkv[vb..vb + head_dim]));
         }
+    }
+    if q4 {
+        // Pages the step filled rounded per channel, the open ones in f16.
+        paged.q4_step(&tokens, &k_rot);
+        let mut want_k = std::mem::take(&mut paged.k);
+        paged.mask_open(&mut want_k);
+        paged.mask_open(&mut got_k);
+        paged.k = want_k;
     }
     // f16: the GPU's rounding may differ by one ulp; q8: a code may differ by one where the
     // GPU's rotated value lands on the other side of a rounding boundary.
     let (k_tol, v_tol) = match storage.dtype {
         KvDtype::F32 => (ROPE_TOL, EXACT),
         KvDtype::F16 => (1e-3, 1e-3),
-        KvDtype::Q4 => (1.01 / 7.0, 1.01 / 7.0),
+        // One code of a group whose values span at most 2.
+        KvDtype::Q4 => (2.02 / 15.0, 2.02 / 15.0),
         _ => (1.01 / 127.0, 1.01 / 127.0),
     };
     assert_close(&format!("{what}: k cache"), &got_k, &paged.k, k_tol);
@@ -1836,6 +2089,13 @@ fn check_attention(c: AttentionCase) {
         Some(r) => Paged::rings(&mut rng, heads, n_seqs, max_len, r, c.storage),
         None => Paged::random(&mut rng, heads, n_seqs, max_len, c.page_size, c.storage, c.shared),
     };
+    let mut paged = paged;
+    // Each sequence's length in this step (q4: pages past it are open, read from the tail).
+    let mut lens = vec![0; n_seqs];
+    for (s, r) in c.spans {
+        lens[*s] = lens[*s].max(r.end);
+    }
+    paged.set_lens(&lens);
     let tokens = mixed_tokens(&mut rng, c.spans);
     let t = tokens.len();
     let stride = heads.qkv_dim();
@@ -2036,8 +2296,9 @@ fn rope_kv_then_attention_continue_a_paged_sequence() {
         let Heads { n_heads, n_kv_heads, head_dim } = heads;
         let (page_size, cached, new) = (3, 11, 5);
         let n_positions = cached + new;
-        let paged = Paged::random(&mut rng, heads, 2, n_positions, page_size, Storage { dtype, pages_per_shard }, 0);
+        let mut paged = Paged::random(&mut rng, heads, 2, n_positions, page_size, Storage { dtype, pages_per_shard }, 0);
         let seq = 1;
+        paged.set_lens(&[0, cached]);
         let stride = heads.qkv_dim();
         let qkv = rng.vec(new * stride);
         let pos: Vec<usize> = (cached..cached + new).collect();
@@ -2079,6 +2340,16 @@ fn rope_kv_then_attention_continue_a_paged_sequence() {
             partials: &partials,
         };
         d.extend(block_on(kernels::attention::build(&ctx, &io, p)).expect("build attention"));
+        let rope_io = RopeKvIo { step: &step, qkv: &qkv_b, rope: &rope_b, positions: &pos_b, token_seq: &seq_b, block_table: &bt_b, kv };
+        let rope_p = RopeKvParams {
+            n_heads: n_heads as u32,
+            n_kv_heads: n_kv_heads as u32,
+            head_dim: head_dim as u32,
+            qkv_stride: stride as u32,
+            max_pages: paged.max_pages as u32,
+            n_positions: n_positions as u32,
+        };
+        d.extend(block_on(kernels::rope_kv::build_tail(&ctx, &rope_io, rope_p)).expect("build the tail pass"));
         let mut s = StepUniform::new(new as u32, new as u32);
         s.n_splits = splits as u32;
         submit_step(&ctx, &step, &s, &d);
@@ -2087,14 +2358,28 @@ fn rope_kv_then_attention_continue_a_paged_sequence() {
         let q = ops::rope(&columns(&qkv, stride, 0, heads.q_dim()), &pos, n_heads, head_dim, &freq);
         let k_new = ops::rope(&columns(&qkv, stride, heads.q_dim(), heads.kv_dim()), &pos, n_kv_heads, head_dim, &freq);
         let v_new = columns(&qkv, stride, heads.q_dim() + heads.kv_dim(), heads.kv_dim());
-        let (mut k, mut v) = paged.gather(seq, cached);
-        k.extend(k_new.chunks(head_dim).flat_map(|h| round_trip(dtype, h)));
-        v.extend(v_new.chunks(head_dim).flat_map(|h| round_trip(dtype, h)));
+        for (i, &ps) in pos.iter().enumerate() {
+            for kvh in 0..n_kv_heads {
+                let a = paged.addr(seq, ps, kvh);
+                let h = i * heads.kv_dim() + kvh * head_dim..i * heads.kv_dim() + (kvh + 1) * head_dim;
+                paged.v[a..a + head_dim].copy_from_slice(&round_trip(dtype, &v_new[h.clone()]));
+                if dtype != KvDtype::Q4 {
+                    paged.k[a..a + head_dim].copy_from_slice(&round_trip(dtype, &k_new[h]));
+                }
+            }
+        }
+        let (k_cached, _) = paged.gather(seq, cached);
+        let (mut k, v) = paged.gather(seq, n_positions);
+        if dtype == KvDtype::Q4 {
+            // q4: the cached keys as they were before the step (the pages it seals hold its
+            // own keys too), the step's keys exactly as rotated.
+            k = k_cached.into_iter().chain(k_new.iter().copied()).collect();
+        }
         let want = ops::attention(&q, &k, &v, &pos, n_heads, n_kv_heads, head_dim, p.scale);
         // q8, q4: a new key's code may differ by one from the CPU's (see check_rope_kv).
         let tol = match dtype {
             KvDtype::Q8 => 2e-2,
-            KvDtype::Q4 => 2e-1,
+            KvDtype::Q4 => 1e-4,
             _ => ATTENTION_TOL,
         };
         assert_close(&format!("rope_kv + attention, 5 tokens after 11 cached, {dtype:?} KV"), &got, &want, tol);

@@ -65,8 +65,9 @@ fn kv_formula_reproduces_the_worked_examples() {
     assert_eq!(kv_bytes_per_token(30, 3, 64, KvDtype::F32), 46_080);
     // q8: one byte per element plus an f32 scale per token and head, for K and for V.
     assert_eq!(kv_bytes_per_token(30, 3, 64, KvDtype::Q8), 2 * 30 * 3 * 68);
-    // q4: half a byte per element plus the same scale.
-    assert_eq!(kv_bytes_per_token(30, 3, 64, KvDtype::Q4), 2 * 30 * 3 * 36);
+    // q4: half a byte per element; K a 4-byte scale per channel per 16 tokens (48 bytes
+    // a head), V one per 32 elements (40): 44 on average.
+    assert_eq!(kv_bytes_per_token(30, 3, 64, KvDtype::Q4), 2 * 30 * 3 * 44);
 }
 
 #[test]

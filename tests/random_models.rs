@@ -303,3 +303,90 @@ fn window_rings_split_over_bindings_fork_page_by_page() {
         assert!(worst <= TOL * 10.0, "sequence {sq} after the fork: {worst:e}");
     }
 }
+
+/// The q4 cache keeps a sequence's open page in f16 and rounds a page per channel when a step
+/// fills it: a rejected verify step that sealed a page reopens it exactly (its tail kept the
+/// f16 keys, so the rejected drafts leave no trace), a fork mid-page copies the tail and
+/// gives bit for bit what a fresh sequence fed the same steps gives, and a rollback into a
+/// page whose tail a longer step overwrote is refused and changes nothing.
+#[test]
+fn q4_cache_rollbacks_and_forks_give_what_fresh_sequences_give() {
+    use lantern::kv::plan::KvDtype;
+    use lantern::kv::KvError;
+    use lantern::model::forward::Want;
+    use lantern::LanternError;
+    let s = Spec { seed: 23, vocab: 64, hidden: 32, ffn: 48, layers: 2, heads: 4, kv_heads: 2, head_dim: 16, ..BASE };
+    let w = random_model(s);
+    let opts = ModelOptions {
+        context: Some(64),
+        max_seqs: 4,
+        page_size: 4,
+        max_batch_tokens: 10,
+        max_logit_rows: 10,
+        kv_dtype: KvDtype::Q4,
+        ..Default::default()
+    };
+    let mut m = pollster::block_on(GpuModel::load(common::gpu(), &w, opts.clone())).expect("load");
+    let mut rng = Rng(s.seed + 1);
+    let mut ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(s.vocab) as u32).collect() };
+    // 14 tokens: pages 0-2 sealed, page 3 open with two keys.
+    let prompt = ids(14);
+    let (draft, tail_a, tail_b) = (ids(5), ids(5), ids(5));
+    let fresh = |m: &mut GpuModel, tokens: &[u32], steps: &[usize]| -> Vec<f32> {
+        let seq = m.new_sequence().unwrap();
+        let out = rows_in_steps(m, seq, tokens, steps);
+        m.release_sequence(seq);
+        out
+    };
+
+    // Rollback: a 5-token verify step seals page 3 and opens page 4; keeping one draft goes
+    // back into page 3. Whatever the rejected drafts were, the sequence then gives the same
+    // logits (page 3 is reopened from its exact f16 keys, not from the rounding that
+    // included a rejected one).
+    let mut runs = Vec::new();
+    for rejected in [ids(4), ids(4)] {
+        let seq = m.new_sequence().unwrap();
+        rows_in_steps(&mut m, seq, &prompt, &[6, 8]);
+        let verify: Vec<u32> = draft[..1].iter().chain(&rejected).copied().collect();
+        pollster::block_on(m.forward_rows(seq, &verify, Want::Argmax)).unwrap();
+        m.truncate_sequence(seq, 15).unwrap();
+        runs.push(rows_in_steps(&mut m, seq, &tail_a, &[3, 2]));
+        m.release_sequence(seq);
+    }
+    assert!(runs[0] == runs[1], "the rejected drafts changed the logits after the rollback");
+    let all: Vec<u32> = prompt.iter().chain(&draft[..1]).chain(&tail_a).copied().collect();
+    let f32_opts = ModelOptions { kv_dtype: KvDtype::F32, ..opts };
+    let mut exact = pollster::block_on(GpuModel::load(common::gpu(), &w, f32_opts)).expect("load");
+    let want = fresh(&mut exact, &all, &[6, 8, 5, 3, 2]);
+    let worst = runs[0].iter().zip(&want[15 * s.vocab..]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let scale = want.iter().fold(0.0f32, |a, &b| a.max(b.abs()));
+    assert!(worst <= 0.1 * scale, "q4 against f32 after the rollback: {worst} (logits up to {scale})");
+
+    // Fork mid-page: both continue, each as a fresh sequence would.
+    let a = m.new_sequence().unwrap();
+    rows_in_steps(&mut m, a, &prompt, &[6, 8]);
+    let b = m.fork_sequence(a).unwrap();
+    let got_a = rows_in_steps(&mut m, a, &tail_a, &[5]);
+    let got_b = rows_in_steps(&mut m, b, &tail_b, &[1, 4]);
+    m.release_sequence(a);
+    m.release_sequence(b);
+    for (got, tail, steps) in [(&got_a, &tail_a, &[6usize, 8, 5][..]), (&got_b, &tail_b, &[6, 8, 1, 4][..])] {
+        let all: Vec<u32> = prompt.iter().chain(tail).copied().collect();
+        let want = fresh(&mut m, &all, steps);
+        assert!(*got == want[14 * s.vocab..], "a fork's logits differ from a fresh sequence's");
+    }
+
+    // A 10-token step from position 14 writes pages 3 to 5: page 3's tail is overwritten, and
+    // going back into it is refused; going back to page 4 is fine.
+    let seq = m.new_sequence().unwrap();
+    rows_in_steps(&mut m, seq, &prompt, &[6, 8]);
+    pollster::block_on(m.forward_rows(seq, &ids(10), Want::Argmax)).unwrap();
+    match m.truncate_sequence(seq, 15) {
+        Err(LanternError::Kv(KvError::RollbackBeyondTail { len: 15, page_size: 4, .. })) => {}
+        other => panic!("rollback into an overwritten tail: {other:?}"),
+    }
+    assert_eq!(m.sequence_len(seq).unwrap(), 24);
+    m.truncate_sequence(seq, 17).unwrap();
+    m.truncate_sequence(seq, 16).unwrap();
+    pollster::block_on(m.forward_all_logits(seq, &[3])).unwrap();
+}

@@ -18,14 +18,15 @@ struct Params {
     // The shard this dispatch reads, and how many there are.
     shard: u32,
     n_shards: u32,
-    // KV_Q8: first word of the scales in a shard buffer.
+    // KV_Q8, KV_Q4: first word of the scales in a shard buffer.
     scale_base: u32,
     // Keys a query sees, itself included (sliding-window layers); 0: every earlier key.
     window: u32,
     // Pages of a sequence's window ring (kv/ring.rs): key j of sequence `seq` is in page
     // seq * ring + (j / page_size) % ring; 0: pages come from the block table.
     ring: u32,
-    _pad1: u32,
+    // KV_Q4: first word of the open pages' f16 K (common/kv.wgsl).
+    tail_base: u32,
     _pad2: u32,
 }
 

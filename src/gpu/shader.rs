@@ -45,6 +45,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matmul_blocked_q_xbcast.wgsl", include_str!("../../shaders/matmul_blocked_q_xbcast.wgsl")),
     ("matmul_blocked_q_xtex.wgsl", include_str!("../../shaders/matmul_blocked_q_xtex.wgsl")),
     ("rope_kv.wgsl", include_str!("../../shaders/rope_kv.wgsl")),
+    ("kv_seal.wgsl", include_str!("../../shaders/kv_seal.wgsl")),
     ("attention.wgsl", include_str!("../../shaders/attention.wgsl")),
     ("attention_xbcast.wgsl", include_str!("../../shaders/attention_xbcast.wgsl")),
     ("common/attention.wgsl", include_str!("../../shaders/common/attention.wgsl")),
@@ -107,6 +108,9 @@ pub enum ShaderOp {
     MatmulBlockedQ,
     /// RoPE on q and k, and the write of k and v into the paged KV cache.
     RopeKv,
+    /// A q4 KV cache's K: the pages a step fills rounded per channel, and the open pages'
+    /// keys kept in f16 (after [`ShaderOp::RopeKv`]).
+    KvSeal,
     /// Causal grouped-query attention over the paged KV cache (split over KV shards and key
     /// ranges when asked).
     Attention,
@@ -157,6 +161,7 @@ impl ShaderOp {
             ShaderOp::MatvecQMasked => "matvec_q_masked.wgsl",
             ShaderOp::MatmulBlockedQ => "matmul_blocked_q.wgsl",
             ShaderOp::RopeKv => "rope_kv.wgsl",
+            ShaderOp::KvSeal => "kv_seal.wgsl",
             ShaderOp::Attention => "attention.wgsl",
             ShaderOp::AttentionReduce => "attention_reduce.wgsl",
             ShaderOp::Argmax => "argmax.wgsl",
@@ -183,7 +188,7 @@ impl ShaderOp {
 
     /// Ops whose `weights` field names the KV cache's dtype (F32, F16 or Q8).
     pub fn reads_kv(&self) -> bool {
-        matches!(self, ShaderOp::RopeKv | ShaderOp::Attention)
+        matches!(self, ShaderOp::RopeKv | ShaderOp::KvSeal | ShaderOp::Attention)
     }
 }
 

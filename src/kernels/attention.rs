@@ -52,7 +52,8 @@ struct AttentionUniform {
     scale_base: u32,
     window: u32,
     ring: u32,
-    _pad: [u32; 2],
+    tail_base: u32,
+    _pad: u32,
 }
 
 /// Mirrors `struct Params` in attention_reduce.wgsl.
@@ -68,7 +69,7 @@ struct ReduceUniform {
 /// `AttentionUniform`'s named fields and offsets (`kernels::params_fields`).
 pub(crate) fn uniform_fields() -> Vec<(&'static str, usize)> {
     field_offsets!(AttentionUniform; n_heads, n_kv_heads, head_dim, qkv_stride, page_size, max_pages, out_stride, scale,
-        pages_per_shard, shard, n_shards, scale_base, window, ring)
+        pages_per_shard, shard, n_shards, scale_base, window, ring, tail_base)
 }
 
 /// `ReduceUniform`'s named fields and offsets (`kernels::params_fields`).
@@ -196,7 +197,8 @@ pub async fn build_variant(ctx: &GpuContext, io: &AttentionIo<'_>, p: AttentionP
             n_shards: layout.n_shards as u32,
             window: p.window,
             ring: layout.ring as u32,
-            _pad: [0; 2],
+            tail_base: layout.tail_base() as u32,
+            _pad: 0,
             scale_base: layout.scale_base() as u32,
         };
         let ubuf = create_uniform(ctx, "attention.params", &u);

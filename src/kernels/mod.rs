@@ -181,6 +181,7 @@ pub fn params_fields(op: crate::gpu::ShaderOp) -> Vec<(&'static str, usize)> {
             field_offsets!(linear::LinearParams; n_rows, k, row_offset, out_stride, x_stride, grid_x, eps, group)
         }
         O::RopeKv => rope_kv::uniform_fields(),
+        O::KvSeal => rope_kv::seal_uniform_fields(),
         O::Attention => attention::uniform_fields(),
         O::AttentionReduce => attention::reduce_uniform_fields(),
         O::Argmax => field_offsets!(argmax::ArgmaxParams; n),
@@ -208,6 +209,7 @@ pub fn params_size(op: crate::gpu::ShaderOp) -> usize {
             std::mem::size_of::<linear::LinearParams>()
         }
         O::RopeKv => rope_kv::UNIFORM_BYTES,
+        O::KvSeal => rope_kv::SEAL_UNIFORM_BYTES,
         O::Attention => attention::UNIFORM_BYTES,
         O::AttentionReduce => attention::REDUCE_UNIFORM_BYTES,
         O::Argmax => std::mem::size_of::<argmax::ArgmaxParams>(),
@@ -242,6 +244,9 @@ pub fn all_variants(features: crate::gpu::Features) -> Vec<PipelineKey> {
         .map(|d| attention::kv_format(d).expect("a runtime KV dtype"))
     {
         v.push(PipelineKey::new(ShaderOp::RopeKv, 64).with_weights(kv));
+        if kv == attention::kv_format(crate::kv::plan::KvDtype::Q4).expect("a runtime KV dtype") {
+            v.push(PipelineKey::new(ShaderOp::KvSeal, rope_kv::SEAL_WORKGROUP).with_weights(kv));
+        }
         v.push(PipelineKey::new(ShaderOp::Attention, 64).with_weights(kv));
         if features.subgroups {
             v.push(PipelineKey::new(ShaderOp::Attention, 8).with_flags(XBCAST).with_features(sg).with_weights(kv));

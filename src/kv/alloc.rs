@@ -71,8 +71,12 @@ struct Seq {
     /// Positions `..written` have been reserved for writing since the sequence started (with
     /// a window ring: how far its ring may have wrapped).
     written: usize,
-    /// With a window ring: a rollback past the ring left its window incomplete.
+    /// With a window ring: a rollback past the ring left its window incomplete. With open
+    /// page tails: a rollback into a page whose f16 keys were overwritten.
     lost: bool,
+    /// With open page tails: the first logical page whose f16 keys the tail still holds
+    /// exactly (it holds two pages, the last written and the one before).
+    tail_low: usize,
 }
 
 /// A page in the prefix cache.
@@ -114,6 +118,10 @@ pub struct PageAllocator {
     ring: Option<WindowRing>,
     /// Ring copies (source slot, destination slot) queued by forks, not yet taken.
     ring_copies: Vec<(usize, usize)>,
+    /// Whether each sequence slot keeps its open pages' keys in a tail (a q4 cache).
+    tails: bool,
+    /// Tail copies (source slot, destination slot) queued by forks, not yet taken.
+    tail_copies: Vec<(usize, usize)>,
     stats: PrefixStats,
 }
 
@@ -131,6 +139,8 @@ impl PageAllocator {
             copies: Vec::new(),
             ring: None,
             ring_copies: Vec::new(),
+            tails: false,
+            tail_copies: Vec::new(),
             stats: PrefixStats::default(),
         }
     }
@@ -141,6 +151,15 @@ impl PageAllocator {
     /// prefix's sliding-layer keys are not kept).
     pub fn with_ring(mut self, ring: WindowRing) -> Self {
         self.ring = Some(ring);
+        self
+    }
+
+    /// This allocator for a cache that keeps each sequence's open pages' keys in a tail of
+    /// two pages per slot (the q4 cache, `kv::cache`): forks queue a tail copy
+    /// ([`Self::take_tail_copies`]), and a rollback into a page whose tail was overwritten
+    /// (further back than the page before the last one a step wrote) is refused.
+    pub fn with_tails(mut self) -> Self {
+        self.tails = true;
         self
     }
 
@@ -189,7 +208,7 @@ impl PageAllocator {
     /// Start a sequence; returns its slot.
     pub fn create(&mut self) -> Result<usize, KvError> {
         let slot = self.free_slot()?;
-        self.seqs[slot] = Some(Seq { pages: Vec::new(), len: 0, written: 0, lost: false });
+        self.seqs[slot] = Some(Seq { pages: Vec::new(), len: 0, written: 0, lost: false, tail_low: 0 });
         Ok(slot)
     }
 
@@ -207,7 +226,16 @@ impl PageAllocator {
         if self.ring.is_some() {
             self.ring_copies.push((seq, slot));
         }
+        if self.tails {
+            self.tail_copies.push((seq, slot));
+        }
         Ok(slot)
+    }
+
+    /// Tail copies (source slot, destination slot) queued by forks since the last call, in
+    /// the order they must run (before the next step writes).
+    pub fn take_tail_copies(&mut self) -> Vec<(usize, usize)> {
+        std::mem::take(&mut self.tail_copies)
     }
 
     /// Ring copies (source slot, destination slot) queued by forks since the last call, in
@@ -225,7 +253,19 @@ impl PageAllocator {
     /// without a ring).
     pub fn can_truncate(&self, seq: usize, len: usize) -> Result<bool, KvError> {
         let s = self.seq(seq)?;
-        Ok(len >= s.len || self.ring.is_none_or(|r| r.keeps_window(s.written, len)))
+        Ok(len >= s.len || (self.ring.is_none_or(|r| r.keeps_window(s.written, len)) && self.keeps_tail(s, len)))
+    }
+
+    /// Whether the tail still holds the keys of the page `len` tokens end in (always true
+    /// without tails, or at a page edge).
+    fn keeps_tail(&self, s: &Seq, len: usize) -> bool {
+        let ps = self.config.page_size;
+        !self.tails || len.is_multiple_of(ps) || len / ps >= s.tail_low
+    }
+
+    /// The first logical page a tail holds exactly, after rollbacks, for `seq`.
+    pub fn tail_low(&self, seq: usize) -> Result<usize, KvError> {
+        self.seq(seq).map(|s| s.tail_low)
     }
 
     /// Tokens stored for `seq`.
@@ -287,9 +327,19 @@ impl PageAllocator {
             self.refs[p as usize] = 1;
             self.seq_mut(seq)?.pages.push(p);
         }
+        let tails = self.tails;
         let s = self.seq_mut(seq)?;
         s.len = start + n;
         s.written = s.written.max(s.len);
+        if tails && n > 0 {
+            // The step writes the tails of its last two pages (kv_seal.wgsl); one that stays
+            // in one page leaves the page before as it was.
+            let (first, last) = (start / ps, (start + n - 1) / ps);
+            s.tail_low = match last.checked_sub(1) {
+                Some(before) if first < last || before >= s.tail_low => before,
+                _ => last,
+            };
+        }
         Ok(start)
     }
 
@@ -601,6 +651,40 @@ mod tests {
         a.fork(s).unwrap();
         assert_eq!(a.fork(s), Err(KvError::NoSequenceSlot { max_seqs: 2 }));
         assert_eq!(refs(&a, a.pages(s).unwrap()), [2, 2]);
+    }
+
+    #[test]
+    fn tails_follow_the_last_two_pages_written_and_refuse_older_rollbacks() {
+        let mut a = PageAllocator::new(cfg(4, 16, 3, 64)).with_tails();
+        let s = a.create().unwrap();
+        a.append(s, 6).unwrap(); // pages 0-1: both tails exact
+        assert_eq!(a.tail_low(s).unwrap(), 0);
+        a.append(s, 1).unwrap(); // stays in page 1
+        assert_eq!(a.tail_low(s).unwrap(), 0);
+        a.append(s, 10).unwrap(); // 7..17: pages 1-4, the tails hold 3 and 4
+        assert_eq!(a.tail_low(s).unwrap(), 3);
+        assert!(!a.can_truncate(s, 9).unwrap(), "page 2's tail was overwritten");
+        assert!(a.can_truncate(s, 8).unwrap(), "a page edge needs no tail");
+        assert!(a.can_truncate(s, 13).unwrap());
+        a.truncate(s, 13).unwrap();
+        a.append(s, 1).unwrap(); // stays in page 3, whose page before (2) is not exact
+        assert_eq!(a.tail_low(s).unwrap(), 3);
+        // Going back further than allowed marks the sequence lost, as with rings.
+        a.truncate(s, 9).unwrap();
+        assert_eq!(a.append(s, 1), Err(KvError::WindowLost { seq: s }));
+        // A fork queues the tail copy.
+        let t = a.create().unwrap();
+        a.append(t, 3).unwrap();
+        let f = a.fork(t).unwrap();
+        assert_eq!(a.take_tail_copies(), vec![(t, f)]);
+        assert!(a.take_tail_copies().is_empty());
+        // Without tails nothing is tracked or queued.
+        let mut b = PageAllocator::new(cfg(4, 16, 2, 64));
+        let u = b.create().unwrap();
+        b.append(u, 17).unwrap();
+        assert!(b.can_truncate(u, 1).unwrap());
+        b.fork(u).unwrap();
+        assert!(b.take_tail_copies().is_empty());
     }
 
     #[test]

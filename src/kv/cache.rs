@@ -7,7 +7,11 @@
 //! as f16 pairs per u32 word, or as int8 codes four per word followed (from word
 //! [`KvLayout::scale_base`]) by one f32 per token-head: the head's largest |x| (`amax`), with
 //! `x = max(code / 127, -1) * amax` (`shaders/common/kv.wgsl`; [`quantize_head`] is the
-//! CPU mirror).
+//! CPU mirror). Q4 keeps 4-bit codes eight per word with KIVI's scales: V asymmetric per
+//! group of [`v_group`] elements of each token-head, K asymmetric per channel over each
+//! page, the page a sequence is still filling kept in f16 in a per-sequence tail until a
+//! step fills it ([`KvLayout::tail_base`]; `shaders/kv_seal.wgsl`; [`quantize_group`] and
+//! [`seal_page`] are the CPU mirror).
 
 use super::plan::KvDtype;
 use crate::gpu::buffer::create_zeroed;
@@ -27,17 +31,21 @@ pub struct KvLayout {
     /// (`kv::ring`): this many pages per sequence slot, slot `s` owning pages
     /// `s * ring .. (s + 1) * ring`.
     pub ring: usize,
+    /// Sequence slots: Q4 keeps each one's open pages' K in f16 in every K shard (the tail).
+    pub seqs: usize,
 }
 
 impl KvLayout {
-    /// Split `num_pages` pages into shards of at most `max_binding` bytes. Errors when the
-    /// dtype cannot store this head size or one page does not fit a binding.
+    /// Split `num_pages` pages into shards of at most `max_binding` bytes, for `seqs`
+    /// sequence slots. Errors when the dtype cannot store this head size or one page does
+    /// not fit a binding.
     pub fn new(
         dtype: KvDtype,
         page_size: usize,
         n_kv_heads: usize,
         head_dim: usize,
         num_pages: usize,
+        seqs: usize,
         max_binding: u64,
     ) -> Result<KvLayout, GpuError> {
         let invalid = |message: String| GpuError::Validation { context: "KV cache layout".into(), message };
@@ -56,15 +64,26 @@ impl KvLayout {
             }
             KvDtype::Bf16 => return Err(invalid("bf16 is a planning size only; the runtime caches f32, f16, q8 or q4".into())),
         }
-        let mut l =
-            KvLayout { dtype, page_size, n_kv_heads, head_dim, num_pages: num_pages.max(1), pages_per_shard: 1, n_shards: 1, ring: 0 };
+        let mut l = KvLayout {
+            dtype,
+            page_size,
+            n_kv_heads,
+            head_dim,
+            num_pages: num_pages.max(1),
+            pages_per_shard: 1,
+            n_shards: 1,
+            ring: 0,
+            seqs: seqs.max(1),
+        };
         let page = l.page_bytes();
-        if page > max_binding {
+        let fixed = l.tail_words() as u64 * 4;
+        if page.saturating_add(fixed) > max_binding {
             return Err(invalid(format!(
-                "one page ({page_size} tokens x {n_kv_heads} KV heads x {head_dim} dims, {page} bytes) exceeds the storage binding limit of {max_binding} bytes; use a smaller page size"
+                "one page ({page_size} tokens x {n_kv_heads} KV heads x {head_dim} dims, {page} bytes{}) exceeds the storage binding limit of {max_binding} bytes; use a smaller page size",
+                if fixed > 0 { format!(", with {fixed} bytes of open pages for {} sequences", l.seqs) } else { String::new() }
             )));
         }
-        let fit = (max_binding / page).max(1) as usize;
+        let fit = ((max_binding - fixed) / page).max(1) as usize;
         l.pages_per_shard = fit.min(l.num_pages);
         l.n_shards = l.num_pages.div_ceil(l.pages_per_shard);
         Ok(l)
@@ -80,7 +99,7 @@ impl KvLayout {
         head_dim: usize,
         max_binding: u64,
     ) -> Result<KvLayout, GpuError> {
-        let mut l = KvLayout::new(dtype, ring.page_size, n_kv_heads, head_dim, max_seqs * ring.pages, max_binding)?;
+        let mut l = KvLayout::new(dtype, ring.page_size, n_kv_heads, head_dim, max_seqs * ring.pages, max_seqs, max_binding)?;
         l.ring = ring.pages;
         Ok(l)
     }
@@ -101,20 +120,72 @@ impl KvLayout {
         }
     }
 
-    /// Whether each token-head has a scale word after the codes.
+    /// Whether scale words follow the codes.
     pub fn scaled(&self) -> bool {
         matches!(self.dtype, KvDtype::Q8 | KvDtype::Q4)
     }
 
-    /// Bytes of one shard buffer (K or V of one layer).
-    pub fn shard_bytes(&self) -> u64 {
-        let scales = if self.scaled() { self.shard_heads() } else { 0 };
-        ((self.scale_base() + scales) * 4) as u64
+    /// Scale words of one token-head's V (Q8: its amax; Q4: one per group).
+    pub fn v_scales_per_head(&self) -> usize {
+        match self.dtype {
+            KvDtype::Q8 => 1,
+            KvDtype::Q4 => self.head_dim / v_group(self.head_dim),
+            _ => 0,
+        }
     }
 
-    /// Bytes one page takes in one layer's K (or V).
+    /// Scale words of one page's K (Q8: one per token-head; Q4: one per KV head and
+    /// channel).
+    pub fn k_scales_per_page(&self) -> usize {
+        match self.dtype {
+            KvDtype::Q8 => self.page_size * self.n_kv_heads,
+            KvDtype::Q4 => self.n_kv_heads * self.head_dim,
+            _ => 0,
+        }
+    }
+
+    /// Q4: the words after K's scales in each K shard: two per sequence slot (its first
+    /// row in the current step and that row's position), then two pages of f16 K per slot
+    /// (0 for the other dtypes).
+    pub fn tail_words(&self) -> usize {
+        match self.dtype {
+            KvDtype::Q4 => 2 * self.seqs + self.seqs * self.tail_words_per_seq(),
+            _ => 0,
+        }
+    }
+
+    /// Q4: words of one sequence slot's tail (two pages of f16 K).
+    pub fn tail_words_per_seq(&self) -> usize {
+        2 * self.page_size * self.n_kv_heads * self.head_dim / 2
+    }
+
+    /// Q4: the first tail word in a K shard (the step rows are the `2 * seqs` words
+    /// before it).
+    pub fn tail_base(&self) -> usize {
+        self.scale_base() + self.pages_per_shard * self.k_scales_per_page() + 2 * self.seqs
+    }
+
+    /// Bytes of one K shard buffer of one layer.
+    pub fn k_shard_bytes(&self) -> u64 {
+        ((self.scale_base() + self.pages_per_shard * self.k_scales_per_page() + self.tail_words()) * 4) as u64
+    }
+
+    /// Bytes of one V shard buffer of one layer.
+    pub fn v_shard_bytes(&self) -> u64 {
+        ((self.scale_base() + self.shard_heads() * self.v_scales_per_head()) * 4) as u64
+    }
+
+    /// Bytes one page takes in one layer's K or V, whichever is larger.
     pub fn page_bytes(&self) -> u64 {
-        self.page_size as u64 * self.n_kv_heads as u64 * self.dtype.head_bytes(self.head_dim)
+        let heads = (self.page_size * self.n_kv_heads) as u64;
+        let codes = heads
+            * match self.dtype {
+                KvDtype::F32 => self.head_dim as u64 * 4,
+                KvDtype::F16 | KvDtype::Bf16 => self.head_dim as u64 * 2,
+                KvDtype::Q8 => self.head_dim as u64,
+                KvDtype::Q4 => self.head_dim as u64 / 2,
+            };
+        codes + 4 * (self.k_scales_per_page() as u64).max(heads * self.v_scales_per_head() as u64)
     }
 
     /// (shard, token-head index inside it) of a page slot.
@@ -124,8 +195,8 @@ impl KvLayout {
     }
 }
 
-/// Q8 and Q4 storage of one head: codes `round(x / amax * levels)` (rounded half away from
-/// zero, as the GPU does; `levels` 127 for q8, 7 for q4) and amax (the GPU mirrors this).
+/// Q8 storage of one head: codes `round(x / amax * levels)` (rounded half away from zero, as
+/// the GPU does; `levels` 127) and amax (the GPU mirrors this).
 pub fn quantize_head(x: &[f32], levels: f32) -> (Vec<i8>, f32) {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let inv = if amax > 0.0 { 1.0 / amax } else { 0.0 };
@@ -138,13 +209,59 @@ pub fn dequantize_q8(code: i8, amax: f32) -> f32 {
     (code as f32 / 127.0).max(-1.0) * amax
 }
 
-/// The value a Q4 code stands for.
-pub fn dequantize_q4(code: i8, amax: f32) -> f32 {
-    (code as f32 / 7.0) * amax
+/// The elements of a q4 V group sharing a scale: 32, or 16 or 8 for heads that are not a
+/// multiple of 32 (the GPU's `vg`).
+pub fn v_group(head_dim: usize) -> usize {
+    if head_dim.is_multiple_of(32) {
+        32
+    } else if head_dim.is_multiple_of(16) {
+        16
+    } else {
+        8
+    }
 }
 
-/// What the cache hands back for a head written as `x` (f32: itself; f16: rounded; q8, q4:
-/// the dequantized codes).
+/// Q4 codes (0..15) of `x` and the f16 scale and minimum the GPU stores with them:
+/// `m = f16(min)`, `d = f16((max - m) / 15)`, `n = round((x - m) / d)` (half away from zero,
+/// clamped), so `x ~ n d + m`.
+pub fn quantize_group(x: &[f32]) -> (Vec<u8>, f32, f32) {
+    let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
+    let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let m = half::f16::from_f32(lo).to_f32();
+    let d = half::f16::from_f32((hi - m).max(0.0) / 15.0).to_f32();
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let codes = x.iter().map(|&v| ((v - m) * inv + 0.5).floor().clamp(0.0, 15.0) as u8).collect();
+    (codes, d, m)
+}
+
+/// A q4 head of V as stored: each group of [`v_group`] elements rounded.
+pub fn round_trip_v4(x: &[f32]) -> Vec<f32> {
+    x.chunks(v_group(x.len()))
+        .flat_map(|g| {
+            let (c, d, m) = quantize_group(g);
+            c.into_iter().map(move |n| n as f32 * d + m)
+        })
+        .collect()
+}
+
+/// A sealed q4 page of K as stored: `keys[slot]` is one key head; each channel is rounded
+/// over the page's slots.
+pub fn seal_page(keys: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let hd = keys.first().map_or(0, Vec::len);
+    let mut out = vec![vec![0.0f32; hd]; keys.len()];
+    for c in 0..hd {
+        let col: Vec<f32> = keys.iter().map(|k| k[c]).collect();
+        let (codes, d, m) = quantize_group(&col);
+        for (o, n) in out.iter_mut().zip(codes) {
+            o[c] = n as f32 * d + m;
+        }
+    }
+    out
+}
+
+/// What the cache hands back for a head written as `x` (f32: itself; f16: rounded; q8: the
+/// dequantized codes; q4: V's groups rounded, which is also what an open page's K gives in
+/// f16 before [`seal_page`] rounds it).
 pub fn round_trip(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
     match dtype {
         KvDtype::F32 => x.to_vec(),
@@ -154,10 +271,7 @@ pub fn round_trip(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
             let (c, a) = quantize_head(x, 127.0);
             c.into_iter().map(|c| dequantize_q8(c, a)).collect()
         }
-        KvDtype::Q4 => {
-            let (c, a) = quantize_head(x, 7.0);
-            c.into_iter().map(|c| dequantize_q4(c, a)).collect()
-        }
+        KvDtype::Q4 => round_trip_v4(x),
     }
 }
 
@@ -204,15 +318,16 @@ impl KvStore {
             let mut ks = Vec::with_capacity(lay.n_shards);
             let mut vs = Vec::with_capacity(lay.n_shards);
             for s in 0..lay.n_shards {
-                ks.push(create_zeroed(ctx, &format!("kv.k.{l}.{s} ({tag})"), lay.shard_bytes())?);
-                vs.push(create_zeroed(ctx, &format!("kv.v.{l}.{s} ({tag})"), lay.shard_bytes())?);
+                ks.push(create_zeroed(ctx, &format!("kv.k.{l}.{s} ({tag})"), lay.k_shard_bytes())?);
+                vs.push(create_zeroed(ctx, &format!("kv.v.{l}.{s} ({tag})"), lay.v_shard_bytes())?);
             }
             k.push(ks);
             v.push(vs);
         }
         let ring_layout = ring_layout.filter(|_| ringed.contains(&true));
         let ring_bytes = ring_layout.map_or(0, |r| r.page_bytes() * r.ring as u64);
-        let staging = create_zeroed(ctx, "kv.page_staging", layout.page_bytes().max(ring_bytes).next_multiple_of(4))?;
+        let tail_bytes = (layout.tail_words_per_seq() * 4) as u64;
+        let staging = create_zeroed(ctx, "kv.page_staging", layout.page_bytes().max(ring_bytes).max(tail_bytes).next_multiple_of(4))?;
         Ok(KvStore { layout, ring_layout, ringed: ringed.to_vec(), k, v, staging })
     }
 
@@ -227,7 +342,7 @@ impl KvStore {
     /// Bytes of layer `l`'s K and V buffers.
     fn layer_bytes(&self, l: usize) -> u64 {
         let lay = self.layout_of(l);
-        lay.shard_bytes() * 2 * lay.n_shards as u64
+        (lay.k_shard_bytes() + lay.v_shard_bytes()) * lay.n_shards as u64
     }
 
     /// Total bytes of the cache (the staging buffer included).
@@ -268,33 +383,61 @@ impl KvStore {
         }
     }
 
-    /// Slots `0..tokens` from page `src` on (`tokens` may run over consecutive pages of one
-    /// shard) to the same slots from page `dst` on, in layer `l`'s K and V.
-    fn encode_copy(&self, enc: &mut wgpu::CommandEncoder, l: usize, lay: &KvLayout, src: usize, dst: usize, tokens: usize) {
-        let heads = tokens * lay.n_kv_heads;
-        let word_bytes = |th: usize| -> (u64, u64) {
-            // (offset of the codes, their length) for `heads` token-heads starting at th.
-            match lay.dtype {
-                KvDtype::F32 => ((th * lay.head_dim * 4) as u64, (heads * lay.head_dim * 4) as u64),
-                KvDtype::F16 | KvDtype::Bf16 => ((th * lay.head_dim * 2) as u64, (heads * lay.head_dim * 2) as u64),
-                KvDtype::Q8 => ((th * lay.head_dim) as u64, (heads * lay.head_dim) as u64),
-                KvDtype::Q4 => ((th * lay.head_dim / 2) as u64, (heads * lay.head_dim / 2) as u64),
+    /// Record copies of sequence slot `src`'s tail (a q4 cache's open pages' f16 keys) into
+    /// slot `dst`'s, in every layer's K shards (a forked sequence; nothing for the other
+    /// dtypes).
+    pub fn encode_tail_copy(&self, enc: &mut wgpu::CommandEncoder, src: usize, dst: usize) {
+        for l in 0..self.k.len() {
+            let lay = self.layout_of(l);
+            if lay.dtype != KvDtype::Q4 {
+                continue;
             }
-        };
-        let (ss, sth) = lay.locate(src, 0, 0);
-        let (ds, dth) = lay.locate(dst, 0, 0);
-        let (so, len) = word_bytes(sth);
-        let (dof, _) = word_bytes(dth);
-        for layer in [&self.k[l], &self.v[l]] {
-            enc.copy_buffer_to_buffer(&layer[ss], so, &self.staging, 0, len);
-            enc.copy_buffer_to_buffer(&self.staging, 0, &layer[ds], dof, len);
-            if lay.scaled() {
-                let base = (lay.scale_base() * 4) as u64;
-                let n = heads as u64 * 4;
-                enc.copy_buffer_to_buffer(&layer[ss], base + sth as u64 * 4, &self.staging, 0, n);
-                enc.copy_buffer_to_buffer(&self.staging, 0, &layer[ds], base + dth as u64 * 4, n);
+            let len = (lay.tail_words_per_seq() * 4) as u64;
+            let at = |slot: usize| ((lay.tail_base() + slot * lay.tail_words_per_seq()) * 4) as u64;
+            for shard in &self.k[l] {
+                enc.copy_buffer_to_buffer(shard, at(src), &self.staging, 0, len);
+                enc.copy_buffer_to_buffer(&self.staging, 0, shard, at(dst), len);
             }
         }
+    }
+
+    /// Slots `0..tokens` from page `src` on (`tokens` may run over consecutive pages of one
+    /// shard) to the same slots from page `dst` on, in layer `l`'s K and V: codes, scales
+    /// per token-head, and a q4 K's scales of the pages copied whole (a q4 page still
+    /// open keeps its K in its sequence's tail, which forks copy).
+    fn encode_copy(&self, enc: &mut wgpu::CommandEncoder, l: usize, lay: &KvLayout, src: usize, dst: usize, tokens: usize) {
+        let heads = tokens * lay.n_kv_heads;
+        let bits = match lay.dtype {
+            KvDtype::F32 => 32,
+            KvDtype::F16 | KvDtype::Bf16 => 16,
+            KvDtype::Q8 => 8,
+            KvDtype::Q4 => 4,
+        };
+        let code_bytes = |th: usize| (th * lay.head_dim * bits / 8) as u64;
+        let (ss, sth) = lay.locate(src, 0, 0);
+        let (ds, dth) = lay.locate(dst, 0, 0);
+        let mut copy = |bufs: &[wgpu::Buffer], from: u64, to: u64, len: u64| {
+            if len > 0 {
+                enc.copy_buffer_to_buffer(&bufs[ss], from, &self.staging, 0, len);
+                enc.copy_buffer_to_buffer(&self.staging, 0, &bufs[ds], to, len);
+            }
+        };
+        let base = (lay.scale_base() * 4) as u64;
+        for bufs in [&self.k[l], &self.v[l]] {
+            copy(bufs, code_bytes(sth), code_bytes(dth), code_bytes(heads));
+        }
+        let vs = lay.v_scales_per_head() as u64 * 4;
+        copy(&self.v[l], base + sth as u64 * vs, base + dth as u64 * vs, heads as u64 * vs);
+        let page_heads = lay.page_size * lay.n_kv_heads;
+        let (per_page, pages) = match lay.dtype {
+            KvDtype::Q4 => (lay.k_scales_per_page() as u64 * 4, (tokens / lay.page_size) as u64),
+            _ => (lay.k_scales_per_page() as u64 * 4 / lay.page_size as u64, tokens as u64),
+        };
+        let (sp, dp) = match lay.dtype {
+            KvDtype::Q4 => ((sth / page_heads) as u64, (dth / page_heads) as u64),
+            _ => ((sth / lay.n_kv_heads) as u64, (dth / lay.n_kv_heads) as u64),
+        };
+        copy(&self.k[l], base + sp * per_page, base + dp * per_page, pages * per_page);
     }
 }
 

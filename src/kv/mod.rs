@@ -1,6 +1,6 @@
 //! The paged KV cache: fixed-size pages, a block table per sequence that maps token
 //! positions to pages, and on the GPU ([`cache`]) per-layer K and V pages spread over as
-//! many buffers as the binding limit requires, stored as f32, f16 or q8.
+//! many buffers as the binding limit requires, stored as f32, f16, q8 or q4.
 //!
 //! A sequence's token at position `p` lives in page `block_table[p / page_size]`, slot
 //! `p % page_size`. The host-side [`PageAllocator`] (module `alloc`) keeps the free list,
@@ -37,7 +37,11 @@ pub enum KvError {
         "sequence {seq} cannot go back to {len} tokens: its sliding-window layers keep a ring of {ring_tokens} tokens, and positions up to {written} have overwritten keys of that window (roll back at most {ring_tokens} tokens minus the window, or start the sequence again)"
     )]
     RollbackBeyondRing { seq: usize, len: usize, written: usize, ring_tokens: usize },
-    #[error("sequence {seq} lost keys of its sliding window (a failed step after the ring had wrapped); release it and start again")]
+    #[error(
+        "sequence {seq} cannot go back to {len} tokens: its q4 KV cache rounded the keys of that page to 4 bits and keeps them exactly only for the last two pages written (roll back at most one page of {page_size} tokens, or start the sequence again)"
+    )]
+    RollbackBeyondTail { seq: usize, len: usize, page_size: usize },
+    #[error("sequence {seq} lost keys it needs (a failed step after its sliding-window ring had wrapped, or after its q4 cache had rounded the page it went back into); release it and start again")]
     WindowLost { seq: usize },
 }
 

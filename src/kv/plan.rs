@@ -11,8 +11,9 @@ pub enum KvDtype {
     F16,
     /// int8 with one f32 scale per token and KV head (for each of K and V).
     Q8,
-    /// 4-bit codes (-7..7, symmetric) with one f32 scale per token and KV head, like
-    /// llama.cpp's `-ctk q4_0` but scaled per head rather than per 32 elements.
+    /// 4-bit codes with f16 scales and minimums as KIVI lays them out: V per group of 32
+    /// elements of each token and head (5 bits an element), K per channel over each page
+    /// (6 bits at 16-token pages), a sequence's open page kept in f16 until it fills.
     Q4,
     /// 2-byte bfloat16 (for sizing checkpoints that cache in bf16).
     Bf16,
@@ -30,13 +31,23 @@ impl KvDtype {
         }
     }
 
-    /// Bytes of one head's K (or V) of one token.
+    /// Bytes of one head's K (or V) of one token (q4: the mean of K's and V's at the
+    /// default 16-token page; the open pages' f16 tail, two pages per sequence slot, is
+    /// not counted).
     pub fn head_bytes(&self, head_dim: usize) -> u64 {
+        let hd = head_dim as u64;
         match self {
-            KvDtype::F32 => (head_dim as u64).saturating_mul(4),
-            KvDtype::F16 | KvDtype::Bf16 => (head_dim as u64).saturating_mul(2),
-            KvDtype::Q8 => (head_dim as u64).saturating_add(4),
-            KvDtype::Q4 => (head_dim as u64 / 2).saturating_add(4),
+            KvDtype::F32 => hd.saturating_mul(4),
+            KvDtype::F16 | KvDtype::Bf16 => hd.saturating_mul(2),
+            KvDtype::Q8 => hd.saturating_add(4),
+            KvDtype::Q4 => {
+                let v_group = [32, 16, 8].into_iter().find(|g| hd.is_multiple_of(*g)).unwrap_or(8);
+                // K: codes and a 4-byte scale per channel per 16 tokens; V: codes and a
+                // 4-byte scale per group.
+                let k = hd / 2 + hd / 4;
+                let v = hd / 2 + 4 * hd.div_ceil(v_group);
+                (k + v).div_ceil(2)
+            }
         }
     }
 }

@@ -31,6 +31,7 @@ use crate::gpu::{GpuContext, GpuError};
 use crate::kernels::linear::GpuLinear;
 use crate::kernels::{self, StepUniform};
 use crate::kv::cache::{KvCache, KvLayout, KvStore};
+use crate::kv::plan::KvDtype;
 use crate::kv::{KvConfig, PageAllocator};
 use crate::model::{ModelConfig, ModelWeights};
 
@@ -242,8 +243,8 @@ impl GpuModel {
         let x_tex_bytes = if x_tex { plan::x_texture_bytes(&c, &options) } else { 0 };
         let (num_pages, budget) = Self::size_kv(&ctx, &c, &options, context, requested_pages, weights_bytes, x_tex_bytes, ring.as_ref())?;
         let kv_cfg = KvConfig { page_size, num_pages, max_seqs, context };
-        let layout =
-            KvLayout::new(options.kv_dtype, kv_cfg.page_size, c.num_kv_heads, hd, kv_cfg.num_pages, ctx.max_binding()).map_err(gpu_err)?;
+        let layout = KvLayout::new(options.kv_dtype, kv_cfg.page_size, c.num_kv_heads, hd, kv_cfg.num_pages, max_seqs, ctx.max_binding())
+            .map_err(gpu_err)?;
         let ring_layout = ring
             .as_ref()
             .map(|r| KvLayout::rings(options.kv_dtype, r, max_seqs, c.num_kv_heads, hd, ctx.max_binding()))
@@ -261,6 +262,7 @@ impl GpuModel {
             }));
         }
         let alloc = PageAllocator::new(kv_cfg);
+        let alloc = if options.kv_dtype == KvDtype::Q4 { alloc.with_tails() } else { alloc };
         let kv = KvCache {
             alloc: match ring {
                 Some(r) => alloc.with_ring(r),

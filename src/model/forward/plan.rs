@@ -463,30 +463,24 @@ impl GpuModel {
         let rope = ws.rope_local.as_ref().filter(|_| local).unwrap_or(&ws.rope);
         let max_pages = kv_cfg.max_pages_per_seq() as u32;
         let kvb = KvBinding { layout: kv.layout_of(l), k: &kv.k[l], v: &kv.v[l] };
-        v.extend(
-            kernels::rope_kv::build(
-                ctx,
-                &RopeKvIo {
-                    step: &ws.step,
-                    qkv: &ws.qkv,
-                    rope,
-                    positions: &ws.positions,
-                    token_seq: &ws.token_seq,
-                    block_table: &ws.block_table,
-                    kv: kvb,
-                },
-                RopeKvParams {
-                    n_heads: c.num_heads as u32,
-                    n_kv_heads: c.num_kv_heads as u32,
-                    head_dim: hd as u32,
-                    qkv_stride: qkv_dim as u32,
-                    max_pages,
-                    n_positions: kv_cfg.context as u32,
-                },
-            )
-            .await
-            .map_err(gpu_err)?,
-        );
+        let rope_io = RopeKvIo {
+            step: &ws.step,
+            qkv: &ws.qkv,
+            rope,
+            positions: &ws.positions,
+            token_seq: &ws.token_seq,
+            block_table: &ws.block_table,
+            kv: kvb,
+        };
+        let rope_p = RopeKvParams {
+            n_heads: c.num_heads as u32,
+            n_kv_heads: c.num_kv_heads as u32,
+            head_dim: hd as u32,
+            qkv_stride: qkv_dim as u32,
+            max_pages,
+            n_positions: kv_cfg.context as u32,
+        };
+        v.extend(kernels::rope_kv::build(ctx, &rope_io, rope_p).await.map_err(gpu_err)?);
         v.extend(
             kernels::attention::build(
                 ctx,
@@ -505,6 +499,9 @@ impl GpuModel {
             .await
             .map_err(gpu_err)?,
         );
+        // A q4 cache's tail is written after attention has read it.
+        v.extend(kernels::rope_kv::build_tail(ctx, &rope_io, rope_p).await.map_err(gpu_err)?);
+
         // A sublayer's output goes into the residual stream directly, or (sandwich norms)
         // through `branch` and its post-norm.
         let post = |out_norm: &'a Option<wgpu::Buffer>| -> Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)> {

@@ -243,6 +243,9 @@ impl GpuModel {
         for (src, dst) in self.kv.alloc.take_ring_copies() {
             self.kv.store.encode_ring_copy(enc, src, dst);
         }
+        for (src, dst) in self.kv.alloc.take_tail_copies() {
+            self.kv.store.encode_tail_copy(enc, src, dst);
+        }
     }
 
     /// Tokens stored for a sequence.
@@ -304,9 +307,11 @@ impl GpuModel {
     /// (`kv::ring`), going back further than a ring allows is refused and changes nothing.
     pub fn truncate_sequence(&mut self, seq: usize, len: usize) -> Result<()> {
         if !self.kv.alloc.can_truncate(seq, len).map_err(LanternError::Kv)? {
-            let r = self.kv.alloc.ring().copied().expect("only a ring refuses a rollback");
             let written = self.kv.alloc.written(seq).map_err(LanternError::Kv)?;
-            return Err(LanternError::Kv(crate::kv::KvError::RollbackBeyondRing { seq, len, written, ring_tokens: r.tokens() }));
+            return Err(LanternError::Kv(match self.kv.alloc.ring().copied().filter(|r| !r.keeps_window(written, len)) {
+                Some(r) => crate::kv::KvError::RollbackBeyondRing { seq, len, written, ring_tokens: r.tokens() },
+                None => crate::kv::KvError::RollbackBeyondTail { seq, len, page_size: self.kv.alloc.config.page_size },
+            }));
         }
         self.kv.alloc.truncate(seq, len).map_err(LanternError::Kv)
     }
@@ -480,6 +485,28 @@ impl GpuModel {
             let len = self.kv.alloc.len(s as usize).map_err(LanternError::Kv)?;
             if p as usize >= len {
                 return bad(format!("step_batch: position {p} of sequence {s}, which has room for {len} tokens (reserve pages first)"));
+            }
+        }
+        if self.options.kv_dtype == crate::kv::plan::KvDtype::Q4 {
+            // The q4 cache's seal pass (kv_seal.wgsl) finds a sequence's pages from its run
+            // of rows.
+            let mut seen = std::collections::HashSet::new();
+            for i in 0..n {
+                let run_continues = i > 0 && seqs[i - 1] == seqs[i];
+                if run_continues && positions[i] != positions[i - 1] + 1 {
+                    return bad(format!(
+                        "step_batch: with a q4 KV cache a sequence's tokens take consecutive positions (row {i} of sequence {} is at {} after {})",
+                        seqs[i],
+                        positions[i],
+                        positions[i - 1]
+                    ));
+                }
+                if !run_continues && !seen.insert(seqs[i]) {
+                    return bad(format!(
+                        "step_batch: with a q4 KV cache a sequence's tokens are consecutive rows (sequence {} comes back at row {i})",
+                        seqs[i]
+                    ));
+                }
             }
         }
         Ok(())
