@@ -14,6 +14,59 @@
 var<private> qr: array<vec4<f32>, 32>;
 var<private> acc8: array<vec4<f32>, 32>;
 
+// The scores of a chunk's keys (one per lane) against the batch's q heads.
+fn key_dot(key: Key, dpl: u32) -> vec4<f32> {
+    var dot = vec4<f32>(0.0);
+    for (var i = 0u; i < dpl; i++) {
+        let q = qr[i];
+        let ka = k4(key, i * 8u);
+        let kb = k4(key, i * 8u + 4u);
+        dot += subgroupBroadcast(q, 0u) * ka.x;
+        dot += subgroupBroadcast(q, 1u) * ka.y;
+        dot += subgroupBroadcast(q, 2u) * ka.z;
+        dot += subgroupBroadcast(q, 3u) * ka.w;
+        dot += subgroupBroadcast(q, 4u) * kb.x;
+        dot += subgroupBroadcast(q, 5u) * kb.y;
+        dot += subgroupBroadcast(q, 6u) * kb.z;
+        dot += subgroupBroadcast(q, 7u) * kb.w;
+    }
+    return dot;
+}
+
+#if KV_Q4
+// q times each channel's d of a page, for the dims this lane holds.
+var<private> qd: array<vec4<f32>, 32>;
+
+// key_dot for a chunk whose keys all lie in one page sealed before this step (a choice
+// uniform over the subgroup): sum_c q_c (n_c d_c + m_c) = sum_c (q_c d_c) n_c + sum_c q_c m_c,
+// the page's scales (from `dm`, its first scale word) folded into q once per chunk instead
+// of loaded for every key and channel.
+fn sealed_dot(key: Key, dm: u32, lid: u32, dpl: u32) -> vec4<f32> {
+    var qm = vec4<f32>(0.0);
+    for (var i = 0u; i < dpl; i++) {
+        let s = unpack2x16float(k_cache[dm + i * 8u + lid]);
+        qd[i] = qr[i] * s.x;
+        qm += qr[i] * s.y;
+    }
+    var dot = subgroupAdd(qm);
+    for (var i = 0u; i < dpl; i++) {
+        let q = qd[i];
+        let w = k_cache[key.th * (p.head_dim / 8u) + i];
+        let ka = nib4(w, 0u);
+        let kb = nib4(w, 4u);
+        dot += subgroupBroadcast(q, 0u) * ka.x;
+        dot += subgroupBroadcast(q, 1u) * ka.y;
+        dot += subgroupBroadcast(q, 2u) * ka.z;
+        dot += subgroupBroadcast(q, 3u) * ka.w;
+        dot += subgroupBroadcast(q, 4u) * kb.x;
+        dot += subgroupBroadcast(q, 5u) * kb.y;
+        dot += subgroupBroadcast(q, 6u) * kb.z;
+        dot += subgroupBroadcast(q, 7u) * kb.w;
+    }
+    return dot;
+}
+#endif
+
 // acc8[i..i+4] += pr * V[d..d+4] of token-head th.
 fn vacc(i: u32, pr: vec4<f32>, th: u32, d: u32) {
     let v = v4(th, d);
@@ -56,20 +109,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let live = j < range.y && th0 != 0xffffffffu;
         let th = select(0u, th0, live);
         let key = key_at(seq, min(j, range.y - 1u), th);
-        var dot = vec4<f32>(0.0);
-        for (var i = 0u; i < dpl; i++) {
-            let q = qr[i];
-            let ka = k4(key, i * 8u);
-            let kb = k4(key, i * 8u + 4u);
-            dot += subgroupBroadcast(q, 0u) * ka.x;
-            dot += subgroupBroadcast(q, 1u) * ka.y;
-            dot += subgroupBroadcast(q, 2u) * ka.z;
-            dot += subgroupBroadcast(q, 3u) * ka.w;
-            dot += subgroupBroadcast(q, 4u) * kb.x;
-            dot += subgroupBroadcast(q, 5u) * kb.y;
-            dot += subgroupBroadcast(q, 6u) * kb.z;
-            dot += subgroupBroadcast(q, 7u) * kb.w;
+#if KV_Q4
+        // Lane 0's key is in range; a chunk whose keys are in another shard is all dead.
+        let ps = p.page_size;
+        let last = min(start + 7u, range.y - 1u);
+        let sealed = start / ps == last / ps && (last / ps + 1u) * ps <= k_cache[step_rows_word(seq) + 1u];
+        var dot: vec4<f32>;
+        if (sealed) {
+            dot = sealed_dot(key, subgroupBroadcast(key.dm, 0u), lid, dpl);
+        } else {
+            dot = key_dot(key, dpl);
         }
+#else
+        let dot = key_dot(key, dpl);
+#endif
         let s = select(vec4<f32>(NEG), dot * k_scale(th), live);
         let cmax = max(m, subgroupMax(s));
         let corr = exp(m - cmax);

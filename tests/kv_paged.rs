@@ -149,11 +149,11 @@ fn requests_with_a_common_prefix_share_pages_and_tokens() {
     assert_eq!(m.kv.alloc.free_pages(), m.kv.alloc.total_pages());
 }
 
-/// f16 and q8 caches against transformers' greedy tokens (f32 reproduces them exactly; see
-/// smollm2.rs): the agreement is reported, and must stay high.
+/// f16, q8 and q4 caches against transformers' greedy tokens (f32 reproduces them exactly;
+/// see smollm2.rs): the agreement is reported, and must stay high.
 #[test]
-fn f16_and_q8_kv_caches_report_their_agreement() {
-    for (dtype, floor) in [(KvDtype::F16, 0.9), (KvDtype::Q8, 0.6)] {
+fn f16_q8_and_q4_kv_caches_report_their_agreement() {
+    for (dtype, floor) in [(KvDtype::F16, 0.9), (KvDtype::Q8, 0.6), (KvDtype::Q4, 0.2)] {
         let (mut m, _) = load(common::gpu(), ModelOptions { context: Some(256), kv_dtype: dtype, ..Default::default() });
         let (mut same, mut total, mut first_div) = (0usize, 0usize, Vec::new());
         for case in cases() {
