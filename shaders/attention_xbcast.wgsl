@@ -14,6 +14,21 @@
 var<private> qr: array<vec4<f32>, 32>;
 var<private> acc8: array<vec4<f32>, 32>;
 
+// `acc` plus a key's 8 channels (ka, kb) against q's, each held by the lane of its index
+// (added one at a time, in channel order).
+fn dot8(acc: vec4<f32>, q: vec4<f32>, ka: vec4<f32>, kb: vec4<f32>) -> vec4<f32> {
+    var dot = acc;
+    dot += subgroupBroadcast(q, 0u) * ka.x;
+    dot += subgroupBroadcast(q, 1u) * ka.y;
+    dot += subgroupBroadcast(q, 2u) * ka.z;
+    dot += subgroupBroadcast(q, 3u) * ka.w;
+    dot += subgroupBroadcast(q, 4u) * kb.x;
+    dot += subgroupBroadcast(q, 5u) * kb.y;
+    dot += subgroupBroadcast(q, 6u) * kb.z;
+    dot += subgroupBroadcast(q, 7u) * kb.w;
+    return dot;
+}
+
 // The scores of a chunk's keys (one per lane) against the batch's q heads.
 fn key_dot(key: Key, dpl: u32) -> vec4<f32> {
     var dot = vec4<f32>(0.0);
@@ -21,14 +36,7 @@ fn key_dot(key: Key, dpl: u32) -> vec4<f32> {
         let q = qr[i];
         let ka = k4(key, i * 8u);
         let kb = k4(key, i * 8u + 4u);
-        dot += subgroupBroadcast(q, 0u) * ka.x;
-        dot += subgroupBroadcast(q, 1u) * ka.y;
-        dot += subgroupBroadcast(q, 2u) * ka.z;
-        dot += subgroupBroadcast(q, 3u) * ka.w;
-        dot += subgroupBroadcast(q, 4u) * kb.x;
-        dot += subgroupBroadcast(q, 5u) * kb.y;
-        dot += subgroupBroadcast(q, 6u) * kb.z;
-        dot += subgroupBroadcast(q, 7u) * kb.w;
+        dot = dot8(dot, q, ka, kb);
     }
     return dot;
 }
@@ -54,14 +62,7 @@ fn sealed_dot(key: Key, dm: u32, lid: u32, dpl: u32) -> vec4<f32> {
         let w = k_cache[key.th * (p.head_dim / 8u) + i];
         let ka = nib4(w, 0u);
         let kb = nib4(w, 4u);
-        dot += subgroupBroadcast(q, 0u) * ka.x;
-        dot += subgroupBroadcast(q, 1u) * ka.y;
-        dot += subgroupBroadcast(q, 2u) * ka.z;
-        dot += subgroupBroadcast(q, 3u) * ka.w;
-        dot += subgroupBroadcast(q, 4u) * kb.x;
-        dot += subgroupBroadcast(q, 5u) * kb.y;
-        dot += subgroupBroadcast(q, 6u) * kb.z;
-        dot += subgroupBroadcast(q, 7u) * kb.w;
+        dot = dot8(dot, q, ka, kb);
     }
     return dot;
 }

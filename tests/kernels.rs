@@ -2317,19 +2317,16 @@ fn rope_kv_then_attention_continue_a_paged_sequence() {
         let (k_b, v_b) = paged.upload(&ctx);
         let kv = KvBinding { layout: &paged.layout, k: &k_b, v: &v_b };
         let out_b = create_zeroed(&ctx, "out", (new * heads.q_dim() * 4) as u64).unwrap();
-        let mut d = block_on(kernels::rope_kv::build(
-            &ctx,
-            &RopeKvIo { step: &step, qkv: &qkv_b, rope: &rope_b, positions: &pos_b, token_seq: &seq_b, block_table: &bt_b, kv },
-            RopeKvParams {
-                n_heads: n_heads as u32,
-                n_kv_heads: n_kv_heads as u32,
-                head_dim: head_dim as u32,
-                qkv_stride: stride as u32,
-                max_pages: paged.max_pages as u32,
-                n_positions: n_positions as u32,
-            },
-        ))
-        .expect("build rope_kv");
+        let rope_io = RopeKvIo { step: &step, qkv: &qkv_b, rope: &rope_b, positions: &pos_b, token_seq: &seq_b, block_table: &bt_b, kv };
+        let rope_p = RopeKvParams {
+            n_heads: n_heads as u32,
+            n_kv_heads: n_kv_heads as u32,
+            head_dim: head_dim as u32,
+            qkv_stride: stride as u32,
+            max_pages: paged.max_pages as u32,
+            n_positions: n_positions as u32,
+        };
+        let mut d = block_on(kernels::rope_kv::build(&ctx, &rope_io, rope_p)).expect("build rope_kv");
         let p = attention_params(heads, &paged, stride, heads.q_dim());
         let partials = create_zeroed(&ctx, "partials", kernels::attention::partials_bytes(&p, &paged.layout, new, splits).max(4)).unwrap();
         let io = AttentionIo {
@@ -2343,15 +2340,6 @@ fn rope_kv_then_attention_continue_a_paged_sequence() {
             partials: &partials,
         };
         d.extend(block_on(kernels::attention::build(&ctx, &io, p)).expect("build attention"));
-        let rope_io = RopeKvIo { step: &step, qkv: &qkv_b, rope: &rope_b, positions: &pos_b, token_seq: &seq_b, block_table: &bt_b, kv };
-        let rope_p = RopeKvParams {
-            n_heads: n_heads as u32,
-            n_kv_heads: n_kv_heads as u32,
-            head_dim: head_dim as u32,
-            qkv_stride: stride as u32,
-            max_pages: paged.max_pages as u32,
-            n_positions: n_positions as u32,
-        };
         d.extend(block_on(kernels::rope_kv::build_tail(&ctx, &rope_io, rope_p)).expect("build the tail pass"));
         let mut s = StepUniform::new(new as u32, new as u32);
         s.n_splits = splits as u32;
