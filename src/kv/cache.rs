@@ -13,6 +13,7 @@
 //! step fills it ([`KvLayout::tail_base`]; `shaders/kv_seal.wgsl`; [`quantize_group`] and
 //! [`seal_page`] are the CPU mirror).
 
+pub use super::plan::v_group;
 use super::plan::KvDtype;
 use crate::gpu::buffer::create_zeroed;
 use crate::gpu::{GpuContext, GpuError};
@@ -207,18 +208,6 @@ pub fn quantize_head(x: &[f32], levels: f32) -> (Vec<i8>, f32) {
 /// The value a Q8 code stands for.
 pub fn dequantize_q8(code: i8, amax: f32) -> f32 {
     (code as f32 / 127.0).max(-1.0) * amax
-}
-
-/// The elements of a q4 V group sharing a scale: 32, or 16 or 8 for heads that are not a
-/// multiple of 32 (the GPU's `vg`).
-pub fn v_group(head_dim: usize) -> usize {
-    if head_dim.is_multiple_of(32) {
-        32
-    } else if head_dim.is_multiple_of(16) {
-        16
-    } else {
-        8
-    }
 }
 
 /// Q4 codes (0..15) of `x` and the f16 scale and minimum the GPU stores with them:

@@ -41,14 +41,25 @@ impl KvDtype {
             KvDtype::F16 | KvDtype::Bf16 => hd.saturating_mul(2),
             KvDtype::Q8 => hd.saturating_add(4),
             KvDtype::Q4 => {
-                let v_group = [32, 16, 8].into_iter().find(|g| hd.is_multiple_of(*g)).unwrap_or(8);
                 // K: codes and a 4-byte scale per channel per 16 tokens; V: codes and a
                 // 4-byte scale per group.
                 let k = hd / 2 + hd / 4;
-                let v = hd / 2 + 4 * hd.div_ceil(v_group);
+                let v = hd / 2 + 4 * hd.div_ceil(v_group(head_dim) as u64);
                 (k + v).div_ceil(2)
             }
         }
+    }
+}
+
+/// The elements of a q4 V group sharing a scale: 32, or 16 or 8 for heads that are not a
+/// multiple of 32 (the GPU's `vg` in `shaders/common/kv.wgsl`).
+pub fn v_group(head_dim: usize) -> usize {
+    if head_dim.is_multiple_of(32) {
+        32
+    } else if head_dim.is_multiple_of(16) {
+        16
+    } else {
+        8
     }
 }
 
